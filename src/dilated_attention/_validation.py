@@ -1,0 +1,116 @@
+"""Argument checks shared by the functional ops and the modules.
+
+Every error names the argument and the offending value.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return int(value)
+
+
+def check_patterns(segment_lengths, dilation_rates) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Validate the pattern lists; return them as tuples of ints."""
+    for name, seq in (("segment_lengths", segment_lengths), ("dilation_rates", dilation_rates)):
+        if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence):
+            raise TypeError(f"{name} must be a list of positive ints, got {seq!r}")
+        if len(seq) == 0:
+            raise ValueError(f"{name} must not be empty, got {list(seq)!r}")
+    if len(segment_lengths) != len(dilation_rates):
+        raise ValueError(
+            f"segment_lengths and dilation_rates must have the same length, got "
+            f"{list(segment_lengths)!r} ({len(segment_lengths)}) and {list(dilation_rates)!r} "
+            f"({len(dilation_rates)})"
+        )
+    segs = tuple(_positive_int(f"segment_lengths[{i}]", w) for i, w in enumerate(segment_lengths))
+    rates = tuple(_positive_int(f"dilation_rates[{i}]", r) for i, r in enumerate(dilation_rates))
+    for i, (w, r) in enumerate(zip(segs, rates)):
+        if r > w:
+            raise ValueError(
+                f"dilation_rates[{i}] = {r} exceeds segment_lengths[{i}] = {w}; a rate must be "
+                f"at most its segment length"
+            )
+    return segs, rates
+
+
+def check_dropout(dropout_p) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return float(dropout_p)
+
+
+def check_scale(scale, head_dim: int) -> float:
+    """The softmax scale: `scale` if given (positive, finite), else 1/sqrt(d)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a positive finite float or None, got {scale!r}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite float, got {scale}")
+    return float(scale)
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, allow_empty: bool = False) -> None:
+    """q (b, n, h, d), k/v (b, n, hk, d) with hk dividing h, one float dtype, one device."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, seq_len, heads, head_dim), got shape {tuple(x.shape)}"
+            )
+        if x.dtype not in _FLOAT_DTYPES:
+            raise TypeError(
+                f"{name} must be float64, float32, float16 or bfloat16, got {x.dtype}"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    for dim, what in ((0, "batch"), (1, "seq_len"), (3, "head_dim")):
+        sizes = (q.shape[dim], k.shape[dim], v.shape[dim])
+        if len(set(sizes)) != 1:
+            raise ValueError(
+                f"q, k, v must share {what} (dim {dim}), got q {tuple(q.shape)}, "
+                f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(
+            f"k and v must have the same number of heads, got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    h, hk = q.shape[2], k.shape[2]
+    if hk == 0 or h % hk != 0:
+        raise ValueError(
+            f"the number of query heads ({h}) must be a multiple of the number of key/value "
+            f"heads ({hk})"
+        )
+    if q.shape[3] == 0 or q.shape[0] == 0:
+        raise ValueError(f"q must have non-empty batch and head_dim, got shape {tuple(q.shape)}")
+    if q.shape[1] == 0 and not allow_empty:
+        raise ValueError(f"seq_len must be at least 1, got q shape {tuple(q.shape)}")
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_optional_positive_int(name: str, value: Optional[int]) -> Optional[int]:
+    return None if value is None else _positive_int(name, value)

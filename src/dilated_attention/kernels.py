@@ -1,0 +1,327 @@
+"""Local attention kernels that return the log-sum-exp.
+
+Every kernel here computes plain softmax attention between one block of
+queries and one block of keys and returns ``(out, lse)``; the backward takes
+the *final* (merged) ``out`` and ``lse`` so that a caller who merged several
+blocks gets exact gradients without differentiating any kernel's lse.
+
+Notation (used in every docstring and shape comment of the package):
+    b: batch, n: query rows, m: key rows, h: query heads, hk: key/value heads,
+    g = h // hk: query heads per key/value head, d: head dim.
+
+Layout is ``(b, n, h, d)`` everywhere; ``lse`` is ``(b, n, h)`` in float32
+(float64 for float64 inputs). ``causal=True`` means the square lower
+triangle (n == m, query i sees keys 0..i); callers never need another mask.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+BACKENDS = ("auto", "cpu_flash", "cuda_flash", "cuda_efficient", "flash_attn", "blockwise")
+
+# Rows per block of the pure-PyTorch kernel: big enough to amortise Python
+# overhead, small enough that a (b, hk, g, rows, rows) fp32 score block stays
+# in the tens of MiB.
+_BLOCK = 512
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of log-sum-exps and merge accumulators for inputs of `dtype`."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def select_backend(
+    device: torch.device, dtype: torch.dtype, *, dropout_p: float = 0.0, backend: str = "auto"
+) -> str:
+    """Pick the fastest kernel that supports `device`, `dtype` and dropout."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    if dropout_p > 0.0:
+        # Only the blockwise kernel can replay the same dropout mask in backward.
+        return "blockwise"
+    if device.type == "cpu":
+        return "cpu_flash"
+    if device.type == "cuda":
+        if dtype in (torch.float16, torch.bfloat16):
+            if _flash_attn_available():
+                return "flash_attn"
+            if torch.cuda.get_device_capability(device) >= (8, 0):
+                return "cuda_flash"
+        if dtype in (torch.float16, torch.bfloat16, torch.float32):
+            return "cuda_efficient"
+    # meta tensors, float64 on CUDA, other devices
+    return "blockwise"
+
+
+def _flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    backend: str = "auto",
+    dropout_p: float = 0.0,
+    seed: int = 0,
+) -> Tuple[Tensor, Tensor]:
+    """Softmax attention of one block: q (b, n, h, d), k/v (b, m, hk, d).
+
+    Returns ``out`` (b, n, h, d) in q's dtype and ``lse`` (b, n, h). Requires
+    m >= 1 (every query has at least one key), and n == m when causal.
+    """
+    backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=backend)
+    if backend == "cpu_flash":
+        # (b, n, h, d) -> (b, h, n, d): the op takes heads second, as a free view
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
+        )
+        return out.transpose(1, 2), lse.transpose(1, 2)
+    if backend == "cuda_flash":
+        k, v = _repeat_kv(k, q.shape[2]), _repeat_kv(v, q.shape[2])
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, False, scale=scale
+        )[:2]
+        return out.transpose(1, 2), lse.transpose(1, 2)
+    if backend == "cuda_efficient":
+        k, v = _repeat_kv(k, q.shape[2]), _repeat_kv(v, q.shape[2])
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, causal,
+            scale=scale,
+        )[:2]
+        # its lse is padded to a multiple of 32 rows
+        return out.transpose(1, 2), lse[:, :, : q.shape[1]].transpose(1, 2)
+    if backend == "flash_attn":
+        from flash_attn.flash_attn_interface import _flash_attn_forward
+
+        out, lse = _flash_attn_forward_compat(_flash_attn_forward, q, k, v, causal, scale)
+        return out, lse.transpose(1, 2)
+    return _blockwise_forward(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p, seed=seed)
+
+
+def attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    backend: str = "auto",
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    dlse: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of one block, given the final ``out``/``lse``.
+
+    ``out`` and ``lse`` are the merged results of all blocks a query saw, so
+    the softmax recomputed here is the global one restricted to this block.
+    ``dlse`` (b, n, h), when given, is the gradient flowing into ``lse``.
+    """
+    backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=backend)
+    if backend == "blockwise":
+        return _blockwise_backward(
+            dout, q, k, v, out, lse, causal=causal, scale=scale, dropout_p=dropout_p, seed=seed,
+            dlse=dlse,
+        )
+    if dlse is not None:
+        # dS = P * (dP - delta + dlse): append a ones column to v and a dlse
+        # column to dout (so dP gains + dlse), pass out with a zero column (so
+        # delta is unchanged), pad q and k with zeros (scores unchanged).
+        dv_width = v.shape[-1]
+        q, k = _pad_last(q, 0.0), _pad_last(k, 0.0)
+        v = _pad_last(v, 1.0)
+        out = _pad_last(out.to(q.dtype), 0.0)
+        dout = torch.cat([dout, dlse.unsqueeze(-1).to(dout.dtype)], dim=-1)
+        dq, dk, dv = attention_backward(
+            dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend
+        )
+        return dq[..., :dv_width], dk[..., :dv_width], dv[..., :dv_width]
+    out = out.to(q.dtype)
+    dout = dout.to(q.dtype)
+    if backend == "cpu_flash":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            out.transpose(1, 2), lse.transpose(1, 2).to(lse_dtype(q.dtype)), 0.0, causal,
+            scale=scale,
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    hk = k.shape[2]
+    k, v = _repeat_kv(k, q.shape[2]), _repeat_kv(v, q.shape[2])
+    b, n, h, _ = q.shape
+    m = k.shape[1]
+    if backend == "cuda_flash":
+        empty = torch.empty(0, dtype=torch.int64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            out.transpose(1, 2), lse.transpose(1, 2).float().contiguous(), empty, empty, n, m,
+            0.0, causal, empty, empty, scale=scale,
+        )
+    elif backend == "cuda_efficient":
+        empty = torch.empty(0, dtype=torch.int64, device=q.device)
+        # (b, n, h) -> (b, h, n) padded to a multiple of 32 rows, as the op expects
+        lse_bhn = lse.transpose(1, 2).float()
+        lse_bhn = torch.nn.functional.pad(lse_bhn, (0, (-n) % 32)).contiguous()
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+            out.transpose(1, 2), lse_bhn, empty, empty, 0.0, [True, True, True, False], causal,
+            scale=scale,
+        )
+    elif backend == "flash_attn":
+        from flash_attn.flash_attn_interface import _flash_attn_backward
+
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _flash_attn_backward(
+            dout.contiguous(), q, k, v, out, lse.transpose(1, 2).float().contiguous(), dq, dk, dv,
+            dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1,
+            window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
+        )
+        return dq, _sum_kv_groups(dk, hk), _sum_kv_groups(dv, hk)
+    else:
+        raise ValueError(f"unknown backend {backend!r}")
+    dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)
+    return dq.transpose(1, 2), _sum_kv_groups(dk, hk), _sum_kv_groups(dv, hk)
+
+
+def _flash_attn_forward_compat(fn, q, k, v, causal, scale):
+    # flash-attn >= 2.6 keyword names; returns (out, lse, ...) with lse (b, h, n)
+    res = fn(
+        q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1,
+        window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
+    )
+    return res[0], res[1]
+
+
+def _repeat_kv(x: Tensor, h: int) -> Tensor:
+    """(b, m, hk, d) -> (b, m, h, d) for kernels without native GQA."""
+    hk = x.shape[2]
+    return x if hk == h else x.repeat_interleave(h // hk, dim=2)
+
+
+def _sum_kv_groups(dx: Tensor, hk: int) -> Tensor:
+    """(b, m, h, d) -> (b, m, hk, d): sum the gradients of repeated heads."""
+    b, m, h, d = dx.shape
+    return dx if h == hk else dx.view(b, m, hk, h // hk, d).sum(3)
+
+
+def _pad_last(x: Tensor, value: float) -> Tensor:
+    return torch.nn.functional.pad(x, (0, 1), value=value)
+
+
+# --------------------------------------------------------------------------
+# Pure-PyTorch blockwise kernel: any device, any float dtype, dropout.
+
+
+def _dropout_keep(shape, p: float, seed: int, qi: int, ki: int, device) -> Tensor:
+    """The keep-mask of score block (qi, ki), identical in forward and backward."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + qi * 65_537 + ki) % (2**63 - 1))
+    return torch.rand(shape, generator=gen, device=device) >= p
+
+
+def _blocks(n: int):
+    return [(s, min(s + _BLOCK, n)) for s in range(0, n, _BLOCK)]
+
+
+def _blockwise_forward(q, k, v, *, causal, scale, dropout_p, seed):
+    b, n, h, d = q.shape
+    m, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    acc = lse_dtype(q.dtype)
+    # (b, n, h, d) -> (b, hk, g, n, d) so that K/V broadcast over the g heads
+    qf = q.to(acc).unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)
+    kf = k.to(acc).permute(0, 2, 1, 3).unsqueeze(2)  # (b, hk, 1, m, d)
+    vf = v.to(acc).permute(0, 2, 1, 3).unsqueeze(2)
+    out = torch.empty(b, hk, g, n, d, dtype=acc, device=q.device)
+    lse = torch.empty(b, hk, g, n, dtype=acc, device=q.device)
+    for qi, (q0, q1) in enumerate(_blocks(n)):
+        row_max = torch.full((b, hk, g, q1 - q0, 1), -math.inf, dtype=acc, device=q.device)
+        row_sum = torch.zeros_like(row_max)
+        o = torch.zeros(b, hk, g, q1 - q0, d, dtype=acc, device=q.device)
+        for ki, (k0, k1) in enumerate(_blocks(m)):
+            if causal and k0 >= q1:
+                break
+            s = (qf[:, :, :, q0:q1] @ kf[:, :, :, k0:k1].transpose(-1, -2)) * scale
+            if causal and k1 > q0:
+                s = s.masked_fill(_causal_mask(q0, q1, k0, k1, q.device), -math.inf)
+            new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
+            p = torch.exp(s - new_max)
+            correction = torch.exp(row_max - new_max)
+            row_sum = row_sum * correction + p.sum(-1, keepdim=True)
+            if dropout_p > 0.0:
+                keep = _dropout_keep(p.shape, dropout_p, seed, qi, ki, q.device)
+                p = p * keep / (1.0 - dropout_p)
+            o = o * correction + p @ vf[:, :, :, k0:k1]
+            row_max = new_max
+        out[:, :, :, q0:q1] = o / row_sum
+        lse[:, :, :, q0:q1] = (row_max + torch.log(row_sum)).squeeze(-1)
+    # (b, hk, g, n, d) -> (b, n, h, d)
+    out = out.permute(0, 3, 1, 2, 4).reshape(b, n, h, d).to(q.dtype)
+    return out, lse.permute(0, 3, 1, 2).reshape(b, n, h)
+
+
+def _causal_mask(q0, q1, k0, k1, device) -> Tensor:
+    rows = torch.arange(q0, q1, device=device).unsqueeze(1)
+    cols = torch.arange(k0, k1, device=device).unsqueeze(0)
+    return cols > rows
+
+
+def _blockwise_backward(dout, q, k, v, out, lse, *, causal, scale, dropout_p, seed, dlse):
+    b, n, h, d = q.shape
+    m, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    acc = lse_dtype(q.dtype)
+
+    def heads_first(x):  # (b, n, h, d) -> (b, hk, g, n, d)
+        return x.to(acc).unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)
+
+    qf, of, dof = heads_first(q), heads_first(out), heads_first(dout)
+    kf = k.to(acc).permute(0, 2, 1, 3).unsqueeze(2)  # (b, hk, 1, m, d)
+    vf = v.to(acc).permute(0, 2, 1, 3).unsqueeze(2)
+    # (b, n, h) -> (b, hk, g, n, 1)
+    lsef = lse.to(acc).unflatten(2, (hk, g)).permute(0, 2, 3, 1).unsqueeze(-1)
+    delta = (dof * of).sum(-1, keepdim=True)
+    if dlse is not None:
+        delta = delta - dlse.to(acc).unflatten(2, (hk, g)).permute(0, 2, 3, 1).unsqueeze(-1)
+    dq = torch.zeros_like(qf)
+    dk = torch.zeros(b, hk, m, d, dtype=acc, device=q.device)
+    dv = torch.zeros_like(dk)
+    for qi, (q0, q1) in enumerate(_blocks(n)):
+        for ki, (k0, k1) in enumerate(_blocks(m)):
+            if causal and k0 >= q1:
+                break
+            s = (qf[:, :, :, q0:q1] @ kf[:, :, :, k0:k1].transpose(-1, -2)) * scale
+            if causal and k1 > q0:
+                s = s.masked_fill(_causal_mask(q0, q1, k0, k1, q.device), -math.inf)
+            p = torch.exp(s - lsef[:, :, :, q0:q1])
+            dp = dof[:, :, :, q0:q1] @ vf[:, :, :, k0:k1].transpose(-1, -2)
+            if dropout_p > 0.0:
+                keep = _dropout_keep(p.shape, dropout_p, seed, qi, ki, q.device) / (1.0 - dropout_p)
+                dv[:, :, k0:k1] += ((p * keep).transpose(-1, -2) @ dof[:, :, :, q0:q1]).sum(2)
+                dp = dp * keep
+            else:
+                dv[:, :, k0:k1] += (p.transpose(-1, -2) @ dof[:, :, :, q0:q1]).sum(2)
+            ds = p * (dp - delta[:, :, :, q0:q1]) * scale
+            dq[:, :, :, q0:q1] += ds @ kf[:, :, :, k0:k1]
+            dk[:, :, k0:k1] += (ds.transpose(-1, -2) @ qf[:, :, :, q0:q1]).sum(2)
+    # (b, hk, g, n, d) -> (b, n, h, d);  (b, hk, m, d) -> (b, m, hk, d)
+    dq = dq.permute(0, 3, 1, 2, 4).reshape(b, n, h, d).to(q.dtype)
+    dk = dk.permute(0, 2, 1, 3).to(k.dtype)
+    dv = dv.permute(0, 2, 1, 3).to(v.dtype)
+    return dq, dk, dv

@@ -1,0 +1,44 @@
+"""The one log-sum-exp merge of partial attention results.
+
+Dilation patterns and ring steps both produce partial results ``(out_i,
+lse_i)`` over disjoint sets of keys; the exact attention over their union is
+
+    lse = logsumexp_i(lse_i),   out = sum_i exp(lse_i - lse) * out_i.
+
+The merge runs in place on fp32 accumulators (fp64 for fp64 inputs) and is
+never differentiated: backward passes recompute each block's softmax from the
+merged ``out``/``lse`` (see kernels.attention_backward), which is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from .kernels import lse_dtype
+
+
+def empty_accumulators(shape_out, dtype: torch.dtype, device) -> Tuple[Tensor, Tensor]:
+    """Zeros ``out`` (..., d) and ``-inf`` ``lse`` (...): the merge's identity."""
+    acc = lse_dtype(dtype)
+    out = torch.zeros(shape_out, dtype=acc, device=device)
+    lse = torch.full(shape_out[:-1], -math.inf, dtype=acc, device=device)
+    return out, lse
+
+
+@torch.no_grad()
+def merge_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
+    """``(acc_out, acc_lse) <- merge((acc_out, acc_lse), (out, lse))`` in place.
+
+    acc_out (..., d) fp32/fp64, acc_lse (...); out (..., d) any float dtype,
+    lse (...). Rows where both sides are -inf stay (0, -inf), never NaN.
+    """
+    new_lse = torch.logaddexp(acc_lse, lse.to(acc_lse.dtype))
+    # a row with no keys on either side: keep weights finite (both become 0)
+    safe = new_lse.masked_fill(new_lse == -math.inf, 0.0)
+    acc_out.mul_(torch.exp(acc_lse - safe).unsqueeze(-1))
+    acc_out.addcmul_(out, torch.exp(lse - safe).unsqueeze(-1))
+    acc_lse.copy_(new_lse)
