@@ -13,7 +13,7 @@ patterns and no lse gradient is needed from any kernel.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -25,15 +25,33 @@ from .patterns import Region, gather, head_groups, regions, scatter_add_, segmen
 
 Patterns = Tuple[Tuple[int, ...], Tuple[int, ...]]
 
+# Segments are launched in chunks of at most this many rows, so the gathered
+# copies and the kernel's output stay a constant size whatever n is, while
+# each launch is still large enough to keep every core busy.
+ROWS_PER_LAUNCH = 16384
+
+
+def chunks(region: Region) -> Iterator[Region]:
+    """Split a region into consecutive regions of at most ROWS_PER_LAUNCH rows."""
+    per_launch = max(1, ROWS_PER_LAUNCH // region.seg_len)
+    for first in range(0, region.num_segments, per_launch):
+        yield Region(
+            region.start + first * region.seg_len,
+            min(per_launch, region.num_segments - first),
+            region.seg_len,
+        )
+
 
 def _launches(n: int, h: int, hk: int, patterns: Patterns, device: torch.device):
     """Every kernel launch of the op: (launch id, region, head group)."""
     launch = 0
     for w, r in zip(*patterns):
         for region in regions(n, w):
-            for group in head_groups(0, region.seg_len, r, h, hk, str(device)):
-                yield launch, region, group
-                launch += 1
+            groups = head_groups(0, region.seg_len, r, h, hk, str(device))
+            for chunk in chunks(region):
+                for group in groups:
+                    yield launch, chunk, group
+                    launch += 1
 
 
 def dilated_forward(
@@ -61,6 +79,7 @@ def dilated_forward(
             q_g, k_g, v_g, causal=causal, scale=scale, backend=backend, dropout_p=dropout_p,
             seed=seed + launch,
         )
+        del q_g, k_g, v_g
         _merge_rows(acc_out, acc_lse, region, group, out_g, lse_g)
     return acc_out.to(q.dtype), acc_lse
 
