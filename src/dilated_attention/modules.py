@@ -1,0 +1,251 @@
+"""torch.nn modules over the dilated attention op.
+
+Notation: b batch, n sequence, e embed dim, h query heads, hk key/value
+heads, d = e // h head dim.
+
+``DilatedAttention`` is the op as a module (q, k, v already split into
+heads). ``MultiheadDilatedAttention`` is a batch-first drop-in for
+``nn.MultiheadAttention``: input projections, dilated attention, the MAGNETO
+"sub-LN" LayerNorm before the output projection (as LongNet / torchscale
+do), output projection.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from . import _validation as check
+from .dilated import dilated_attention
+
+
+class DilatedAttention(nn.Module):
+    """Exact LongNet dilated attention over (b, n, h, d) inputs.
+
+    Args:
+        segment_lengths, dilation_rates: one (w, r) pair per pattern, r <= w.
+        dropout: attention dropout probability, applied in training mode only.
+        scale: softmax scale, default 1/sqrt(head_dim).
+        process_group: a torch.distributed group for sequence parallelism:
+            each rank passes its own contiguous piece of the sequence. None
+            runs locally.
+    """
+
+    def __init__(
+        self,
+        segment_lengths: Sequence[int],
+        dilation_rates: Sequence[int],
+        *,
+        dropout: float = 0.0,
+        scale: Optional[float] = None,
+        process_group=None,
+    ) -> None:
+        super().__init__()
+        self.segment_lengths, self.dilation_rates = check.check_patterns(
+            segment_lengths, dilation_rates
+        )
+        self.dropout = check.check_dropout(dropout)
+        # head_dim is unknown until forward: validate with a dummy dim, keep the user's value
+        if scale is not None:
+            check.check_scale(scale, 1)
+        self.scale = None if scale is None else float(scale)
+        self.process_group = process_group
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> Tensor:
+        """q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d)."""
+        return dilated_attention(
+            q,
+            k,
+            v,
+            self.segment_lengths,
+            self.dilation_rates,
+            is_causal=is_causal,
+            scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0,
+            group=self.process_group,
+        )
+
+    def extra_repr(self) -> str:
+        parts = [
+            f"segment_lengths={list(self.segment_lengths)}",
+            f"dilation_rates={list(self.dilation_rates)}",
+        ]
+        if self.dropout:
+            parts.append(f"dropout={self.dropout}")
+        if self.scale is not None:
+            parts.append(f"scale={self.scale}")
+        if self.process_group is not None:
+            parts.append("process_group=<set>")
+        return ", ".join(parts)
+
+
+class MultiheadDilatedAttention(nn.Module):
+    """Batch-first multi-head dilated attention, a drop-in for nn.MultiheadAttention.
+
+    ``forward(query, key, value)`` with (b, n, e) inputs returns ``(out, None)``
+    like ``nn.MultiheadAttention(batch_first=True)`` with ``need_weights=False``.
+    Keys and values project to ``num_kv_heads`` heads (GQA/MQA when fewer than
+    ``num_heads``); the op broadcasts them without copies.
+
+    NOTE: MAGNETO (Wang et al., 2022, arXiv 2210.06423) as used by LongNet:
+    a LayerNorm ("sub-LN") on the attention output before ``out_proj``, and
+    xavier-normal initialisation with gain ``gamma_init`` on the value and
+    output projections, gain 1 on query and key; biases zero. The models
+    pass the MAGNETO gamma for their depth (e.g. sqrt(log(2 L)) for an
+    L-layer decoder); the default 1.0 is plain xavier initialisation.
+
+    Args:
+        embed_dim: e, model width; divisible by num_heads.
+        num_heads: h, query heads.
+        segment_lengths, dilation_rates: the dilation patterns.
+        num_kv_heads: hk, key/value heads, dividing num_heads (default h).
+        dropout: attention dropout, training mode only.
+        bias: biases on the four projections.
+        layer_norm: the MAGNETO sub-LN before out_proj (False omits it).
+        layer_norm_eps: its epsilon.
+        gamma_init: MAGNETO gain for v_proj and out_proj.
+        device, dtype: for every parameter, like torch.nn.
+        process_group: sequence parallelism (see DilatedAttention).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        segment_lengths: Sequence[int],
+        dilation_rates: Sequence[int],
+        *,
+        num_kv_heads: Optional[int] = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        layer_norm: bool = True,
+        layer_norm_eps: float = 1e-5,
+        gamma_init: float = 1.0,
+        device=None,
+        dtype=None,
+        process_group=None,
+    ) -> None:
+        super().__init__()
+        embed_dim = check.check_optional_positive_int("embed_dim", embed_dim)
+        num_heads = check.check_optional_positive_int("num_heads", num_heads)
+        if embed_dim is None or num_heads is None:
+            raise TypeError(
+                f"embed_dim and num_heads must be positive ints, got {embed_dim!r}, {num_heads!r}"
+            )
+        if embed_dim % num_heads != 0:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+            )
+        num_kv_heads = check.check_optional_positive_int("num_kv_heads", num_kv_heads)
+        if num_kv_heads is None:
+            num_kv_heads = num_heads
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
+            )
+        check.check_bool("bias", bias)
+        check.check_bool("layer_norm", layer_norm)
+        if isinstance(gamma_init, bool) or not isinstance(gamma_init, (int, float)):
+            raise TypeError(f"gamma_init must be a positive float, got {gamma_init!r}")
+        if not (math.isfinite(gamma_init) and gamma_init > 0):
+            raise ValueError(f"gamma_init must be a positive finite float, got {gamma_init}")
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.gamma_init = float(gamma_init)
+        factory = {"device": device, "dtype": dtype}
+        kv_dim = num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.attention = DilatedAttention(
+            segment_lengths, dilation_rates, dropout=dropout, process_group=process_group
+        )
+        self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory) if layer_norm else None
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """MAGNETO initialisation (see the class docstring)."""
+        nn.init.xavier_normal_(self.q_proj.weight, gain=1.0)
+        nn.init.xavier_normal_(self.k_proj.weight, gain=1.0)
+        nn.init.xavier_normal_(self.v_proj.weight, gain=self.gamma_init)
+        nn.init.xavier_normal_(self.out_proj.weight, gain=self.gamma_init)
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+
+    @property
+    def segment_lengths(self) -> Tuple[int, ...]:
+        return self.attention.segment_lengths
+
+    @property
+    def dilation_rates(self) -> Tuple[int, ...]:
+        return self.attention.dilation_rates
+
+    def project_qkv(self, query: Tensor, key: Tensor, value: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """(b, n, e) inputs -> q (b, n, h, d), k and v (b, n, hk, d)."""
+        # (b, n, e) -> (b, n, h, d)
+        q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim))
+        # (b, n, e) -> (b, n, hk, d)
+        k = self.k_proj(key).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(value).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return q, k, v
+
+    def project_out(self, attn: Tensor) -> Tensor:
+        """Attention output (b, n, h, d) -> (b, n, e): sub-LN, then out_proj."""
+        # (b, n, h, d) -> (b, n, e)
+        x = attn.flatten(-2)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.out_proj(x)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        is_causal: bool = False,
+        need_weights: bool = False,
+    ) -> Tuple[Tensor, None]:
+        """query, key, value (b, n, e) -> (out (b, n, e), None).
+
+        key and value must have query's length: dilated attention is
+        self-attention over one sequence (positions define the segments).
+        """
+        if need_weights:
+            raise ValueError(
+                "need_weights=True is not supported: dilated attention never materialises "
+                "the attention weights; pass need_weights=False"
+            )
+        check.check_bool("is_causal", is_causal)
+        self._check_inputs(query, key, value)
+        q, k, v = self.project_qkv(query, key, value)
+        return self.project_out(self.attention(q, k, v, is_causal=is_causal)), None
+
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(x, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+                raise ValueError(
+                    f"{name} must be (batch, seq_len, embed_dim={self.embed_dim}), got shape "
+                    f"{tuple(x.shape)}"
+                )
+        if not (query.shape == key.shape == value.shape):
+            raise ValueError(
+                f"query, key and value must have the same shape, got {tuple(query.shape)}, "
+                f"{tuple(key.shape)}, {tuple(value.shape)}"
+            )
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, gamma_init={self.gamma_init}"
+        )

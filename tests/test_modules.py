@@ -1,0 +1,213 @@
+"""DilatedAttention and MultiheadDilatedAttention: shapes, state, plumbing, equivalences, errors."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from dilated_attention import DilatedAttention, MultiheadDilatedAttention, dilated_attention
+
+PATTERNS = ([4, 8], [1, 2])
+
+
+def _mhda(**kwargs) -> MultiheadDilatedAttention:
+    kwargs = {"embed_dim": 16, "num_heads": 4, "segment_lengths": PATTERNS[0],
+              "dilation_rates": PATTERNS[1], **kwargs}
+    return MultiheadDilatedAttention(**kwargs)
+
+
+@pytest.mark.parametrize("num_kv_heads", [None, 2, 1])
+@pytest.mark.parametrize("n", [1, 7, 20])
+def test_shapes(num_kv_heads, n):
+    torch.manual_seed(0)
+    m = _mhda(num_kv_heads=num_kv_heads)
+    x = torch.randn(3, n, 16)
+    out, weights = m(x, x, x, is_causal=True)
+    assert out.shape == (3, n, 16) and weights is None
+    assert m.k_proj.weight.shape == (4 * (num_kv_heads or 4), 16)
+
+
+def test_state_dict_round_trip():
+    torch.manual_seed(0)
+    m = _mhda(num_kv_heads=2)
+    with torch.no_grad():
+        for p in m.parameters():  # non-default values everywhere, norms included
+            p.add_(torch.randn_like(p) * 0.1)
+    buf = io.BytesIO()
+    torch.save(m.state_dict(), buf)
+    buf.seek(0)
+    fresh = _mhda(num_kv_heads=2)
+    fresh.load_state_dict(torch.load(buf))
+    x = torch.randn(2, 13, 16)
+    torch.testing.assert_close(fresh(x, x, x)[0], m(x, x, x)[0], rtol=0, atol=0)
+    assert set(m.state_dict()) == {
+        f"{p}.{w}" for p in ("q_proj", "k_proj", "v_proj", "out_proj", "norm") for w in ("weight", "bias")
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_dtype_plumbing(dtype):
+    m = _mhda(dtype=dtype)
+    assert all(p.dtype == dtype for p in m.parameters())
+    x = torch.randn(2, 9, 16, dtype=dtype)
+    out, _ = m(x, x, x, is_causal=True)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+
+
+def test_meta_device_constructs():
+    m = _mhda(device="meta", num_kv_heads=2)
+    assert all(p.device.type == "meta" for p in m.parameters())
+    assert m.k_proj.weight.shape == (8, 16)
+
+
+def test_no_layer_norm_and_no_bias():
+    m = _mhda(layer_norm=False, bias=False)
+    assert m.norm is None
+    assert all(getattr(p, "bias") is None for p in (m.q_proj, m.k_proj, m.v_proj, m.out_proj))
+
+
+def test_magneto_initialisation():
+    torch.manual_seed(0)
+    e = 256
+    m = MultiheadDilatedAttention(e, 4, [8], [1], gamma_init=3.0)
+    xavier_std = (2.0 / (e + e)) ** 0.5
+    for name, gain in (("q_proj", 1.0), ("k_proj", 1.0), ("v_proj", 3.0), ("out_proj", 3.0)):
+        proj = getattr(m, name)
+        assert abs(proj.weight.std().item() / (gain * xavier_std) - 1) < 0.02, name
+        assert torch.count_nonzero(proj.bias) == 0
+
+
+def _copy_into_torch_mha(m: MultiheadDilatedAttention, dtype) -> nn.MultiheadAttention:
+    ref = nn.MultiheadAttention(m.embed_dim, m.num_heads, batch_first=True, dtype=dtype)
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]))
+        ref.in_proj_bias.copy_(torch.cat([m.q_proj.bias, m.k_proj.bias, m.v_proj.bias]))
+        ref.out_proj.weight.copy_(m.out_proj.weight)
+        ref.out_proj.bias.copy_(m.out_proj.bias)
+    return ref
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [5, 16])
+def test_equals_nn_multihead_attention_for_one_dense_pattern(causal, n):
+    torch.manual_seed(0)
+    dtype = torch.float64
+    # one pattern with w >= n and r = 1 is dense attention
+    m = MultiheadDilatedAttention(16, 4, [16], [1], layer_norm=False, dtype=dtype)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    ref = _copy_into_torch_mha(m, dtype)
+    q, k, v = (torch.randn(2, n, 16, dtype=dtype) for _ in range(3))
+    mask = nn.Transformer.generate_square_subsequent_mask(n, dtype=dtype) if causal else None
+    expected, _ = ref(q, k, v, attn_mask=mask, is_causal=causal, need_weights=False)
+    got, _ = m(q, k, v, is_causal=causal)
+    torch.testing.assert_close(got, expected)
+    # self-attention (query is key is value) too, with gradients wrt the input
+    x1 = torch.randn(2, n, 16, dtype=dtype, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_(True)
+    g = torch.randn(2, n, 16, dtype=dtype)
+    expected, _ = ref(x1, x1, x1, attn_mask=mask, is_causal=causal, need_weights=False)
+    got, _ = m(x2, x2, x2, is_causal=causal)
+    torch.testing.assert_close(got, expected)
+    expected.backward(g)
+    got.backward(g)
+    torch.testing.assert_close(x2.grad, x1.grad)
+
+
+@pytest.mark.parametrize("num_kv_heads", [2, 1])
+def test_gqa_equals_mha_with_repeated_kv_weights(num_kv_heads):
+    torch.manual_seed(0)
+    dtype = torch.float64
+    gqa = _mhda(num_kv_heads=num_kv_heads, dtype=dtype)
+    mha = _mhda(dtype=dtype)
+    group = 4 // num_kv_heads
+    with torch.no_grad():
+        for p in gqa.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        for name in ("q_proj", "out_proj", "norm"):
+            getattr(mha, name).load_state_dict(getattr(gqa, name).state_dict())
+        for name in ("k_proj", "v_proj"):
+            src, dst = getattr(gqa, name), getattr(mha, name)
+            # (hk * d, e) -> (hk, d, e) -> (h, d, e): query head j reads kv head j // group
+            for w in ("weight", "bias"):
+                rows = getattr(src, w).unflatten(0, (num_kv_heads, 4))
+                getattr(dst, w).copy_(rows.repeat_interleave(group, 0).flatten(0, 1))
+    x = torch.randn(2, 19, 16, dtype=dtype)
+    for causal in (False, True):
+        torch.testing.assert_close(gqa(x, x, x, is_causal=causal)[0], mha(x, x, x, is_causal=causal)[0])
+
+
+def test_dilated_attention_module_equals_functional_op():
+    torch.manual_seed(0)
+    q = torch.randn(2, 23, 6, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 23, 3, 8, dtype=torch.float64).unbind(0)
+    mod = DilatedAttention([4, 8, 32], [1, 2, 4], scale=0.3)
+    for causal in (False, True):
+        expected = dilated_attention(q, k, v, [4, 8, 32], [1, 2, 4], is_causal=causal, scale=0.3)
+        torch.testing.assert_close(mod(q, k, v, is_causal=causal), expected, rtol=0, atol=0)
+    assert "segment_lengths=[4, 8, 32]" in repr(mod) and "scale=0.3" in repr(mod)
+
+
+def test_dropout_only_in_training_mode():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 1, 12, 2, 4).unbind(0)
+    mod = DilatedAttention([4], [1], dropout=0.5)
+    plain = dilated_attention(q, k, v, [4], [1])
+    mod.eval()
+    torch.testing.assert_close(mod(q, k, v), plain, rtol=0, atol=0)
+    mod.train()
+    assert not torch.allclose(mod(q, k, v), plain)
+
+
+def test_gradients_reach_every_parameter():
+    torch.manual_seed(0)
+    m = _mhda(num_kv_heads=2)
+    x = torch.randn(2, 11, 16, requires_grad=True)
+    out, _ = m(x, x, x, is_causal=True)
+    out.square().sum().backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and torch.count_nonzero(p.grad) > 0, name
+    assert torch.count_nonzero(x.grad) > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"embed_dim": 15}, ValueError, r"embed_dim \(15\).*num_heads \(4\)"),
+        ({"num_kv_heads": 3}, ValueError, r"num_heads \(4\).*num_kv_heads \(3\)"),
+        ({"num_heads": 0}, ValueError, r"num_heads.*0"),
+        ({"embed_dim": 16.0}, TypeError, r"embed_dim.*16.0"),
+        ({"dilation_rates": [1, 9]}, ValueError, r"dilation_rates\[1\] = 9"),
+        ({"segment_lengths": [4]}, ValueError, r"same length"),
+        ({"dropout": 1.0}, ValueError, r"dropout_p.*1.0"),
+        ({"gamma_init": -1.0}, ValueError, r"gamma_init.*-1.0"),
+        ({"layer_norm": 1}, TypeError, r"layer_norm.*1"),
+    ],
+)
+def test_constructor_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        _mhda(**kwargs)
+
+
+def test_dilated_attention_constructor_errors():
+    with pytest.raises(ValueError, match=r"scale.*-2"):
+        DilatedAttention([4], [1], scale=-2.0)
+    with pytest.raises(ValueError, match=r"segment_lengths must not be empty"):
+        DilatedAttention([], [])
+
+
+def test_forward_errors():
+    m = _mhda()
+    x = torch.randn(2, 8, 16)
+    with pytest.raises(ValueError, match="need_weights"):
+        m(x, x, x, need_weights=True)
+    with pytest.raises(ValueError, match=r"query must be \(batch, seq_len, embed_dim=16\).*\(2, 8, 12\)"):
+        m(torch.randn(2, 8, 12), x, x)
+    with pytest.raises(ValueError, match=r"same shape.*\(2, 8, 16\).*\(2, 5, 16\)"):
+        m(x, torch.randn(2, 5, 16), torch.randn(2, 5, 16))
+    with pytest.raises(TypeError, match="is_causal"):
+        m(x, x, x, is_causal=None)
