@@ -27,13 +27,15 @@ Patterns = Tuple[Tuple[int, ...], Tuple[int, ...]]
 
 # Segments are launched in chunks of at most this many rows, so the gathered
 # copies and the kernel's output stay a constant size whatever n is, while
-# each launch is still large enough to keep every core busy.
-ROWS_PER_LAUNCH = 16384
+# each launch is still large enough to keep every core busy (a GPU needs far
+# more rows in flight than a CPU to hide its launch latency).
+ROWS_PER_LAUNCH = {"cpu": 4096, "cuda": 131072}
 
 
-def chunks(region: Region) -> Iterator[Region]:
+def chunks(region: Region, device: torch.device) -> Iterator[Region]:
     """Split a region into consecutive regions of at most ROWS_PER_LAUNCH rows."""
-    per_launch = max(1, ROWS_PER_LAUNCH // region.seg_len)
+    rows = ROWS_PER_LAUNCH.get(device.type, ROWS_PER_LAUNCH["cpu"])
+    per_launch = max(1, rows // region.seg_len)
     for first in range(0, region.num_segments, per_launch):
         yield Region(
             region.start + first * region.seg_len,
@@ -48,7 +50,7 @@ def _launches(n: int, h: int, hk: int, patterns: Patterns, device: torch.device)
     for w, r in zip(*patterns):
         for region in regions(n, w):
             groups = head_groups(0, region.seg_len, r, h, hk, str(device))
-            for chunk in chunks(region):
+            for chunk in chunks(region, device):
                 for group in groups:
                     yield launch, chunk, group
                     launch += 1
@@ -81,6 +83,7 @@ def dilated_forward(
         )
         del q_g, k_g, v_g
         _merge_rows(acc_out, acc_lse, region, group, out_g, lse_g)
+        del out_g, lse_g  # free before the next launch gathers
     return acc_out.to(q.dtype), acc_lse
 
 
@@ -143,6 +146,7 @@ def dilated_backward(
         scatter_add_(dq, *q_sel, dq_g)
         scatter_add_(dk, *kv_sel, dk_g)
         scatter_add_(dv, *kv_sel, dv_g)
+        del dq_g, dk_g, dv_g  # free before the next launch gathers
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
