@@ -1,0 +1,458 @@
+"""Every ``torch.distributed`` call of the package, counted.
+
+No other module imports ``torch.distributed``: they call the functions here,
+which take the process group as an explicit argument (``None`` means local:
+size 1, rank 0, nothing is sent) and count every message and byte this
+process sends, so tests and benchmarks can assert the traffic of an op.
+
+Counting (per calling process, inside ``count_communication()`` blocks):
+
+- ``messages``: point-to-point sends (one per tensor sent to one peer) plus
+  one per collective call;
+- ``bytes_sent``: bytes of point-to-point sends plus, for collectives, the
+  bytes this rank sends in the bandwidth-optimal ring algorithm of that
+  collective (all-gather: (P-1) * input, reduce-scatter: (P-1) * output,
+  all-reduce: 2 (P-1) / P * input, broadcast from this rank: (P-1) * input);
+- ``agreements``: calls of ``agree``, the small control collective before
+  an op; it is kept out of ``messages``/``bytes_sent`` so that "a local
+  pattern set sends nothing" reads ``stats.messages == 0``;
+- ``by_kind``: the same numbers per kind ("send", "all_gather", ...).
+
+Zero-element tensors are never sent (both peers know the sizes, so both
+skip them) and are not counted.
+
+Fake process groups (``init_process_group("fake", ...)``) on ``meta``
+tensors run the real code paths for estimates: ``agree`` then skips the
+exchange (a fake collective moves no data) and point-to-point batches are
+posted as single ``isend``/``irecv`` calls, which work on meta tensors where
+``batch_isend_irecv`` does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import datetime
+import pickle
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+ProcessGroup = Any  # torch.distributed.ProcessGroup or None (local)
+Tensors = Union[Tensor, Sequence[Tensor]]
+
+
+# --------------------------------------------------------------------------
+# Counting
+
+
+@dataclasses.dataclass
+class CommStats:
+    """What this process sent inside a ``count_communication()`` block."""
+
+    messages: int = 0
+    bytes_sent: int = 0
+    agreements: int = 0
+    by_kind: Dict[str, Tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+    def _add(self, kind: str, messages: int, nbytes: int) -> None:
+        if kind == "agree":
+            self.agreements += messages
+        else:
+            self.messages += messages
+            self.bytes_sent += nbytes
+        calls, total = self.by_kind.get(kind, (0, 0))
+        self.by_kind[kind] = (calls + messages, total + nbytes)
+
+    def messages_of(self, kind: str) -> int:
+        return self.by_kind.get(kind, (0, 0))[0]
+
+    def bytes_of(self, kind: str) -> int:
+        return self.by_kind.get(kind, (0, 0))[1]
+
+
+# The stats objects of the enclosing count_communication() blocks, innermost
+# last; a ContextVar (not a module global) so threads and tasks stay separate.
+_ACTIVE: contextvars.ContextVar[Tuple[CommStats, ...]] = contextvars.ContextVar(
+    "dilated_attention_comm_stats", default=()
+)
+
+
+@contextlib.contextmanager
+def count_communication() -> Iterator[CommStats]:
+    """Count what this process sends inside the block; blocks nest (all count)."""
+    stats = CommStats()
+    token = _ACTIVE.set(_ACTIVE.get() + (stats,))
+    try:
+        yield stats
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _record(kind: str, messages: int, nbytes: int) -> None:
+    for stats in _ACTIVE.get():
+        stats._add(kind, messages, nbytes)
+
+
+def _nbytes(x: Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+# --------------------------------------------------------------------------
+# Groups
+
+
+def is_distributed(group: ProcessGroup) -> bool:
+    """True when `group` is a process group of more than one rank."""
+    return group is not None and group_size(group) > 1
+
+
+def group_size(group: ProcessGroup) -> int:
+    """Ranks in `group`; None (local) is 1."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup) -> int:
+    """This process's rank inside `group`; None (local) is 0."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def global_rank(group: ProcessGroup, rank: int) -> int:
+    """The global rank of group rank `rank` (p2p ops address global ranks)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def is_fake(group: ProcessGroup) -> bool:
+    """True for a fake process group, whose collectives move no data."""
+    return group is not None and dist.get_backend(group) == "fake"
+
+
+# Process-group lifecycle for launchers (CLI, benchmarks, tests). Library ops
+# never create groups: they take one as an argument.
+
+
+def init_process_group(
+    backend: str, *, timeout_s: float = 1800.0, **kwargs: Any
+) -> ProcessGroup:
+    """``dist.init_process_group`` with a timeout in seconds; returns WORLD."""
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return dist.group.WORLD
+
+
+def new_group(ranks: Sequence[int], **kwargs: Any) -> ProcessGroup:
+    """A subgroup of the given global ranks, or None on ranks outside it.
+
+    Every rank of WORLD must call this, members or not.
+    """
+    group = dist.new_group(list(ranks), **kwargs)
+    return None if group == dist.GroupMember.NON_GROUP_MEMBER else group
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+# --------------------------------------------------------------------------
+# Agreement: one small collective before any collective work
+
+
+def agree(
+    group: ProcessGroup,
+    config: Union[Mapping[str, Any], Callable[[], Mapping[str, Any]]],
+    *,
+    per_rank: Sequence[str] = (),
+) -> List[Dict[str, Any]]:
+    """Check that every rank makes the same call; return every rank's dict.
+
+    One ``all_gather_object`` of this rank's `config` (plain picklable
+    values: ints, floats, strings, tuples, dtypes). Keys in `per_rank` may
+    differ between ranks (e.g. this rank's sequence length) and arrive in
+    the returned list, indexed by group rank; every other key must be equal
+    on all ranks, else every rank raises ``ValueError`` naming the key and
+    each rank's value.
+
+    A rank must reach this collective even when its own input is bad, or
+    the others would wait for it until the group's timeout. So pass
+    `config` as a zero-argument callable that validates and builds the
+    dict: an exception it raises is shared in the same collective, the
+    failing rank re-raises it and every other rank raises ``ValueError``
+    naming that rank and its error::
+
+        infos = comm.agree(group, lambda: _validated_config(q, k, v, ...), per_rank=("n",))
+
+    With a local group (None or one rank) this is just the callable.
+    """
+    error: Optional[Exception] = None
+    mine: Dict[str, Any] = {}
+    try:
+        mine = dict(config() if callable(config) else config)
+    except Exception as exc:  # shared with every rank below, then re-raised
+        if not is_distributed(group) or is_fake(group):
+            raise
+        error = exc
+    if not is_distributed(group):
+        return [mine]
+    size = group_size(group)
+    if is_fake(group):
+        # A fake group's collectives carry no data: every rank is this one.
+        _record("agree", 1, 0)
+        return [dict(mine) for _ in range(size)]
+    payload = {
+        "config": mine,
+        "error": None if error is None else f"{type(error).__name__}: {error}",
+    }
+    gathered: List[Any] = [None] * size
+    _record("agree", 1, len(pickle.dumps(payload)) * (size - 1))
+    dist.all_gather_object(gathered, payload, group=group)
+    failures = [(r, p["error"]) for r, p in enumerate(gathered) if p["error"] is not None]
+    if failures:
+        if error is not None:
+            raise error
+        detail = "; ".join(f"rank {r}: {msg}" for r, msg in failures)
+        raise ValueError(f"the call failed on another rank of the group ({detail})")
+    configs = [p["config"] for p in gathered]
+    _check_equal(configs, set(per_rank))
+    return configs
+
+
+def _check_equal(configs: List[Dict[str, Any]], exempt: set) -> None:
+    keys = set().union(*configs) - exempt
+    for key in sorted(keys):
+        values = [c.get(key, "<missing>") for c in configs]
+        if any(not _same(values[0], v) for v in values[1:]):
+            listing = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            raise ValueError(f"ranks disagree on {key!r}: {listing}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # e.g. tensors or arrays: compare their text
+        return repr(a) == repr(b)
+
+
+# --------------------------------------------------------------------------
+# Point-to-point
+
+
+def _as_list(x: Tensors) -> List[Tensor]:
+    return [x] if isinstance(x, Tensor) else list(x)
+
+
+def _post(ops: List[Tuple[str, Tensor, int, int]], group: ProcessGroup) -> List[Any]:
+    """Post ("send" | "recv", tensor, global peer, tag) ops; return their requests.
+
+    Tags number the tensors exchanged with one peer, so several tensors
+    between the same two ranks in one batch always pair up in order.
+    """
+    ops = [op for op in ops if op[1].numel() > 0]
+    if not ops:
+        return []
+    for kind, tensor, _, _ in ops:
+        if kind == "send":
+            _record("send", 1, _nbytes(tensor))
+    fns = {"send": dist.isend, "recv": dist.irecv}
+    if any(t.is_meta for _, t, _, _ in ops) or is_fake(group):
+        # batch_isend_irecv does not run on meta tensors; single ops do.
+        return [fns[kind](t, peer, group=group, tag=tag) for kind, t, peer, tag in ops]
+    p2p = [dist.P2POp(fns[kind], t, peer, group=group, tag=tag) for kind, t, peer, tag in ops]
+    return dist.batch_isend_irecv(p2p)
+
+
+def _wait(reqs: List[Any]) -> None:
+    for req in reqs:
+        req.wait()
+
+
+class RingComm:
+    """Send to the next rank of `group` and receive from the previous one.
+
+    Queue ``send_recv`` calls, ``commit()`` posts them in one
+    ``batch_isend_irecv``, ``wait()`` blocks until they are done; the
+    receive buffers hold the data after ``wait()``. A received buffer must
+    have the shape the previous rank sends (pass `recv_buffer` when blocks
+    differ in size).
+    """
+
+    def __init__(self, group: ProcessGroup) -> None:
+        if not is_distributed(group):
+            raise ValueError(f"RingComm needs a process group of more than one rank, got {group!r}")
+        self.group = group
+        self.rank = group_rank(group)
+        self.size = group_size(group)
+        self.send_to = global_rank(group, (self.rank + 1) % self.size)
+        self.recv_from = global_rank(group, (self.rank - 1) % self.size)
+        self._ops: List[Tuple[str, Tensor, int, int]] = []
+        self._reqs: List[Any] = []
+
+    def send_recv(self, to_send: Tensor, recv_buffer: Optional[Tensor] = None) -> Tensor:
+        """Queue sending `to_send` forward; return the buffer that will receive."""
+        if recv_buffer is None:
+            recv_buffer = torch.empty_like(to_send)
+        tag = len(self._ops) // 2
+        self._ops.append(("send", to_send.contiguous(), self.send_to, tag))
+        self._ops.append(("recv", recv_buffer, self.recv_from, tag))
+        return recv_buffer
+
+    def commit(self) -> None:
+        if self._reqs:
+            raise RuntimeError("RingComm.commit() called twice without wait()")
+        self._reqs = _post(self._ops, self.group)
+        self._ops = []
+
+    def wait(self) -> None:
+        _wait(self._reqs)
+        self._reqs = []
+
+
+def exchange(
+    sends: Mapping[int, Tensors],
+    recv_buffers: Mapping[int, Tensors],
+    group: ProcessGroup,
+) -> None:
+    """Send and receive tensors to and from peers (group ranks), then wait.
+
+    ``sends[p]`` goes to group rank p, ``recv_buffers[p]`` is filled from
+    group rank p; a list of tensors per peer is matched in order with the
+    peer's list. Every send must meet a receive of the same shape posted by
+    its peer. All operations go out in one ``batch_isend_irecv``. Entries for
+    this rank itself are copied locally and not counted.
+    """
+    me = group_rank(group)
+    if me in sends or me in recv_buffers:
+        own_sends, own_recvs = _as_list(sends.get(me, [])), _as_list(recv_buffers.get(me, []))
+        if len(own_sends) != len(own_recvs):
+            raise ValueError(
+                f"exchange: {len(own_sends)} tensors sent to this rank ({me}) but "
+                f"{len(own_recvs)} receive buffers"
+            )
+        for src, dst in zip(own_sends, own_recvs):
+            dst.copy_(src)
+    ops: List[Tuple[str, Tensor, int, int]] = []
+    for peer in sorted(set(sends) | set(recv_buffers)):
+        if peer == me:
+            continue
+        if not 0 <= peer < group_size(group):
+            raise ValueError(
+                f"exchange: peer {peer} is not a rank of a group of {group_size(group)}"
+            )
+        gpeer = global_rank(group, peer)
+        for tag, t in enumerate(_as_list(sends.get(peer, []))):
+            ops.append(("send", t.contiguous(), gpeer, tag))
+        for tag, t in enumerate(_as_list(recv_buffers.get(peer, []))):
+            ops.append(("recv", t, gpeer, tag))
+    _wait(_post(ops, group))
+
+
+# --------------------------------------------------------------------------
+# Collectives (counted); every one is a no-op copy for a local group
+
+
+def all_gather(
+    x: Tensor, group: ProcessGroup, *, dim: int = 0, sizes: Optional[Sequence[int]] = None
+) -> Tensor:
+    """Every rank's `x` concatenated along `dim`, in group-rank order.
+
+    `sizes` (every rank's length along `dim`, e.g. from ``agree``) allows
+    uneven pieces; without it all pieces must have x's shape.
+    """
+    if not is_distributed(group):
+        return x
+    size, rank = group_size(group), group_rank(group)
+    sizes = [x.shape[dim]] * size if sizes is None else list(sizes)
+    if len(sizes) != size or sizes[rank] != x.shape[dim]:
+        raise ValueError(
+            f"all_gather: sizes {sizes} must list {size} lengths with this rank's ({rank}) "
+            f"length {x.shape[dim]}"
+        )
+    longest = max(sizes)
+    # (..., n_rank, ...) -> (n_rank, ...) padded to (longest, ...): one buffer shape for all
+    front = x.movedim(dim, 0)
+    if front.shape[0] < longest:
+        pad = front.new_zeros((longest - front.shape[0],) + tuple(front.shape[1:]))
+        front = torch.cat([front, pad])
+    front = front.contiguous()
+    out = front.new_empty((size * longest,) + tuple(front.shape[1:]))
+    if longest > 0:
+        _record("all_gather", 1, _nbytes(front) * (size - 1))
+        dist.all_gather_into_tensor(out, front, group=group)
+    # (size * longest, ...) -> pieces of their true lengths, back along dim
+    pieces = [out[r * longest : r * longest + n] for r, n in enumerate(sizes)]
+    return torch.cat(pieces).movedim(0, dim)
+
+
+def all_reduce_(x: Tensor, group: ProcessGroup, *, op: str = "sum") -> Tensor:
+    """In-place all-reduce ("sum", "max", "min", "avg") of `x`; returns x."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op not in ops and op != "avg":
+        raise ValueError(f"op must be one of 'sum', 'max', 'min', 'avg', got {op!r}")
+    if not is_distributed(group) or x.numel() == 0:
+        return x
+    size = group_size(group)
+    _record("all_reduce", 1, 2 * (size - 1) * _nbytes(x) // size)
+    # gloo has no AVG: sum, then divide
+    dist.all_reduce(x, op=ops["sum" if op == "avg" else op], group=group)
+    if op == "avg":
+        x.div_(size)
+    return x
+
+
+def reduce_scatter(
+    x: Tensor, group: ProcessGroup, *, dim: int = 0, sizes: Optional[Sequence[int]] = None
+) -> Tensor:
+    """Sum `x` over ranks and return this rank's piece along `dim`.
+
+    `sizes` (every rank's piece length, summing to x.shape[dim]) allows
+    uneven pieces; without it x.shape[dim] must divide evenly.
+    """
+    if not is_distributed(group):
+        return x
+    size, rank = group_size(group), group_rank(group)
+    total = x.shape[dim]
+    if sizes is None:
+        if total % size:
+            raise ValueError(f"reduce_scatter: length {total} does not divide over {size} ranks")
+        sizes = [total // size] * size
+    sizes = list(sizes)
+    if len(sizes) != size or sum(sizes) != total:
+        raise ValueError(f"reduce_scatter: sizes {sizes} must be {size} lengths summing to {total}")
+    longest = max(sizes)
+    # (..., total, ...) -> (total, ...) -> (size * longest, ...) padded per rank
+    front = x.movedim(dim, 0)
+    pieces = list(torch.split(front, sizes))
+    padded = [
+        torch.cat([p, p.new_zeros((longest - p.shape[0],) + tuple(p.shape[1:]))])
+        if p.shape[0] < longest
+        else p
+        for p in pieces
+    ]
+    inp = torch.cat(padded).contiguous()
+    out = inp.new_empty((longest,) + tuple(inp.shape[1:]))
+    if longest > 0:
+        _record("reduce_scatter", 1, _nbytes(out) * (size - 1))
+        dist.reduce_scatter_tensor(out, inp, group=group)
+    return out[: sizes[rank]].movedim(0, dim)
+
+
+def broadcast_(x: Tensor, src: int, group: ProcessGroup) -> Tensor:
+    """In place: every rank's `x` becomes group rank `src`'s; returns x."""
+    if not is_distributed(group) or x.numel() == 0:
+        return x
+    size = group_size(group)
+    if group_rank(group) == src:
+        _record("broadcast", 1, (size - 1) * _nbytes(x))
+    dist.broadcast(x, global_rank(group, src), group=group)
+    return x
+
+
+def barrier(group: ProcessGroup) -> None:
+    if is_distributed(group):
+        dist.barrier(group=group)
