@@ -28,7 +28,8 @@ class HeadGroup:
 
     rows: rows read per head; q_heads (hq,) and q_index (rows, hq): the query
     heads and, per head, the rows it reads (relative to the slice start);
-    kv_heads (hkv,) and kv_index (rows, hkv) likewise for keys/values, with
+    kv_heads (hkv,) and kv_index (kv_rows, hkv) likewise for keys/values
+    (kv_rows == rows except for `cross_head_groups`), with
     ``hq == hkv * (hq // hkv)`` in kernel GQA order. ``identity`` marks the
     group that reads every row of every head in order (rate 1): its gather
     is a free view.
@@ -75,49 +76,75 @@ def head_groups(
     result are relative to ``lo``. Heads that read nothing in the slice are
     absent. Cached: plans are built once per shape.
     """
+    return cross_head_groups(lo, hi, lo, hi, rate, num_heads, num_kv_heads, device)
+
+
+def _first_and_count(lo: int, hi: int, rate: int) -> Tuple[List[int], List[int]]:
+    """Per offset o: the first row of ``[lo, hi)`` with ``t mod rate == o``, and how many."""
+    first = [lo + ((o - lo) % rate) for o in range(rate)]
+    count = [max(0, -(-(hi - f) // rate)) for f in first]
+    return first, count
+
+
+@functools.lru_cache(maxsize=1024)
+def cross_head_groups(
+    q_lo: int,
+    q_hi: int,
+    k_lo: int,
+    k_hi: int,
+    rate: int,
+    num_heads: int,
+    num_kv_heads: int,
+    device: str = "cpu",
+) -> Tuple[HeadGroup, ...]:
+    """Head groups for query rows ``[q_lo, q_hi)`` against key rows ``[k_lo, k_hi)``.
+
+    Both slices lie in one segment (local indices); a head reads the rows of
+    its offset in each slice. ``q_index`` is relative to ``q_lo`` and has
+    ``rows`` rows; ``kv_index`` is relative to ``k_lo`` and has its own row
+    count (``kv_index.shape[0]``). Heads with no query or no key row in
+    their slice are absent. With equal slices this is `head_groups`.
+    """
+    q_rows, k_rows = q_hi - q_lo, k_hi - k_lo
     if rate == 1:
-        rows = hi - lo
-        if rows == 0:
+        if q_rows <= 0 or k_rows <= 0:
             return ()
         heads = torch.arange(num_heads, device=device)
         kv_heads = torch.arange(num_kv_heads, device=device)
-        index = torch.arange(rows, device=device)
         return (
             HeadGroup(
-                rows,
+                q_rows,
                 heads,
-                index[:, None].expand(rows, num_heads),
+                torch.arange(q_rows, device=device)[:, None].expand(q_rows, num_heads),
                 kv_heads,
-                index[:, None].expand(rows, num_kv_heads),
+                torch.arange(k_rows, device=device)[:, None].expand(k_rows, num_kv_heads),
                 identity=True,
             ),
         )
     group_size = num_heads // num_kv_heads
-    # first row of the slice read by offset o, and how many rows it reads
-    first = [lo + ((o - lo) % rate) for o in range(rate)]
-    count = [max(0, -(-(hi - f) // rate)) for f in first]
-    # (rows, multiplicity) -> {(offset, kv head): [query heads]}
+    q_first, q_count = _first_and_count(q_lo, q_hi, rate)
+    k_first, k_count = _first_and_count(k_lo, k_hi, rate)
+    # (query rows, key rows, multiplicity) -> {(offset, kv head): [query heads]}
     buckets: dict = {}
     pairs: dict = {}
     for j in range(num_heads):
         o = j % rate
-        if count[o] == 0:
+        if q_count[o] == 0 or k_count[o] == 0:
             continue
-        pairs.setdefault((count[o], o, j // group_size), []).append(j)
-    for (rows, o, kvh), heads in pairs.items():
-        buckets.setdefault((rows, len(heads)), []).append((o, kvh, heads))
+        pairs.setdefault((q_count[o], k_count[o], o, j // group_size), []).append(j)
+    for (rows, kv_rows, o, kvh), heads in pairs.items():
+        buckets.setdefault((rows, kv_rows, len(heads)), []).append((o, kvh, heads))
     groups = []
-    for (rows, _), members in sorted(buckets.items(), key=lambda kv: kv[0]):
+    for (rows, _, _), members in sorted(buckets.items(), key=lambda kv: kv[0]):
         q_heads: List[int] = []
         q_cols: List[Tensor] = []
         kv_heads: List[int] = []
         kv_cols: List[Tensor] = []
         for o, kvh, heads in members:
-            col = torch.arange(first[o] - lo, hi - lo, rate)
             kv_heads.append(kvh)
-            kv_cols.append(col)
+            kv_cols.append(torch.arange(k_first[o] - k_lo, k_rows, rate))
             q_heads.extend(heads)
-            q_cols.extend([col] * len(heads))
+            q_cols.extend([torch.arange(q_first[o] - q_lo, q_rows, rate)] * len(heads))
         groups.append(
             HeadGroup(
                 rows,
@@ -157,3 +184,20 @@ def scatter_add_(
     else:
         # no (row, head) pair repeats within a group, so read-add-write is exact
         seg[:, :, index, heads] += y
+
+
+@functools.lru_cache(maxsize=4096)
+def selected_pairs(
+    q_lo: int, q_hi: int, k_lo: int, k_hi: int, rate: int, num_heads: int, num_kv_heads: int
+) -> int:
+    """How many (key row, kv head) pairs `cross_head_groups` reads: pure arithmetic.
+
+    Equals ``sum(g.kv_index.numel() for g in cross_head_groups(...))`` without
+    building any tensor, so a plan can size every rank's traffic cheaply.
+    """
+    group_size = num_heads // num_kv_heads
+    _, q_count = _first_and_count(q_lo, q_hi, rate)
+    _, k_count = _first_and_count(k_lo, k_hi, rate)
+    # each distinct (offset, kv head) pair with rows on both sides is read once
+    used = {(j % rate, j // group_size) for j in range(num_heads)}
+    return sum(k_count[o] for o, _ in used if q_count[o] > 0)
