@@ -72,7 +72,20 @@ def dilated_forward(
     b, n, h, d = q.shape
     hk = k.shape[2]
     acc_out, acc_lse = empty_accumulators((b, n, h, d), q.dtype, q.device)
-    for launch, region, group in _launches(n, h, hk, patterns, q.device):
+    forward_launches(
+        q, k, v, _launches(n, h, hk, patterns, q.device), acc_out, acc_lse, causal=causal,
+        scale=scale, backend=backend, dropout_p=dropout_p, seed=seed,
+    )
+    return acc_out.to(q.dtype), acc_lse
+
+
+def forward_launches(
+    q: Tensor, k: Tensor, v: Tensor, launches, acc_out: Tensor, acc_lse: Tensor, *,
+    causal: bool, scale: float, backend: str, dropout_p: float, seed: int,
+) -> None:
+    """Run `launches` ((launch id, region, head group) over rows of q and k/v) and merge
+    each result into the (b, n, h, ...) accumulators. Shared with sequence_parallel.py."""
+    for launch, region, group in launches:
         # (b, n, h, d) -> (b * segments, rows, heads, d)
         q_g = gather(q, region, group.q_heads, group.q_index, group.identity)
         k_g = gather(k, region, group.kv_heads, group.kv_index, group.identity)
@@ -84,7 +97,6 @@ def dilated_forward(
         del q_g, k_g, v_g
         _merge_rows(acc_out, acc_lse, region, group, out_g, lse_g)
         del out_g, lse_g  # free before the next launch gathers
-    return acc_out.to(q.dtype), acc_lse
 
 
 def _merge_rows(acc_out, acc_lse, region: Region, group, out_g: Tensor, lse_g: Tensor) -> None:
@@ -126,7 +138,21 @@ def dilated_backward(
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-    for launch, region, group in _launches(n, h, hk, patterns, q.device):
+    backward_launches(
+        dout, q, k, v, out, lse, _launches(n, h, hk, patterns, q.device), dq, dk, dv,
+        causal=causal, scale=scale, backend=backend, dropout_p=dropout_p, seed=seed, dlse=dlse,
+    )
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def backward_launches(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, launches,
+    dq: Tensor, dk: Tensor, dv: Tensor, *, causal: bool, scale: float, backend: str,
+    dropout_p: float, seed: int, dlse: Optional[Tensor],
+) -> None:
+    """Gradients of `forward_launches`' launches, accumulated into dq, dk, dv (fp32).
+    Shared with sequence_parallel.py."""
+    for launch, region, group in launches:
         q_sel = (region, group.q_heads, group.q_index, group.identity)
         kv_sel = (region, group.kv_heads, group.kv_index, group.identity)
         dq_g, dk_g, dv_g = attention_backward(
@@ -147,7 +173,6 @@ def dilated_backward(
         scatter_add_(dk, *kv_sel, dk_g)
         scatter_add_(dv, *kv_sel, dv_g)
         del dq_g, dk_g, dv_g  # free before the next launch gathers
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _DilatedAttention(torch.autograd.Function):
