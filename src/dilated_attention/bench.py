@@ -1,0 +1,534 @@
+"""``dilated-attention bench``: time and peak memory per rank, measured.
+
+Every rank builds only its own rows of q, k, v (values depend on the seed and
+the global row index only, so every world size sees the same sequence), runs
+warm-up passes, then timed passes. What is reported, per (implementation,
+sequence length, ranks):
+
+- time: per pass the slowest rank's wall time, median over passes;
+- peak memory per rank: CPU: resident-set high-water mark above the rank's
+  baseline (``/proc/self/clear_refs`` + ``VmHWM``, taken after warm-up with
+  no inputs alive), so inputs, outputs, workspace, communication buffers and
+  saved tensors all count; CUDA: ``torch.cuda.max_memory_allocated`` above
+  the baseline. The largest rank's value;
+- communication per rank: bytes this rank sent in one pass, counted by
+  ``comm.count_communication`` (largest rank).
+
+Notation: b batch, n sequence (N total, n per rank), h heads, hk key/value
+heads, d head dim; layout (b, n, h, d).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _validation as check
+from . import comm
+
+IMPLS = ("dilated", "ring", "sdpa")
+LONGNET_SEGMENTS = (2048, 4096)
+LONGNET_RATES = (1, 2)
+DEFAULT_SEQ_LENS = (8192, 16384, 32768)
+DEFAULT_WORLD_SIZES = (1, 2, 4)
+# Rows per generator block: a rank seeds each block it overlaps from the
+# global block index, so no rank materialises the rows of another.
+ROW_BLOCK = 1024
+MB = 1e6  # reported megabytes are 10^6 bytes
+
+COLUMNS = (
+    ("impl", "implementation", "{}"),
+    ("seq_len", "seq len", "{:d}"),
+    ("world_size", "ranks", "{:d}"),
+    ("time_ms", "time (ms)", "{:.1f}"),
+    ("peak_mem_mb", "peak mem/rank (MB)", "{:.1f}"),
+    ("tokens_per_s", "tokens/s", "{:,.0f}"),
+    ("speedup", "speedup vs 1 rank", "{:.2f}"),
+    ("comm_mb", "comm/rank (MB)", "{:.2f}"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    seq_lens: Tuple[int, ...]
+    world_sizes: Tuple[int, ...]
+    segment_lengths: Tuple[int, ...]
+    dilation_rates: Tuple[int, ...]
+    heads: int
+    head_dim: int
+    kv_heads: int
+    batch: int
+    dtype: str
+    device: str
+    causal: bool
+    backward: bool
+    impls: Tuple[str, ...]
+    warmup: int
+    repeats: int
+    threads: Optional[int]
+    seed: int
+    launched_world_size: Optional[int]
+
+    def threads_for(self, world_size: int) -> int:
+        """Torch threads per rank: the cores shared out over the ranks, at least one."""
+        if self.threads is not None:
+            return self.threads
+        return max(1, (os.cpu_count() or 1) // world_size)
+
+    def cases_for(self, world_size: int) -> List[Tuple[str, int]]:
+        """(impl, N) pairs run at this world size; SDPA is single-device only."""
+        return [
+            (impl, n)
+            for impl in self.impls
+            for n in self.seq_lens
+            if not (impl == "sdpa" and world_size > 1)
+        ]
+
+    @property
+    def steps(self) -> int:
+        return sum(len(self.cases_for(p)) for p in self.world_sizes)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+def make_config(
+    *,
+    seq_lens: Optional[Sequence[int]] = None,
+    world_sizes: Optional[Sequence[int]] = None,
+    segment_lengths: Optional[Sequence[int]] = None,
+    dilation_rates: Optional[Sequence[int]] = None,
+    heads: int = 12,
+    head_dim: int = 64,
+    kv_heads: Optional[int] = None,
+    batch: int = 1,
+    dtype: str = "auto",
+    device: str = "cpu",
+    causal: bool = False,
+    backward: bool = False,
+    impls: Optional[Sequence[str]] = None,
+    warmup: int = 1,
+    repeats: int = 3,
+    threads: Optional[int] = None,
+    seed: int = 0,
+    launched_world_size: Optional[int] = None,
+) -> BenchConfig:
+    """Check the options; raise ValueError naming the option and value on a mistake."""
+    if (segment_lengths is None) != (dilation_rates is None):
+        raise ValueError("give --segment-lengths and --dilation-rates together")
+    segs, rates = check.check_patterns(
+        list(segment_lengths or LONGNET_SEGMENTS), list(dilation_rates or LONGNET_RATES)
+    )
+    kv_heads = heads if kv_heads is None else kv_heads
+    if heads % kv_heads:
+        raise ValueError(f"--kv-heads {kv_heads} must divide --heads {heads}")
+    seq_lens = tuple(sorted(set(seq_lens or DEFAULT_SEQ_LENS)))
+    if world_sizes is None:
+        if launched_world_size is None:
+            world_sizes = DEFAULT_WORLD_SIZES
+        else:  # 1, 2, 4, ... and the launched size itself
+            world_sizes = [p for p in (2**i for i in range(31)) if p < launched_world_size]
+            world_sizes.append(launched_world_size)
+    world_sizes = tuple(sorted(set(world_sizes)))
+    if launched_world_size is not None and world_sizes[-1] > launched_world_size:
+        raise ValueError(
+            f"--world-sizes {world_sizes[-1]} exceeds the {launched_world_size} ranks torchrun "
+            f"launched"
+        )
+    if device == "cuda" and launched_world_size is None:
+        available = torch.cuda.device_count()
+        if world_sizes[-1] > available:
+            raise ValueError(
+                f"--world-sizes {world_sizes[-1]} needs that many CUDA devices, this machine has "
+                f"{available} (use torchrun across machines)"
+            )
+    if seq_lens[0] < world_sizes[-1]:
+        raise ValueError(
+            f"world size {world_sizes[-1]} is larger than sequence length {seq_lens[0]}: every "
+            f"rank needs at least one row"
+        )
+    impls = tuple(dict.fromkeys(impls or ("dilated",)))
+    if impls == ("sdpa",) and 1 not in world_sizes:
+        raise ValueError("--impl sdpa runs on one rank only: include 1 in --world-sizes")
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    if "ring" in impls and causal:
+        for n in seq_lens:
+            for p in world_sizes:
+                if p > 1 and n % (2 * p):
+                    raise ValueError(
+                        f"causal ring attention uses the zigzag layout, which needs the sequence "
+                        f"length to divide into 2 * ranks chunks: {n} % {2 * p} != 0"
+                    )
+    return BenchConfig(
+        seq_lens=seq_lens, world_sizes=world_sizes, segment_lengths=segs, dilation_rates=rates,
+        heads=heads, head_dim=head_dim, kv_heads=kv_heads, batch=batch, dtype=dtype,
+        device=device, causal=causal, backward=backward, impls=impls, warmup=warmup,
+        repeats=repeats, threads=threads, seed=seed, launched_world_size=launched_world_size,
+    )
+
+
+# --------------------------------------------------------------------------
+# Inputs: each rank builds its own rows only
+
+
+def piece(n: int, world_size: int, rank: int) -> Tuple[int, int]:
+    """Rows [lo, hi) of rank `rank` in the contiguous layout (the first n % P ranks get one more)."""
+    base, extra = divmod(n, world_size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (rank < extra)
+
+
+def zigzag_rows(n: int, world_size: int, rank: int) -> List[Tuple[int, int]]:
+    """Row ranges of rank `rank` in the zigzag layout: chunks rank and 2P-1-rank of 2P."""
+    chunk = n // (2 * world_size)
+    return [(rank * chunk, (rank + 1) * chunk),
+            ((2 * world_size - 1 - rank) * chunk, (2 * world_size - rank) * chunk)]
+
+
+def make_rows(
+    ranges: Sequence[Tuple[int, int]],
+    shape: Tuple[int, int, int],
+    *,
+    seed: int,
+    dtype: torch.dtype,
+    device,
+) -> Tensor:
+    """Rows `ranges` of a (b, N, h, d) standard-normal tensor, identical for every layout.
+
+    shape = (b, h, d). The values of global row t come from the generator of
+    block t // ROW_BLOCK (seeded by `seed` and the block), so a rank generates
+    at most two blocks more than it keeps and never the whole sequence.
+    """
+    b, h, d = shape
+    parts = []
+    for lo, hi in ranges:
+        for block in range(lo // ROW_BLOCK, -(-hi // ROW_BLOCK)):
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + block)
+            # (b, ROW_BLOCK, h, d) for block, cut to the rows inside [lo, hi)
+            values = torch.randn(b, ROW_BLOCK, h, d, generator=gen)
+            start = block * ROW_BLOCK
+            parts.append(values[:, max(lo, start) - start : min(hi, start + ROW_BLOCK) - start]
+                         .to(device=device, dtype=dtype))
+    if not parts:
+        return torch.empty(b, 0, h, d, dtype=dtype, device=device)
+    return torch.cat(parts, dim=1)
+
+
+# --------------------------------------------------------------------------
+# Implementations: q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d)
+
+
+def _dilated(q, k, v, config: BenchConfig, group) -> Tensor:
+    from .dilated import dilated_attention
+
+    return dilated_attention(
+        q, k, v, config.segment_lengths, config.dilation_rates, is_causal=config.causal,
+        group=group,
+    )
+
+
+def _ring(q, k, v, config: BenchConfig, group) -> Tensor:
+    from .ring import ring_attention
+
+    return ring_attention(q, k, v, is_causal=config.causal, group=group,
+                          layout=_ring_layout(config, comm.group_size(group)))
+
+
+def _sdpa(q, k, v, config: BenchConfig, group) -> Tensor:
+    # (b, n, h, d) -> (b, h, n, d) and back: SDPA takes heads second
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=config.causal,
+        enable_gqa=config.kv_heads != config.heads,
+    )
+    return out.transpose(1, 2)
+
+
+IMPL_FNS: Dict[str, Callable] = {"dilated": _dilated, "ring": _ring, "sdpa": _sdpa}
+
+
+def _ring_layout(config: BenchConfig, world_size: int) -> str:
+    # causal dense attention is balanced only in the zigzag layout
+    return "zigzag" if config.causal and world_size > 1 else "contiguous"
+
+
+def rank_ranges(impl: str, n: int, world_size: int, rank: int, config: BenchConfig):
+    if impl == "ring" and _ring_layout(config, world_size) == "zigzag":
+        return zigzag_rows(n, world_size, rank)
+    return [piece(n, world_size, rank)]
+
+
+# --------------------------------------------------------------------------
+# Measuring one rank
+
+
+def _proc_status_kib(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+class PeakMemory:
+    """Peak memory of this process above a baseline: RSS high-water mark (CPU) or CUDA allocator."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self.base: Optional[int] = None
+
+    def start(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return
+        rss = _proc_status_kib("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+        except OSError:
+            rss = None
+        self.base = None if rss is None else rss * 1024
+
+    def peak_bytes(self) -> Optional[int]:
+        """Bytes above the baseline at the highest point since `start` (None: cannot measure)."""
+        if self.base is None:
+            return None
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base
+        hwm = _proc_status_kib("VmHWM")
+        return None if hwm is None else max(0, hwm * 1024 - self.base)
+
+
+def _build_inputs(impl, n, world_size, rank, config: BenchConfig, device):
+    """This rank's q, k, v (and dout when training), requiring grad when training."""
+    ranges = rank_ranges(impl, n, world_size, rank, config)
+    dtype = config.torch_dtype
+    b, h, hk, d = config.batch, config.heads, config.kv_heads, config.head_dim
+    # three independent streams of rows: one seed offset per tensor
+    q = make_rows(ranges, (b, h, d), seed=4 * config.seed, dtype=dtype, device=device)
+    k = make_rows(ranges, (b, hk, d), seed=4 * config.seed + 1, dtype=dtype, device=device)
+    v = make_rows(ranges, (b, hk, d), seed=4 * config.seed + 2, dtype=dtype, device=device)
+    if not config.backward:
+        return q, k, v, None
+    dout = make_rows(ranges, (b, h, d), seed=4 * config.seed + 3, dtype=dtype, device=device)
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout
+
+
+def _one_pass(fn, inputs, config: BenchConfig, group) -> None:
+    q, k, v, dout = inputs
+    if dout is None:
+        with torch.no_grad():
+            fn(q, k, v, config, group)
+        return
+    out = fn(q, k, v, config, group)
+    out.backward(dout)
+    del out
+    for x in (q, k, v):
+        x.grad = None
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_case(impl: str, n: int, group, config: BenchConfig, device: str) -> Dict[str, object]:
+    """Measure one (impl, N) on the ranks of `group` (None: one rank); the row, equal on all ranks."""
+    world_size, rank = comm.group_size(group), comm.group_rank(group)
+    fn = IMPL_FNS[impl]
+    inputs = _build_inputs(impl, n, world_size, rank, config, device)
+    for _ in range(config.warmup):
+        _one_pass(fn, inputs, config, group)
+    del inputs
+    memory = PeakMemory(device)
+    comm.barrier(group)
+    memory.start()
+    inputs = _build_inputs(impl, n, world_size, rank, config, device)
+    times, comm_bytes, comm_messages = [], 0, 0
+    for i in range(config.repeats):
+        comm.barrier(group)
+        _sync(device)
+        start = time.perf_counter()
+        with comm.count_communication() as stats:
+            _one_pass(fn, inputs, config, group)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        if i == 0:
+            comm_bytes, comm_messages = stats.bytes_sent, stats.messages
+    peak = memory.peak_bytes()
+    del inputs
+    # per pass the slowest rank; peak and traffic of the largest rank (-1: not measurable)
+    summary = torch.tensor(
+        times + [float(-1 if peak is None else peak), float(comm_bytes), float(comm_messages)],
+        dtype=torch.float64, device=device,
+    )
+    comm.all_reduce_(summary, group, op="max")
+    summary = summary.tolist()
+    times, (peak_max, bytes_max, messages_max) = summary[: config.repeats], summary[config.repeats:]
+    seconds = statistics.median(times)
+    return {
+        "impl": impl,
+        "seq_len": n,
+        "world_size": world_size,
+        "time_ms": seconds * 1e3,
+        "peak_mem_mb": None if peak_max < 0 else peak_max / MB,
+        "tokens_per_s": config.batch * n / seconds,
+        "speedup": None,
+        "comm_mb": bytes_max / MB,
+        "comm_messages": int(messages_max),
+        "rows_per_rank": max(hi - lo for p in range(world_size)
+                             for lo, hi in rank_ranges(impl, n, world_size, p, config)),
+        "times_ms": [t * 1e3 for t in times],
+    }
+
+
+def rank_main(world, config: BenchConfig, progress: Callable[[str], None], *, device: str):
+    """Run every case of this launch; rank 0 returns the rows, other ranks []."""
+    world_size = comm.group_size(world)
+    me = comm.group_rank(world)
+    sizes = (world_size,) if config.launched_world_size is None else config.world_sizes
+    rows = []
+    for p in sizes:
+        if p == world_size:
+            group = world
+        else:  # every rank of the launch creates the subgroup of ranks 0..p-1
+            group = comm.new_group(list(range(p)))
+        if me < p:
+            for impl, n in config.cases_for(p):
+                row = run_case(impl, n, group if p > 1 else None, config, device)
+                if me == 0:
+                    rows.append(row)
+                    progress(f"{impl} N={n} P={p}")
+        comm.barrier(world)
+    return rows
+
+
+# --------------------------------------------------------------------------
+# Report: one table, JSON rows, a plot
+
+
+def add_speedups(rows: List[Dict[str, object]]) -> None:
+    """speedup = time at one rank / time at P ranks, for the same impl and N."""
+    single = {(r["impl"], r["seq_len"]): r["time_ms"] for r in rows if r["world_size"] == 1}
+    for r in rows:
+        base = single.get((r["impl"], r["seq_len"]))
+        r["speedup"] = None if base is None else base / r["time_ms"]
+
+
+def format_table(rows: List[Dict[str, object]]) -> str:
+    cells = [[title for _, title, _ in COLUMNS]]
+    for r in rows:
+        cells.append(["-" if r[key] is None else fmt.format(r[key]) for key, _, fmt in COLUMNS])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    lines = []
+    for j, row in enumerate(cells):
+        # first column left-aligned, numbers right-aligned
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def describe(config: BenchConfig, world_sizes: Sequence[int]) -> str:
+    threads = ", ".join(f"P={p}: {config.threads_for(p)}" for p in world_sizes)
+    pattern = f"segments {list(config.segment_lengths)}, rates {list(config.dilation_rates)}"
+    return (
+        f"measured on {config.device} ({config.dtype}, "
+        f"{'forward + backward' if config.backward else 'forward only'}"
+        f"{', causal' if config.causal else ''}); batch {config.batch}, {config.heads} heads x "
+        f"{config.head_dim} (kv heads {config.kv_heads}); dilated: {pattern}; torch threads per "
+        f"rank {threads}. time: median of {config.repeats} passes of the slowest rank; memory: "
+        f"peak above the rank's baseline, largest rank; comm: bytes sent per pass, largest rank."
+    )
+
+
+def report(rows: List[Dict[str, object]], config: BenchConfig, *, out_dir: str, command: str):
+    """Print the table; write bench.json and bench.png (when matplotlib is installed)."""
+    add_speedups(rows)
+    world_sizes = sorted({r["world_size"] for r in rows})
+    print(describe(config, world_sizes))
+    print(format_table(rows))
+    os.makedirs(out_dir, exist_ok=True)
+    json_path = os.path.join(out_dir, "bench.json")
+    with open(json_path, "w") as f:
+        json.dump(
+            {
+                "command": command,
+                "config": dataclasses.asdict(config),
+                "environment": _environment(config),
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
+    print(f"wrote {json_path}")
+    plot_path = os.path.join(out_dir, "bench.png")
+    if plot(rows, config, plot_path):
+        print(f"wrote {plot_path}")
+    else:
+        print("plot skipped: matplotlib is not installed (pip install matplotlib)")
+
+
+def _environment(config: BenchConfig) -> Dict[str, object]:
+    env: Dict[str, object] = {
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "threads_per_rank": {p: config.threads_for(p) for p in config.world_sizes},
+    }
+    if config.device == "cuda":
+        env["cuda_device"] = torch.cuda.get_device_name()
+    return env
+
+
+def plot(rows: List[Dict[str, object]], config: BenchConfig, path: str) -> bool:
+    """Time and per-rank peak memory against sequence length, one line per (impl, ranks)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    series: Dict[Tuple[str, int], List[Dict[str, object]]] = {}
+    for r in rows:
+        series.setdefault((r["impl"], r["world_size"]), []).append(r)
+    for (impl, p), points in sorted(series.items()):
+        points.sort(key=lambda r: r["seq_len"])
+        xs = [r["seq_len"] for r in points]
+        label = f"{impl}, P={p}"
+        axes[0].plot(xs, [r["time_ms"] for r in points], marker="o", label=label)
+        mem = [(x, r["peak_mem_mb"]) for x, r in zip(xs, points) if r["peak_mem_mb"] is not None]
+        if mem:
+            axes[1].plot(*zip(*mem), marker="o", label=label)
+    for ax, ylabel in zip(axes, ("time (ms)", "peak memory per rank (MB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length N")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    mode = "forward + backward" if config.backward else "forward"
+    fig.suptitle(f"dilated-attention bench: {config.device}, {config.dtype}, {mode}, "
+                 f"{config.heads}x{config.head_dim} heads (measured)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

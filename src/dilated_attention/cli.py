@@ -1,0 +1,582 @@
+"""The ``dilated-attention`` command: ``bench``, ``verify`` and ``estimate``.
+
+This module parses arguments, checks them (a user mistake is one line on
+stderr and exit status 2, never a traceback), and launches ranks: under
+``torchrun`` (RANK and WORLD_SIZE set) it joins the launched ranks (NCCL on
+CUDA, gloo on CPU); otherwise it spawns its own ranks with a ``file://``
+rendezvous and a hard deadline. The work itself lives in ``bench``,
+``verify`` and ``estimate``: each rank runs ``fn(group, *args, progress)``
+and returns a picklable result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import shlex
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+PROG = "dilated-attention"
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+# Exit statuses: 0 success, 1 a run or a check failed, 2 a user mistake.
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A user mistake: reported as one line, exit status 2."""
+
+
+class RunFailed(Exception):
+    """A rank failed or a check did not pass: reported briefly, exit status 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints the usage block and exits; we want one line and a code.
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(message)
+
+
+# --------------------------------------------------------------------------
+# Argument types
+
+
+_SUFFIXES = {"k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1; accepts k/M/G suffixes (powers of 1024), e.g. 64k or 1G."""
+    raw = text.strip().lower().replace("_", "")
+    scale = 1
+    if raw and raw[-1] in _SUFFIXES:
+        raw, scale = raw[:-1], _SUFFIXES[raw[-1]]
+    try:
+        value = int(raw) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def int_list(text: str) -> List[int]:
+    """Comma-separated positive ints (also usable repeatedly via nargs)."""
+    parts = [p for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return [positive_int(p) for p in parts]
+
+
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def flatten(lists: Optional[Sequence[Sequence[int]]]) -> Optional[List[int]]:
+    """`nargs="+"` of `int_list` values -> one list (``8192 16384`` or ``8192,16384``)."""
+    return None if lists is None else [x for part in lists for x in part]
+
+
+# --------------------------------------------------------------------------
+# The parser
+
+
+def _add_model_options(p: argparse.ArgumentParser, *, many_lengths: bool) -> None:
+    """Options shared by bench and estimate: the attention setting."""
+    if many_lengths:
+        p.add_argument("--seq-lens", type=int_list, nargs="+", metavar="N",
+                       help="total sequence lengths (default 8192 16384 32768)")
+        p.add_argument("--world-sizes", type=int_list, nargs="+", metavar="P",
+                       help="numbers of ranks (default 1 2 4; under torchrun: 1, 2, 4, ... up "
+                            "to the launched world size)")
+    p.add_argument("--segment-lengths", type=int_list, nargs="+", default=None, metavar="W",
+                   help="segment length of each pattern (default 2048 4096, LongNet)")
+    p.add_argument("--dilation-rates", type=int_list, nargs="+", default=None, metavar="R",
+                   help="dilation rate of each pattern (default 1 2)")
+    p.add_argument("--heads", type=positive_int, default=12, help="query heads (default 12)")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="head dim (default 64)")
+    p.add_argument("--kv-heads", type=positive_int, default=None,
+                   help="key/value heads, dividing --heads (default: --heads)")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
+    p.add_argument("--causal", action="store_true", help="causal attention")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Exact LongNet dilated attention and ring attention: benchmark, verify "
+                    "and estimate on this machine or a torchrun cluster.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{bench,verify,estimate}")
+
+    bench = sub.add_parser(
+        "bench", help="time and measure peak memory per rank over sequence lengths and ranks",
+        description="Benchmark on spawned gloo ranks (or the ranks torchrun launched): time, "
+                    "peak memory per rank, tokens/s, speedup over one rank, communication per "
+                    "rank. Prints one table; writes bench.json and bench.png to --out.",
+    )
+    _add_model_options(bench, many_lengths=True)
+    bench.add_argument("--impl", nargs="+", choices=("dilated", "ring", "sdpa"),
+                       default=None, help="implementations (default dilated): dilated "
+                       "attention (sequence-parallel for P > 1), dense ring attention, plain "
+                       "single-device SDPA (dense, P = 1 only)")
+    bench.add_argument("--dtype", choices=("auto",) + DTYPES, default="auto",
+                       help="default float32 on CPU, bfloat16 on CUDA")
+    bench.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="default cuda when available, else cpu")
+    mode = bench.add_mutually_exclusive_group()
+    mode.add_argument("--backward", dest="backward", action="store_true",
+                      help="time forward + backward")
+    mode.add_argument("--forward-only", dest="backward", action="store_false",
+                      help="time the forward only (default)")
+    bench.set_defaults(backward=False)
+    bench.add_argument("--warmup", type=nonnegative_int, default=1, help="warm-up runs (1)")
+    bench.add_argument("--repeats", type=positive_int, default=3,
+                       help="timed runs; the median is reported (3)")
+    bench.add_argument("--threads", type=positive_int, default=None,
+                       help="torch threads per rank (default: cores // ranks, at least 1)")
+    bench.add_argument("--seed", type=nonnegative_int, default=0, help="input seed (0)")
+    bench.add_argument("--out", default="dilated_attention_bench",
+                       help="output folder for bench.json and bench.png")
+    bench.add_argument("--timeout", type=positive_float, default=3600.0,
+                       help="seconds before spawned ranks are stopped (3600)")
+    bench.set_defaults(run=_cmd_bench)
+
+    verify = sub.add_parser(
+        "verify", help="check sequence-parallel results against one device",
+        description="Check that sequence-parallel outputs and gradients equal single-device "
+                    "ones, on spawned gloo ranks or the ranks torchrun launched. One line per "
+                    "case; exit status 1 if any case fails.",
+    )
+    verify.add_argument("--world-size", type=positive_int, default=None,
+                        help="ranks to spawn (default 4; ignored under torchrun)")
+    verify.add_argument("--cases", nargs="+", default=None, metavar="NAME",
+                        help="run only these cases (see --list)")
+    verify.add_argument("--list", action="store_true", help="list the cases and exit")
+    verify.add_argument("--dtype", choices=("auto",) + DTYPES, default="auto",
+                        help="default float64 on CPU, float32 on CUDA")
+    verify.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    verify.add_argument("--timeout", type=positive_float, default=600.0,
+                        help="seconds before spawned ranks are stopped (600)")
+    verify.set_defaults(run=_cmd_verify)
+
+    estimate = sub.add_parser(
+        "estimate", help="estimate peak memory per rank and communication per layer",
+        description="Estimate (not measure) per-rank peak memory with a breakdown and the "
+                    "communication per layer, from a formula; with --dry-run also by running "
+                    "the real code on meta tensors with a fake process group of world size P.",
+    )
+    estimate.add_argument("--seq-len", type=positive_int, required=True, help="total length N")
+    estimate.add_argument("--world-size", type=positive_int, default=1, help="ranks P (1)")
+    _add_model_options(estimate, many_lengths=False)
+    estimate.add_argument("--impl", choices=("dilated", "ring"), default="dilated",
+                          help="dilated attention or dense ring attention (dilated)")
+    estimate.add_argument("--dtype", choices=DTYPES, default="float32")
+    estimate.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                          help="whose kernel workspace to model (cpu)")
+    estimate.add_argument("--threads", type=positive_int, default=None,
+                          help="CPU kernel threads per rank (default: cores // ranks)")
+    emode = estimate.add_mutually_exclusive_group()
+    emode.add_argument("--training", dest="training", action="store_true",
+                       help="forward + backward")
+    emode.add_argument("--forward-only", dest="training", action="store_false",
+                       help="forward only (default)")
+    estimate.set_defaults(training=False)
+    estimate.add_argument("--dry-run", action="store_true",
+                          help="also trace the real code on meta tensors (fake process group)")
+    estimate.add_argument("--json", action="store_true", help="print JSON instead of text")
+    estimate.set_defaults(run=_cmd_estimate)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the console script; returns the exit status."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser.parse_args(argv)
+        args.argv = argv
+        if args.command is None:
+            raise UsageError("choose a command: bench, verify or estimate (see --help)")
+        return int(args.run(args))
+    except SystemExit as exc:  # --help and --version exit through argparse
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except UsageError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except RunFailed as exc:
+        _error(str(exc))
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+
+
+def _error(message: str) -> None:
+    # one line, whatever the message holds
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------
+# Commands: check arguments, then run
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    launched = torchrun_world()
+    device = resolve_device(args.device)
+    config = _checked(
+        bench.make_config, seq_lens=flatten(args.seq_lens), world_sizes=flatten(args.world_sizes),
+        segment_lengths=flatten(args.segment_lengths), dilation_rates=flatten(args.dilation_rates),
+        heads=args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads, batch=args.batch,
+        dtype=args.dtype, device=device, causal=args.causal, backward=args.backward,
+        impls=args.impl, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
+        seed=args.seed, launched_world_size=launched,
+    )
+    command = shlex.join([PROG] + args.argv)
+    if launched is not None:
+        rows = run_launched(bench.rank_main, config, device=device)
+        if rows is None:  # not rank 0: rank 0 reports
+            return 0
+    else:
+        rows = []
+        progress = Progress(config.steps, "bench")
+        try:
+            for world_size in config.world_sizes:
+                rows += spawn(bench.rank_main, world_size, (config,), device=device,
+                              timeout=args.timeout, threads=config.threads_for(world_size),
+                              progress=progress)[0]
+        finally:
+            progress.close()
+    bench.report(rows, config, out_dir=args.out, command=command)
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from . import verify
+
+    if args.list:
+        for case in verify.CASES:
+            print(f"{case.name:28s} {case.description}")
+        return 0
+    launched = torchrun_world()
+    device = resolve_device(args.device)
+    world_size = launched or args.world_size or 4
+    config = _checked(verify.make_config, world_size=world_size, cases=args.cases,
+                      dtype=args.dtype, device=device)
+    if launched is not None:
+        results = run_launched(verify.rank_main, config, device=device)
+        if results is None:
+            return 0
+    else:
+        progress = Progress(config.steps, "verify")
+        try:
+            results = spawn(verify.rank_main, world_size, (config,), device=device,
+                            timeout=args.timeout, threads=1, progress=progress)[0]
+        finally:
+            progress.close()
+    return verify.report(results, config)
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from . import estimate
+
+    config = _checked(
+        estimate.make_config, seq_len=args.seq_len, world_size=args.world_size,
+        segment_lengths=flatten(args.segment_lengths), dilation_rates=flatten(args.dilation_rates),
+        heads=args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads, batch=args.batch,
+        dtype=args.dtype, device=args.device, causal=args.causal, training=args.training,
+        impl=args.impl, threads=args.threads,
+    )
+    return estimate.report(config, dry_run=args.dry_run, as_json=args.json)
+
+
+def _checked(make_config: Callable, **options: Any) -> Any:
+    """Build a command's config; its ValueError/TypeError is a user mistake."""
+    try:
+        return make_config(**options)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" when available else "cpu"; "cuda" must be available."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available here")
+    return device
+
+
+# --------------------------------------------------------------------------
+# Progress: tqdm when importable, else plain lines on stderr
+
+
+class Progress:
+    """A progress bar over `total` steps on stderr."""
+
+    def __init__(self, total: int, what: str) -> None:
+        self.total, self.done, self.what = total, 0, what
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self._bar = None
+        else:
+            self._bar = tqdm(total=total, desc=what, file=sys.stderr, leave=False,
+                             dynamic_ncols=True)
+
+    def step(self, label: str) -> None:
+        """One step finished; `label` names the one that comes next or just ended."""
+        self.done += 1
+        if self._bar is not None:
+            self._bar.set_postfix_str(label, refresh=False)
+            self._bar.update(1)
+        else:
+            print(f"{self.what}: {self.done}/{self.total} {label}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+# --------------------------------------------------------------------------
+# Launching ranks
+
+
+def torchrun_world() -> Optional[int]:
+    """The launched world size when run under torchrun (RANK, WORLD_SIZE set), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        try:
+            return int(os.environ["WORLD_SIZE"])
+        except ValueError:
+            raise UsageError(f"WORLD_SIZE must be an integer, got {os.environ['WORLD_SIZE']!r}")
+    return None
+
+
+def _setup_device(device: str, local_rank: int) -> str:
+    """The device string this rank uses ("cpu" or "cuda:i") and its group backend."""
+    import torch
+
+    if device == "cuda":
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return f"cuda:{index}"
+    return "cpu"
+
+
+def run_launched(fn: Callable, config: Any, *, device: str) -> Optional[Any]:
+    """Run ``fn(world, config, progress, device=...)`` on the ranks torchrun launched.
+
+    Returns rank 0's result on rank 0 and None elsewhere.
+    """
+    from . import comm
+
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    _limit_malloc_caching()
+    rank_device = _setup_device(device, local_rank)
+    backend = "nccl" if device == "cuda" else "gloo"
+    world = comm.init_process_group(backend, timeout_s=1800.0)
+    progress = Progress(config.steps, fn.__module__.rsplit(".", 1)[-1]) if rank == 0 else None
+    try:
+        result = fn(world, config, progress.step if progress else _no_progress,
+                    device=rank_device)
+        comm.barrier(world)
+    except Exception as exc:
+        raise RunFailed(f"rank {rank}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        if progress is not None:
+            progress.close()
+        comm.destroy_process_group()
+    return result if rank == 0 else None
+
+
+def _no_progress(label: str) -> None:
+    """Progress callback of ranks other than 0."""
+
+
+def spawn(
+    fn: Callable,
+    world_size: int,
+    args: tuple,
+    *,
+    device: str,
+    timeout: float,
+    threads: int,
+    progress: Optional[Progress] = None,
+    pg_timeout: float = 600.0,
+    grace: float = 10.0,
+) -> List[Any]:
+    """Run ``fn(group, *args, progress, device=...)`` on `world_size` spawned ranks.
+
+    Each rank joins a process group (gloo on CPU, NCCL on CUDA) through a
+    ``file://`` rendezvous in a fresh temp dir, uses `threads` torch threads,
+    and returns a picklable result; ``results[r]`` is rank r's. Rank 0 may
+    call ``progress(label)``. Any failure or the `timeout` deadline kills the
+    remaining ranks and raises ``RunFailed`` naming each failed rank's error.
+    """
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="dilated_attention_") as tmp:
+        init_method = "file://" + os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(
+                target=_child,
+                args=(fn, r, world_size, init_method, args, out_q, device, threads, pg_timeout),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            results, errors = _collect(procs, out_q, timeout, grace, progress)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=5)
+    if errors:
+        first = min(errors)
+        detail = "; ".join(f"rank {r}: {errors[r]['summary']}" for r in sorted(errors))
+        raise RunFailed(f"{len(errors)} of {world_size} ranks failed: {detail}") from _Remote(
+            errors[first]["traceback"]
+        )
+    return [pickle.loads(results[r]) for r in range(world_size)]
+
+
+class _Remote(Exception):
+    """A rank's traceback, chained to RunFailed for callers that want it."""
+
+
+def _limit_malloc_caching() -> None:
+    """Let freed memory go back to the OS, so a process's RSS peak is its tensors' peak.
+
+    glibc raises its mmap threshold after large frees (up to 32 MiB), after
+    which freed tensors stay in the heap and a later run reuses them without
+    raising the high-water mark; a fixed threshold keeps every large tensor
+    mmapped, so each one counts in RSS while alive and leaves when freed.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 256 * 1024)
+    libc.mallopt(m_trim_threshold, 1024 * 1024)
+
+
+def _child(fn, rank, world_size, init_method, args, out_q, device, threads, pg_timeout) -> None:
+    code = 1
+    try:
+        import torch
+
+        from . import comm
+
+        _limit_malloc_caching()
+        torch.set_num_threads(threads)
+        rank_device = _setup_device(device, rank)
+        backend = "nccl" if device == "cuda" else "gloo"
+        group = comm.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world_size,
+            timeout_s=pg_timeout,
+        )
+
+        def progress(label: str) -> None:
+            if rank == 0:
+                out_q.put((rank, "progress", label))
+
+        result = fn(group, *args, progress, device=rank_device)
+        payload = pickle.dumps(result)
+        # every rank is done with its traffic before any rank tears down
+        comm.barrier(group)
+        comm.destroy_process_group()
+        out_q.put((rank, "ok", payload))
+        code = 0
+    except BaseException as exc:  # report everything, including SystemExit
+        out_q.put((rank, "error", {
+            "summary": f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc)
+            else type(exc).__name__,
+            "traceback": traceback.format_exc(),
+        }))
+    finally:
+        out_q.close()
+        out_q.join_thread()
+        os._exit(code)
+
+
+def _collect(procs, out_q, timeout: float, grace: float, progress: Optional[Progress]):
+    """Poll the ranks' reports until all are in, one failed (plus `grace`), or the deadline."""
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout
+    results: Dict[int, bytes] = {}
+    errors: Dict[int, Dict[str, str]] = {}
+    first_failure: Optional[float] = None
+    while len(results) + len(errors) < world_size:
+        now = time.monotonic()
+        if now > deadline or (first_failure is not None and now > first_failure + grace):
+            break
+        try:
+            rank, status, payload = out_q.get(timeout=0.2)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs)
+                    if p.exitcode is not None and r not in results and r not in errors]
+            if dead:
+                time.sleep(1.0)  # its report may still be in the pipe
+                try:
+                    rank, status, payload = out_q.get_nowait()
+                except queue.Empty:
+                    r = dead[0]
+                    errors[r] = _lost(f"process exited with code {procs[r].exitcode} "
+                                      "without a report")
+                    first_failure = first_failure or time.monotonic()
+                    continue
+            else:
+                continue
+        if status == "progress":
+            if progress is not None:
+                progress.step(payload)
+        elif status == "ok":
+            results[rank] = payload
+        else:
+            errors[rank] = payload
+            first_failure = first_failure or time.monotonic()
+    for r in range(world_size):
+        if r not in results and r not in errors:
+            errors[r] = _lost("stopped after another rank failed" if errors
+                              else f"no result within the {timeout:.0f} s deadline (killed)")
+    return results, errors
+
+
+def _lost(summary: str) -> Dict[str, str]:
+    return {"summary": summary, "traceback": summary}
