@@ -1,0 +1,118 @@
+"""Brute-force float64 references for the tests (SPEC.md, "A brute-force reference").
+
+Everything here is dense and slow on purpose: an (n x m) score matrix per
+head, built from the definitions with no cleverness, so that it is obviously
+correct for small n. Other test files import from here (the tests directory
+is on sys.path under pytest), e.g. ``from reference import reference_attention``.
+
+Notation: b batch, n query rows, m key rows, h query heads, hk key/value
+heads, d head dim. Layout (b, n, h, d); every returned lse is (b, h, n),
+the layout of the public API's ``return_lse=True``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+
+def dilated_counts(
+    n: int, h: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int], causal: bool
+) -> Tensor:
+    """c (h, n, n) int64: in how many patterns query t of head j attends key u.
+
+    Straight from SPEC.md "One pattern": W = min(w, n), segments
+    [a, min(a + W, n)), head j selects local index (t - a) with
+    (t - a) mod r == j mod r, a selected query attends the selected keys of
+    its own segment (u <= t too when causal).
+    """
+    counts = torch.zeros(h, n, n, dtype=torch.int64)
+    pos = torch.arange(n)
+    for w, r in zip(segment_lengths, dilation_rates):
+        seg_w = min(w, n)
+        segment = pos // seg_w  # (n,) which segment a position is in
+        local = pos - segment * seg_w  # (n,) t - a
+        for j in range(h):
+            selected = local % r == j % r  # (n,)
+            # (n, 1) & (1, n): query t and key u both selected, same segment
+            attends = selected[:, None] & selected[None, :]
+            attends &= segment[:, None] == segment[None, :]
+            if causal:
+                attends &= pos[None, :] <= pos[:, None]
+            counts[j] += attends.long()
+    return counts
+
+
+def attention_with_counts(
+    q: Tensor, k: Tensor, v: Tensor, counts: Tensor, scale: Optional[float] = None
+) -> Tuple[Tensor, Tensor]:
+    """Softmax attention with logits s(t, u) + log c(t, u) (-inf where c == 0), in float64.
+
+    q (b, n, h, d), k/v (b, m, hk, d), counts broadcastable to (b, h, n, m).
+    Query head j reads key/value head j // (h // hk). Returns out (b, n, h, d)
+    and lse (b, h, n), both float64; a row with no keys gets out 0 and lse
+    -inf. Differentiable, and its gradients are finite everywhere (masked
+    entries are chosen with torch.where, never computed as exp(-inf - -inf)).
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    b, n, h, d = q.shape
+    hk = k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    kv_head = torch.arange(h) // (h // hk)  # query head j -> key/value head
+    k_h, v_h = k[:, :, kv_head], v[:, :, kv_head]  # (b, m, hk, d) -> (b, m, h, d)
+    counts = torch.as_tensor(counts).expand(b, h, n, k.shape[1])  # (b, h, n, m)
+    allowed = counts > 0
+    has_keys = allowed.any(-1, keepdim=True)  # (b, h, n, 1)
+    scores = torch.einsum("bnhd,bmhd->bhnm", q, k_h) * scale
+    scores = scores + torch.log(counts.clamp(min=1).double())
+    # Masked keys get -inf; a row with no keys at all gets 0 everywhere so its
+    # logsumexp (and that of its gradient) stays finite; it is masked below.
+    fill = torch.where(has_keys, -math.inf, 0.0)
+    scores = torch.where(allowed, scores, fill)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (b, h, n, 1)
+    probs = torch.where(allowed, torch.exp(scores - lse), 0.0)
+    out = torch.einsum("bhnm,bmhd->bnhd", probs, v_h)
+    lse = torch.where(has_keys, lse, -math.inf).squeeze(-1)
+    return out, lse
+
+
+def reference_dilated_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    *,
+    causal: bool = False,
+    scale: Optional[float] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Exact dilated attention (SPEC.md) in float64: out (b, n, h, d), lse (b, h, n)."""
+    n, h = q.shape[1], q.shape[2]
+    counts = dilated_counts(n, h, segment_lengths, dilation_rates, causal)
+    return attention_with_counts(q, k, v, counts, scale)
+
+
+def reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None
+) -> Tuple[Tensor, Tensor]:
+    """Dense softmax attention in float64: out (b, n, h, d), lse (b, h, n).
+
+    q (b, n, h, d), k/v (b, m, hk, d), GQA by head mapping j -> j // (h // hk).
+    ``causal``: query t sees keys u <= t (top-left aligned, as SDPA; for
+    n == m the usual lower triangle).
+    """
+    n, m = q.shape[1], k.shape[1]
+    counts = torch.ones(n, m, dtype=torch.int64)
+    if causal:
+        counts = torch.tril(counts)
+    return attention_with_counts(q, k, v, counts, scale)
+
+
+def grads(outputs: Sequence[Tensor], grad_outputs: Sequence[Tensor], inputs: Sequence[Tensor]):
+    """torch.autograd.grad with upstream gradients (graph kept); unused inputs give zeros."""
+    result = torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True, allow_unused=True)
+    return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(inputs, result))

@@ -1,0 +1,375 @@
+"""dilated_attention against the brute-force float64 reference (SPEC.md).
+
+Property tests draw random valid configurations (any n, several patterns,
+rates up to the segment length, heads not divisible by the rate or the
+number of patterns, GQA/MQA, causal or not, custom scale) and compare out,
+lse and dq/dk/dv for an upstream gradient on out and, separately, on lse.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.testing import assert_close
+
+from dilated_attention import dilated_attention
+from reference import dilated_counts, grads, reference_dilated_attention
+
+BACKENDS = ("cpu_flash", "blockwise")
+
+# (rtol, atol) against the float64 reference; SPEC.md "Dtypes and tolerance".
+# atol is relative to the largest reference value (see `close`).
+TOLERANCE = {
+    torch.float64: (1e-9, 1e-9),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (3e-2, 3e-2),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    b: int
+    n: int
+    h: int
+    hk: int
+    d: int
+    segment_lengths: Tuple[int, ...]
+    dilation_rates: Tuple[int, ...]
+    causal: bool
+    scale: Optional[float]
+    seed: int
+
+
+@st.composite
+def configs(draw, max_n: int = 70) -> Config:
+    n = draw(st.integers(1, max_n))
+    num_patterns = draw(st.integers(1, 3))
+    # mix short segments (many per sequence) with ones longer than n
+    segs = tuple(draw(st.one_of(st.integers(1, 8), st.integers(1, 80))) for _ in range(num_patterns))
+    # mostly small rates (the interesting offsets), sometimes any rate up to w
+    rates = tuple(draw(st.one_of(st.integers(1, min(w, 4)), st.integers(1, w))) for w in segs)
+    hk = draw(st.integers(1, 3))
+    h = hk * draw(st.integers(1, 3))
+    return Config(
+        b=draw(st.integers(1, 2)),
+        n=n,
+        h=h,
+        hk=hk,
+        d=draw(st.sampled_from([1, 3, 4, 8, 16])),
+        segment_lengths=segs,
+        dilation_rates=rates,
+        causal=draw(st.booleans()),
+        scale=draw(st.one_of(st.none(), st.floats(0.05, 2.0))),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def make_inputs(cfg: Config, dtype: torch.dtype, magnitude: float = 1.0):
+    """Leaf tensors q (b, n, h, d), k/v (b, n, hk, d) and upstream grads dout, dlse (b, h, n)."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q = (magnitude * randn(cfg.b, cfg.n, cfg.h, cfg.d)).to(dtype).requires_grad_()
+    k = (magnitude * randn(cfg.b, cfg.n, cfg.hk, cfg.d)).to(dtype).requires_grad_()
+    v = randn(cfg.b, cfg.n, cfg.hk, cfg.d).to(dtype).requires_grad_()
+    dout = randn(cfg.b, cfg.n, cfg.h, cfg.d).to(dtype)
+    dlse = randn(cfg.b, cfg.h, cfg.n)
+    return q, k, v, dout, dlse
+
+
+def run_op(cfg: Config, q, k, v, backend: str, **kwargs):
+    return dilated_attention(
+        q, k, v, list(cfg.segment_lengths), list(cfg.dilation_rates), is_causal=cfg.causal,
+        scale=cfg.scale, return_lse=True, backend=backend, **kwargs,
+    )
+
+
+def run_reference(cfg: Config, q, k, v):
+    """The reference on float64 copies of exactly the values the op saw."""
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    out, lse = reference_dilated_attention(
+        q64, k64, v64, cfg.segment_lengths, cfg.dilation_rates, causal=cfg.causal, scale=cfg.scale
+    )
+    return (q64, k64, v64), out, lse
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """got ~ want to the tolerance of `dtype`, with atol scaled by the size of `want`.
+
+    Scaling atol matters for gradients: an entry that is exactly 0 in theory
+    (a query that attends only itself has dq = 0) is a difference of two
+    O(|dout| |v|) terms, so its rounding error is relative to those, not to 0.
+    """
+    rtol, atol = TOLERANCE[dtype]
+    finite = want[torch.isfinite(want)]
+    size = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+    assert_close(got.double(), want, rtol=rtol, atol=atol * size, msg=lambda m: f"{what}: {m}")
+
+
+def check_against_reference(cfg: Config, dtype: torch.dtype, backend: str) -> None:
+    q, k, v, dout, dlse = make_inputs(cfg, dtype)
+    out, lse = run_op(cfg, q, k, v, backend)
+    ref_inputs, ref_out, ref_lse = run_reference(cfg, q, k, v)
+
+    assert out.dtype == dtype and out.shape == (cfg.b, cfg.n, cfg.h, cfg.d)
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert lse.shape == (cfg.b, cfg.h, cfg.n)
+    close(out, ref_out, dtype, "out")
+    close(lse, ref_lse, dtype, "lse")
+
+    # gradient of <out, dout> ...
+    got = grads([out], [dout], [q, k, v])
+    want = grads([ref_out], [dout.double()], ref_inputs)
+    for name, g, w in zip("qkv", got, want):
+        assert g.dtype == dtype, name
+        close(g, w, dtype, f"d{name} (dout)")
+    # ... and, separately, of <lse, dlse> (dv is zero: lse does not depend on v)
+    got = grads([lse], [dlse.to(lse.dtype)], [q, k, v])
+    want = grads([ref_lse], [dlse], ref_inputs)
+    for name, g, w in zip("qkv", got, want):
+        close(g, w, dtype, f"d{name} (dlse)")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=200)
+@given(cfg=configs())
+def test_float64_matches_reference(backend: str, cfg: Config) -> None:
+    check_against_reference(cfg, torch.float64, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=200)
+@given(cfg=configs())
+def test_float32_matches_reference(backend: str, cfg: Config) -> None:
+    check_against_reference(cfg, torch.float32, backend)
+
+
+# Hand-picked corners the property tests may or may not draw.
+CORNERS = [
+    Config(1, 1, 1, 1, 4, (1,), (1,), False, None, 0),  # a single token
+    Config(1, 5, 2, 1, 4, (16,), (1,), True, None, 1),  # segment longer than n: dense causal
+    Config(2, 13, 6, 2, 8, (4, 8, 16), (1, 2, 4), False, None, 2),  # LongNet-style, n % w != 0
+    Config(1, 11, 5, 5, 4, (6, 6), (3, 3), True, 0.3, 3),  # same pattern twice counts twice
+    Config(1, 9, 3, 1, 4, (9,), (9,), False, None, 4),  # MQA, rate == w: one row per head
+    Config(1, 17, 4, 2, 3, (5, 3), (5, 2), True, 1.7, 5),  # tail segment shorter than the rate
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("cfg", CORNERS, ids=lambda c: f"n{c.n}-w{c.segment_lengths}-r{c.dilation_rates}")
+def test_corners_match_reference(cfg: Config, dtype: torch.dtype, backend: str) -> None:
+    check_against_reference(cfg, dtype, backend)
+
+
+def test_reference_agrees_with_per_pattern_merge() -> None:
+    """The count-biased reference equals SPEC.md's other form: merge per-pattern attention."""
+    cfg = Config(2, 23, 6, 3, 4, (8, 5, 40), (2, 1, 3), True, 0.6, 7)
+    q, k, v, _, _ = make_inputs(cfg, torch.float64)
+    out, lse = reference_dilated_attention(
+        q, k, v, cfg.segment_lengths, cfg.dilation_rates, causal=cfg.causal, scale=cfg.scale
+    )
+    from reference import attention_with_counts
+
+    parts = [
+        attention_with_counts(q, k, v, dilated_counts(cfg.n, cfg.h, [w], [r], cfg.causal), cfg.scale)
+        for w, r in zip(cfg.segment_lengths, cfg.dilation_rates)
+    ]
+    lse_parts = torch.stack([p[1] for p in parts])  # (patterns, b, h, n)
+    merged_lse = torch.logsumexp(lse_parts, 0)
+    # (patterns, b, h, n) -> (patterns, b, n, h, 1): weights exp(lse_i - lse)
+    weights = torch.exp(lse_parts - merged_lse).nan_to_num(0.0).permute(0, 1, 3, 2).unsqueeze(-1)
+    merged_out = (weights * torch.stack([p[0] for p in parts])).sum(0)
+    assert_close(lse, merged_lse)
+    assert_close(out, merged_out)
+
+
+# --------------------------------------------------------------------------
+# gradcheck on tiny shapes
+
+
+GRADCHECK = [
+    Config(1, 7, 4, 2, 3, (4, 2), (2, 1), False, None, 10),
+    Config(1, 6, 3, 1, 2, (3, 6), (1, 2), True, 0.8, 11),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cfg", GRADCHECK, ids=["gqa", "mqa-causal"])
+def test_gradcheck(cfg: Config, backend: str) -> None:
+    q, k, v, _, _ = make_inputs(cfg, torch.float64)
+
+    def out_only(q, k, v):
+        return run_op(cfg, q, k, v, backend)[0]
+
+    def out_and_lse(q, k, v):
+        # every row of these configs attends something, so lse is finite
+        return run_op(cfg, q, k, v, backend)
+
+    assert torch.autograd.gradcheck(out_only, (q, k, v))
+    assert torch.autograd.gradcheck(out_and_lse, (q, k, v))
+
+
+# --------------------------------------------------------------------------
+# low precision
+
+
+LOW_PRECISION = [
+    Config(2, 37, 6, 2, 16, (8, 16, 64), (1, 2, 4), False, None, 20),
+    Config(1, 50, 4, 4, 8, (7, 20), (2, 3), True, None, 21),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cfg", LOW_PRECISION, ids=["noncausal", "causal"])
+def test_low_precision_matches_reference(cfg: Config, dtype: torch.dtype, backend: str) -> None:
+    check_against_reference(cfg, dtype, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_large_logits_stay_finite(dtype: torch.dtype, backend: str) -> None:
+    """Logits of magnitude ~1e4 overflow a naive fp16 softmax; the op must not."""
+    cfg = Config(1, 24, 4, 2, 16, (8, 24), (1, 2), True, None, 30)
+    # |q . k| * scale ~ 100 * 100 * 16 / 4 = 4e4
+    q, k, v, dout, dlse = make_inputs(cfg, dtype, magnitude=100.0)
+    out, lse = run_op(cfg, q, k, v, backend)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    # out is a convex combination of the rows of v
+    assert out.abs().max() <= v.abs().max() * 1.01
+    for g in grads([out, lse], [dout, dlse.to(lse.dtype)], [q, k, v]):
+        assert not torch.isnan(g).any()
+    ref_lse = run_reference(cfg, q, k, v)[2]
+    assert_close(lse.double(), ref_lse, rtol=TOLERANCE[dtype][0], atol=0.0)
+
+
+# --------------------------------------------------------------------------
+# rows that attend nothing
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_attending_nothing(causal: bool, backend: str) -> None:
+    # rate 2, one head group per offset: head 0 skips odd local rows, head 1 even ones;
+    # rate 3 on the 2-row tail segment leaves offset 2 (head 2) with nothing there.
+    cfg = Config(2, 10, 3, 1, 4, (4,), (3,), causal, None, 40)
+    counts = dilated_counts(cfg.n, cfg.h, cfg.segment_lengths, cfg.dilation_rates, cfg.causal)
+    empty = counts.sum(-1) == 0  # (h, n)
+    assert empty.any() and not empty.all()
+    q, k, v, dout, dlse = make_inputs(cfg, torch.float64)
+    out, lse = run_op(cfg, q, k, v, backend)
+    # (h, n) -> (b, n, h) for out, (b, h, n) for lse
+    assert (out.detach().permute(0, 2, 1, 3)[:, empty] == 0).all()
+    assert (lse.detach()[:, empty] == -math.inf).all()
+    assert torch.isfinite(lse.detach()[:, ~empty]).all()
+    # upstream gradients are nonzero on the empty rows too: they must not leak into q
+    dq, dk, dv = grads([out, lse], [dout, dlse], [q, k, v])
+    for g in (dq, dk, dv):
+        assert torch.isfinite(g).all()
+    assert (dq.permute(0, 2, 1, 3)[:, empty] == 0).all()
+    ref_inputs, ref_out, ref_lse = run_reference(cfg, q, k, v)
+    for g, w in zip((dq, dk, dv), grads([ref_out, ref_lse], [dout, dlse], ref_inputs)):
+        assert_close(g, w, rtol=1e-9, atol=1e-9)
+
+
+# --------------------------------------------------------------------------
+# dropout
+
+
+DROPOUT_CFG = Config(1, 12, 4, 2, 4, (6, 12), (1, 2), False, None, 50)
+
+
+def test_no_dropout_is_deterministic() -> None:
+    q, k, v, _, _ = make_inputs(DROPOUT_CFG, torch.float32)
+    first = run_op(DROPOUT_CFG, q, k, v, "auto", dropout_p=0.0)
+    second = run_op(DROPOUT_CFG, q, k, v, "auto", dropout_p=0.0)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+def test_dropout_reproducible_under_manual_seed() -> None:
+    q, k, v, _, _ = make_inputs(DROPOUT_CFG, torch.float64)
+    torch.manual_seed(123)
+    first = run_op(DROPOUT_CFG, q, k, v, "auto", dropout_p=0.3)[0]
+    torch.manual_seed(123)
+    again = run_op(DROPOUT_CFG, q, k, v, "auto", dropout_p=0.3)[0]
+    torch.manual_seed(124)
+    other = run_op(DROPOUT_CFG, q, k, v, "auto", dropout_p=0.3)[0]
+    exact = run_op(DROPOUT_CFG, q, k, v, "auto", dropout_p=0.0)[0]
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    assert not torch.allclose(first, exact)
+
+
+def test_dropout_mean_approaches_exact_output() -> None:
+    """Dropout rescales by 1/(1-p), so the mean over masks is the p = 0 output."""
+    q, k, v, _, _ = make_inputs(DROPOUT_CFG, torch.float64)
+    exact, exact_lse = run_op(DROPOUT_CFG, q, k, v, "auto")
+    samples = 400
+    total = torch.zeros_like(exact)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for _ in range(samples):
+            out, lse = run_op(DROPOUT_CFG, q, k, v, "auto", dropout_p=0.25)
+            total += out
+            # the normaliser is that of the undropped softmax
+            assert_close(lse, exact_lse)
+    mean_error = (total / samples - exact).abs().mean()
+    single_error = (out - exact).abs().mean()
+    # a single sample is far off; the mean of 400 is ~20x closer (1/sqrt(400))
+    assert single_error > 0.1
+    assert mean_error < single_error / 8
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_gradcheck_with_reseeding(causal: bool) -> None:
+    """The backward replays the forward's masks: gradcheck holds when each call reseeds."""
+    cfg = Config(1, 6, 2, 1, 3, (3, 6), (1, 2), causal, None, 51)
+    q, k, v, _, _ = make_inputs(cfg, torch.float64)
+
+    def fn(q, k, v):
+        torch.manual_seed(7)
+        return run_op(cfg, q, k, v, "auto", dropout_p=0.4)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+# --------------------------------------------------------------------------
+# memory layout
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_noncontiguous_inputs(backend: str) -> None:
+    """q, k, v sliced from one packed qkv tensor, or transposed, give the same results."""
+    cfg = Config(2, 19, 4, 4, 8, (8, 4), (2, 1), True, None, 60)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    # (b, n, 3, h, d): q, k, v interleaved per position, as a fused projection writes them
+    qkv = torch.randn(cfg.b, cfg.n, 3, cfg.h, cfg.d, generator=gen, dtype=torch.float64)
+    qkv.requires_grad_()
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    out, lse = run_op(cfg, q, k, v, backend)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    (dqkv,) = grads([out], [dout], [qkv])
+
+    leaves = [x.detach().contiguous().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = run_op(cfg, *leaves, backend)
+    assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+    assert_close(dqkv, torch.stack(grads([ref_out], [dout], leaves), 2), rtol=1e-12, atol=1e-12)
+
+    # (b, h, n, d) storage seen as (b, n, h, d)
+    transposed = [x.detach().transpose(1, 2).contiguous().transpose(1, 2) for x in leaves]
+    assert not transposed[0].is_contiguous()
+    t_out, t_lse = run_op(cfg, *transposed, backend)
+    assert_close(t_out, ref_out.detach(), rtol=1e-12, atol=1e-12)
+    assert_close(t_lse, ref_lse.detach(), rtol=1e-12, atol=1e-12)
