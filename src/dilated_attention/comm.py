@@ -279,10 +279,11 @@ class RingComm:
     ``batch_isend_irecv``, ``wait()`` blocks until they are done; the
     receive buffers hold the data after ``wait()``. A received buffer must
     have the shape the previous rank sends (pass `recv_buffer` when blocks
-    differ in size).
+    differ in size). Two RingComms used at once between the same ranks
+    (e.g. K/V and dK/dV in a backward) take different `tag` bases.
     """
 
-    def __init__(self, group: ProcessGroup) -> None:
+    def __init__(self, group: ProcessGroup, *, tag: int = 0) -> None:
         if not is_distributed(group):
             raise ValueError(f"RingComm needs a process group of more than one rank, got {group!r}")
         self.group = group
@@ -290,6 +291,7 @@ class RingComm:
         self.size = group_size(group)
         self.send_to = global_rank(group, (self.rank + 1) % self.size)
         self.recv_from = global_rank(group, (self.rank - 1) % self.size)
+        self.tag = tag
         self._ops: List[Tuple[str, Tensor, int, int]] = []
         self._reqs: List[Any] = []
 
@@ -297,7 +299,7 @@ class RingComm:
         """Queue sending `to_send` forward; return the buffer that will receive."""
         if recv_buffer is None:
             recv_buffer = torch.empty_like(to_send)
-        tag = len(self._ops) // 2
+        tag = self.tag + len(self._ops) // 2
         self._ops.append(("send", to_send.contiguous(), self.send_to, tag))
         self._ops.append(("recv", recv_buffer, self.recv_from, tag))
         return recv_buffer

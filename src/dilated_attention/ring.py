@@ -1,0 +1,313 @@
+"""Ring attention: exact dense attention over a sequence spread across ranks.
+
+Notation: b batch, n this rank's query rows, m a key block's rows, h query
+heads, hk key/value heads, d head dim, P ranks; layout (b, n, h, d).
+
+Every rank holds its piece of q, k, v. The K/V blocks travel around the
+ring (rank p sends to p+1, receives from p-1): at step s rank p holds the
+block of rank (p - s) mod P, and the transfer of the next block is posted
+before this block's compute, so communication overlaps compute. The partial
+results of the P blocks are merged with ``merge.merge_`` in fp32. A rank
+never holds more than its own block plus the block in flight.
+
+The backward runs the ring again with the final merged ``out``/``lse``
+(``kernels.attention_backward`` then recomputes each block's share of the
+global softmax exactly): dq accumulates locally, and each block's dK/dV
+accumulator travels with it, gaining every rank's contribution, until one
+last step brings it home.
+
+Pieces may differ in length and be empty; ranks agree on every length in
+the one agreement collective before the ring starts, so receive buffers
+have the right shapes.
+
+Note [zigzag]
+~~~~~~~~~~~~~
+With causal attention and contiguous pieces, rank P-1 computes P blocks and
+rank 0 one: the ring is as slow as its busiest rank. The zigzag layout cuts
+the sequence into 2P chunks of c rows and gives rank p chunks p and
+2P-1-p, concatenated (local rows [0, c) are chunk p, [c, 2c) chunk 2P-1-p).
+P = 2, chunks 0..3:
+
+    sequence:  | 0 | 1 | 2 | 3 |        rank 0 holds [0 | 3]
+                                        rank 1 holds [1 | 2]
+
+Local order is global order on each rank, so for the block of rank src
+seen by rank p (every rank does 2c*c units of work at every step):
+
+    src == p   square causal over all 2c rows (the usual triangle)
+    src <  p   all 2c queries see the block's first chunk (chunk src < p)
+               fully and its second chunk (2P-1-src > 2P-1-p) not at all
+    src >  p   the first query chunk (p < src) sees nothing; the second
+               (2P-1-p) sees both chunks of the block fully
+
+           keys of rank src
+            [src | 2P-1-src]
+    src<p:   ###   ...        q rows [0, 2c)  x  k rows [0, c)
+    src>p:   ###   ###        q rows [c, 2c)  x  k rows [0, 2c)
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _validation as check
+from . import comm
+from .kernels import attention_backward, attention_forward, lse_dtype, select_backend
+from .merge import empty_accumulators, merge_
+from .sharding import check_layout, check_piece_lengths
+
+_ALL = slice(None)
+
+# RingComm tag bases, so K/V and dK/dV transfers between the same two ranks
+# never pair up with each other.
+_KV_TAG, _DKV_TAG = 0, 2
+
+
+def _block_plan(
+    layout: str, causal: bool, rank: int, src: int, n_q: int, n_k: int
+) -> Optional[Tuple[slice, slice, bool]]:
+    """Which query rows meet which key rows of rank `src`'s block, and whether causally.
+
+    None when the block contributes nothing to this rank's queries.
+    """
+    if n_q == 0 or n_k == 0:
+        return None  # the kernels need at least one key; nothing to do
+    if not causal:
+        return _ALL, _ALL, False
+    if src == rank:
+        return _ALL, _ALL, True
+    if layout == "contiguous":
+        return (_ALL, _ALL, False) if src < rank else None
+    half = n_q // 2  # Note [zigzag]
+    if src < rank:
+        return _ALL, slice(0, half), False
+    return slice(half, None), _ALL, False
+
+
+def _lengths(group, n: int, lengths: Optional[Sequence[int]]) -> List[int]:
+    size = comm.group_size(group)
+    lengths = [n] * size if lengths is None else list(lengths)
+    if len(lengths) != size or lengths[comm.group_rank(group)] != n:
+        raise ValueError(
+            f"lengths {lengths} must give {size} piece lengths including this rank's ({n})"
+        )
+    return lengths
+
+
+def ring_forward(
+    group,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    layout: str = "contiguous",
+    lengths: Optional[Sequence[int]] = None,
+    backend: str = "auto",
+) -> Tuple[Tensor, Tensor]:
+    """q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse (b, n, h) fp32.
+
+    `lengths`: every rank's piece length (default: all equal to this one's).
+    Every rank of `group` must call this with agreed arguments.
+    """
+    size, rank = comm.group_size(group), comm.group_rank(group)
+    lengths = _lengths(group, q.shape[1], lengths)
+    b, n, _, d = q.shape
+    hk = k.shape[2]
+    ring = comm.RingComm(group, tag=_KV_TAG) if size > 1 else None
+    acc_out, acc_lse = empty_accumulators(q.shape, q.dtype, q.device)
+    k_cur, v_cur = k, v
+    for step in range(size):
+        src = (rank - step) % size
+        if step + 1 < size:
+            # post the next block's transfer before this block's compute
+            shape = (b, lengths[(rank - step - 1) % size], hk, d)
+            k_next = ring.send_recv(k_cur, k_cur.new_empty(shape))
+            v_next = ring.send_recv(v_cur, v_cur.new_empty(shape))
+            ring.commit()
+        plan = _block_plan(layout, causal, rank, src, n, lengths[src])
+        if plan is not None:
+            rows, keys, block_causal = plan
+            out_b, lse_b = attention_forward(
+                q[:, rows], k_cur[:, keys], v_cur[:, keys], causal=block_causal, scale=scale,
+                backend=backend,
+            )
+            merge_(acc_out[:, rows], acc_lse[:, rows], out_b, lse_b)
+        if step + 1 < size:
+            ring.wait()
+            k_cur, v_cur = k_next, v_next
+    return acc_out.to(q.dtype), acc_lse
+
+
+def ring_backward(
+    group,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    layout: str = "contiguous",
+    lengths: Optional[Sequence[int]] = None,
+    backend: str = "auto",
+    dlse: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of this rank's piece, given the final out and lse of `ring_forward`.
+
+    ``dlse`` (b, n, h), when given, is the gradient flowing into ``lse``.
+    """
+    size, rank = comm.group_size(group), comm.group_rank(group)
+    lengths = _lengths(group, q.shape[1], lengths)
+    b, n, _, d = q.shape
+    hk = k.shape[2]
+    acc = lse_dtype(q.dtype)
+    kv_ring = comm.RingComm(group, tag=_KV_TAG) if size > 1 else None
+    dkv_ring = comm.RingComm(group, tag=_DKV_TAG) if size > 1 else None
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    k_cur, v_cur = k, v
+    dk_in = dv_in = None  # the current block's dK/dV from the ranks before this one
+    for step in range(size):
+        src = (rank - step) % size
+        if step + 1 < size:
+            shape = (b, lengths[(rank - step - 1) % size], hk, d)
+            k_next = kv_ring.send_recv(k_cur, k_cur.new_empty(shape))
+            v_next = kv_ring.send_recv(v_cur, v_cur.new_empty(shape))
+            kv_ring.commit()
+        plan = _block_plan(layout, causal, rank, src, n, lengths[src])
+        grads = None
+        if plan is not None:
+            rows, keys, block_causal = plan
+            dq_b, dk_b, dv_b = attention_backward(
+                dout[:, rows], q[:, rows], k_cur[:, keys], v_cur[:, keys], out[:, rows],
+                lse[:, rows], causal=block_causal, scale=scale, backend=backend,
+                dlse=None if dlse is None else dlse[:, rows],
+            )
+            dq[:, rows] += dq_b
+            grads = (keys, dk_b, dv_b)
+        if step > 0:
+            dkv_ring.wait()  # dk_in/dv_in of this block have arrived
+        dk_acc, dv_acc = dk_in, dv_in
+        if dk_acc is None:  # step 0: this rank's own block starts from zero
+            dk_acc = torch.zeros(k_cur.shape, dtype=acc, device=q.device)
+            dv_acc = torch.zeros(v_cur.shape, dtype=acc, device=q.device)
+        if grads is not None:
+            keys, dk_b, dv_b = grads
+            dk_acc[:, keys] += dk_b
+            dv_acc[:, keys] += dv_b
+        if size == 1:
+            return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+        # this block's dK/dV go to the next rank, which holds the block at the
+        # next step; after the last step that rank is the block's home, and
+        # what arrives here is this rank's own complete dK/dV
+        shape = (b, lengths[(rank - step - 1) % size], hk, d)
+        dk_in = dkv_ring.send_recv(dk_acc, dk_acc.new_empty(shape))
+        dv_in = dkv_ring.send_recv(dv_acc, dv_acc.new_empty(shape))
+        dkv_ring.commit()
+        if step + 1 < size:
+            kv_ring.wait()
+            k_cur, v_cur = k_next, v_next
+    dkv_ring.wait()
+    return dq.to(q.dtype), dk_in.to(k.dtype), dv_in.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Saves q, k, v, out, lse; backward is `ring_backward` (a collective: every rank runs it)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, layout, lengths, backend):
+        out, lse = ring_forward(
+            group, q, k, v, causal=causal, scale=scale, layout=layout, lengths=lengths,
+            backend=backend,
+        )
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, causal, scale, layout, lengths, backend)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, scale, layout, lengths, backend = ctx.args
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = ring_backward(
+            group, dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
+            lengths=lengths, backend=backend, dlse=dlse,
+        )
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    group=None,
+    return_lse: bool = False,
+    layout: str = "contiguous",
+    backend: str = "auto",
+):
+    """Exact dense attention over the whole sequence spread across `group`.
+
+    Args:
+        q: (batch, seq_len, heads, head_dim), this rank's piece.
+        k, v: (batch, seq_len, kv_heads, head_dim); kv_heads divides heads.
+        is_causal: queries see only keys at or before their global position.
+        scale: softmax scale, default 1/sqrt(head_dim).
+        group: the process group the sequence is spread over; None (or one
+            rank) is plain local attention.
+        return_lse: also return the log-sum-exp (batch, heads, seq_len).
+        layout: "contiguous" (rank p holds the p-th piece; pieces may differ
+            in length and be empty) or "zigzag" (2P equal chunks, rank p
+            holds chunks p and 2P-1-p concatenated: even causal work; see
+            ``shard_sequence``).
+        backend: kernel override, as for ``dilated_attention``.
+
+    Returns:
+        This rank's rows of out (batch, seq_len, heads, head_dim), or
+        (out, lse) with lse float32 (float64 for float64 inputs). Every rank
+        must call this (and its backward) with the same configuration; a
+        mismatch or a bad argument on any rank raises on every rank.
+    """
+    distributed = comm.is_distributed(group)
+
+    def config():
+        check.check_qkv(q, k, v, allow_empty=distributed)
+        check.check_bool("return_lse", return_lse)
+        b, n, h, d = q.shape
+        return {
+            "is_causal": check.check_bool("is_causal", is_causal),
+            "scale": check.check_scale(scale, d),
+            "layout": check_layout(layout),
+            "backend": select_backend(q.device, q.dtype, backend=backend),
+            "dtype": q.dtype,
+            "device_type": q.device.type,
+            "batch": b,
+            "heads": h,
+            "kv_heads": k.shape[2],
+            "head_dim": d,
+            "n": n,
+        }
+
+    infos = comm.agree(group, config, per_rank=("n",))
+    cfg = infos[0]
+    lengths = tuple(info["n"] for info in infos)
+    if sum(lengths) == 0:
+        raise ValueError(f"the sequence is empty on every rank (piece lengths {list(lengths)})")
+    check_piece_lengths(lengths, layout)
+    out, lse = _RingAttention.apply(
+        q, k, v, group, is_causal, cfg["scale"], layout, lengths, cfg["backend"]
+    )
+    if return_lse:
+        # (b, n, h) -> (b, h, n)
+        return out, lse.transpose(1, 2)
+    return out

@@ -1,0 +1,215 @@
+"""Ring attention on real spawned gloo ranks == single-process dense attention.
+
+Each rank computes its piece of out, lse and the gradients; the parent
+compares them with the float64 brute-force reference of the whole sequence
+cut to that rank's rows, and checks the exact traffic of every call.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+
+from dilated_attention import comm
+from dilated_attention.ring import ring_attention
+from dilated_attention.sharding import piece_ranges
+from dist_harness import run_distributed, subgroup
+from reference import grads, reference_attention
+
+
+def _case(seed, *, lengths=None, n=None, layout="contiguous", causal, h=4, hk=4, b=2, d=8,
+          dtype=torch.float64, dlse=False) -> Dict:
+    return dict(seed=seed, lengths=lengths, n=n, layout=layout, causal=causal, h=h, hk=hk, b=b,
+                d=d, dtype=dtype, dlse=dlse)
+
+
+def _cases(world: int) -> List[Dict]:
+    uneven = {2: [3, 8], 3: [5, 0, 9], 4: [1, 6, 0, 7]}[world]
+    return [
+        _case(1, lengths=[6] * world, causal=False),
+        _case(2, lengths=[6] * world, causal=True, hk=2, dlse=True),
+        _case(3, lengths=uneven, causal=True, h=6, hk=2),
+        _case(4, lengths=uneven, causal=False, hk=1, dlse=True),
+        _case(5, n=4 * world, layout="zigzag", causal=True, hk=2, dlse=True),
+        _case(6, n=6 * world, layout="zigzag", causal=False),
+        _case(7, lengths=list(reversed(uneven)), causal=True, dtype=torch.float32),
+    ]
+
+
+def _full_inputs(case: Dict) -> Tuple[torch.Tensor, ...]:
+    """The whole sequence's q, k, v, dout, dlse (same on every process)."""
+    n = sum(case["lengths"]) if case["n"] is None else case["n"]
+    gen = torch.Generator().manual_seed(case["seed"])
+    b, h, hk, d, dtype = case["b"], case["h"], case["hk"], case["d"], case["dtype"]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    return (randn(b, n, h, d), randn(b, n, hk, d), randn(b, n, hk, d), randn(b, n, h, d),
+            randn(b, h, n))
+
+
+def _ranges(case: Dict, world: int, rank: int) -> List[Tuple[int, int]]:
+    if case["layout"] == "zigzag":
+        return piece_ranges(case["n"], world, rank, "zigzag")
+    start = sum(case["lengths"][:rank])
+    return [(start, start + case["lengths"][rank])]
+
+
+def _rows(x: torch.Tensor, ranges, dim: int = 1) -> torch.Tensor:
+    return torch.cat([x.narrow(dim, a, b_ - a) for a, b_ in ranges], dim=dim)
+
+
+def _run_case(group, case: Dict) -> Dict:
+    world, rank = comm.group_size(group), comm.group_rank(group)
+    q, k, v, dout, dlse = _full_inputs(case)
+    ranges = _ranges(case, world, rank)
+    q, k, v = (_rows(x, ranges).requires_grad_() for x in (q, k, v))
+    with comm.count_communication() as fwd:
+        out, lse = ring_attention(q, k, v, is_causal=case["causal"], group=group,
+                                  return_lse=True, layout=case["layout"])
+    upstream = [out, lse] if case["dlse"] else [out]
+    grad_up = [_rows(dout, ranges), _rows(dlse, ranges, dim=2)][: len(upstream)]
+    with comm.count_communication() as bwd:
+        torch.autograd.backward(upstream, grad_up)
+    return dict(out=out, lse=lse, dq=q.grad, dk=k.grad, dv=v.grad,
+                fwd=(fwd.messages, fwd.bytes_sent, fwd.agreements),
+                bwd=(bwd.messages, bwd.bytes_sent, bwd.agreements))
+
+
+def _raises(fn) -> Tuple[str, float]:
+    t0 = time.monotonic()
+    try:
+        fn()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - t0
+    return "no error", time.monotonic() - t0
+
+
+def _ring_cases(group, world_cases):
+    world, rank = comm.group_size(group), comm.group_rank(group)
+    results = {"cases": [_run_case(group, case) for case in world_cases]}
+    x = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    # ranks disagree on the configuration
+    results["causal_mismatch"] = _raises(
+        lambda: ring_attention(x, x, x, is_causal=rank == 1, group=group))
+    results["scale_mismatch"] = _raises(
+        lambda: ring_attention(x, x, x, scale=0.5 if rank == 0 else 0.25, group=group))
+    # one rank's input is bad before the collective
+    bad = x[..., :4] if rank == world - 1 else x
+    results["bad_tensor"] = _raises(lambda: ring_attention(x, bad, x, group=group))
+    results["zigzag_uneven"] = _raises(
+        lambda: ring_attention(x[:, : 2 + 2 * (rank == 0)], x[:, : 2 + 2 * (rank == 0)],
+                               x[:, : 2 + 2 * (rank == 0)], group=group, layout="zigzag"))
+    # a subgroup of ranks 1..P-1: its ring runs over group ranks, not global ones
+    if world >= 3:
+        sub = subgroup(list(range(1, world)))
+        if sub is not None:
+            results["subgroup"] = [_run_case(sub, case) for case in _sub_cases(world - 1)]
+    return results
+
+
+def _sub_cases(world: int) -> List[Dict]:
+    return [_case(11, lengths=[3 + r for r in range(world)], causal=True, hk=2, dlse=True),
+            _case(12, n=4 * world, layout="zigzag", causal=True)]
+
+
+def _expected_traffic(case: Dict, world: int, rank: int):
+    """(messages, bytes) of the forward and the backward on `rank`: exactly P-1 K/V blocks
+    forward; P-1 K/V blocks and P dK/dV blocks (fp64/fp32 accumulators) backward."""
+    n = case["n"]
+    lengths = [n // world] * world if case["layout"] == "zigzag" else case["lengths"]
+    row = case["b"] * case["hk"] * case["d"]
+    item = torch.empty(0, dtype=case["dtype"]).element_size()
+    kv_blocks = [lengths[(rank - s) % world] for s in range(world - 1)]
+    dkv_blocks = [lengths[(rank - s) % world] for s in range(world)]
+    fwd = (2 * sum(1 for m in kv_blocks if m), 2 * sum(kv_blocks) * row * item, 1)
+    bwd = (fwd[0] + 2 * sum(1 for m in dkv_blocks if m),
+           fwd[1] + 2 * sum(dkv_blocks) * row * item, 0)
+    return fwd, bwd
+
+
+def _check_case(case: Dict, world: int, rank: int, got: Dict) -> None:
+    q, k, v, dout, dlse = _full_inputs(case)
+    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
+    out, lse = reference_attention(q, k, v, causal=case["causal"])
+    upstream = [out, lse] if case["dlse"] else [out]
+    dq, dk, dv = grads(upstream, [dout.double(), dlse.double()][: len(upstream)], [q, k, v])
+    ranges = _ranges(case, world, rank)
+    tol = dict(atol=1e-10, rtol=1e-10) if case["dtype"] == torch.float64 else dict(atol=2e-5,
+                                                                                   rtol=2e-5)
+    where = f"case {case['seed']} rank {rank}"
+    for name, want, dim in (("out", out, 1), ("lse", lse, 2), ("dq", dq, 1), ("dk", dk, 1),
+                            ("dv", dv, 1)):
+        have = got[name].double()
+        torch.testing.assert_close(have, _rows(want, ranges, dim).detach(), **tol,
+                                   msg=lambda m: f"{where} {name}: {m}")
+    assert got["out"].dtype == case["dtype"]
+    fwd, bwd = _expected_traffic(case, world, rank)
+    assert got["fwd"] == fwd, f"{where}: forward traffic {got['fwd']} != {fwd}"
+    assert got["bwd"] == bwd, f"{where}: backward traffic {got['bwd']} != {bwd}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_matches_single_process(world):
+    cases = _cases(world)
+    results = run_distributed(_ring_cases, world, cases, timeout=240)
+    for rank, res in enumerate(results):
+        for case, got in zip(cases, res["cases"]):
+            _check_case(case, world, rank, got)
+        msg, secs = res["causal_mismatch"]
+        assert msg.startswith("ValueError") and "is_causal" in msg and secs < 10, msg
+        msg, secs = res["scale_mismatch"]
+        assert msg.startswith("ValueError") and "scale" in msg and secs < 10, msg
+        msg, secs = res["bad_tensor"]
+        assert msg.startswith("ValueError") and "head_dim" in msg and secs < 10, msg
+        if rank != world - 1:
+            assert f"rank {world - 1}" in msg
+        msg, _ = res["zigzag_uneven"]
+        assert msg.startswith("ValueError") and "zigzag" in msg, msg
+        if world >= 3:
+            if rank == 0:
+                assert "subgroup" not in res
+            else:
+                for case, got in zip(_sub_cases(world - 1), res["subgroup"]):
+                    _check_case(case, world - 1, rank - 1, got)
+
+
+# ----------------------------------------------------------------------------
+# Local (no group): plain attention
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_local_ring_is_plain_attention(causal, layout):
+    case = _case(21, lengths=[10], causal=causal, h=6, hk=3, dlse=True, dtype=torch.float32)
+    q, k, v, dout, dlse = _full_inputs(case)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out, lse = ring_attention(q, k, v, is_causal=causal, return_lse=True, layout=layout)
+    got = grads([out, lse], [dout, dlse], [q, k, v])
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref_out, ref_lse = reference_attention(q64, k64, v64, causal=causal)
+    want = grads([ref_out, ref_lse], [dout.double(), dlse.double()], [q64, k64, v64])
+    tol = dict(atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out.double(), ref_out.detach(), **tol)
+    torch.testing.assert_close(lse.double(), ref_lse.detach(), **tol)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, **tol)
+
+
+def test_local_validation_errors():
+    x = torch.randn(1, 5, 2, 4)
+    with pytest.raises(ValueError, match="layout"):
+        ring_attention(x, x, x, layout="spiral")
+    with pytest.raises(ValueError, match="zigzag"):
+        ring_attention(x, x, x, layout="zigzag")  # 5 rows: not two equal chunks
+    with pytest.raises(TypeError, match="is_causal"):
+        ring_attention(x, x, x, is_causal=1)
+    with pytest.raises(ValueError, match="seq_len"):
+        ring_attention(x[:, :0], x[:, :0], x[:, :0])
+    with pytest.raises(ValueError, match="scale"):
+        ring_attention(x, x, x, scale=-1.0)
