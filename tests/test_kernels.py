@@ -1,0 +1,151 @@
+"""The local kernels and the log-sum-exp merge against dense float64 attention.
+
+Notation: b batch, n query rows, m key rows, h query heads, hk key/value
+heads, d head dim; layout (b, n, h, d), kernel lse (b, n, h).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from dilated_attention.kernels import attention_backward, attention_forward
+from dilated_attention.merge import empty_accumulators, merge_
+from reference import grads, reference_attention
+
+CPU_BACKENDS = ("cpu_flash", "blockwise")
+# (rtol, atol) against the float64 reference, atol relative to the largest reference value
+TOLERANCE = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-5, 1e-5)}
+
+# (b, n, m, h, hk, d, causal): causal is the square lower triangle (n == m)
+SHAPES = [
+    (2, 7, 7, 4, 4, 8, True),
+    (1, 13, 13, 6, 2, 4, True),  # GQA
+    (2, 5, 9, 3, 1, 8, False),  # MQA, more keys than queries
+    (1, 9, 3, 4, 2, 5, False),  # fewer keys than queries
+    (1, 1, 1, 2, 1, 3, True),
+    (1, 600, 600, 2, 1, 8, True),  # several blockwise tiles: diagonal tiles are partly masked
+    (1, 530, 1100, 2, 2, 4, False),
+]
+
+
+def make(shape, dtype, seed=0):
+    b, n, m, h, hk, d, causal = shape
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen, dtype=torch.float64).to(dtype)
+
+    q, k, v = randn(b, n, h, d), randn(b, m, hk, d), randn(b, m, hk, d)
+    return q, k, v, randn(b, n, h, d), randn(b, n, h)
+
+
+def close(got, want, dtype, what):
+    rtol, atol = TOLERANCE[dtype]
+    size = max(1.0, want[torch.isfinite(want)].abs().max().item())
+    assert_close(got.double(), want, rtol=rtol, atol=atol * size, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-n{}-m{}-h{}-hk{}-d{}-causal{}".format(*s))
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["dout", "dout+dlse"])
+def test_kernel_matches_dense_reference(shape, dtype, backend, with_dlse) -> None:
+    causal = shape[-1]
+    scale = 0.37
+    q, k, v, dout, dlse = make(shape, dtype)
+    out, lse = attention_forward(q, k, v, causal=causal, scale=scale, backend=backend)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert lse.shape == q.shape[:3]
+
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = reference_attention(*leaves, causal=causal, scale=scale)
+    close(out, ref_out, dtype, "out")
+    close(lse.transpose(1, 2), ref_lse, dtype, "lse")  # (b, n, h) -> (b, h, n)
+
+    got = attention_backward(
+        dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend,
+        dlse=dlse if with_dlse else None,
+    )
+    upstream = [dout.double()] + ([dlse.double().transpose(1, 2)] if with_dlse else [])
+    want = grads([ref_out, ref_lse][: len(upstream)], upstream, leaves)
+    for name, g, w in zip("qkv", got, want):
+        assert g.dtype == dtype and g.shape == w.shape, name
+        close(g, w, dtype, f"d{name}")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_merging_key_blocks_equals_attention_over_all_keys(dtype, backend) -> None:
+    """Forward per key block + merge_ = attention over the union; each block's backward
+    given the merged out/lse returns its share of the exact gradients."""
+    shape = (2, 11, 17, 6, 3, 8, False)
+    q, k, v, dout, dlse = make(shape, dtype, seed=1)
+    blocks = [(0, 5), (5, 6), (6, 17)]
+    acc_out, acc_lse = empty_accumulators(q.shape, dtype, q.device)
+    assert acc_out.dtype == acc_lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    for k0, k1 in blocks:
+        out_i, lse_i = attention_forward(
+            q, k[:, k0:k1], v[:, k0:k1], causal=False, scale=0.5, backend=backend
+        )
+        merge_(acc_out, acc_lse, out_i, lse_i)
+
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = reference_attention(*leaves, causal=False, scale=0.5)
+    close(acc_out, ref_out, dtype, "merged out")
+    close(acc_lse.transpose(1, 2), ref_lse, dtype, "merged lse")
+
+    out = acc_out.to(dtype)
+    dq = torch.zeros_like(q)
+    dk, dv = [], []
+    for k0, k1 in blocks:
+        dq_i, dk_i, dv_i = attention_backward(
+            dout, q, k[:, k0:k1], v[:, k0:k1], out, acc_lse, causal=False, scale=0.5,
+            backend=backend, dlse=dlse,
+        )
+        dq += dq_i
+        dk.append(dk_i)
+        dv.append(dv_i)
+    want = grads([ref_out, ref_lse], [dout.double(), dlse.double().transpose(1, 2)], leaves)
+    for name, g, w in zip("qkv", (dq, torch.cat(dk, 1), torch.cat(dv, 1)), want):
+        close(g, w, dtype, f"d{name}")
+
+
+def test_merge_rows_without_keys() -> None:
+    """-inf on one side leaves the other side; -inf on both stays (0, -inf), never NaN."""
+    acc_out, acc_lse = empty_accumulators((1, 3, 2, 4), torch.float32, "cpu")
+    # (b, n, h, d): a block where row 0 has keys, rows 1 and 2 have none
+    out_a = torch.randn(1, 3, 2, 4)
+    lse_a = torch.tensor([[[0.5, -1.0], [-math.inf, -math.inf], [-math.inf, -math.inf]]])
+    out_a[:, 1:] = 0.0
+    merge_(acc_out, acc_lse, out_a, lse_a)
+    assert_close(acc_out, out_a)
+    assert_close(acc_lse, lse_a)
+    # a second block giving row 1 (not row 2) some keys, and row 0 none
+    out_b = torch.randn(1, 3, 2, 4)
+    lse_b = torch.tensor([[[-math.inf, -math.inf], [2.0, 0.0], [-math.inf, -math.inf]]])
+    out_b[:, 0] = 0.0
+    out_b[:, 2] = 0.0
+    merge_(acc_out, acc_lse, out_b, lse_b)
+    assert not torch.isnan(acc_out).any() and not torch.isnan(acc_lse).any()
+    assert_close(acc_out[:, 0], out_a[:, 0])
+    assert_close(acc_out[:, 1], out_b[:, 1])
+    assert (acc_out[:, 2] == 0).all()
+    assert_close(acc_lse[:, :2], torch.tensor([[[0.5, -1.0], [2.0, 0.0]]]))
+    assert (acc_lse[:, 2] == -math.inf).all()
+
+
+def test_merge_low_precision_blocks_into_fp32() -> None:
+    """bf16 partial outputs merge into fp32 accumulators, in place."""
+    q, k, v, _, _ = make((1, 6, 8, 2, 2, 4, False), torch.bfloat16, seed=2)
+    acc_out, acc_lse = empty_accumulators(q.shape, q.dtype, q.device)
+    assert acc_out.dtype == torch.float32
+    for k0, k1 in [(0, 3), (3, 8)]:
+        merge_(acc_out, acc_lse, *attention_forward(q, k[:, k0:k1], v[:, k0:k1], causal=False, scale=0.5))
+    ref_out, ref_lse = reference_attention(q, k, v, causal=False, scale=0.5)
+    assert_close(acc_out.double(), ref_out, rtol=3e-2, atol=3e-2)
+    assert_close(acc_lse.double().transpose(1, 2), ref_lse, rtol=3e-2, atol=3e-2)
