@@ -2,10 +2,15 @@
 
 from .dilated import dilated_attention
 from .modules import DilatedAttention, MultiheadDilatedAttention
+from .ring import ring_attention
+from .sharding import shard_sequence, unshard_sequence
 
 __all__ = [
     "dilated_attention",
     "DilatedAttention",
     "MultiheadDilatedAttention",
+    "ring_attention",
+    "shard_sequence",
+    "unshard_sequence",
 ]
 __version__ = "0.1.0"
