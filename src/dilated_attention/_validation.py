@@ -80,9 +80,13 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, allow_empty: bool = False) -> 
                 f"{name} must be float64, float32, float16 or bfloat16, got {x.dtype}"
             )
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(
+            f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}"
+        )
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise ValueError(
+            f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}"
+        )
     for dim, what in ((0, "batch"), (1, "seq_len"), (3, "head_dim")):
         sizes = (q.shape[dim], k.shape[dim], v.shape[dim])
         if len(set(sizes)) != 1:
@@ -94,14 +98,17 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, allow_empty: bool = False) -> 
         raise ValueError(
             f"k and v must have the same number of heads, got k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    h, hk = q.shape[2], k.shape[2]
-    if hk == 0 or h % hk != 0:
+    if 0 in (q.shape[0], q.shape[2], k.shape[2], q.shape[3]):
         raise ValueError(
-            f"the number of query heads ({h}) must be a multiple of the number of key/value "
-            f"heads ({hk})"
+            f"q, k, v must have non-empty batch, heads and head_dim, got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}"
         )
-    if q.shape[3] == 0 or q.shape[0] == 0:
-        raise ValueError(f"q must have non-empty batch and head_dim, got shape {tuple(q.shape)}")
+    h, hk = q.shape[2], k.shape[2]
+    if h % hk != 0:
+        raise ValueError(
+            f"q has {h} heads, not a multiple of the {hk} key/value heads of k and v "
+            f"(q {tuple(q.shape)}, k {tuple(k.shape)})"
+        )
     if q.shape[1] == 0 and not allow_empty:
         raise ValueError(f"seq_len must be at least 1, got q shape {tuple(q.shape)}")
 

@@ -1,0 +1,223 @@
+"""One test per input error of issue 2: the exception type, and a message that
+names the argument and the offending value."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from dilated_attention import dilated_attention
+
+
+def names(*parts: str) -> str:
+    """A `match` regex requiring every part, literally, anywhere in the message.
+
+    A part that starts or ends with a word character must be a whole word
+    there, so "q" is not found in "query" nor "6" in "16".
+    """
+
+    def word(part: str) -> str:
+        start = r"\b" if re.match(r"\w", part[0]) else ""
+        end = r"\b" if re.match(r"\w", part[-1]) else ""
+        return start + re.escape(part) + end
+
+    return "(?s)" + "".join(f"(?=.*{word(p)})" for p in parts)
+
+
+def qkv(b=2, n=8, h=4, hk=2, d=16, dtype=torch.float32):
+    """q (b, n, h, d), k/v (b, n, hk, d)."""
+    return (
+        torch.randn(b, n, h, d, dtype=dtype),
+        torch.randn(b, n, hk, d, dtype=dtype),
+        torch.randn(b, n, hk, d, dtype=dtype),
+    )
+
+
+def call(q=None, k=None, v=None, segment_lengths=(4,), dilation_rates=(1,), **kwargs):
+    dq, dk, dv = qkv()
+    q, k, v = (dq if q is None else q), (dk if k is None else k), (dv if v is None else v)
+    return dilated_attention(q, k, v, segment_lengths, dilation_rates, **kwargs)
+
+
+def test_valid_call_runs() -> None:
+    assert call().shape == (2, 8, 4, 16)
+
+
+# ---------------------------------------------------------------- pattern lists
+
+
+def test_mismatched_list_lengths() -> None:
+    with pytest.raises(ValueError, match=names("segment_lengths", "dilation_rates", "[4, 8]", "[1]")):
+        call(segment_lengths=[4, 8], dilation_rates=[1])
+
+
+def test_empty_segment_lengths() -> None:
+    with pytest.raises(ValueError, match=names("segment_lengths", "[]")):
+        call(segment_lengths=[], dilation_rates=[])
+
+
+def test_empty_dilation_rates() -> None:
+    with pytest.raises(ValueError, match=names("dilation_rates", "[]")):
+        call(segment_lengths=[4], dilation_rates=[])
+
+
+def test_pattern_list_not_a_list() -> None:
+    with pytest.raises(TypeError, match=names("segment_lengths", "4")):
+        call(segment_lengths=4, dilation_rates=[1])
+
+
+@pytest.mark.parametrize("bad", [0, -2])
+def test_non_positive_segment_length(bad: int) -> None:
+    with pytest.raises(ValueError, match=names("segment_lengths[1]", str(bad))):
+        call(segment_lengths=[4, bad], dilation_rates=[1, 1])
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_non_positive_dilation_rate(bad: int) -> None:
+    with pytest.raises(ValueError, match=names("dilation_rates[0]", str(bad))):
+        call(segment_lengths=[4], dilation_rates=[bad])
+
+
+@pytest.mark.parametrize("bad", [4.0, "4", True, None])
+def test_non_integer_segment_length(bad) -> None:
+    with pytest.raises(TypeError, match=names("segment_lengths[0]", repr(bad))):
+        call(segment_lengths=[bad], dilation_rates=[1])
+
+
+@pytest.mark.parametrize("bad", [1.5, "2", False])
+def test_non_integer_dilation_rate(bad) -> None:
+    with pytest.raises(TypeError, match=names("dilation_rates[0]", repr(bad))):
+        call(segment_lengths=[4], dilation_rates=[bad])
+
+
+def test_rate_larger_than_segment() -> None:
+    with pytest.raises(ValueError, match=names("dilation_rates[1]", "5", "segment_lengths[1]", "4")):
+        call(segment_lengths=[8, 4], dilation_rates=[1, 5])
+
+
+# ---------------------------------------------------------------- tensors
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_not_a_tensor(which: str) -> None:
+    with pytest.raises(TypeError, match=names(which, "list")):
+        call(**{which: [[1.0]]})
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_not_4d(which: str) -> None:
+    bad = torch.randn(2, 8, 16)
+    with pytest.raises(ValueError, match=names(which, "4-D", "(2, 8, 16)")):
+        call(**{which: bad})
+
+
+def test_mismatched_batch() -> None:
+    q, _, _ = qkv()
+    _, k, v = qkv(b=3)
+    with pytest.raises(ValueError, match=names("batch", "(2, 8, 4, 16)", "(3, 8, 2, 16)")):
+        call(q, k, v)
+
+
+def test_mismatched_seq_len() -> None:
+    q, k, _ = qkv()
+    _, _, v = qkv(n=9)
+    with pytest.raises(ValueError, match=names("seq_len", "v", "(2, 9, 2, 16)")):
+        call(q, k, v)
+
+
+def test_mismatched_head_dim() -> None:
+    _, k, v = qkv()
+    q, _, _ = qkv(d=8)
+    with pytest.raises(ValueError, match=names("head_dim", "q", "(2, 8, 4, 8)")):
+        call(q, k, v)
+
+
+def test_heads_not_divisible_by_kv_heads() -> None:
+    q, k, v = qkv(h=6, hk=4)
+    with pytest.raises(ValueError, match=names("q", "6", "k", "4", "heads")):
+        call(q, k, v)
+
+
+def test_k_and_v_heads_differ() -> None:
+    q, k, _ = qkv(h=4, hk=2)
+    _, _, v = qkv(h=4, hk=4)
+    with pytest.raises(ValueError, match=names("k", "v", "(2, 8, 2, 16)", "(2, 8, 4, 16)")):
+        call(q, k, v)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, 3], ids=["batch", "seq_len", "heads", "head_dim"])
+def test_empty_dimension(dim: int) -> None:
+    shape = [2, 8, 4, 16]
+    shape[dim] = 0
+    q = torch.randn(shape)
+    kv_shape = shape[:2] + [2 if dim != 2 else 1] + shape[3:]
+    k, v = torch.randn(kv_shape), torch.randn(kv_shape)
+    with pytest.raises(ValueError, match=names("q", str(tuple(shape)))):
+        call(q, k, v)
+
+
+def test_mixed_dtypes() -> None:
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=names("k", "torch.float32", "torch.float64")):
+        call(q, k.double(), v)
+
+
+def test_mixed_devices() -> None:
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=names("device", "v", "cpu", "meta")):
+        call(q, k, v.to("meta"))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_integer_dtype(dtype: torch.dtype) -> None:
+    q, k, v = (torch.ones(2, 8, 2, 4, dtype=dtype) for _ in range(3))
+    with pytest.raises(TypeError, match=names("q", str(dtype))):
+        call(q, k, v)
+
+
+# ---------------------------------------------------------------- scalars
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5, math.nan])
+def test_dropout_outside_unit_interval(bad: float) -> None:
+    with pytest.raises(ValueError, match=names("dropout_p", str(bad))):
+        call(dropout_p=bad)
+
+
+@pytest.mark.parametrize("bad", ["0.1", None, True])
+def test_dropout_not_a_number(bad) -> None:
+    with pytest.raises(TypeError, match=names("dropout_p", repr(bad))):
+        call(dropout_p=bad)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, math.inf, -math.inf, math.nan])
+def test_scale_not_positive_finite(bad: float) -> None:
+    with pytest.raises(ValueError, match=names("scale", str(bad))):
+        call(scale=bad)
+
+
+@pytest.mark.parametrize("bad", ["0.5", True, torch.tensor(0.5)])
+def test_scale_not_a_number(bad) -> None:
+    with pytest.raises(TypeError, match=names("scale")):
+        call(scale=bad)
+
+
+@pytest.mark.parametrize("flag", ["is_causal", "return_lse"])
+def test_flags_must_be_bool(flag: str) -> None:
+    with pytest.raises(TypeError, match=names(flag, "'yes'")):
+        call(**{flag: "yes"})
+
+
+def test_unknown_backend() -> None:
+    with pytest.raises(ValueError, match=names("backend", "'cuda_magic'")):
+        call(backend="cuda_magic")
+
+
+@pytest.mark.parametrize("backend", ["cpu_flash", "cuda_flash", "cuda_efficient", "flash_attn"])
+def test_backend_without_dropout_support(backend: str) -> None:
+    """Only the blockwise kernel drops; the others must refuse, not silently run p = 0."""
+    with pytest.raises(ValueError, match=names("backend", repr(backend), "dropout_p", "0.1")):
+        call(backend=backend, dropout_p=0.1)
