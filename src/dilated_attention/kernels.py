@@ -41,6 +41,12 @@ def select_backend(
     """Pick the fastest kernel that supports `device`, `dtype` and dropout."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if dropout_p > 0.0 and backend not in ("auto", "blockwise"):
+        # the other kernels are called with dropout 0: refuse rather than silently not drop
+        raise ValueError(
+            f"backend {backend!r} does not support dropout (dropout_p={dropout_p}); "
+            f"use backend='blockwise' or 'auto'"
+        )
     if backend != "auto":
         return backend
     if dropout_p > 0.0:
