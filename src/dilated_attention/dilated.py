@@ -244,15 +244,24 @@ def dilated_attention(
         (float64 for float64 inputs). A query that attends nothing gets zeros
         and lse = -inf.
     """
-    check.check_qkv(q, k, v, allow_empty=group is not None)
-    patterns = check.check_patterns(segment_lengths, dilation_rates)
-    is_causal = check.check_bool("is_causal", is_causal)
-    return_lse = check.check_bool("return_lse", return_lse)
-    scale = check.check_scale(scale, q.shape[-1])
-    dropout_p = check.check_dropout(dropout_p)
-    backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=backend)
-    seed = dropout_seed(dropout_p)
-    if group is not None and _group_size(group) > 1:
+    distributed = group is not None and _group_size(group) > 1
+    try:
+        check.check_qkv(q, k, v, allow_empty=group is not None)
+        patterns = check.check_patterns(segment_lengths, dilation_rates)
+        is_causal = check.check_bool("is_causal", is_causal)
+        return_lse = check.check_bool("return_lse", return_lse)
+        scale = check.check_scale(scale, q.shape[-1])
+        dropout_p = check.check_dropout(dropout_p)
+        backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=backend)
+        seed = dropout_seed(dropout_p)
+    except (TypeError, ValueError) as error:
+        if not distributed:
+            raise
+        from .sequence_parallel import fail_on_all_ranks
+
+        # the other ranks wait in the agreement collective: fail there, on all of them
+        fail_on_all_ranks(group, error)
+    if distributed:
         from .sequence_parallel import sequence_parallel_dilated_attention
 
         out, lse = sequence_parallel_dilated_attention(

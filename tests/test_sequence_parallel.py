@@ -1,0 +1,399 @@
+"""Sequence-parallel dilated attention: the plan (one process) and real spawned gloo ranks.
+
+The plan tests simulate every rank's plan in one process and check that,
+together, the ranks compute exactly the (query, key, head, pattern) pairs of
+the single-device op, once each, and that every send meets its receive. The
+distributed tests run `dilated_attention(..., group=pg)` on 2, 3 and 4 gloo
+ranks (one spawn per world size, many cases each) and compare out, lse, dq,
+dk, dv with the single-process op on the concatenated sequence in float64.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+
+from dilated_attention import comm, dilated_attention
+from dilated_attention.patterns import cross_head_groups, selected_pairs
+from dilated_attention.sequence_parallel import make_plan, spanning_segments
+from dist_harness import run_distributed, subgroup
+from reference import dilated_counts, reference_dilated_attention
+
+# --------------------------------------------------------------------------
+# Head groups of a query slice against a key slice
+
+
+@pytest.mark.parametrize("rate,h,hk", [(1, 4, 2), (2, 3, 1), (3, 5, 5), (4, 6, 3), (3, 8, 2)])
+def test_cross_head_groups_select_each_heads_rows(rate, h, hk):
+    g = h // hk
+    for q_lo, q_len, k_lo, k_len in itertools.product(range(4), range(5), range(4), range(5)):
+        groups = cross_head_groups(q_lo, q_lo + q_len, k_lo, k_lo + k_len, rate, h, hk)
+        seen = []
+        for grp in groups:
+            per_kv = len(grp.q_heads) // len(grp.kv_heads)
+            for i, j in enumerate(grp.q_heads.tolist()):
+                c = i // per_kv  # the kernel's GQA order: query column i reads kv column c
+                assert grp.kv_heads[c].item() == j // g
+                want_q = [t - q_lo for t in range(q_lo, q_lo + q_len) if t % rate == j % rate]
+                want_k = [u - k_lo for u in range(k_lo, k_lo + k_len) if u % rate == j % rate]
+                assert grp.q_index[:, i].tolist() == want_q
+                assert grp.kv_index[:, c].tolist() == want_k
+                seen.append(j)
+        # heads with rows on both sides, each exactly once
+        want = [j for j in range(h)
+                if any(t % rate == j % rate for t in range(q_lo, q_lo + q_len))
+                and any(u % rate == j % rate for u in range(k_lo, k_lo + k_len))]
+        assert sorted(seen) == want
+        assert selected_pairs(q_lo, q_lo + q_len, k_lo, k_lo + k_len, rate, h, hk) == sum(
+            grp.kv_index.numel() for grp in groups
+        )
+
+
+# --------------------------------------------------------------------------
+# The plan, all ranks simulated in one process
+
+
+def _plan_counts(lengths, patterns, causal, h, hk) -> Tuple[torch.Tensor, List]:
+    """c (h, N, N): how often the ranks' plans together attend (t, u) for head j."""
+    starts = [sum(lengths[:p]) for p in range(len(lengths))]
+    total = sum(lengths)
+    counts = torch.zeros(h, total, total, dtype=torch.int64)
+    plans = [make_plan(tuple(lengths), patterns, causal, h, hk, p) for p in range(len(lengths))]
+
+    def add(group, q_base, k_base, mask_causal):
+        per_kv = len(group.q_heads) // len(group.kv_heads)
+        for i, j in enumerate(group.q_heads.tolist()):
+            ts = (q_base + group.q_index[:, i]).tolist()
+            us = (k_base + group.kv_index[:, i // per_kv]).tolist()
+            for a, t in enumerate(ts):
+                for c, u in enumerate(us):
+                    if not mask_causal or c <= a:
+                        counts[j, t, u] += 1
+
+    for p, plan in enumerate(plans):
+        for _, region, group in plan.local:
+            for s in range(region.num_segments):
+                base = starts[p] + region.start + s * region.seg_len
+                add(group, base, base, causal)
+        for rnd in plan.rounds:
+            for t in rnd.recvs:
+                assert t.queries.rank == p and t.keys.rank != p
+                for group in t.groups:
+                    add(group, starts[p] + t.queries.start, starts[t.keys.rank] + t.keys.start,
+                        False)
+    return counts, plans
+
+
+def _check_sends_meet_receives(plans) -> None:
+    """Between every two ranks, the ordered sends of one equal the receives of the other."""
+    flows: Dict[Tuple[int, int, str], List] = {}
+    for p, plan in enumerate(plans):
+        for k, rnd in enumerate(plan.rounds):
+            for t in rnd.sends:
+                key = (t.keys, t.queries, t.pairs)
+                flows.setdefault((p, t.queries.rank, "send"), []).append(key)
+            for t in rnd.recvs:
+                key = (t.keys, t.queries, t.pairs)
+                flows.setdefault((t.keys.rank, p, "recv"), []).append(key)
+    pairs = {(a, b) for a, b, _ in flows}
+    for a, b in pairs:
+        assert flows.get((a, b, "send")) == flows.get((a, b, "recv")), (a, b)
+
+
+PLAN_CASES = [
+    # lengths, patterns, causal, h, hk
+    ((8, 12), ((4,), (2,)), False, 3, 1),  # every segment inside a rank
+    ((5, 6, 7), ((4, 8), (1, 2)), False, 3, 3),  # segments span two ranks
+    ((5, 6, 7), ((4, 8), (1, 2)), True, 4, 2),
+    ((3, 0, 7, 4), ((32, 5), (3, 1)), True, 5, 5),  # w > N (spans all), an empty piece
+    ((3, 0, 7, 4), ((32, 5), (3, 1)), False, 6, 2),
+    ((4, 4, 4, 4), ((16,), (1,)), False, 2, 1),  # dense: rotates
+    ((6, 1, 2, 9), ((7, 3, 20), (2, 3, 4)), True, 7, 7),
+    ((0, 9, 0), ((4, 2), (2, 1)), False, 3, 1),  # one non-empty piece: all local
+]
+
+
+@pytest.mark.parametrize("lengths,patterns,causal,h,hk", PLAN_CASES)
+def test_plans_of_all_ranks_cover_the_single_device_op(lengths, patterns, causal, h, hk):
+    counts, plans = _plan_counts(lengths, patterns, causal, h, hk)
+    want = dilated_counts(sum(lengths), h, patterns[0], patterns[1], causal)
+    assert torch.equal(counts, want)
+    _check_sends_meet_receives(plans)
+
+
+def test_plan_modes():
+    lengths = (4, 4, 4, 4)
+    # w >= N, r = 1: each rank would gather 3 pieces: rotate, one step per round
+    dense = make_plan(lengths, ((16,), (1,)), False, 2, 1, 1)
+    assert dense.modes == ("rotate",) and len(dense.rounds) == 3
+    assert all(len(r.recvs) == 1 for r in dense.rounds)
+    # causal dense: rank p receives from p earlier ranks, one per round
+    assert len(make_plan(lengths, ((16,), (1,)), True, 2, 1, 3).rounds) == 3
+    assert len(make_plan(lengths, ((16,), (1,)), True, 2, 1, 0).rounds) == 3  # sends only
+    # small segments across the boundaries: gathered in one round per pattern
+    assert make_plan((6, 6, 6), ((4,), (2,)), False, 2, 2, 1).modes == ("gather",)
+    assert make_plan((8, 8), ((4,), (1,)), False, 2, 2, 0).modes == ("local",)
+    assert make_plan((8, 8), ((4,), (1,)), False, 2, 2, 0).rounds == ()
+
+
+def test_spanning_segments_are_the_cut_ones():
+    # boundaries at 5 and 11 (after the empty piece), N = 18, segment length 4
+    spans = spanning_segments((5, 0, 6, 7), 4)
+    assert [i for i, _ in spans] == [1, 2]
+    (_, first), (_, second) = spans
+    assert [(s.rank, s.lo, s.hi, s.start) for s in first] == [(0, 0, 1, 4), (2, 1, 4, 0)]
+    assert [(s.rank, s.lo, s.hi, s.start) for s in second] == [(2, 0, 3, 3), (3, 3, 4, 0)]
+
+
+# --------------------------------------------------------------------------
+# Real spawned gloo ranks: sharded result == single-process result (float64)
+
+B, D = 2, 4
+
+# (lengths, segment_lengths, dilation_rates, causal, h, hk); the lengths set P
+SP_CASES = {
+    2: [
+        ((8, 12), (4,), (2,), False, 3, 1),  # every segment inside one rank
+        ((7, 10), (4, 8, 32), (1, 2, 3), True, 5, 1),  # span two; w > N spans all
+        ((7, 10), (4, 8, 32), (1, 2, 3), False, 4, 2),
+        ((0, 9), (4, 2), (2, 1), True, 3, 1),  # an empty piece
+        ((5, 6), (11,), (1,), False, 2, 2),  # dense, w == N
+    ],
+    3: [
+        ((5, 6, 7), (4, 8), (1, 2), True, 3, 3),
+        ((5, 6, 7), (4, 8), (1, 2), False, 4, 2),
+        ((3, 0, 11), (32, 5), (3, 1), True, 5, 5),  # w > N with r > 1 spans all
+        ((9, 2, 4), (6, 3), (2, 3), False, 7, 7),
+    ],
+    4: [
+        ((4, 4, 4, 4), (16,), (1,), False, 2, 1),  # dense: rotates around all ranks
+        ((4, 4, 4, 4), (16,), (1,), True, 2, 1),
+        ((6, 1, 2, 9), (7, 3, 20), (2, 3, 4), True, 7, 7),
+        ((6, 1, 2, 9), (7, 3, 20), (2, 3, 4), False, 6, 3),
+        ((3, 0, 7, 4), (32, 5, 2), (3, 1, 2), False, 6, 2),
+        ((4, 4, 4, 4), (5, 4), (2, 1), True, 3, 1),  # local and spanning patterns mixed
+    ],
+}
+
+
+def _inputs(lengths, h, hk, seed, dtype=torch.float64):
+    """Full-sequence q, k, v and upstream gradients (dout, dlse (b, h, n)), deterministic."""
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    return randn(B, n, h, D), randn(B, n, hk, D), randn(B, n, hk, D), randn(B, n, h, D), randn(
+        B, h, n
+    )
+
+
+def _loss(out, lse, dout, dlse):
+    # rows that attend nothing have lse = -inf: they take no lse gradient
+    return (out * dout).sum() + (lse.masked_fill(torch.isinf(lse), 0.0) * dlse).sum()
+
+
+def _run_sharded(group, lengths, segs, rates, causal, h, hk, seed, **kwargs):
+    """This rank's piece through the sequence-parallel op, with its gradients and traffic."""
+    rank = comm.group_rank(group)
+    lo = sum(lengths[:rank])
+    hi = lo + lengths[rank]
+    q, k, v, dout, dlse = _inputs(lengths, h, hk, seed)
+    q, k, v = (x[:, lo:hi].clone().requires_grad_() for x in (q, k, v))
+    with comm.count_communication() as fwd:
+        out, lse = dilated_attention(q, k, v, segs, rates, is_causal=causal, group=group,
+                                     return_lse=True, **kwargs)
+    with comm.count_communication() as bwd:
+        _loss(out, lse, dout[:, lo:hi], dlse[:, :, lo:hi]).backward()
+    return {
+        "out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad,
+        "fwd": (fwd.messages, fwd.bytes_sent, fwd.agreements),
+        "bwd": (bwd.messages, bwd.bytes_sent, bwd.agreements),
+    }
+
+
+def _single(lengths, segs, rates, causal, h, hk, seed):
+    """The single-process op on the concatenated sequence: out, lse (b, h, n), grads."""
+    q, k, v, dout, dlse = _inputs(lengths, h, hk, seed)
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    out, lse = dilated_attention(q, k, v, segs, rates, is_causal=causal, return_lse=True)
+    _loss(out, lse, dout, dlse).backward()
+    return {"out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _error_of(fn):
+    t0 = time.monotonic()
+    try:
+        fn()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+def _bytes_case(group, c, causal):
+    """Pieces 8c + 4, 8c + 8, ..., 8c + 8, 8c + 4: every boundary cuts a segment of 8 in
+    halves, whatever c is; pattern (2, 1) stays local."""
+    world = comm.group_size(group)
+    lengths = (8 * c + 4,) + (8 * c + 8,) * (world - 2) + (8 * c + 4,)
+    res = _run_sharded(group, lengths, (8, 2), (2, 1), causal, 2, 2, seed=c)
+    return res["fwd"], res["bwd"]
+
+
+def _spawned_cases(group, world):
+    rank = comm.group_rank(group)
+    res: Dict[str, object] = {}
+    for i, case in enumerate(SP_CASES[world]):
+        res[f"case{i}"] = _run_sharded(group, *case, seed=100 + i)
+    res["bytes"] = {(c, causal): _bytes_case(group, c, causal)
+                    for c in (1, 2, 5) for causal in (False, True)}
+
+    # different configurations: ValueError on every rank, fast
+    x = torch.randn(1, 3, 2, 4, dtype=torch.float64)
+    res["mismatch"] = _error_of(
+        lambda: dilated_attention(x, x, x, (4,), (1,), is_causal=rank == 1, group=group)
+    )
+    # one rank's own input is bad (3-D q): every rank raises instead of hanging
+    bad = x[0] if rank == world - 1 else x
+    res["bad_input"] = _error_of(lambda: dilated_attention(bad, x, x, (4,), (2,), group=group))
+
+    if world == 2:
+        res["dropout"] = _dropout_case(group)
+    if world == 3:
+        sub = subgroup([1, 2])  # a subgroup, not WORLD: group ranks 0, 1 are global 1, 2
+        if sub is not None:
+            res["subgroup"] = _run_sharded(sub, (5, 7), (4, 16), (2, 1), True, 4, 2, seed=7)
+    return res
+
+
+def _dropout_case(group):
+    """p > 0 (blockwise kernel): reproducible under torch.manual_seed, and the backward
+    replays the forward's masks, so the gradient matches a central difference."""
+    rank = comm.group_rank(group)
+    lengths, segs, rates, h, hk = (7, 10), (4, 8, 32), (1, 2, 3), 4, 2
+    lo, hi = sum(lengths[:rank]), sum(lengths[: rank + 1])
+    full = _inputs(lengths, h, hk, seed=5)
+    q, k, v, dout = (x[:, lo:hi].clone() for x in full[:4])
+    gen = torch.Generator().manual_seed(6)
+    dirs = [torch.randn(x.shape[0], sum(lengths), *x.shape[2:], generator=gen,
+                        dtype=x.dtype)[:, lo:hi] for x in (q, k, v)]
+
+    def loss(q, k, v, p=0.3):
+        torch.manual_seed(1234)  # fixes the dropout seed (rank 0's draw is agreed)
+        out = dilated_attention(q, k, v, segs, rates, is_causal=True, dropout_p=p, group=group)
+        return (out * dout).sum()
+
+    inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    value = loss(*inputs)
+    value.backward()
+    eps = 1e-6
+    with torch.no_grad():
+        plus = loss(*(x + eps * u for x, u in zip((q, k, v), dirs)))
+        minus = loss(*(x - eps * u for x, u in zip((q, k, v), dirs)))
+        again = loss(q, k, v)
+        no_dropout = loss(q, k, v, p=0.0)
+    return {
+        "value": value.item(), "again": again.item(), "no_dropout": no_dropout.item(),
+        "difference": (plus - minus).item() / (2 * eps),
+        "directional": sum((x.grad * u).sum() for x, u in zip(inputs, dirs)).item(),
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def _spawn(world):
+    """One spawn per world size, shared by all the tests below."""
+    return run_distributed(_spawned_cases, world, world, timeout=240)
+
+
+def _cat(results, key, dim=1):
+    return torch.cat([r[key] for r in results], dim=dim)
+
+
+def _assert_matches_single(results, case, seed):
+    want = _single(*case, seed=seed)
+    got_lse = _cat(results, "lse", dim=2)
+    for key in ("out", "dq", "dk", "dv"):
+        torch.testing.assert_close(_cat(results, key), want[key], rtol=1e-9, atol=1e-10,
+                                   msg=lambda m: f"{key}: {m}")
+    torch.testing.assert_close(got_lse, want["lse"], rtol=1e-9, atol=1e-10)
+    return want
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world,i", [(w, i) for w, cases in SP_CASES.items() for i in range(len(cases))]
+)
+def test_sharded_equals_single_process(world, i):
+    case = SP_CASES[world][i]
+    results = [r[f"case{i}"] for r in _spawn(world)]
+    want = _assert_matches_single(results, case, seed=100 + i)
+    lengths, segs, rates, causal, h, hk = case
+    q, k, v, _, _ = _inputs(lengths, h, hk, 100 + i)
+    ref_out, ref_lse = reference_dilated_attention(q, k, v, segs, rates, causal=causal)
+    torch.testing.assert_close(want["out"], ref_out, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(want["lse"], ref_lse, rtol=1e-9, atol=1e-10)
+    for r in results:
+        assert r["fwd"][2] == 1 and r["bwd"][2] == 0  # one agreement, in the forward
+    spans = any(spanning_segments(tuple(lengths), min(w, sum(lengths))) for w in segs)
+    if not spans:  # a purely local pattern set sends nothing
+        assert all(r["fwd"][:2] == (0, 0) and r["bwd"][:2] == (0, 0) for r in results)
+    else:
+        assert sum(r["fwd"][0] for r in results) > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_bytes_stay_flat_as_n_grows(world):
+    for rank, r in enumerate(_spawn(world)):
+        for causal in (False, True):
+            per_c = [r["bytes"][(c, causal)] for c in (1, 2, 5)]
+            assert per_c[0] == per_c[1] == per_c[2], per_c
+            (f_msgs, f_bytes, _), (b_msgs, b_bytes, _) = per_c[0]
+            # pattern (8, 2), h = hk = 2, d = 4, b = 2, float64: a segment straddling a
+            # boundary is 4 + 4 rows; each head reads 2 rows of the other half, so a
+            # transfer is 2 heads x 2 rows of k and v = 2 * B * 4 * D * 8 bytes
+            transfer = 2 * B * 4 * D * 8
+            senders = (rank < world - 1) + (not causal and rank > 0)
+            assert (f_msgs, f_bytes) == (senders, senders * transfer)
+            # backward: the keys again, plus dK/dV home for every key received
+            receivers = (rank > 0) + (not causal and rank < world - 1)
+            assert (b_msgs, b_bytes) == (senders + receivers, (senders + receivers) * transfer)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_errors_raise_on_every_rank_within_seconds(world):
+    results = _spawn(world)
+    for rank, r in enumerate(results):
+        msg, seconds = r["mismatch"]
+        assert msg.startswith("ValueError") and "'causal'" in msg, msg
+        assert seconds < 10
+        msg, seconds = r["bad_input"]
+        assert seconds < 10
+        if rank == world - 1:
+            assert msg.startswith("ValueError") and "must be 4-D" in msg, msg
+        else:
+            assert msg.startswith("ValueError") and f"rank {world - 1}" in msg, msg
+
+
+@pytest.mark.distributed
+def test_subgroup():
+    results = [r["subgroup"] for r in _spawn(3)[1:]]
+    _assert_matches_single(results, ((5, 7), (4, 16), (2, 1), True, 4, 2), seed=7)
+    assert "subgroup" not in _spawn(3)[0]
+
+
+@pytest.mark.distributed
+def test_dropout_replays_its_masks_in_backward():
+    results = [r["dropout"] for r in _spawn(2)]
+    for r in results:
+        assert r["value"] == r["again"]  # same seed, same masks
+        assert r["value"] != r["no_dropout"]
+    difference = sum(r["difference"] for r in results)
+    directional = sum(r["directional"] for r in results)
+    assert difference == pytest.approx(directional, rel=1e-6)
