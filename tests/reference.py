@@ -17,6 +17,16 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+from torch.testing import assert_close
+
+# (rtol, atol) against a float64 reference; SPEC.md "Dtypes and tolerance".
+# atol is relative to the largest finite reference value (see `close`).
+TOLERANCE = {
+    torch.float64: (1e-9, 1e-9),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (3e-2, 3e-2),
+}
 
 
 def dilated_counts(
@@ -114,5 +124,21 @@ def reference_attention(
 
 def grads(outputs: Sequence[Tensor], grad_outputs: Sequence[Tensor], inputs: Sequence[Tensor]):
     """torch.autograd.grad with upstream gradients (graph kept); unused inputs give zeros."""
-    result = torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True, allow_unused=True)
+    result = torch.autograd.grad(
+        outputs, inputs, grad_outputs, retain_graph=True, allow_unused=True
+    )
     return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(inputs, result))
+
+
+def close(got: Tensor, want: Tensor, dtype: torch.dtype, what: str = "") -> None:
+    """got ~ want (float64) to the tolerance of `dtype`, atol scaled by the size of `want`.
+
+    Scaling atol matters for gradients: an entry that is exactly 0 in theory
+    (a query that attends only itself has dq = 0) is a difference of two
+    O(|dout| |v|) terms, so its rounding error is relative to those, not to 0.
+    Infinities must match exactly.
+    """
+    rtol, atol = TOLERANCE[dtype]
+    finite = want[torch.isfinite(want)]
+    size = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+    assert_close(got.double(), want, rtol=rtol, atol=atol * size, msg=lambda m: f"{what}: {m}")

@@ -50,7 +50,8 @@ def test_valid_call_runs() -> None:
 
 
 def test_mismatched_list_lengths() -> None:
-    with pytest.raises(ValueError, match=names("segment_lengths", "dilation_rates", "[4, 8]", "[1]")):
+    expected = names("segment_lengths", "dilation_rates", "[4, 8]", "[1]")
+    with pytest.raises(ValueError, match=expected):
         call(segment_lengths=[4, 8], dilation_rates=[1])
 
 
@@ -94,7 +95,8 @@ def test_non_integer_dilation_rate(bad) -> None:
 
 
 def test_rate_larger_than_segment() -> None:
-    with pytest.raises(ValueError, match=names("dilation_rates[1]", "5", "segment_lengths[1]", "4")):
+    expected = names("dilation_rates[1]", "5", "segment_lengths[1]", "4")
+    with pytest.raises(ValueError, match=expected):
         call(segment_lengths=[8, 4], dilation_rates=[1, 5])
 
 

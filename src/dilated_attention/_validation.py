@@ -96,7 +96,8 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, allow_empty: bool = False) -> 
             )
     if k.shape[2] != v.shape[2]:
         raise ValueError(
-            f"k and v must have the same number of heads, got k {tuple(k.shape)}, v {tuple(v.shape)}"
+            f"k and v must have the same number of heads, got k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
         )
     if 0 in (q.shape[0], q.shape[2], k.shape[2], q.shape[3]):
         raise ValueError(
