@@ -165,6 +165,13 @@ def test_corners_match_reference(cfg: Config, dtype: torch.dtype, backend: str) 
     check_against_reference(cfg, dtype, backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_long_sequence_matches_reference(backend: str) -> None:
+    """n > the blockwise kernel's tile (512 rows): several tiles per launch, causal."""
+    cfg = Config(1, 1300, 4, 2, 8, (256, 600, 2048), (1, 2, 4), True, None, 8)
+    check_against_reference(cfg, torch.float32, backend)
+
+
 def test_reference_agrees_with_per_pattern_merge() -> None:
     """The count-biased reference equals SPEC.md's other form: merge per-pattern attention."""
     cfg = Config(2, 23, 6, 3, 4, (8, 5, 40), (2, 1, 3), True, 0.6, 7)
