@@ -149,7 +149,9 @@ class Plan:
     modes: Tuple[str, ...]
 
 
-def spanning_segments(lengths: Tuple[int, ...], seg_len: int) -> List[Tuple[int, Tuple[Slice, ...]]]:
+def spanning_segments(
+    lengths: Tuple[int, ...], seg_len: int
+) -> List[Tuple[int, Tuple[Slice, ...]]]:
     """The segments of length `seg_len` that span several ranks, with their slices.
 
     Returns (segment index, slices in rank order) for every segment that
@@ -295,9 +297,8 @@ def _pack(k: Tensor, v: Tensor, t: Transfer) -> Tensor:
     for g, (lo, hi) in zip(t.groups, t.spans):
         for i, x in enumerate((k, v)):
             # (b, n, hk, d) -> (b, kv_rows, hkv, d) -> (b, kv_rows * hkv, d)
-            buf[i, :, lo:hi] = gather(x, t.keys.region, g.kv_heads, g.kv_index, g.identity).flatten(
-                1, 2
-            )
+            block = gather(x, t.keys.region, g.kv_heads, g.kv_index, g.identity)
+            buf[i, :, lo:hi] = block.flatten(1, 2)
     return buf
 
 
