@@ -44,7 +44,9 @@ def test_state_dict_round_trip():
     x = torch.randn(2, 13, 16)
     torch.testing.assert_close(fresh(x, x, x)[0], m(x, x, x)[0], rtol=0, atol=0)
     assert set(m.state_dict()) == {
-        f"{p}.{w}" for p in ("q_proj", "k_proj", "v_proj", "out_proj", "norm") for w in ("weight", "bias")
+        f"{p}.{w}"
+        for p in ("q_proj", "k_proj", "v_proj", "out_proj", "norm")
+        for w in ("weight", "bias")
     }
 
 
@@ -138,7 +140,8 @@ def test_gqa_equals_mha_with_repeated_kv_weights(num_kv_heads):
                 getattr(dst, w).copy_(rows.repeat_interleave(group, 0).flatten(0, 1))
     x = torch.randn(2, 19, 16, dtype=dtype)
     for causal in (False, True):
-        torch.testing.assert_close(gqa(x, x, x, is_causal=causal)[0], mha(x, x, x, is_causal=causal)[0])
+        expected, _ = mha(x, x, x, is_causal=causal)
+        torch.testing.assert_close(gqa(x, x, x, is_causal=causal)[0], expected)
 
 
 def test_dilated_attention_module_equals_functional_op():
@@ -205,7 +208,7 @@ def test_forward_errors():
     x = torch.randn(2, 8, 16)
     with pytest.raises(ValueError, match="need_weights"):
         m(x, x, x, need_weights=True)
-    with pytest.raises(ValueError, match=r"query must be \(batch, seq_len, embed_dim=16\).*\(2, 8, 12\)"):
+    with pytest.raises(ValueError, match=r"query must be \(batch, seq_len, embed_dim=16\)"):
         m(torch.randn(2, 8, 12), x, x)
     with pytest.raises(ValueError, match=r"same shape.*\(2, 8, 16\).*\(2, 5, 16\)"):
         m(x, torch.randn(2, 5, 16), torch.randn(2, 5, 16))

@@ -1,6 +1,7 @@
 """Exact dilated (LongNet) attention and ring attention for very long sequences."""
 
 from .dilated import dilated_attention
+from .models import LongNet, LongNetConfig, LongNetLM
 from .modules import DilatedAttention, MultiheadDilatedAttention
 from .ring import ring_attention
 from .sharding import shard_sequence, unshard_sequence
@@ -12,5 +13,8 @@ __all__ = [
     "ring_attention",
     "shard_sequence",
     "unshard_sequence",
+    "LongNetConfig",
+    "LongNetLM",
+    "LongNet",
 ]
 __version__ = "0.1.0"

@@ -189,7 +189,9 @@ class MultiheadDilatedAttention(nn.Module):
     def dilation_rates(self) -> Tuple[int, ...]:
         return self.attention.dilation_rates
 
-    def project_qkv(self, query: Tensor, key: Tensor, value: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    def project_qkv(
+        self, query: Tensor, key: Tensor, value: Tensor
+    ) -> Tuple[Tensor, Tensor, Tensor]:
         """(b, n, e) inputs -> q (b, n, h, d), k and v (b, n, hk, d)."""
         # (b, n, e) -> (b, n, h, d)
         q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim))

@@ -1,0 +1,740 @@
+"""LongNet models: a decoder-only language model and the encoder-decoder.
+
+Notation: b batch, n tokens (this rank's piece under sequence parallelism),
+e embed dim, f feed-forward dim, v vocabulary, h query heads, hk key/value
+heads, d head dim, L layers.
+
+Both models are MAGNETO transformers (Wang et al., 2022, arXiv 2210.06423)
+with dilated self-attention, as in LongNet (Ding et al., 2023) and
+torchscale: pre-norm residual blocks, a "sub-LN" LayerNorm inside the
+attention (before its output projection) and inside the feed-forward
+(before its second linear), and the MAGNETO gain gamma on the value/output
+projections and both feed-forward linears.
+
+NOTE: deviations from the paper / torchscale: absolute positions (learned
+or sinusoidal) instead of xPos; xavier-normal initialisation with gain
+gamma instead of torchscale's default init rescaled by gamma; the
+encoder-decoder's cross-attention is plain dense attention over the whole
+encoder output.
+
+Sequence parallelism (``process_group=``): each rank passes its own
+contiguous piece of every sequence (pieces may differ in length or be
+empty). Embeddings, norms, feed-forwards, the head and the token losses work
+on the local piece; only the dilated attention communicates (plus one tiny
+agreement of piece lengths for the global positions and one all-reduce of
+(loss sum, token count)). Parameters are replicated: after ``backward`` call
+``all_reduce_gradients(model, process_group)`` so every rank holds the full
+gradient. The encoder-decoder also gathers the encoder output on every rank
+for its cross-attention (O(N e) memory per rank).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import types
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from . import _validation as check
+from . import comm
+from .kernels import attention_forward
+from .merge import empty_accumulators, merge_
+from .modules import MultiheadDilatedAttention
+
+IGNORE_INDEX = -100
+
+_ACTIVATIONS = types.MappingProxyType({"gelu": F.gelu, "relu": F.relu, "silu": F.silu})
+_POSITIONS = ("sinusoidal", "learned")
+
+
+@dataclass
+class LongNetConfig:
+    """Hyper-parameters of LongNetLM and LongNet.
+
+    ``from_name("base")`` is the paper's base size (LongNet, section 4 and
+    appendix: 12 layers, width 768, 12 heads, feed-forward 3072, segments
+    2048..32768 with rates 1..12; the paper tokenises with tiktoken
+    cl100k_base, 100,277 ids). ``from_name("tiny")`` is a model for tests and
+    CPU demos.
+
+    num_layers is the decoder depth; num_encoder_layers is used by the
+    encoder-decoder ``LongNet`` only. max_seq_len bounds the global positions
+    of ``positions="learned"`` (sinusoidal positions have no bound).
+    """
+
+    vocab_size: int = 64
+    embed_dim: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: Optional[int] = None
+    ffn_dim: int = 256
+    segment_lengths: Tuple[int, ...] = (128, 512, 2048)
+    dilation_rates: Tuple[int, ...] = (1, 2, 4)
+    num_encoder_layers: int = 2
+    positions: str = "sinusoidal"
+    max_seq_len: int = 8192
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    activation: str = "gelu"
+    layer_norm_eps: float = 1e-5
+    bias: bool = True
+    tie_embeddings: bool = True
+    checkpoint_activations: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "ffn_dim",
+                     "num_encoder_layers", "max_seq_len"):
+            check.check_optional_positive_int(name, getattr(self, name))
+        check.check_optional_positive_int("num_kv_heads", self.num_kv_heads)
+        if self.embed_dim % self.num_heads:
+            raise ValueError(
+                f"embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})"
+            )
+        kv = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+        if self.num_heads % kv:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({kv})"
+            )
+        self.segment_lengths, self.dilation_rates = check.check_patterns(
+            self.segment_lengths, self.dilation_rates
+        )
+        if self.positions not in _POSITIONS:
+            raise ValueError(f"positions must be one of {_POSITIONS}, got {self.positions!r}")
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {tuple(_ACTIVATIONS)}, got {self.activation!r}"
+            )
+        check.check_dropout(self.dropout)
+        check.check_dropout(self.attention_dropout)
+        for name in ("bias", "tie_embeddings", "checkpoint_activations"):
+            check.check_bool(name, getattr(self, name))
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> "LongNetConfig":
+        """A preset ("base" or "tiny"), with any field overridden by keyword."""
+        if name not in _PRESETS:
+            raise ValueError(f"unknown LongNet preset {name!r}; choose one of {tuple(_PRESETS)}")
+        return cls(**{**_PRESETS[name], **overrides})
+
+
+_PRESETS = types.MappingProxyType(
+    {
+        "base": types.MappingProxyType(
+            dict(
+                vocab_size=100_277, embed_dim=768, num_layers=12, num_encoder_layers=12,
+                num_heads=12, ffn_dim=3072, segment_lengths=(2048, 4096, 8192, 16384, 32768),
+                dilation_rates=(1, 2, 4, 6, 12), max_seq_len=32768,
+            )
+        ),
+        "tiny": types.MappingProxyType(
+            dict(
+                vocab_size=64, embed_dim=64, num_layers=2, num_encoder_layers=2, num_heads=4,
+                ffn_dim=256, segment_lengths=(128, 512, 2048), dilation_rates=(1, 2, 4),
+                max_seq_len=8192,
+            )
+        ),
+    }
+)
+
+
+# --------------------------------------------------------------------------
+# Building blocks
+
+
+class FeedForward(nn.Module):
+    """fc1, activation, sub-LN, fc2 (MAGNETO), with gain gamma on fc1 and fc2."""
+
+    def __init__(self, config: LongNetConfig, gamma: float, factory: dict) -> None:
+        super().__init__()
+        e, f = config.embed_dim, config.ffn_dim
+        self.fc1 = nn.Linear(e, f, bias=config.bias, **factory)
+        self.norm = nn.LayerNorm(f, eps=config.layer_norm_eps, **factory)
+        self.fc2 = nn.Linear(f, e, bias=config.bias, **factory)
+        self.activation = _ACTIVATIONS[config.activation]
+        self.dropout = nn.Dropout(config.dropout)
+        for fc in (self.fc1, self.fc2):
+            nn.init.xavier_normal_(fc.weight, gain=gamma)
+            if fc.bias is not None:
+                nn.init.zeros_(fc.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(b, n, e) -> (b, n, e)."""
+        return self.fc2(self.norm(self.dropout(self.activation(self.fc1(x)))))
+
+
+class CrossAttention(nn.Module):
+    """Dense attention of decoder queries over the whole encoder output.
+
+    No sub-LN and gain 1, as torchscale's encoder-decoder attention.
+    """
+
+    def __init__(self, config: LongNetConfig, factory: dict) -> None:
+        super().__init__()
+        e, h = config.embed_dim, config.num_heads
+        self.num_heads = h
+        self.num_kv_heads = h if config.num_kv_heads is None else config.num_kv_heads
+        self.head_dim = e // h
+        kv_dim = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(e, e, bias=config.bias, **factory)
+        self.k_proj = nn.Linear(e, kv_dim, bias=config.bias, **factory)
+        self.v_proj = nn.Linear(e, kv_dim, bias=config.bias, **factory)
+        self.out_proj = nn.Linear(e, e, bias=config.bias, **factory)
+        self.dropout = config.attention_dropout
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            nn.init.xavier_normal_(proj.weight)
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+
+    def forward(self, x: Tensor, memory: Tensor) -> Tensor:
+        """x (b, n, e) attends memory (b, m, e) -> (b, n, e)."""
+        group = self.num_heads // self.num_kv_heads
+        # (b, n, e) -> (b, h, n, d): SDPA takes heads second
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+        # (b, m, e) -> (b, hk, m, d) -> (b, h, m, d): memory is small next to the dilated part
+        k = self.k_proj(memory).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(memory).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0
+        )
+        # (b, h, n, d) -> (b, n, e)
+        return self.out_proj(out.transpose(1, 2).flatten(-2))
+
+
+@dataclass
+class KVCache:
+    """Projected keys and values of one layer for generation: (b, capacity, hk, d)."""
+
+    k: Tensor
+    v: Tensor
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: dilated self-attention, [cross-attention], feed-forward."""
+
+    def __init__(
+        self,
+        config: LongNetConfig,
+        *,
+        gamma: float,
+        causal: bool,
+        cross_attention: bool,
+        factory: dict,
+        process_group,
+    ) -> None:
+        super().__init__()
+        e, eps = config.embed_dim, config.layer_norm_eps
+        self.causal = causal
+        self.attn_norm = nn.LayerNorm(e, eps=eps, **factory)
+        self.self_attn = MultiheadDilatedAttention(
+            e,
+            config.num_heads,
+            config.segment_lengths,
+            config.dilation_rates,
+            num_kv_heads=config.num_kv_heads,
+            dropout=config.attention_dropout,
+            bias=config.bias,
+            layer_norm=True,
+            layer_norm_eps=eps,
+            gamma_init=gamma,
+            process_group=process_group,
+            **factory,
+        )
+        self.cross_norm = nn.LayerNorm(e, eps=eps, **factory) if cross_attention else None
+        self.cross_attn = CrossAttention(config, factory) if cross_attention else None
+        self.ffn_norm = nn.LayerNorm(e, eps=eps, **factory)
+        self.ffn = FeedForward(config, gamma, factory)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, memory: Optional[Tensor] = None) -> Tensor:
+        """x (b, n, e) [, memory (b, m, e)] -> (b, n, e)."""
+        h = self.attn_norm(x)
+        x = x + self.dropout(self.self_attn(h, h, h, is_causal=self.causal)[0])
+        return self._after_self_attention(x, memory)
+
+    def decode(self, x: Tensor, cache: KVCache, start: int) -> Tensor:
+        """Positions [start, start + n) of a causal block, keys/values cached.
+
+        x (b, n, e) -> (b, n, e). With start == 0 (the prompt) the full op
+        runs; later tokens attend the cache by the incremental rule.
+        """
+        attn = self.self_attn
+        h = self.attn_norm(x)
+        q, k, v = attn.project_qkv(h, h, h)
+        n = x.shape[1]
+        cache.k[:, start : start + n] = k
+        cache.v[:, start : start + n] = v
+        if start == 0:
+            out = attn.attention(q, k, v, is_causal=True)
+        else:
+            scale = attn.attention.scale
+            out = torch.cat(
+                [
+                    cached_dilated_attention(
+                        q[:, i : i + 1],
+                        cache.k[:, : start + i + 1],
+                        cache.v[:, : start + i + 1],
+                        attn.segment_lengths,
+                        attn.dilation_rates,
+                        scale=scale,
+                    )
+                    for i in range(n)
+                ],
+                dim=1,
+            )
+        x = x + self.dropout(attn.project_out(out))
+        return self._after_self_attention(x, None)
+
+    def _after_self_attention(self, x: Tensor, memory: Optional[Tensor]) -> Tensor:
+        if self.cross_attn is not None:
+            x = x + self.dropout(self.cross_attn(self.cross_norm(x), memory))
+        return x + self.dropout(self.ffn(self.ffn_norm(x)))
+
+
+def cached_dilated_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    *,
+    scale: Optional[float] = None,
+) -> Tensor:
+    """Causal dilated attention of the LAST position against all earlier keys.
+
+    q (b, 1, h, d) is the query at position t = m - 1; k, v (b, m, hk, d)
+    hold positions 0..t. Equals row t of ``dilated_attention(..., is_causal=
+    True)`` over the m positions: per pattern (w, r) the segment of t starts
+    at a = (t // w) * w (this is also right when w > t, where the segment is
+    min(w, m) = m long and starts at 0); head j takes part when
+    (t - a) mod r == j mod r and then reads keys a + o, a + o + r, ..., t
+    with o = (t - a) mod r. Patterns merge by log-sum-exp. Inference only
+    (no gradient through the merge).
+    """
+    b, _, h, d = q.shape
+    m, hk = k.shape[1], k.shape[2]
+    t = m - 1
+    scale = check.check_scale(scale, d)
+    acc_out, acc_lse = empty_accumulators((b, 1, h, d), q.dtype, q.device)
+    for w, r in zip(segment_lengths, dilation_rates):
+        a = (t // w) * w
+        o = (t - a) % r
+        heads = torch.arange(o, h, r, device=q.device)
+        if heads.numel() == 0:
+            continue
+        keys = torch.arange(a + o, t + 1, r, device=q.device)
+        kv_heads = heads // (h // hk)
+        # (b, m, hk, d) -> (b, keys, heads, d): one key/value head per query head
+        k_sel = k[:, keys][:, :, kv_heads]
+        v_sel = v[:, keys][:, :, kv_heads]
+        out, lse = attention_forward(q[:, :, heads], k_sel, v_sel, causal=False, scale=scale)
+        sel_out, sel_lse = acc_out[:, :, heads], acc_lse[:, :, heads]
+        merge_(sel_out, sel_lse, out, lse)
+        acc_out[:, :, heads] = sel_out
+        acc_lse[:, :, heads] = sel_lse
+    return acc_out.to(q.dtype)
+
+
+class Positions(nn.Module):
+    """Absolute position embeddings for global positions [start, start + n)."""
+
+    def __init__(self, config: LongNetConfig, factory: dict) -> None:
+        super().__init__()
+        self.kind = config.positions
+        self.embed_dim = config.embed_dim
+        self.max_seq_len = config.max_seq_len
+        self.table = None
+        if self.kind == "learned":
+            self.table = nn.Embedding(config.max_seq_len, config.embed_dim, **factory)
+            nn.init.normal_(self.table.weight, std=config.embed_dim**-0.5)
+
+    def forward(self, start: int, n: int, like: Tensor) -> Tensor:
+        """(n, e) embeddings of positions start..start+n-1 in like's dtype/device."""
+        if self.table is not None:
+            if start + n > self.max_seq_len:
+                raise ValueError(
+                    f"positions up to {start + n - 1} exceed max_seq_len={self.max_seq_len} "
+                    f"of the learned position table"
+                )
+            return self.table(torch.arange(start, start + n, device=like.device))
+        # float64 angles: exact for positions far beyond 2^24, then one cast
+        pos = torch.arange(start, start + n, device=like.device, dtype=torch.float64)
+        half = self.embed_dim // 2
+        freq = torch.exp(
+            torch.arange(half, device=like.device, dtype=torch.float64)
+            * (-math.log(10000.0) / half)
+        )
+        angles = pos[:, None] * freq[None, :]
+        # (n, e/2) sin and (n, e/2) cos -> (n, e), zero-padded for odd e
+        out = torch.cat([angles.sin(), angles.cos()], dim=-1)
+        if out.shape[-1] < self.embed_dim:
+            out = F.pad(out, (0, self.embed_dim - out.shape[-1]))
+        return out.to(like.dtype)
+
+
+def _magneto_gamma(decoder_layers: int, encoder_layers: int = 0) -> Tuple[float, float]:
+    """MAGNETO gains (encoder, decoder), as torchscale: decoder-only sqrt(log 2L)."""
+    if encoder_layers == 0:
+        return 0.0, math.sqrt(math.log(2 * decoder_layers))
+    enc = math.sqrt(math.log(3 * decoder_layers) * math.log(2 * encoder_layers) / 3)
+    dec = math.sqrt(math.log(3 * decoder_layers))
+    return enc, dec
+
+
+# --------------------------------------------------------------------------
+# Sequence-parallel plumbing (every collective goes through comm)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks; the gradient passes through unchanged.
+
+    Every rank computes the same loss from the summed tensor and runs its
+    own backward, so d(loss)/d(local term) is exactly the incoming gradient
+    (summing gradients here too would count every rank's loss P times).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        return comm.all_reduce_(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """(b, n_local, e) -> (b, N, e) on every rank; backward sums and returns the local rows."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group, sizes: Tuple[int, ...]) -> Tensor:
+        ctx.group, ctx.sizes = group, sizes
+        return comm.all_gather(x, group, dim=1, sizes=sizes)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        # every rank's copy of the full sequence fed its own loss: sum them
+        return comm.reduce_scatter(grad.contiguous(), ctx.group, dim=1, sizes=ctx.sizes), None, None
+
+
+def all_reduce_gradients(module: nn.Module, process_group) -> None:
+    """Sum the parameter gradients over the sequence-parallel ranks, in place.
+
+    Parameters are replicated and each rank's backward yields the gradient
+    of the (global) loss through its own tokens; the sum is the full
+    gradient, identical on every rank afterwards. A parameter without a
+    gradient counts as zero (so every rank reduces the same buffer).
+    """
+    if not comm.is_distributed(process_group):
+        return
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict = {}
+    for p in params:
+        by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    for group in by_dtype.values():
+        # one flat buffer per dtype: one collective instead of one per parameter
+        flat = torch.cat([p.grad.reshape(-1) for p in group])
+        comm.all_reduce_(flat, process_group)
+        for p, g in zip(group, flat.split([p.numel() for p in group])):
+            p.grad.copy_(g.view_as(p.grad))
+
+
+def _check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
+    if not isinstance(tokens, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tokens).__name__}")
+    if tokens.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (batch, seq_len), got shape {tuple(tokens.shape)}")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got {tokens.dtype}")
+    if tokens.device.type != "meta" and tokens.numel():
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"{name} must be ids in [0, {vocab_size}), got values in [{lo}, {hi}]")
+
+
+def _check_targets(targets: Tensor, tokens: Tensor) -> None:
+    if not isinstance(targets, Tensor) or targets.shape != tokens.shape:
+        shape = tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__
+        raise ValueError(f"targets must have tokens' shape {tuple(tokens.shape)}, got {shape}")
+
+
+def _check_inputs(
+    group, names: Tuple[str, ...], inputs: Callable[[], Tuple[Tensor, ...]]
+) -> Tuple[int, Dict[str, Tuple[int, ...]]]:
+    """Validate this rank's inputs and learn every rank's piece lengths.
+
+    `inputs` validates and returns the (b, n) tensors called `names`.
+    Returns this rank's group rank and {name: every rank's n}. Under
+    sequence parallelism this is ONE agreement collective, entered even when
+    this rank's inputs are bad (so every rank raises instead of waiting),
+    which also checks that the batch sizes match.
+    """
+
+    def local() -> dict:
+        shapes = dict(zip(names, (tuple(x.shape) for x in inputs())))
+        return {**{f"{k}_batch": s[0] for k, s in shapes.items()},
+                **{f"{k}_len": s[1] for k, s in shapes.items()}}
+
+    infos = comm.agree(group, local, per_rank=tuple(f"{k}_len" for k in names))
+    return comm.group_rank(group), {k: tuple(i[f"{k}_len"] for i in infos) for k in names}
+
+
+def _token_mean_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
+    """Cross-entropy averaged over every non-ignored token of every rank."""
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    # (b, n, v) -> (b * n, v)
+    total = F.cross_entropy(
+        logits.to(acc).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    count = (targets != IGNORE_INDEX).sum().to(acc)
+    summed = _AllReduceSum.apply(torch.stack([total, count]), group)
+    return summed[0] / summed[1]
+
+
+# --------------------------------------------------------------------------
+# Models
+
+
+class _LongNetBase(nn.Module):
+    def __init__(self, config: LongNetConfig, device, dtype, process_group) -> None:
+        super().__init__()
+        if not isinstance(config, LongNetConfig):
+            raise TypeError(f"config must be a LongNetConfig, got {type(config).__name__}")
+        self.config = config
+        self.process_group = process_group
+        self._factory = {"device": device, "dtype": dtype}
+        e = config.embed_dim
+        self.embed = nn.Embedding(config.vocab_size, e, **self._factory)
+        nn.init.normal_(self.embed.weight, std=e**-0.5)
+        self.positions = Positions(config, self._factory)
+        self.head = None
+        if not config.tie_embeddings:
+            self.head = nn.Linear(e, config.vocab_size, bias=False, **self._factory)
+            nn.init.normal_(self.head.weight, std=e**-0.5)
+
+    def _blocks(self, n: int, *, gamma: float, causal: bool, cross: bool) -> nn.ModuleList:
+        return nn.ModuleList(
+            Block(self.config, gamma=gamma, causal=causal, cross_attention=cross,
+                  factory=self._factory, process_group=self.process_group)
+            for _ in range(n)
+        )
+
+    def _norm(self) -> nn.LayerNorm:
+        return nn.LayerNorm(self.config.embed_dim, eps=self.config.layer_norm_eps, **self._factory)
+
+    def _embed(self, tokens: Tensor, start: int) -> Tensor:
+        """(b, n) ids at global positions [start, start + n) -> (b, n, e)."""
+        x = self.embed(tokens)
+        return x + self.positions(start, tokens.shape[1], x)
+
+    def _run(self, layers: nn.ModuleList, x: Tensor, memory: Optional[Tensor] = None) -> Tensor:
+        use_checkpoint = self.config.checkpoint_activations and torch.is_grad_enabled()
+        for layer in layers:
+            if use_checkpoint:
+                x = checkpoint(layer, x, memory, use_reentrant=False)
+            else:
+                x = layer(x, memory)
+        return x
+
+    def _logits(self, x: Tensor) -> Tensor:
+        """(b, n, e) -> (b, n, v)."""
+        if self.head is None:
+            return F.linear(x, self.embed.weight)
+        return self.head(x)
+
+    def _loss(self, logits: Tensor, targets: Optional[Tensor]) -> Optional[Tensor]:
+        return None if targets is None else _token_mean_loss(logits, targets, self.process_group)
+
+
+class LongNetLM(_LongNetBase):
+    """Decoder-only LongNet language model.
+
+    ``forward(tokens, targets=None)`` with tokens (b, n) int ids returns
+    ``(logits (b, n, v), loss)``; loss is None without targets, else the mean
+    cross-entropy over every target that is not ``IGNORE_INDEX`` (-100),
+    over the whole sequence of all ranks. Targets are aligned with tokens
+    (shift them yourself: targets[:, i] is the token after tokens[:, i]).
+
+    With ``process_group`` set, tokens/targets are this rank's contiguous
+    piece of each sequence, logits are this piece's, and the loss is the
+    global one on every rank.
+    """
+
+    def __init__(
+        self, config: LongNetConfig, *, device=None, dtype=None, process_group=None
+    ) -> None:
+        super().__init__(config, device, dtype, process_group)
+        _, gamma = _magneto_gamma(config.num_layers)
+        self.layers = self._blocks(config.num_layers, gamma=gamma, causal=True, cross=False)
+        self.norm = self._norm()
+
+    def forward(
+        self, tokens: Tensor, targets: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        def inputs() -> Tuple[Tensor, ...]:
+            _check_tokens("tokens", tokens, self.config.vocab_size)
+            if targets is not None:
+                _check_targets(targets, tokens)
+            return (tokens,)
+
+        rank, lengths = _check_inputs(self.process_group, ("tokens",), inputs)
+        start = sum(lengths["tokens"][:rank])
+        x = self._run(self.layers, self._embed(tokens, start))
+        logits = self._logits(self.norm(x))
+        return logits, self._loss(logits, targets)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        tokens: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: Optional[int] = None,
+        use_cache: bool = True,
+        generator: Optional[torch.Generator] = None,
+    ) -> Tensor:
+        """Extend tokens (b, n) by max_new_tokens ids -> (b, n + max_new_tokens).
+
+        temperature 0 is greedy; > 0 samples from softmax(logits / T),
+        restricted to the top_k logits when given (generator seeds it).
+        With use_cache (default) each new token runs one position through
+        the layers against cached keys/values (exact: the same result as
+        rerunning the whole sequence, which use_cache=False does).
+        Dropout is off during generation; one process only.
+        """
+        if comm.is_distributed(self.process_group):
+            raise ValueError("generate runs on one process; build the model without process_group")
+        _check_tokens("tokens", tokens, self.config.vocab_size)
+        if tokens.shape[1] == 0:
+            raise ValueError(
+                f"tokens must hold at least one id per row, got shape {tuple(tokens.shape)}"
+            )
+        max_new_tokens = _non_negative_int("max_new_tokens", max_new_tokens)
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+            raise TypeError(f"temperature must be a float >= 0, got {temperature!r}")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite float >= 0, got {temperature}")
+        top_k = check.check_optional_positive_int("top_k", top_k)
+        check.check_bool("use_cache", use_cache)
+        total = tokens.shape[1] + max_new_tokens
+        if self.config.positions == "learned" and total > self.config.max_seq_len:
+            raise ValueError(
+                f"generating to {total} tokens exceeds max_seq_len={self.config.max_seq_len}"
+            )
+        was_training = self.training
+        self.eval()
+        try:
+            return self._generate(tokens, max_new_tokens, temperature, top_k, use_cache, generator)
+        finally:
+            self.train(was_training)
+
+    def _generate(self, tokens, max_new_tokens, temperature, top_k, use_cache, generator) -> Tensor:
+        out = tokens
+        if max_new_tokens == 0:
+            return out
+        caches = self._new_caches(tokens, tokens.shape[1] + max_new_tokens) if use_cache else None
+        logits = self._decode(tokens, caches, 0) if use_cache else self(tokens)[0]
+        for step in range(max_new_tokens):
+            nxt = _sample(logits[:, -1], temperature, top_k, generator)
+            out = torch.cat([out, nxt[:, None]], dim=1)
+            if step + 1 == max_new_tokens:
+                break
+            if use_cache:
+                logits = self._decode(nxt[:, None], caches, out.shape[1] - 1)
+            else:
+                logits = self(out)[0]
+        return out
+
+    def _new_caches(self, tokens: Tensor, capacity: int) -> List[KVCache]:
+        attn = self.layers[0].self_attn
+        ref = self.embed.weight
+        shape = (tokens.shape[0], capacity, attn.num_kv_heads, attn.head_dim)
+        return [
+            KVCache(ref.new_zeros(shape), ref.new_zeros(shape)) for _ in range(len(self.layers))
+        ]
+
+    def _decode(self, tokens: Tensor, caches: List[KVCache], start: int) -> Tensor:
+        """Logits (b, n, v) of tokens (b, n) at positions [start, start + n), caching k/v."""
+        x = self._embed(tokens, start)
+        for layer, cache in zip(self.layers, caches):
+            x = layer.decode(x, cache, start)
+        return self._logits(self.norm(x))
+
+
+class LongNet(_LongNetBase):
+    """Encoder-decoder LongNet: dilated self-attention in both stacks.
+
+    ``forward(src_tokens, tgt_tokens, targets=None)`` -> ``(logits (b, n_tgt,
+    v), loss)``. The encoder attends bidirectionally, the decoder causally,
+    then (plain dense attention) over the whole encoder output. Source and
+    target share the token embedding (and the head when tied).
+
+    With ``process_group`` set, src/tgt/targets are this rank's pieces; the
+    encoder output is gathered on every rank for the cross-attention.
+    """
+
+    def __init__(
+        self, config: LongNetConfig, *, device=None, dtype=None, process_group=None
+    ) -> None:
+        super().__init__(config, device, dtype, process_group)
+        enc_gamma, dec_gamma = _magneto_gamma(config.num_layers, config.num_encoder_layers)
+        self.encoder = self._blocks(
+            config.num_encoder_layers, gamma=enc_gamma, causal=False, cross=False
+        )
+        self.encoder_norm = self._norm()
+        self.decoder = self._blocks(config.num_layers, gamma=dec_gamma, causal=True, cross=True)
+        self.decoder_norm = self._norm()
+
+    def forward(
+        self, src_tokens: Tensor, tgt_tokens: Tensor, targets: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        group = self.process_group
+
+        def inputs() -> Tuple[Tensor, ...]:
+            _check_tokens("src_tokens", src_tokens, self.config.vocab_size)
+            _check_tokens("tgt_tokens", tgt_tokens, self.config.vocab_size)
+            if targets is not None:
+                _check_targets(targets, tgt_tokens)
+            return src_tokens, tgt_tokens
+
+        rank, lengths = _check_inputs(group, ("src", "tgt"), inputs)
+        src_start = sum(lengths["src"][:rank])
+        tgt_start = sum(lengths["tgt"][:rank])
+        memory = self.encoder_norm(self._run(self.encoder, self._embed(src_tokens, src_start)))
+        if comm.is_distributed(group):
+            memory = _GatherSequence.apply(memory, group, lengths["src"])
+        x = self._run(self.decoder, self._embed(tgt_tokens, tgt_start), memory)
+        logits = self._logits(self.decoder_norm(x))
+        return logits, self._loss(logits, targets)
+
+
+def _sample(logits: Tensor, temperature: float, top_k: Optional[int], generator) -> Tensor:
+    """Next ids (b,) from last-position logits (b, v)."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _non_negative_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 0, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value}")
+    return int(value)
+
+
+__all__ = ["LongNetConfig", "LongNetLM", "LongNet", "all_reduce_gradients", "IGNORE_INDEX"]

@@ -1,0 +1,316 @@
+"""LongNet models: config, shapes, state, generation with a cache, checkpointing, and
+sequence-parallel training steps on spawned gloo ranks equal to one process."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import math
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dilated_attention import LongNet, LongNetConfig, LongNetLM, dilated_attention
+from dilated_attention.models import IGNORE_INDEX, all_reduce_gradients, cached_dilated_attention
+from dilated_attention.sharding import shard_sequence
+
+from dist_harness import run_distributed
+
+SMALL = dict(vocab_size=23, embed_dim=24, num_heads=6, ffn_dim=32, num_layers=2,
+             num_encoder_layers=2, segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4))
+
+
+def small_config(**overrides) -> LongNetConfig:
+    return LongNetConfig(**{**SMALL, **overrides})
+
+
+def _perturb(model: torch.nn.Module) -> None:
+    """Non-default values in every parameter (norms and biases start at 1 and 0)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+
+def _data(b: int, n: int, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (b, n), generator=g)
+    targets = torch.randint(0, vocab, (b, n), generator=g)
+    targets[:, ::5] = IGNORE_INDEX  # ignored positions, unevenly spread over pieces
+    return tokens, targets
+
+
+# ---------------------------------------------------------------------------
+# Config
+
+
+def test_presets():
+    base = LongNetConfig.from_name("base")
+    assert (base.num_layers, base.embed_dim, base.num_heads, base.ffn_dim) == (12, 768, 12, 3072)
+    assert base.segment_lengths == (2048, 4096, 8192, 16384, 32768)
+    assert base.dilation_rates == (1, 2, 4, 6, 12)
+    tiny = LongNetConfig.from_name("tiny", num_layers=3)
+    assert tiny.num_layers == 3 and tiny.embed_dim == 64
+    model = LongNetLM(base, device="meta")
+    assert 100e6 < sum(p.numel() for p in model.parameters()) < 200e6
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        ({"embed_dim": 25}, ValueError, r"embed_dim \(25\).*num_heads \(6\)"),
+        ({"num_kv_heads": 4}, ValueError, r"num_heads \(6\).*num_kv_heads \(4\)"),
+        ({"dilation_rates": (1, 2, 32)}, ValueError, r"dilation_rates\[2\] = 32"),
+        ({"positions": "rotary"}, ValueError, r"positions.*'rotary'"),
+        ({"activation": "tanh"}, ValueError, r"activation.*'tanh'"),
+        ({"dropout": 1.5}, ValueError, r"1.5"),
+        ({"num_layers": 0}, ValueError, r"num_layers.*0"),
+        ({"tie_embeddings": "yes"}, TypeError, r"tie_embeddings.*'yes'"),
+    ],
+)
+def test_config_errors(overrides, error, match):
+    with pytest.raises(error, match=match):
+        small_config(**overrides)
+    with pytest.raises(ValueError, match="unknown LongNet preset 'huge'"):
+        LongNetConfig.from_name("huge")
+
+
+# ---------------------------------------------------------------------------
+# Forward, loss, state, plumbing
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_lm_shapes_and_loss(tie):
+    torch.manual_seed(0)
+    model = LongNetLM(small_config(tie_embeddings=tie, num_kv_heads=2))
+    assert (model.head is None) == tie
+    tokens, targets = _data(2, 29, 23)
+    logits, loss = model(tokens, targets)
+    assert logits.shape == (2, 29, 23)
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+    torch.testing.assert_close(loss, expected)
+    assert model(tokens)[1] is None
+
+
+def test_encoder_decoder_shapes():
+    torch.manual_seed(0)
+    model = LongNet(small_config())
+    src, _ = _data(2, 19, 23, seed=1)
+    tgt, targets = _data(2, 11, 23, seed=2)
+    logits, loss = model(src, tgt, targets)
+    assert logits.shape == (2, 11, 23) and loss.ndim == 0
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind", ["lm", "encdec"])
+def test_state_dict_round_trip(kind):
+    torch.manual_seed(0)
+    config = small_config(positions="learned", max_seq_len=64, tie_embeddings=False)
+    build = (lambda: LongNetLM(config)) if kind == "lm" else (lambda: LongNet(config))
+    model = build()
+    _perturb(model)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    fresh = build()
+    fresh.load_state_dict(torch.load(buf))
+    tokens, _ = _data(2, 21, 23)
+    args = (tokens,) if kind == "lm" else (tokens, tokens[:, :9])
+    torch.testing.assert_close(fresh(*args)[0], model(*args)[0], rtol=0, atol=0)
+
+
+def test_dtype_plumbing():
+    model = LongNetLM(small_config(), dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    tokens, targets = _data(1, 17, 23)
+    logits, loss = model(tokens, targets)
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    assert torch.isfinite(loss)
+
+
+def test_magneto_gains():
+    model = LongNetLM(small_config(num_layers=6))
+    attn = model.layers[0].self_attn
+    assert attn.gamma_init == pytest.approx(math.sqrt(math.log(12)))
+    assert attn.norm is not None  # sub-LN
+
+
+def test_learned_positions_bound():
+    model = LongNetLM(small_config(positions="learned", max_seq_len=16))
+    with pytest.raises(ValueError, match="max_seq_len=16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_seq_len=16"):
+        model.generate(torch.zeros(1, 10, dtype=torch.long), 7)
+
+
+def test_input_errors():
+    model = LongNetLM(small_config())
+    with pytest.raises(ValueError, match=r"tokens must be 2-D.*\(5,\)"):
+        model(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(TypeError, match="integer token ids.*float32"):
+        model(torch.zeros(1, 5))
+    with pytest.raises(ValueError, match=r"ids in \[0, 23\).*\[0, 23\]"):
+        model(torch.tensor([[0, 23]]))
+    with pytest.raises(ValueError, match=r"targets must have tokens' shape \(1, 5\)"):
+        model(torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature.*-1"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 2, temperature=-1.0)
+    with pytest.raises(TypeError, match="max_new_tokens.*2.5"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 2.5)
+
+
+def test_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    config = small_config(num_kv_heads=3)
+    plain = LongNetLM(config, dtype=torch.float64)
+    _perturb(plain)
+    ckpt = LongNetLM(small_config(num_kv_heads=3, checkpoint_activations=True), dtype=torch.float64)
+    ckpt.load_state_dict(plain.state_dict())
+    tokens, targets = _data(2, 33, 23)
+    losses = []
+    for model in (plain, ckpt):
+        _, loss = model(tokens, targets)
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+# ---------------------------------------------------------------------------
+# Generation with a key/value cache
+
+
+@pytest.mark.parametrize("hk", [6, 2])
+def test_cached_attention_equals_last_row_of_dilated_attention(hk):
+    torch.manual_seed(0)
+    n, h, d = 45, 6, 4
+    patterns = ((4, 8, 16, 64), (1, 2, 4, 5))  # rate 5 does not divide h; 64 > n
+    q = torch.randn(2, n, h, d, dtype=torch.float64)
+    k, v = torch.randn(2, 2, n, hk, d, dtype=torch.float64).unbind(0)
+    full = dilated_attention(q, k, v, *patterns, is_causal=True, scale=0.4)
+    for t in range(n):
+        prefix = dilated_attention(
+            q[:, : t + 1], k[:, : t + 1], v[:, : t + 1], *patterns, is_causal=True, scale=0.4
+        )
+        step = cached_dilated_attention(
+            q[:, t : t + 1], k[:, : t + 1], v[:, : t + 1], *patterns, scale=0.4
+        )
+        torch.testing.assert_close(step[:, 0], prefix[:, t], msg=f"t={t}")
+        # causal dilated attention is prefix-consistent: row t does not depend on later rows
+        torch.testing.assert_close(step[:, 0], full[:, t], msg=f"t={t}")
+
+
+def test_generate_with_cache_equals_without():
+    torch.manual_seed(0)
+    model = LongNetLM(small_config(num_kv_heads=2, positions="learned", max_seq_len=64),
+                      dtype=torch.float64)
+    _perturb(model)
+    prompt, _ = _data(2, 6, 23)
+    greedy = model.generate(prompt, 30)
+    assert greedy.shape == (2, 36) and torch.equal(greedy[:, :6], prompt)
+    torch.testing.assert_close(model.generate(prompt, 30, use_cache=False), greedy, rtol=0, atol=0)
+    sampled = [
+        model.generate(prompt, 30, temperature=0.8, top_k=5, use_cache=cache,
+                       generator=torch.Generator().manual_seed(3))
+        for cache in (True, False)
+    ]
+    torch.testing.assert_close(sampled[0], sampled[1], rtol=0, atol=0)
+    assert not torch.equal(sampled[0], greedy)
+    # the per-step logits of the cached path equal a full forward over the sequence
+    caches = model._new_caches(prompt, 36)
+    with torch.no_grad():
+        steps = [model._decode(greedy[:, :6], caches, 0)]
+        steps += [model._decode(greedy[:, i : i + 1], caches, i) for i in range(6, 36)]
+        full = model(greedy)[0]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full)
+    assert model.training  # generate restores the mode it found
+
+
+# ---------------------------------------------------------------------------
+# Sequence parallel: P spawned gloo ranks == one process
+
+
+def _example():
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_long_context.py"
+    spec = importlib.util.spec_from_file_location("train_long_context", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _step(model, group, tokens, targets, *extra):
+    """One training step's loss and full parameter gradients, on this rank's pieces."""
+    model.zero_grad(set_to_none=True)
+    pieces = [shard_sequence(x, group) for x in (*extra, tokens, targets)]
+    _, loss = model(*pieces)
+    loss.backward()
+    all_reduce_gradients(model, group)
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _sp_cases(group):
+    cases = [
+        ("lm", dict(), 37),  # 37 tokens: uneven pieces
+        ("lm", dict(num_kv_heads=2, positions="learned", max_seq_len=40, tie_embeddings=False), 40),
+        ("lm", dict(checkpoint_activations=True, segment_lengths=(64,), dilation_rates=(1,)), 31),
+        ("encdec", dict(num_kv_heads=3), 26),
+    ]
+    done = []
+    for kind, overrides, n in cases:
+        config = small_config(**overrides)
+        models = []
+        for g in (None, group):
+            torch.manual_seed(0)  # identical initial parameters in both models
+            cls = LongNetLM if kind == "lm" else LongNet
+            models.append(cls(config, dtype=torch.float64, process_group=g))
+            _perturb(models[-1])
+        tokens, targets = _data(2, n, config.vocab_size, seed=n)
+        extra = () if kind == "lm" else (_data(2, n + 5, config.vocab_size, seed=1)[0],)
+        ref_loss, ref_grads = _step(models[0], None, tokens, targets, *extra)
+        loss, grads = _step(models[1], group, tokens, targets, *extra)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-9, atol=1e-12, msg=f"{kind} {name}")
+        done.append((kind, n))
+    # a bad input on one rank raises on every rank, no hang
+    model = LongNetLM(small_config(), process_group=group)
+    bad = 99 if comm_rank(group) == 1 else 0
+    with pytest.raises((ValueError, RuntimeError)):
+        model(torch.full((1, 8), bad))
+    done.append("bad input")
+    return done
+
+
+def _example_curves(group):
+    example = _example()
+    args = example.parse_args(["--seq-len", "96", "--batch-size", "2", "--steps", "3",
+                               "--dtype", "float64", "--eval-batches", "1"])
+    sharded = example.train(args, group)
+    single = example.train(args, None)
+    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]),
+                               rtol=1e-10, atol=1e-12)
+    return sharded["losses"]
+
+
+def comm_rank(group) -> int:
+    from dilated_attention import comm
+
+    return comm.group_rank(group)
+
+
+def _rank_main(group, with_example: bool):
+    result = {"cases": _sp_cases(group)}
+    if with_example:
+        result["curve"] = _example_curves(group)
+    return result
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sequence_parallel_training_step_equals_one_process(world_size):
+    results = run_distributed(_rank_main, world_size, world_size == 2, timeout=240)
+    assert all(len(r["cases"]) == 5 for r in results)
