@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from . import _validation as check
+from .comm import is_distributed
 from .kernels import attention_backward, attention_forward, lse_dtype, select_backend
 from .merge import empty_accumulators, merge_
 from .patterns import Region, gather, head_groups, regions, scatter_add_, segments_view
@@ -244,7 +245,7 @@ def dilated_attention(
         (float64 for float64 inputs). A query that attends nothing gets zeros
         and lse = -inf.
     """
-    distributed = group is not None and _group_size(group) > 1
+    distributed = is_distributed(group)
     try:
         check.check_qkv(q, k, v, allow_empty=group is not None)
         patterns = check.check_patterns(segment_lengths, dilation_rates)
@@ -277,9 +278,3 @@ def dilated_attention(
         # (b, n, h) -> (b, h, n)
         return out, lse.transpose(1, 2)
     return out
-
-
-def _group_size(group) -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size(group)
