@@ -195,8 +195,6 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--impl", choices=("dilated", "ring"), default="dilated",
                           help="dilated attention or dense ring attention (dilated)")
     estimate.add_argument("--dtype", choices=DTYPES, default="float32")
-    estimate.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                          help="whose kernel workspace to model (cpu)")
     estimate.add_argument("--threads", type=positive_int, default=None,
                           help="CPU kernel threads per rank (default: cores // ranks)")
     emode = estimate.add_mutually_exclusive_group()
@@ -295,8 +293,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     else:
         progress = Progress(config.steps, "verify")
         try:
+            # small cases: a rank stuck on a failed peer gives up after a minute
             results = spawn(verify.rank_main, world_size, (config,), device=device,
-                            timeout=args.timeout, threads=1, progress=progress)[0]
+                            timeout=args.timeout, threads=1, progress=progress,
+                            pg_timeout=60.0)[0]
         finally:
             progress.close()
     return verify.report(results, config)
@@ -309,10 +309,10 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         estimate.make_config, seq_len=args.seq_len, world_size=args.world_size,
         segment_lengths=flatten(args.segment_lengths), dilation_rates=flatten(args.dilation_rates),
         heads=args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads, batch=args.batch,
-        dtype=args.dtype, device=args.device, causal=args.causal, training=args.training,
+        dtype=args.dtype, causal=args.causal, training=args.training,
         impl=args.impl, threads=args.threads,
     )
-    return estimate.report(config, dry_run=args.dry_run, as_json=args.json)
+    return estimate.report(config, trace=args.dry_run, as_json=args.json)
 
 
 def _checked(make_config: Callable, **options: Any) -> Any:

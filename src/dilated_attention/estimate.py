@@ -1,0 +1,590 @@
+"""``dilated-attention estimate``: per-rank peak memory and traffic, without running.
+
+Two independent estimates of the same quantities, both labelled estimates:
+
+- **formula**: the memory accounting of docs/guide.md ("Memory formulas")
+  evaluated on the op's plan geometry: which segments span ranks and how
+  many (row, kv head) pairs each transfer carries (``make_plan``, pure
+  arithmetic on the piece lengths; index tensors on ``meta``, no data).
+  Live bytes are summed per phase of the op (local launches, exchange
+  rounds, casts; forward, then backward when training) and the largest
+  phase is the peak.
+- **dry run**: the real op runs on ``meta`` tensors with a fake process
+  group of world size P (``init_process_group("fake")``), under a
+  ``TorchDispatchMode`` that adds each new tensor storage's bytes when an op
+  creates it and subtracts them when the storage is freed; the highest sum
+  is the peak. Traffic is what ``comm.count_communication`` counts.
+
+Neither sees the CPU flash kernel's per-thread scratch buffers (about a
+megabyte per thread), so both add the same modelled term for it.
+
+Notation: b batch, N total rows, P ranks, n this rank's rows, h heads, hk
+key/value heads, d head dim, s bytes per element of the dtype, a bytes per
+accumulator element (4; 8 for float64).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from . import _validation as check
+from . import comm
+
+MB = 1e6
+# CPU flash kernel blocking (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp):
+# query blocks of 256 rows (64 below 768 rows, 32 below 192), key blocks of 512.
+_KV_SPLIT = 512
+
+
+# Breakdown categories, in print order.
+SHARDS = "q/k/v shards"
+DOUT = "output gradient shard (dout)"
+OUTPUT = "output shard (out, lse)"
+SAVED = "saved for backward (out, lse)"
+GRADS = "gradient shards (dq, dk, dv)"
+COMM = "communication buffers"
+WORKSPACE = "kernel workspace (gathers, launch outputs)"
+SCRATCH = "CPU kernel scratch (per thread, modelled)"
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimateConfig:
+    seq_len: int
+    world_size: int
+    segment_lengths: Tuple[int, ...]
+    dilation_rates: Tuple[int, ...]
+    heads: int
+    head_dim: int
+    kv_heads: int
+    batch: int
+    dtype: str
+    causal: bool
+    training: bool
+    impl: str
+    threads: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def patterns(self) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        if self.impl == "ring":  # dense attention: one segment of N, rate 1
+            return (self.seq_len,), (1,)
+        return self.segment_lengths, self.dilation_rates
+
+    @property
+    def layout(self) -> str:
+        return "zigzag" if self.impl == "ring" and self.causal and self.world_size > 1 \
+            else "contiguous"
+
+    def lengths(self) -> Tuple[int, ...]:
+        from .sharding import piece_lengths
+
+        return tuple(piece_lengths(self.seq_len, self.world_size, self.layout))
+
+
+def make_config(
+    *,
+    seq_len: int,
+    world_size: int = 1,
+    segment_lengths: Optional[Sequence[int]] = None,
+    dilation_rates: Optional[Sequence[int]] = None,
+    heads: int = 12,
+    head_dim: int = 64,
+    kv_heads: Optional[int] = None,
+    batch: int = 1,
+    dtype: str = "float32",
+    causal: bool = False,
+    training: bool = False,
+    impl: str = "dilated",
+    threads: Optional[int] = None,
+) -> EstimateConfig:
+    """Check the options; ValueError names the option and value on a mistake."""
+    from .bench import LONGNET_RATES, LONGNET_SEGMENTS
+
+    if (segment_lengths is None) != (dilation_rates is None):
+        raise ValueError("give --segment-lengths and --dilation-rates together")
+    segs, rates = check.check_patterns(
+        list(segment_lengths or LONGNET_SEGMENTS), list(dilation_rates or LONGNET_RATES)
+    )
+    kv_heads = heads if kv_heads is None else kv_heads
+    if heads % kv_heads:
+        raise ValueError(f"--kv-heads {kv_heads} must divide --heads {heads}")
+    if world_size > seq_len:
+        raise ValueError(
+            f"world size {world_size} is larger than sequence length {seq_len}: every rank "
+            f"needs at least one row"
+        )
+    if impl == "ring" and causal and world_size > 1 and seq_len % (2 * world_size):
+        raise ValueError(
+            f"causal ring attention uses the zigzag layout, which needs the sequence length to "
+            f"divide into 2 * ranks chunks: {seq_len} % {2 * world_size} != 0"
+        )
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+    return EstimateConfig(
+        seq_len=seq_len, world_size=world_size, segment_lengths=segs, dilation_rates=rates,
+        heads=heads, head_dim=head_dim, kv_heads=kv_heads, batch=batch, dtype=dtype,
+        causal=causal, training=training, impl=impl, threads=threads,
+    )
+
+
+@dataclasses.dataclass
+class Estimate:
+    """Peak bytes of the largest rank, its breakdown, and that rank's traffic per layer."""
+
+    method: str
+    rank: int
+    peak_bytes: int
+    phase: str
+    breakdown: Dict[str, int]
+    forward_bytes: int
+    forward_messages: int
+    backward_bytes: int
+    backward_messages: int
+    seconds: float = 0.0
+    traffic_rank: int = 0
+
+
+# --------------------------------------------------------------------------
+# The formula
+
+
+def _sizes(config: EstimateConfig) -> Tuple[int, int]:
+    """(s, a): bytes per element of the dtype and of the fp32/fp64 accumulators."""
+    dtype = config.torch_dtype
+    return torch.empty(0, dtype=dtype).element_size(), 8 if dtype == torch.float64 else 4
+
+
+def cpu_kernel_scratch(config: EstimateConfig) -> int:
+    """The CPU flash kernel's per-thread buffers for the longest launch (not seen by tracing).
+
+    Forward: threads x (qs*ks + 2 qs + qs*d) accumulators, plus qs*ks in the
+    dtype for bf16/fp16; backward: threads x 2 qs*ks more. qs, ks: the
+    kernel's query and key block sizes (256 and 512 rows for long launches).
+    """
+    s, a = _sizes(config)
+    rows = config.seq_len // config.world_size
+    qs = 256 if rows >= 768 else 64 if rows >= 192 else 32
+    qs, ks = min(qs, rows), min(_KV_SPLIT, rows)
+    per_thread = (qs * ks + 2 * qs + qs * config.head_dim) * a
+    if s < a:  # reduced-precision copy of the score block
+        per_thread += qs * ks * s
+    if config.training:
+        per_thread += 2 * qs * ks * a
+    return config.threads * per_thread
+
+
+def formula(config: EstimateConfig) -> Estimate:
+    """Peak per rank from the accounting of docs/guide.md, largest over ranks."""
+    start = time.perf_counter()
+    lengths = config.lengths()
+    if config.impl == "ring":
+        candidates = [_ring_formula(config, lengths, r) for r in _ranks_to_check(config)]
+    else:
+        candidates = [_dilated_formula(config, lengths, r) for r in _ranks_to_check(config)]
+    best = _largest(candidates)
+    best.seconds = time.perf_counter() - start
+    return best
+
+
+def _largest(estimates: List[Estimate]) -> Estimate:
+    """The rank with the highest peak, with the traffic of the rank that sends most."""
+    best = max(estimates, key=lambda e: e.peak_bytes)
+    busiest = max(estimates, key=lambda e: (e.forward_bytes + e.backward_bytes, e.rank))
+    best.forward_bytes, best.forward_messages = busiest.forward_bytes, busiest.forward_messages
+    best.backward_bytes, best.backward_messages = busiest.backward_bytes, busiest.backward_messages
+    best.traffic_rank = busiest.rank
+    return best
+
+
+def _ranks_to_check(config: EstimateConfig) -> List[int]:
+    """Every rank for small P; else the ranks whose pieces differ (ends, neighbours, middle)."""
+    p = config.world_size
+    if p <= 8:
+        return list(range(p))
+    return sorted({0, 1, 2, p // 2, p - 3, p - 2, p - 1})
+
+
+def _phases_to_estimate(
+    method: str, rank: int, phases: Dict[str, Dict[str, int]], traffic: Tuple[int, int, int, int],
+    scratch: int,
+) -> Estimate:
+    """The phase with most live bytes is the peak; its components are the breakdown."""
+    name, parts = max(phases.items(), key=lambda kv: sum(kv[1].values()))
+    parts = {k: v for k, v in parts.items() if v}
+    parts[SCRATCH] = scratch
+    return Estimate(method, rank, sum(parts.values()), name, parts, *traffic)
+
+
+class _Shapes:
+    """Byte sizes of (b, rows, heads, d) blocks for one config."""
+
+    def __init__(self, config: EstimateConfig) -> None:
+        self.b, self.h, self.hk, self.d = (config.batch, config.heads, config.kv_heads,
+                                           config.head_dim)
+        self.s, self.a = _sizes(config)
+
+    def rows(self, n: int, heads: int, elem: int, d: Optional[int] = None) -> int:
+        """Bytes of a (b, n, heads, d) tensor (d = 1 for lse-like tensors)."""
+        return self.b * n * heads * (self.d if d is None else d) * elem
+
+
+def _launch_fwd(sh: _Shapes, segs: int, q_rows: int, k_rows: int, hq: int, hkv: int,
+                identity: bool, gathered_kv: bool = True) -> int:
+    """Peak temporaries of one forward launch (see forward_launches and merge_).
+
+    Kernel call: gathered q (and k, v when `gathered_kv`) unless the group is
+    an identity view, plus the launch's out and lse. Merge: out, lse, the
+    selected accumulator rows (non-identity) and four lse-sized temporaries.
+    """
+    n = segs * q_rows
+    out = sh.rows(n, hq, sh.s) + sh.rows(n, hq, sh.a, 1)
+    gathers = 0
+    if not identity:
+        gathers = sh.rows(n, hq, sh.s)
+        if gathered_kv:
+            gathers += 2 * sh.rows(segs * k_rows, hkv, sh.s)
+    sel = 0 if identity else sh.rows(n, hq, sh.a) + sh.rows(n, hq, sh.a, 1)
+    merge = out + sel + 4 * sh.rows(n, hq, sh.a, 1)
+    return max(gathers + out, merge)
+
+
+def _launch_bwd(sh: _Shapes, segs: int, q_rows: int, k_rows: int, hq: int, hkv: int,
+                identity: bool, gathered_kv: bool = True) -> int:
+    """Peak temporaries of one backward launch (see backward_launches, scatter_add_).
+
+    Kernel call: gathered dout, q, out, lse (and k, v) unless identity views,
+    plus the kernel's dq, dk, dv. Scatter (non-identity): the outputs plus
+    one accumulator-dtype copy of the rows being added to.
+    """
+    nq, nk = segs * q_rows, segs * k_rows
+    outputs = sh.rows(nq, hq, sh.s) + 2 * sh.rows(nk, hkv, sh.s)
+    gathers = 0
+    if not identity:
+        gathers = 3 * sh.rows(nq, hq, sh.s) + sh.rows(nq, hq, sh.a, 1)
+        if gathered_kv:
+            gathers += 2 * sh.rows(nk, hkv, sh.s)
+    scatter = 0 if identity else outputs + max(sh.rows(nq, hq, sh.a), sh.rows(nk, hkv, sh.a))
+    return max(gathers + outputs, scatter)
+
+
+def _group_shape(g) -> Tuple[int, int, int, int, bool]:
+    """(query rows, key rows, query heads, kv heads, identity) of a HeadGroup."""
+    return (g.rows, g.kv_index.shape[0], g.q_heads.numel(), g.kv_heads.numel(), g.identity)
+
+
+def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int) -> Estimate:
+    """Forward (and backward) phases of single-device or sequence-parallel dilated attention."""
+    from .sequence_parallel import make_plan
+
+    sh = _Shapes(config)
+    s, a, h, hk = sh.s, sh.a, sh.h, sh.hk
+    n = lengths[rank]
+    plan = make_plan(lengths, config.patterns, config.causal, h, hk, rank, "meta")
+    shards = {SHARDS: sh.rows(n, h + 2 * hk, s)}
+    if config.training:
+        shards[DOUT] = sh.rows(n, h, s)
+    acc = sh.rows(n, h, a) + sh.rows(n, h, a, 1)
+    phases: Dict[str, Dict[str, int]] = {}
+
+    # local launches: distinct shapes only
+    shapes = {(region.num_segments,) + _group_shape(g) for _, region, g in plan.local}
+    fwd_local = max((_launch_fwd(sh, *shape) for shape in shapes), default=0)
+    phases["forward, local launches"] = {**shards, OUTPUT: acc, WORKSPACE: fwd_local}
+
+    fwd_bytes = fwd_msgs = bwd_bytes = bwd_msgs = 0
+    bwd_rounds: List[Tuple[int, int, int, int]] = []
+    linger_fwd, linger_bwd = 0, (0, 0, 0)
+    for i, rnd in enumerate(plan.rounds):
+        recv = sum(2 * sh.b * t.pairs * sh.d * s for t in rnd.recvs)
+        sent = sum(2 * sh.b * t.pairs * sh.d * s for t in rnd.sends)
+        # packing a send gathers one group's selected rows (a copy unless identity)
+        pack = max((sh.b * g.kv_index.shape[0] * g.kv_heads.numel() * sh.d * s
+                    for t in rnd.sends for g in t.groups if not g.identity), default=0)
+        launch = max((_launch_fwd(sh, 1, *_group_shape(g), gathered_kv=False)
+                      for t in rnd.recvs for g in t.groups), default=0)
+        phases[f"forward, exchange round {i}"] = {**shards, OUTPUT: acc,
+                                                  COMM: recv + sent + pack + linger_fwd}
+        phases[f"forward, remote launches {i}"] = {**shards, OUTPUT: acc, COMM: recv,
+                                                   WORKSPACE: launch}
+        fwd_bytes += sent
+        fwd_msgs += sum(1 for t in rnd.sends if t.pairs)
+        bwd_launch = max((_launch_bwd(sh, 1, *_group_shape(g), gathered_kv=False)
+                          for t in rnd.recvs for g in t.groups), default=0)
+        grads_out = sum(2 * sh.b * t.pairs * sh.d * a for t in rnd.recvs)
+        grads_in = sum(2 * sh.b * t.pairs * sh.d * a for t in rnd.sends)
+        last = 2 * sh.b * rnd.recvs[-1].pairs * sh.d if rnd.recvs else 0
+        first_grad = 2 * sh.b * rnd.recvs[0].pairs * sh.d * a if rnd.recvs else 0
+        prev_buf, prev_grad, prev_home = linger_bwd
+        bwd_rounds.append((
+            recv + sent + pack + prev_buf + prev_grad + prev_home,
+            recv + prev_home + max(first_grad + prev_grad, grads_out),
+            bwd_launch,
+            last * s + grads_out + grads_in + prev_home,
+        ))
+        bwd_bytes += sent + grads_out
+        bwd_msgs += sum(1 for t in rnd.sends if t.pairs) + sum(1 for t in rnd.recvs if t.pairs)
+        # a round's loop variables live on into the next round: its last received
+        # buffer (views k_g, v_g), and in backward its last dK/dV buffer (grad)
+        # and the last dK/dV that came home (views dk_g, dv_g)
+        linger_fwd = last * s
+        home = 2 * sh.b * rnd.sends[-1].pairs * sh.d * a if rnd.sends else 0
+        linger_bwd = (last * s, last * a, home)
+    if s != a:  # out = acc_out.to(dtype) while the accumulator is alive
+        phases["forward, output cast"] = {**shards, OUTPUT: acc + sh.rows(n, h, s)}
+
+    if config.training:
+        saved = sh.rows(n, h, s if s != a else a) + sh.rows(n, h, a, 1)
+        grads = sh.rows(n, h + 2 * hk, a)
+        base = {**shards, SAVED: saved, GRADS: grads}
+        bwd_local = max((_launch_bwd(sh, *shape) for shape in shapes), default=0)
+        phases["backward, local launches"] = {**base, WORKSPACE: bwd_local}
+        for i, (exchange, held, launch, returns) in enumerate(bwd_rounds):
+            phases[f"backward, exchange round {i}"] = {**base, COMM: exchange}
+            phases[f"backward, remote launches {i}"] = {**base, COMM: held, WORKSPACE: launch}
+            phases[f"backward, gradients home {i}"] = {**base, COMM: returns}
+        if s != a:
+            phases["backward, gradient cast"] = {**base, GRADS: grads + sh.rows(n, h + 2 * hk, s)}
+    if not config.training:
+        bwd_bytes = bwd_msgs = 0
+    return _phases_to_estimate("formula", rank, phases, (fwd_bytes, fwd_msgs, bwd_bytes, bwd_msgs),
+                               cpu_kernel_scratch(config))
+
+
+def _ring_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int) -> Estimate:
+    """Forward (and backward) phases of ring attention (see ring_forward/ring_backward).
+
+    Forward: the accumulators, the K/V block being used and the one in
+    flight (two received blocks once the ring is running, P > 2), and two
+    block outputs (the previous step's is freed when the new one is
+    assigned). Backward adds dq, dK/dV accumulators travelling with their
+    block (sent and received: four), and two steps' kernel gradients.
+    """
+    sh = _Shapes(config)
+    s, a, h, hk = sh.s, sh.a, sh.h, sh.hk
+    p = config.world_size
+    n = lengths[rank]
+    m = max(lengths)  # the largest block that can arrive
+    shards = {SHARDS: sh.rows(n, h + 2 * hk, s)}
+    if config.training:
+        shards[DOUT] = sh.rows(n, h, s)
+    acc = sh.rows(n, h, a) + sh.rows(n, h, a, 1)
+    block_out = sh.rows(n, h, s) + sh.rows(n, h, a, 1)
+    kv = 2 * sh.rows(m, hk, s)
+    in_flight = 0 if p == 1 else kv if p == 2 else 2 * kv
+    outs = 1 if p == 1 else 2
+    phases = {
+        "forward, ring steps": {**shards, OUTPUT: acc, COMM: in_flight,
+                                WORKSPACE: outs * block_out + 4 * sh.rows(n, h, a, 1)},
+    }
+    if s != a:
+        phases["forward, output cast"] = {**shards, OUTPUT: acc + sh.rows(n, h, s)}
+    others = sum(lengths) - n
+    fwd_bytes = 0 if p == 1 else 2 * sh.b * (sum(lengths) - lengths[(rank + 1) % p]) * hk * \
+        sh.d * s
+    fwd_msgs = 0 if p == 1 else 2 * (p - 1)
+    bwd_bytes = bwd_msgs = 0
+    if config.training:
+        saved = sh.rows(n, h, s if s != a else a) + sh.rows(n, h, a, 1)
+        base = {**shards, SAVED: saved, GRADS: sh.rows(n, h, a)}
+        kernel = sh.rows(n, h, s) + 2 * sh.rows(m, hk, s)
+        dkv = 2 * sh.rows(m, hk, a)
+        travelling = dkv if p == 1 else 2 * dkv
+        phases["backward, ring steps"] = {**base, COMM: in_flight + travelling,
+                                          WORKSPACE: outs * kernel}
+        if s != a:
+            phases["backward, gradient cast"] = {
+                **base, COMM: dkv, GRADS: sh.rows(n, h, a) + sh.rows(n, h + 2 * hk, s)}
+        if p > 1:
+            bwd_bytes = fwd_bytes + 2 * sh.b * (others + n) * hk * sh.d * a
+            bwd_msgs = fwd_msgs + 2 * p
+    return _phases_to_estimate("formula", rank, phases, (fwd_bytes, fwd_msgs, bwd_bytes, bwd_msgs),
+                               cpu_kernel_scratch(config))
+
+
+# --------------------------------------------------------------------------
+# The dry run
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of live tensor storages created inside the mode; keeps the peak.
+
+    Each storage is counted once, when the first op that returns a tensor on
+    it runs, and subtracted when the storage is freed (weakref finalizer).
+    Views share their base's storage and add nothing.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: Dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor):
+                self._track(t)
+        return out
+
+    def _track(self, t: Tensor) -> None:
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self._seen:
+            return
+        nbytes = storage.nbytes()
+        self._seen[key] = nbytes
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.live -= self._seen.pop(key, 0)
+
+
+def _meta_rows(config: EstimateConfig, n: int, heads: int) -> Tensor:
+    # (b, n, heads, d) on meta: shapes only
+    return torch.empty(config.batch, n, heads, config.head_dim, dtype=config.torch_dtype,
+                       device="meta")
+
+
+def _trace_rank(config: EstimateConfig, rank: int) -> Estimate:
+    """Run the real op for `rank` of a fake group of world size P on meta tensors."""
+    from .dilated import dilated_attention
+    from .ring import ring_attention
+
+    lengths = config.lengths()
+    n = lengths[rank]
+    group = None
+    if config.world_size > 1:
+        group = comm.init_process_group("fake", rank=rank, world_size=config.world_size,
+                                        timeout_s=60.0)
+    try:
+        tracker = LiveBytes()
+        with tracker:
+            q = _meta_rows(config, n, config.heads)
+            k = _meta_rows(config, n, config.kv_heads)
+            v = _meta_rows(config, n, config.kv_heads)
+            dout = _meta_rows(config, n, config.heads) if config.training else None
+            inputs = tracker.live
+            for x in (q, k, v):
+                x.requires_grad_(config.training)
+            with comm.count_communication() as forward:
+                if config.impl == "ring":
+                    out = ring_attention(q, k, v, is_causal=config.causal, group=group,
+                                         layout=config.layout, backend="cpu_flash")
+                else:
+                    segs, rates = config.patterns
+                    out = dilated_attention(q, k, v, segs, rates, is_causal=config.causal,
+                                            group=group, backend="cpu_flash")
+            forward_peak = tracker.peak
+            with comm.count_communication() as backward:
+                if config.training:
+                    out.backward(dout)
+            del out
+    finally:
+        if group is not None:
+            comm.destroy_process_group()
+    phase = "backward" if tracker.peak > forward_peak else "forward"
+    breakdown = {
+        "inputs (q/k/v shards" + (", dout)" if config.training else ")"): inputs,
+        "everything else at the peak (traced)": tracker.peak - inputs,
+        SCRATCH: cpu_kernel_scratch(config),
+    }
+    return Estimate(
+        "dry run", rank, sum(breakdown.values()), phase, breakdown,
+        forward.bytes_sent, forward.messages, backward.bytes_sent, backward.messages,
+    )
+
+
+def _distinct_ranks(config: EstimateConfig) -> List[int]:
+    """One rank per distinct plan among `_ranks_to_check`: equal plans trace equally.
+
+    A plan's signature is what its memory depends on: the piece length, the
+    shapes of its local launches and the pairs of each exchange round. Ring
+    plans are cheap to trace, so every candidate rank is traced.
+    """
+    ranks = _ranks_to_check(config)
+    if config.impl == "ring":
+        return ranks
+    from .sequence_parallel import make_plan
+
+    lengths = config.lengths()
+    chosen: Dict[tuple, int] = {}
+    for r in ranks:
+        plan = make_plan(lengths, config.patterns, config.causal, config.heads, config.kv_heads,
+                         r, "meta")
+        local = sorted({(region.num_segments,) + _group_shape(g) for _, region, g in plan.local})
+        rounds = tuple((tuple(t.pairs for t in rnd.sends), tuple(t.pairs for t in rnd.recvs))
+                       for rnd in plan.rounds)
+        chosen.setdefault((lengths[r], tuple(local), len(plan.local), rounds), r)
+    return sorted(chosen.values())
+
+
+def dry_run(config: EstimateConfig) -> Estimate:
+    """Trace the ranks whose peaks can differ; return the largest."""
+    if comm.is_initialized():
+        raise ValueError("--dry-run needs a process without a default process group")
+    start = time.perf_counter()
+    best = _largest([_trace_rank(config, r) for r in _distinct_ranks(config)])
+    best.seconds = time.perf_counter() - start
+    return best
+
+
+# --------------------------------------------------------------------------
+# Report
+
+
+def _mb(x: int) -> str:
+    return f"{x / MB:,.1f} MB"
+
+
+def describe(config: EstimateConfig) -> str:
+    mode = "training (forward + backward)" if config.training else "forward only"
+    what = ("dense ring attention" if config.impl == "ring" else
+            f"dilated attention, segments {list(config.segment_lengths)}, rates "
+            f"{list(config.dilation_rates)}")
+    lengths = config.lengths()
+    return (f"{what}; N = {config.seq_len:,} over P = {config.world_size} ranks "
+            f"({min(lengths):,} to {max(lengths):,} rows each, {config.layout}); batch "
+            f"{config.batch}, {config.heads} heads x {config.head_dim} (kv heads "
+            f"{config.kv_heads}), {config.dtype}, {'causal, ' if config.causal else ''}{mode}; "
+            f"CPU kernels, {config.threads} threads per rank")
+
+
+def report(config: EstimateConfig, *, trace: bool, as_json: bool) -> int:
+    """Print the formula's estimate (and the dry run's, when `trace`); exit status 0."""
+    estimates = [formula(config)]
+    if trace:
+        estimates.append(dry_run(config))
+    if as_json:
+        print(json.dumps({"config": dataclasses.asdict(config),
+                          "estimates": [dataclasses.asdict(e) for e in estimates]}, indent=2))
+        return 0
+    print(f"ESTIMATE (not measured): {describe(config)}")
+    for e in estimates:
+        print(f"\n{e.method}: peak per rank {_mb(e.peak_bytes)} (rank {e.rank}, {e.phase}; "
+              f"{e.seconds:.2f} s)")
+        for name, nbytes in e.breakdown.items():
+            print(f"  {name:44s} {_mb(nbytes):>16s}")
+        print(f"  communication per layer, sent by rank {e.traffic_rank} (the busiest): forward "
+              f"{_mb(e.forward_bytes)} in {e.forward_messages} messages"
+              + (f", backward {_mb(e.backward_bytes)} in {e.backward_messages} messages"
+                 if config.training else ""))
+    if trace:
+        f, d = estimates
+        print(f"\nformula vs dry run: peak {100 * (f.peak_bytes / d.peak_bytes - 1):+.1f}%, "
+              f"forward traffic {_mb(f.forward_bytes)} vs {_mb(d.forward_bytes)}")
+    return 0

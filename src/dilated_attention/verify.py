@@ -1,0 +1,248 @@
+"""``dilated-attention verify``: sequence-parallel results equal one device's.
+
+Each case builds the full (small) q, k, v, the output gradient and an lse
+gradient on every rank from one seed, computes the single-device result
+(``dilated_attention`` with no group; dense is its ``[N], [1]`` special
+case), runs the sequence-parallel op on this rank's rows, and compares this
+rank's rows of out, lse, dq, dk and dv. The largest error over all ranks is
+reported per case. Cases are sized from the world size P, so every P covers
+segments inside one rank, segments spanning two ranks and spanning all.
+
+Notation: b batch, N total rows, h heads, hk key/value heads, d head dim;
+layout (b, n, h, d).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import comm
+
+# Pass when max |error| <= tolerance * max(1, max |reference|), per dtype.
+TOLERANCE = {
+    torch.float64: 1e-9,
+    torch.float32: 2e-4,
+    torch.bfloat16: 5e-2,
+    torch.float16: 2e-2,
+}
+
+
+def _even(p: int, rows: int) -> List[int]:
+    return [rows] * p
+
+
+def _uneven(p: int) -> List[int]:
+    # 3, 8, 13, 7, 12, ... : no two neighbours equal, none divides the segments
+    return [3 + (5 * r) % 11 for r in range(p)]
+
+
+def _with_empty(p: int) -> List[int]:
+    lengths = _uneven(p)
+    lengths[p // 2] = 0
+    return lengths
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    description: str
+    impl: str  # "dilated" or "ring"
+    lengths: Callable[[int], List[int]]  # P -> every rank's piece length
+    patterns: Callable[[int], Tuple[List[int], List[int]]]  # N -> (segments, rates)
+    causal: bool = False
+    heads: int = 4
+    kv_heads: int = 4
+    head_dim: int = 16
+    layout: str = "contiguous"
+
+
+CASES: Tuple[Case, ...] = (
+    Case("local", "segments inside one rank, no traffic",
+         "dilated", lambda p: _even(p, 16), lambda n: ([8, 16], [1, 2])),
+    Case("local-causal", "segments inside one rank, causal",
+         "dilated", lambda p: _even(p, 16), lambda n: ([8, 16], [1, 2]), causal=True),
+    Case("span-two", "segments spanning two ranks",
+         "dilated", lambda p: _even(p, 16), lambda n: ([8, 32], [1, 2])),
+    Case("span-all-causal", "a segment spanning every rank, causal",
+         "dilated", lambda p: _even(p, 16), lambda n: ([4, n], [1, 4]), causal=True),
+    Case("uneven", "uneven pieces, segments across piece borders",
+         "dilated", _uneven, lambda n: ([4, 12, 64], [1, 3, 2])),
+    Case("uneven-causal", "uneven pieces, causal",
+         "dilated", _uneven, lambda n: ([4, 12, 64], [1, 3, 2]), causal=True),
+    Case("empty-piece", "one rank holds no rows",
+         "dilated", _with_empty, lambda n: ([5, 16], [1, 2]), causal=True),
+    Case("gqa", "grouped-query attention (4 heads, 2 kv heads), uneven, causal",
+         "dilated", _uneven, lambda n: ([8, 24], [1, 2]), causal=True, kv_heads=2),
+    Case("long-segment", "segment longer than the sequence",
+         "dilated", _uneven, lambda n: ([4 * n], [3])),
+    Case("dense-dilated", "dilated with segments [N], rates [1] (dense attention)",
+         "dilated", _uneven, lambda n: ([n], [1]), causal=True),
+    Case("ring", "dense ring attention",
+         "ring", lambda p: _even(p, 16), lambda n: ([n], [1])),
+    Case("ring-uneven-causal", "dense ring, uneven pieces, causal",
+         "ring", _uneven, lambda n: ([n], [1]), causal=True),
+    Case("ring-zigzag-causal", "dense ring, zigzag layout, causal",
+         "ring", lambda p: _even(p, 16), lambda n: ([n], [1]), causal=True, layout="zigzag"),
+    Case("ring-gqa", "dense ring, multi-query (4 heads, 1 kv head)",
+         "ring", _uneven, lambda n: ([n], [1]), kv_heads=1),
+)
+CASE_NAMES = tuple(c.name for c in CASES)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyConfig:
+    world_size: int
+    cases: Tuple[str, ...]
+    dtype: str
+    device: str
+
+    @property
+    def steps(self) -> int:
+        return len(self.cases)
+
+
+def make_config(*, world_size: int, cases: Optional[Sequence[str]], dtype: str,
+                device: str) -> VerifyConfig:
+    """Check the options; ValueError names the option and value on a mistake."""
+    if world_size < 2:
+        raise ValueError(f"verify needs at least 2 ranks to compare with one device, got "
+                         f"world size {world_size}")
+    names = tuple(dict.fromkeys(cases or CASE_NAMES))
+    unknown = [n for n in names if n not in CASE_NAMES]
+    if unknown:
+        raise ValueError(f"unknown case {unknown[0]!r}; cases: {', '.join(CASE_NAMES)}")
+    if dtype == "auto":
+        dtype = "float32" if device == "cuda" else "float64"
+    if device == "cuda" and dtype == "float64":
+        raise ValueError("--dtype float64 has no CUDA attention kernel here; use float32")
+    return VerifyConfig(world_size=world_size, cases=names, dtype=dtype, device=device)
+
+
+def _rows(case: Case, lengths: List[int], rank: int) -> List[Tuple[int, int]]:
+    """Global row ranges of rank `rank`, in its local order."""
+    if case.layout == "zigzag":
+        from .sharding import piece_ranges
+
+        return piece_ranges(sum(lengths), len(lengths), rank, "zigzag")
+    start = sum(lengths[:rank])
+    return [(start, start + lengths[rank])]
+
+
+def _take(x: Tensor, ranges: List[Tuple[int, int]]) -> Tensor:
+    """Rows `ranges` of x (b, N, ...) -> (b, n, ...), in order."""
+    return torch.cat([x[:, lo:hi] for lo, hi in ranges], dim=1)
+
+
+def _attention(case: Case, q, k, v, n: int, group):
+    """The case's op on (b, n, h, d) inputs; returns out (b, n, h, d), lse (b, h, n)."""
+    from .dilated import dilated_attention
+    from .ring import ring_attention
+
+    segments, rates = case.patterns(n)
+    if case.impl == "ring" and group is not None:
+        return ring_attention(q, k, v, is_causal=case.causal, group=group, return_lse=True,
+                              layout=case.layout)
+    return dilated_attention(q, k, v, segments, rates, is_causal=case.causal, group=group,
+                             return_lse=True)
+
+
+def _max_error(got: Tensor, want: Tensor) -> Tuple[float, float]:
+    """(max |got - want|, max |want|) over finite entries; -inf must meet -inf."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    if got.shape != want.shape:
+        return math.inf, 1.0
+    same = got == want  # covers matching infinities
+    diff = torch.where(same, torch.zeros_like(got), (got - want).abs()).nan_to_num(nan=math.inf)
+    finite = want[torch.isfinite(want)]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    return (float(diff.max()) if diff.numel() else 0.0), scale
+
+
+def run_case(case: Case, group, config: VerifyConfig, device: str, seed: int) -> Dict[str, float]:
+    """This rank's largest error (relative to the tolerance's scale) for one case."""
+    dtype = getattr(torch, config.dtype)
+    p, rank = comm.group_size(group), comm.group_rank(group)
+    lengths = case.lengths(p)
+    n = sum(lengths)
+    gen = torch.Generator().manual_seed(seed)
+
+    def full(heads: int) -> Tensor:  # (b, N, heads, d)
+        return torch.randn(2, n, heads, case.head_dim, generator=gen).to(device, dtype)
+
+    q, k, v, dout = full(case.heads), full(case.kv_heads), full(case.kv_heads), full(case.heads)
+    # (b, h, N): an lse gradient too, so the lse path of the backward is checked
+    dlse = torch.randn(2, case.heads, n, generator=gen).to(device, torch.float64 if
+                                                          dtype == torch.float64 else
+                                                          torch.float32)
+    ranges = _rows(case, lengths, rank)
+    # single device: the whole sequence, no group
+    qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
+    out_ref, lse_ref = _attention(case, qf, kf, vf, n, None)
+    ((out_ref.double() * dout.double()).sum() + (lse_ref.double() * dlse.double()).sum()).backward()
+    # sequence parallel: this rank's rows only
+    ql, kl, vl = (_take(x, ranges).requires_grad_() for x in (q, k, v))
+    out, lse = _attention(case, ql, kl, vl, n, group)
+    dlse_mine = torch.cat([dlse[:, :, lo:hi] for lo, hi in ranges], dim=2)
+    loss = (out.double() * _take(dout, ranges).double()).sum() + (lse.double() *
+                                                                 dlse_mine.double()).sum()
+    loss.backward()
+    worst = {"error": 0.0, "scale": 0.0}
+    pairs = [
+        ("out", out, _take(out_ref, ranges)),
+        ("lse", lse, torch.cat([lse_ref[:, :, lo:hi] for lo, hi in ranges], dim=2)),
+        ("dq", ql.grad, _take(qf.grad, ranges)),
+        ("dk", kl.grad, _take(kf.grad, ranges)),
+        ("dv", vl.grad, _take(vf.grad, ranges)),
+    ]
+    for name, got, want in pairs:
+        if got is None:  # no gradient reached this rank's inputs
+            got = torch.zeros_like(want)
+        err, scale = _max_error(got, want)
+        worst[name] = err
+        worst["error"] = max(worst["error"], err)
+        worst["scale"] = max(worst["scale"], scale)
+    return worst
+
+
+def rank_main(world, config: VerifyConfig, progress: Callable[[str], None], *, device: str):
+    """Run the selected cases on every rank of `world`; rank 0 returns one result per case."""
+    results = []
+    keys = ("error", "scale", "out", "lse", "dq", "dk", "dv")
+    for index, name in enumerate(config.cases):
+        case = next(c for c in CASES if c.name == name)
+        failure = None
+        try:
+            worst = run_case(case, world, config, device, seed=1000 + index)
+        except Exception as exc:  # reported as this case's failure, on every rank below
+            failure = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            worst = {key: math.inf for key in keys}
+        # the largest error of any rank; a failed rank counts as infinite error
+        summary = torch.tensor([worst[key] for key in keys], dtype=torch.float64, device=device)
+        comm.all_reduce_(summary, world, op="max")
+        results.append({"name": name, "description": case.description, "failure": failure,
+                        **dict(zip(keys, summary.tolist()))})
+        progress(name)
+    return results
+
+
+def report(results: List[Dict[str, object]], config: VerifyConfig) -> int:
+    """One line per case; 0 when every case passes, else 1."""
+    tol = TOLERANCE[getattr(torch, config.dtype)]
+    print(f"verify: {config.world_size} ranks, {config.device}, {config.dtype}; sequence-parallel "
+          f"out, lse, dq, dk, dv against one device; tolerance {tol:g} x max(1, |reference|)")
+    failed = 0
+    for r in results:
+        limit = tol * max(1.0, r["scale"])
+        ok = r["failure"] is None and r["error"] <= limit
+        failed += not ok
+        detail = r["failure"] or (f"max error {r['error']:.2e} (out {r['out']:.1e}, lse "
+                                  f"{r['lse']:.1e}, dq {r['dq']:.1e}, dk {r['dk']:.1e}, dv "
+                                  f"{r['dv']:.1e})")
+        print(f"{'PASS' if ok else 'FAIL'}  {r['name']:20s} {detail}  [{r['description']}]")
+    print(f"{len(results) - failed} passed, {failed} failed")
+    return 0 if failed == 0 else 1
