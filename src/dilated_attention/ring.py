@@ -87,6 +87,17 @@ def _block_plan(
     return slice(half, None), _ALL, False
 
 
+def _pass_on(ring: comm.RingComm, rows: int, *blocks: Tensor) -> List[Tensor]:
+    """Post sending `blocks` to the next rank and receiving the previous rank's (`rows` rows)."""
+    received = [
+        # (b, m, hk, d) -> (b, rows, hk, d): the previous rank's block may differ in length
+        ring.send_recv(x, x.new_empty((x.shape[0], rows) + tuple(x.shape[2:])))
+        for x in blocks
+    ]
+    ring.commit()
+    return received
+
+
 def _lengths(group, n: int, lengths: Optional[Sequence[int]]) -> List[int]:
     size = comm.group_size(group)
     lengths = [n] * size if lengths is None else list(lengths)
@@ -115,9 +126,8 @@ def ring_forward(
     Every rank of `group` must call this with agreed arguments.
     """
     size, rank = comm.group_size(group), comm.group_rank(group)
-    lengths = _lengths(group, q.shape[1], lengths)
-    b, n, _, d = q.shape
-    hk = k.shape[2]
+    n = q.shape[1]
+    lengths = _lengths(group, n, lengths)
     ring = comm.RingComm(group, tag=_KV_TAG) if size > 1 else None
     acc_out, acc_lse = empty_accumulators(q.shape, q.dtype, q.device)
     k_cur, v_cur = k, v
@@ -125,10 +135,7 @@ def ring_forward(
         src = (rank - step) % size
         if step + 1 < size:
             # post the next block's transfer before this block's compute
-            shape = (b, lengths[(rank - step - 1) % size], hk, d)
-            k_next = ring.send_recv(k_cur, k_cur.new_empty(shape))
-            v_next = ring.send_recv(v_cur, v_cur.new_empty(shape))
-            ring.commit()
+            k_next, v_next = _pass_on(ring, lengths[(rank - step - 1) % size], k_cur, v_cur)
         plan = _block_plan(layout, causal, rank, src, n, lengths[src])
         if plan is not None:
             rows, keys, block_causal = plan
@@ -164,9 +171,8 @@ def ring_backward(
     ``dlse`` (b, n, h), when given, is the gradient flowing into ``lse``.
     """
     size, rank = comm.group_size(group), comm.group_rank(group)
-    lengths = _lengths(group, q.shape[1], lengths)
-    b, n, _, d = q.shape
-    hk = k.shape[2]
+    n = q.shape[1]
+    lengths = _lengths(group, n, lengths)
     acc = lse_dtype(q.dtype)
     kv_ring = comm.RingComm(group, tag=_KV_TAG) if size > 1 else None
     dkv_ring = comm.RingComm(group, tag=_DKV_TAG) if size > 1 else None
@@ -176,10 +182,7 @@ def ring_backward(
     for step in range(size):
         src = (rank - step) % size
         if step + 1 < size:
-            shape = (b, lengths[(rank - step - 1) % size], hk, d)
-            k_next = kv_ring.send_recv(k_cur, k_cur.new_empty(shape))
-            v_next = kv_ring.send_recv(v_cur, v_cur.new_empty(shape))
-            kv_ring.commit()
+            k_next, v_next = _pass_on(kv_ring, lengths[(rank - step - 1) % size], k_cur, v_cur)
         plan = _block_plan(layout, causal, rank, src, n, lengths[src])
         grads = None
         if plan is not None:
@@ -206,10 +209,7 @@ def ring_backward(
         # this block's dK/dV go to the next rank, which holds the block at the
         # next step; after the last step that rank is the block's home, and
         # what arrives here is this rank's own complete dK/dV
-        shape = (b, lengths[(rank - step - 1) % size], hk, d)
-        dk_in = dkv_ring.send_recv(dk_acc, dk_acc.new_empty(shape))
-        dv_in = dkv_ring.send_recv(dv_acc, dv_acc.new_empty(shape))
-        dkv_ring.commit()
+        dk_in, dv_in = _pass_on(dkv_ring, lengths[(rank - step - 1) % size], dk_acc, dv_acc)
         if step + 1 < size:
             kv_ring.wait()
             k_cur, v_cur = k_next, v_next
