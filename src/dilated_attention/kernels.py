@@ -52,7 +52,8 @@ def select_backend(
     if dropout_p > 0.0:
         # Only the blockwise kernel can replay the same dropout mask in backward.
         return "blockwise"
-    if device.type == "cpu":
+    if device.type in ("cpu", "meta"):
+        # the CPU flash op has meta kernels: shape-only runs (estimate --dry-run) stay fast
         return "cpu_flash"
     if device.type == "cuda":
         if dtype in (torch.float16, torch.bfloat16):
@@ -62,7 +63,7 @@ def select_backend(
                 return "cuda_flash"
         if dtype in (torch.float16, torch.bfloat16, torch.float32):
             return "cuda_efficient"
-    # meta tensors, float64 on CUDA, other devices
+    # float64 on CUDA, other devices
     return "blockwise"
 
 
