@@ -181,20 +181,6 @@ def make_config(
 # Inputs: each rank builds its own rows only
 
 
-def piece(n: int, world_size: int, rank: int) -> Tuple[int, int]:
-    """Rows [lo, hi) of rank `rank` in the contiguous layout (the first n % P ranks get one more)."""
-    base, extra = divmod(n, world_size)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (rank < extra)
-
-
-def zigzag_rows(n: int, world_size: int, rank: int) -> List[Tuple[int, int]]:
-    """Row ranges of rank `rank` in the zigzag layout: chunks rank and 2P-1-rank of 2P."""
-    chunk = n // (2 * world_size)
-    return [(rank * chunk, (rank + 1) * chunk),
-            ((2 * world_size - 1 - rank) * chunk, (2 * world_size - rank) * chunk)]
-
-
 def make_rows(
     ranges: Sequence[Tuple[int, int]],
     shape: Tuple[int, int, int],
@@ -262,9 +248,11 @@ def _ring_layout(config: BenchConfig, world_size: int) -> str:
 
 
 def rank_ranges(impl: str, n: int, world_size: int, rank: int, config: BenchConfig):
-    if impl == "ring" and _ring_layout(config, world_size) == "zigzag":
-        return zigzag_rows(n, world_size, rank)
-    return [piece(n, world_size, rank)]
+    """Global row ranges [start, stop) this rank holds for `impl`, in its local order."""
+    from .sharding import piece_ranges
+
+    layout = _ring_layout(config, world_size) if impl == "ring" else "contiguous"
+    return piece_ranges(n, world_size, rank, layout)
 
 
 # --------------------------------------------------------------------------
