@@ -123,14 +123,7 @@ def make_config(
     launched_world_size: Optional[int] = None,
 ) -> BenchConfig:
     """Check the options; raise ValueError naming the option and value on a mistake."""
-    if (segment_lengths is None) != (dilation_rates is None):
-        raise ValueError("give --segment-lengths and --dilation-rates together")
-    segs, rates = check.check_patterns(
-        list(segment_lengths or LONGNET_SEGMENTS), list(dilation_rates or LONGNET_RATES)
-    )
-    kv_heads = heads if kv_heads is None else kv_heads
-    if heads % kv_heads:
-        raise ValueError(f"--kv-heads {kv_heads} must divide --heads {heads}")
+    segs, rates, kv_heads = check_setting(segment_lengths, dilation_rates, heads, kv_heads)
     seq_lens = tuple(sorted(set(seq_lens or DEFAULT_SEQ_LENS)))
     if world_sizes is None:
         if launched_world_size is None:
@@ -164,17 +157,38 @@ def make_config(
     if "ring" in impls and causal:
         for n in seq_lens:
             for p in world_sizes:
-                if p > 1 and n % (2 * p):
-                    raise ValueError(
-                        f"causal ring attention uses the zigzag layout, which needs the sequence "
-                        f"length to divide into 2 * ranks chunks: {n} % {2 * p} != 0"
-                    )
+                check_zigzag(n, p)
     return BenchConfig(
         seq_lens=seq_lens, world_sizes=world_sizes, segment_lengths=segs, dilation_rates=rates,
         heads=heads, head_dim=head_dim, kv_heads=kv_heads, batch=batch, dtype=dtype,
         device=device, causal=causal, backward=backward, impls=impls, warmup=warmup,
         repeats=repeats, threads=threads, seed=seed, launched_world_size=launched_world_size,
     )
+
+
+def check_setting(
+    segment_lengths: Optional[Sequence[int]], dilation_rates: Optional[Sequence[int]], heads: int,
+    kv_heads: Optional[int],
+) -> Tuple[Tuple[int, ...], Tuple[int, ...], int]:
+    """Patterns (default LongNet's) and kv heads (default: heads), checked; shared with estimate."""
+    if (segment_lengths is None) != (dilation_rates is None):
+        raise ValueError("give --segment-lengths and --dilation-rates together")
+    segs, rates = check.check_patterns(
+        list(segment_lengths or LONGNET_SEGMENTS), list(dilation_rates or LONGNET_RATES)
+    )
+    kv_heads = heads if kv_heads is None else kv_heads
+    if heads % kv_heads:
+        raise ValueError(f"--kv-heads {kv_heads} must divide --heads {heads}")
+    return segs, rates, kv_heads
+
+
+def check_zigzag(n: int, world_size: int) -> None:
+    """Causal ring attention runs in the zigzag layout: N must cut into 2P equal chunks."""
+    if world_size > 1 and n % (2 * world_size):
+        raise ValueError(
+            f"causal ring attention uses the zigzag layout, which needs the sequence length to "
+            f"divide into 2 * ranks chunks: {n} % {2 * world_size} != 0"
+        )
 
 
 # --------------------------------------------------------------------------
@@ -337,7 +351,7 @@ def _sync(device: str) -> None:
 
 
 def run_case(impl: str, n: int, group, config: BenchConfig, device: str) -> Dict[str, object]:
-    """Measure one (impl, N) on the ranks of `group` (None: one rank); the row, equal on all ranks."""
+    """Measure one (impl, N) on the ranks of `group` (None: one rank); every rank gets the row."""
     world_size, rank = comm.group_size(group), comm.group_rank(group)
     fn = IMPL_FNS[impl]
     inputs = _build_inputs(impl, n, world_size, rank, config, device)

@@ -37,7 +37,6 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from . import _validation as check
 from . import comm
 
 MB = 1e6
@@ -111,26 +110,16 @@ def make_config(
     threads: Optional[int] = None,
 ) -> EstimateConfig:
     """Check the options; ValueError names the option and value on a mistake."""
-    from .bench import LONGNET_RATES, LONGNET_SEGMENTS
+    from .bench import check_setting, check_zigzag
 
-    if (segment_lengths is None) != (dilation_rates is None):
-        raise ValueError("give --segment-lengths and --dilation-rates together")
-    segs, rates = check.check_patterns(
-        list(segment_lengths or LONGNET_SEGMENTS), list(dilation_rates or LONGNET_RATES)
-    )
-    kv_heads = heads if kv_heads is None else kv_heads
-    if heads % kv_heads:
-        raise ValueError(f"--kv-heads {kv_heads} must divide --heads {heads}")
+    segs, rates, kv_heads = check_setting(segment_lengths, dilation_rates, heads, kv_heads)
     if world_size > seq_len:
         raise ValueError(
             f"world size {world_size} is larger than sequence length {seq_len}: every rank "
             f"needs at least one row"
         )
-    if impl == "ring" and causal and world_size > 1 and seq_len % (2 * world_size):
-        raise ValueError(
-            f"causal ring attention uses the zigzag layout, which needs the sequence length to "
-            f"divide into 2 * ranks chunks: {seq_len} % {2 * world_size} != 0"
-        )
+    if impl == "ring" and causal:
+        check_zigzag(seq_len, world_size)
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
     return EstimateConfig(
