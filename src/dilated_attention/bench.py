@@ -397,6 +397,7 @@ def run_case(impl: str, n: int, group, config: BenchConfig, device: str) -> Dict
         "rows_per_rank": max(hi - lo for p in range(world_size)
                              for lo, hi in rank_ranges(impl, n, world_size, p, config)),
         "times_ms": [t * 1e3 for t in times],
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -448,8 +449,9 @@ def format_table(rows: List[Dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def describe(config: BenchConfig, world_sizes: Sequence[int]) -> str:
-    threads = ", ".join(f"P={p}: {config.threads_for(p)}" for p in world_sizes)
+def describe(config: BenchConfig, rows: List[Dict[str, object]]) -> str:
+    # the threads the ranks really ran with (torchrun sets its own)
+    threads = ", ".join(sorted({f"P={r['world_size']}: {r['threads']}" for r in rows}))
     pattern = f"segments {list(config.segment_lengths)}, rates {list(config.dilation_rates)}"
     return (
         f"measured on {config.device} ({config.dtype}, "
@@ -464,8 +466,7 @@ def describe(config: BenchConfig, world_sizes: Sequence[int]) -> str:
 def report(rows: List[Dict[str, object]], config: BenchConfig, *, out_dir: str, command: str):
     """Print the table; write bench.json and bench.png (when matplotlib is installed)."""
     add_speedups(rows)
-    world_sizes = sorted({r["world_size"] for r in rows})
-    print(describe(config, world_sizes))
+    print(describe(config, rows))
     print(format_table(rows))
     os.makedirs(out_dir, exist_ok=True)
     json_path = os.path.join(out_dir, "bench.json")
@@ -492,7 +493,6 @@ def _environment(config: BenchConfig) -> Dict[str, object]:
     env: Dict[str, object] = {
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
-        "threads_per_rank": {p: config.threads_for(p) for p in config.world_sizes},
     }
     if config.device == "cuda":
         env["cuda_device"] = torch.cuda.get_device_name()

@@ -316,10 +316,10 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _checked(make_config: Callable, **options: Any) -> Any:
-    """Build a command's config; its ValueError/TypeError is a user mistake."""
+    """Build a command's config; its ValueError is a user mistake."""
     try:
         return make_config(**options)
-    except (ValueError, TypeError) as exc:
+    except ValueError as exc:
         raise UsageError(str(exc)) from None
 
 
