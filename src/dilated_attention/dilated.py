@@ -26,16 +26,23 @@ from .patterns import Region, gather, head_groups, regions, scatter_add_, segmen
 
 Patterns = Tuple[Tuple[int, ...], Tuple[int, ...]]
 
-# Segments are launched in chunks of at most this many rows, so the gathered
-# copies and the kernel's output stay a constant size whatever n is, while
-# each launch is still large enough to keep every core busy (a GPU needs far
-# more rows in flight than a CPU to hide its launch latency).
+# Segments are launched in chunks of at most max(ROWS_PER_LAUNCH, 1/16 of the
+# region) rows: the gathered copies and the kernel's output stay a small
+# fraction of the input whatever n is, each launch is large enough to keep
+# every core busy (a GPU needs far more rows in flight than a CPU to hide its
+# launch latency), and a region never takes more than ~16 launches, so the
+# per-launch Python and merge overhead stays constant too (this is also what
+# keeps shape-only runs on meta tensors fast).
 ROWS_PER_LAUNCH = {"cpu": 4096, "cuda": 131072}
+MAX_LAUNCHES_PER_REGION = 16
 
 
 def chunks(region: Region, device: torch.device) -> Iterator[Region]:
-    """Split a region into consecutive regions of at most ROWS_PER_LAUNCH rows."""
-    rows = ROWS_PER_LAUNCH.get(device.type, ROWS_PER_LAUNCH["cpu"])
+    """Split a region into consecutive regions that each make one launch."""
+    rows = max(
+        ROWS_PER_LAUNCH.get(device.type, ROWS_PER_LAUNCH["cpu"]),
+        -(-region.num_segments * region.seg_len // MAX_LAUNCHES_PER_REGION),
+    )
     per_launch = max(1, rows // region.seg_len)
     for first in range(0, region.num_segments, per_launch):
         yield Region(
