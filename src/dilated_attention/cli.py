@@ -12,15 +12,10 @@ and returns a picklable result.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
+import functools
 import os
-import pickle
-import queue
 import shlex
 import sys
-import tempfile
-import time
-import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 PROG = "dilated-attention"
@@ -419,7 +414,7 @@ def run_launched(fn: Callable, config: Any, *, device: str) -> Optional[Any]:
 
 
 def _no_progress(label: str) -> None:
-    """Progress callback of ranks other than 0."""
+    """A progress callback that drops its labels (ranks other than 0, no bar)."""
 
 
 def spawn(
@@ -437,40 +432,30 @@ def spawn(
     """Run ``fn(group, *args, progress, device=...)`` on `world_size` spawned ranks.
 
     Each rank joins a process group (gloo on CPU, NCCL on CUDA) through a
-    ``file://`` rendezvous in a fresh temp dir, uses `threads` torch threads,
-    and returns a picklable result; ``results[r]`` is rank r's. Rank 0 may
-    call ``progress(label)``. Any failure or the `timeout` deadline kills the
-    remaining ranks and raises ``RunFailed`` naming each failed rank's error.
+    ``file://`` rendezvous in a fresh temp dir (``launch.spawn``), uses
+    `threads` torch threads, and returns a picklable result; ``results[r]``
+    is rank r's. Rank 0 may call ``progress(label)``. Any failure or the
+    `timeout` deadline kills the remaining ranks and raises ``RunFailed``
+    naming each failed rank's error.
     """
-    ctx = mp.get_context("spawn")
-    out_q = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="dilated_attention_") as tmp:
-        init_method = "file://" + os.path.join(tmp, "rendezvous")
-        procs = [
-            ctx.Process(
-                target=_child,
-                args=(fn, r, world_size, init_method, args, out_q, device, threads, pg_timeout),
-                daemon=True,
-            )
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        try:
-            results, errors = _collect(procs, out_q, timeout, grace, progress)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            for p in procs:
-                p.join(timeout=5)
-    if errors:
-        first = min(errors)
-        detail = "; ".join(f"rank {r}: {errors[r]['summary']}" for r in sorted(errors))
-        raise RunFailed(f"{len(errors)} of {world_size} ranks failed: {detail}") from _Remote(
-            errors[first]["traceback"]
+    from . import launch
+
+    try:
+        return launch.spawn(
+            fn, world_size, args, timeout=timeout, pg_timeout=pg_timeout, grace=grace,
+            backend="nccl" if device == "cuda" else "gloo", threads=threads,
+            prepare=functools.partial(_prepare_rank, device),
+            on_progress=progress.step if progress is not None else _no_progress,
         )
-    return [pickle.loads(results[r]) for r in range(world_size)]
+    except launch.LaunchFailed as exc:
+        first = next(iter(exc.errors.values()))
+        raise RunFailed(str(exc)) from _Remote(first.traceback)
+
+
+def _prepare_rank(device: str, rank: int) -> Dict[str, Any]:
+    """In a spawned rank, before it joins the group: tune malloc, pick its device."""
+    _limit_malloc_caching()
+    return {"device": _setup_device(device, rank)}
 
 
 class _Remote(Exception):
@@ -494,89 +479,3 @@ def _limit_malloc_caching() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3
     libc.mallopt(m_mmap_threshold, 256 * 1024)
     libc.mallopt(m_trim_threshold, 1024 * 1024)
-
-
-def _child(fn, rank, world_size, init_method, args, out_q, device, threads, pg_timeout) -> None:
-    code = 1
-    try:
-        import torch
-
-        from . import comm
-
-        _limit_malloc_caching()
-        torch.set_num_threads(threads)
-        rank_device = _setup_device(device, rank)
-        backend = "nccl" if device == "cuda" else "gloo"
-        group = comm.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=world_size,
-            timeout_s=pg_timeout,
-        )
-
-        def progress(label: str) -> None:
-            if rank == 0:
-                out_q.put((rank, "progress", label))
-
-        result = fn(group, *args, progress, device=rank_device)
-        payload = pickle.dumps(result)
-        # every rank is done with its traffic before any rank tears down
-        comm.barrier(group)
-        comm.destroy_process_group()
-        out_q.put((rank, "ok", payload))
-        code = 0
-    except BaseException as exc:  # report everything, including SystemExit
-        out_q.put((rank, "error", {
-            "summary": f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc)
-            else type(exc).__name__,
-            "traceback": traceback.format_exc(),
-        }))
-    finally:
-        out_q.close()
-        out_q.join_thread()
-        os._exit(code)
-
-
-def _collect(procs, out_q, timeout: float, grace: float, progress: Optional[Progress]):
-    """Poll the ranks' reports until all are in, one failed (plus `grace`), or the deadline."""
-    world_size = len(procs)
-    deadline = time.monotonic() + timeout
-    results: Dict[int, bytes] = {}
-    errors: Dict[int, Dict[str, str]] = {}
-    first_failure: Optional[float] = None
-    while len(results) + len(errors) < world_size:
-        now = time.monotonic()
-        if now > deadline or (first_failure is not None and now > first_failure + grace):
-            break
-        try:
-            rank, status, payload = out_q.get(timeout=0.2)
-        except queue.Empty:
-            dead = [r for r, p in enumerate(procs)
-                    if p.exitcode is not None and r not in results and r not in errors]
-            if dead:
-                time.sleep(1.0)  # its report may still be in the pipe
-                try:
-                    rank, status, payload = out_q.get_nowait()
-                except queue.Empty:
-                    r = dead[0]
-                    errors[r] = _lost(f"process exited with code {procs[r].exitcode} "
-                                      "without a report")
-                    first_failure = first_failure or time.monotonic()
-                    continue
-            else:
-                continue
-        if status == "progress":
-            if progress is not None:
-                progress.step(payload)
-        elif status == "ok":
-            results[rank] = payload
-        else:
-            errors[rank] = payload
-            first_failure = first_failure or time.monotonic()
-    for r in range(world_size):
-        if r not in results and r not in errors:
-            errors[r] = _lost("stopped after another rank failed" if errors
-                              else f"no result within the {timeout:.0f} s deadline (killed)")
-    return results, errors
-
-
-def _lost(summary: str) -> Dict[str, str]:
-    return {"summary": summary, "traceback": summary}

@@ -1,0 +1,222 @@
+"""Spawn ranks that never hang: the one launcher of the CLI and the tests.
+
+    results = spawn(fn, world_size, args, timeout=120.0)
+
+starts `world_size` processes (``spawn`` start method). Each joins a process
+group through a ``file://`` rendezvous in a fresh temp dir (no fixed ports),
+uses `threads` torch threads and runs ``fn(group, *args)`` with ``group`` the
+WORLD group; `fn` must be importable by name. Its return value travels back
+pickled (tensors detached and moved to the CPU first), never as a tensor
+through the queue: shared-memory handles die with the child. ``results[r]``
+is rank r's.
+
+Every rank reports through one queue: its result, or the traceback of
+whatever it raised (``BaseException`` included). The parent polls with a
+hard deadline; after the first failure the others get `grace` seconds to
+report theirs, and a rank that died without a report (a crash in a kernel)
+counts as failed. Then every straggler is killed and ``LaunchFailed`` is
+raised with each failed rank's error.
+
+Process groups are created and destroyed through ``comm``, the one module
+that touches ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import comm
+
+
+@dataclasses.dataclass(frozen=True)
+class RankError:
+    """What one rank reported on failure: a one-line summary and the full traceback."""
+
+    summary: str
+    traceback: str
+
+
+class LaunchFailed(RuntimeError):
+    """One or more ranks failed, crashed or ran past the deadline.
+
+    ``str()`` is one line naming each failed rank's error; ``errors`` maps
+    rank -> ``RankError``; ``details()`` holds every traceback.
+    """
+
+    def __init__(self, errors: Dict[int, RankError], world_size: int) -> None:
+        self.errors = dict(sorted(errors.items()))
+        self.world_size = world_size
+        summary = "; ".join(f"rank {r}: {e.summary}" for r, e in self.errors.items())
+        super().__init__(f"{len(errors)} of {world_size} ranks failed: {summary}")
+
+    def details(self) -> str:
+        """Every failed rank's traceback, rank by rank."""
+        report = "\n".join(f"---- rank {r} ----\n{e.traceback}" for r, e in self.errors.items())
+        return f"{len(self.errors)} of {self.world_size} ranks failed:\n{report}"
+
+
+def spawn(
+    fn: Callable,
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float,
+    pg_timeout: float = 30.0,
+    grace: float = 10.0,
+    backend: str = "gloo",
+    threads: int = 1,
+    prepare: Optional[Callable[[int], Dict[str, Any]]] = None,
+    on_progress: Optional[Callable[[str], None]] = None,
+    tmp_prefix: str = "dilated_attention_",
+) -> List[Any]:
+    """Run ``fn(group, *args)`` on `world_size` spawned ranks; return results by rank.
+
+    `timeout` is the hard deadline for the whole run and `pg_timeout` the
+    collective timeout inside the group (seconds). ``prepare(rank)`` (if
+    given; picklable) runs in each rank before it joins the group and
+    returns extra keyword arguments for `fn` (e.g. the rank's device). With
+    `on_progress`, `fn` also gets a positional ``progress(label)`` callable
+    after `args`: rank 0's labels reach ``on_progress(label)`` here, other
+    ranks' are dropped. Raises ``LaunchFailed`` on any failure.
+    """
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix=tmp_prefix) as tmp:
+        init_method = "file://" + os.path.join(tmp, "rendezvous")
+        setup = _RankSetup(world_size, init_method, backend, threads, pg_timeout,
+                           prepare, on_progress is not None)
+        procs = [
+            ctx.Process(target=_rank_entry, args=(setup, r, fn, tuple(args), out_q), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            results, errors = _collect(procs, out_q, timeout, grace, on_progress)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=5)
+    if errors:
+        raise LaunchFailed(errors, world_size)
+    return [pickle.loads(results[r]) for r in range(world_size)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankSetup:
+    """Everything a spawned rank needs besides its rank, `fn` and args (pickled to it)."""
+
+    world_size: int
+    init_method: str
+    backend: str
+    threads: int
+    pg_timeout: float
+    prepare: Optional[Callable[[int], Dict[str, Any]]]
+    with_progress: bool
+
+
+def _rank_entry(setup: _RankSetup, rank: int, fn: Callable, args: tuple, out_q) -> None:
+    """A spawned rank: join the group, run `fn`, report the result or the traceback, exit."""
+    code = 1
+    try:
+        torch.set_num_threads(setup.threads)
+        extra = setup.prepare(rank) if setup.prepare is not None else {}
+        group = comm.init_process_group(
+            setup.backend, init_method=setup.init_method, rank=rank,
+            world_size=setup.world_size, timeout_s=setup.pg_timeout,
+        )
+
+        def progress(label: str) -> None:
+            if rank == 0:
+                out_q.put((rank, "progress", label))
+
+        positional = args + (progress,) if setup.with_progress else args
+        payload = pickle.dumps(_to_cpu(fn(group, *positional, **extra)))
+        # every rank is done with its traffic before any rank tears down
+        comm.barrier(group)
+        comm.destroy_process_group()
+        out_q.put((rank, "ok", payload))
+        code = 0
+    except BaseException as exc:  # report everything, including SystemExit/KeyboardInterrupt
+        text = str(exc)
+        summary = f"{type(exc).__name__}: {text}".splitlines()[0] if text else type(exc).__name__
+        out_q.put((rank, "error", RankError(summary, traceback.format_exc())))
+    finally:
+        # flush the report before the hard exit, which skips atexit handlers
+        out_q.close()
+        out_q.join_thread()
+        os._exit(code)
+
+
+def _to_cpu(obj: Any) -> Any:
+    """Detached CPU copies of the tensors in `obj` (nested dicts, lists, tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _collect(
+    procs: List[Any], out_q, timeout: float, grace: float,
+    on_progress: Optional[Callable[[str], None]],
+) -> Tuple[Dict[int, bytes], Dict[int, RankError]]:
+    """Poll the ranks' reports until all are in, one failed (plus `grace`), or the deadline."""
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout
+    results: Dict[int, bytes] = {}
+    errors: Dict[int, RankError] = {}
+    first_failure: Optional[float] = None
+    while len(results) + len(errors) < world_size:
+        now = time.monotonic()
+        if now > deadline or (first_failure is not None and now > first_failure + grace):
+            break
+        try:
+            rank, status, payload = out_q.get(timeout=0.2)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs)
+                    if p.exitcode is not None and r not in results and r not in errors]
+            if not dead:
+                continue
+            try:  # a dead rank's report may still be in the pipe
+                rank, status, payload = out_q.get(timeout=1.0)
+            except queue.Empty:
+                r = dead[0]
+                errors[r] = _lost(f"process exited with code {procs[r].exitcode} "
+                                  "without a report")
+                first_failure = first_failure or time.monotonic()
+                continue
+        if status == "progress":
+            if on_progress is not None:
+                on_progress(payload)
+        elif status == "ok":
+            results[rank] = payload
+        else:
+            errors[rank] = payload
+            first_failure = first_failure or time.monotonic()
+    # decided before filling in: every silent rank missed the deadline, or none did
+    why = ("no report after another rank failed (killed)" if errors
+           else f"no result within the {timeout:.0f} s deadline (killed)")
+    for r in range(world_size):
+        if r not in results and r not in errors:
+            errors[r] = _lost(why)
+    return results, errors
+
+
+def _lost(summary: str) -> RankError:
+    """A rank that never reported: the summary is all there is."""
+    return RankError(summary, summary)
