@@ -196,7 +196,7 @@ class CrossAttention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         # (b, n, e) -> (b, h, n, d): SDPA takes heads second
         q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
-        # (b, m, e) -> (b, hk, m, d) -> (b, h, m, d): memory is small next to the dilated part
+        # (b, m, e) -> (b, hk, m, d), then (b, h, m, d): query head j reads kv head j // group
         k = self.k_proj(memory).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(memory).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -618,7 +618,7 @@ class LongNetLM(_LongNetBase):
             raise ValueError(
                 f"tokens must hold at least one id per row, got shape {tuple(tokens.shape)}"
             )
-        max_new_tokens = _non_negative_int("max_new_tokens", max_new_tokens)
+        max_new_tokens = check._positive_int("max_new_tokens", max_new_tokens)
         if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
             raise TypeError(f"temperature must be a float >= 0, got {temperature!r}")
         if not (math.isfinite(temperature) and temperature >= 0):
@@ -639,8 +639,6 @@ class LongNetLM(_LongNetBase):
 
     def _generate(self, tokens, max_new_tokens, temperature, top_k, use_cache, generator) -> Tensor:
         out = tokens
-        if max_new_tokens == 0:
-            return out
         caches = self._new_caches(tokens, tokens.shape[1] + max_new_tokens) if use_cache else None
         logits = self._decode(tokens, caches, 0) if use_cache else self(tokens)[0]
         for step in range(max_new_tokens):
@@ -727,14 +725,6 @@ def _sample(logits: Tensor, temperature: float, top_k: Optional[int], generator)
         logits = logits.masked_fill(logits < kth, -math.inf)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def _non_negative_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= 0, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value}")
-    return int(value)
 
 
 __all__ = ["LongNetConfig", "LongNetLM", "LongNet", "all_reduce_gradients", "IGNORE_INDEX"]
