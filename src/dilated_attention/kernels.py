@@ -67,6 +67,21 @@ def select_backend(
     return "blockwise"
 
 
+def recommended_dtype(device) -> torch.dtype:
+    """The fastest accurate-enough dtype for attention on `device`.
+
+    CUDA: float32 on GPUs older than compute capability 7.0 (half precision
+    is slow there), bfloat16 where the GPU supports it (8.0+), else float16.
+    Other devices: float32 (CPU half-precision kernels gain little or lose).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.float32
+    if torch.cuda.get_device_capability(device) < (7, 0):
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
 def _flash_attn_available() -> bool:
     try:
         import flash_attn  # noqa: F401

@@ -1,0 +1,77 @@
+"""CUDA kernels against the fp64 reference (skipped without a GPU).
+
+No GPU has been available to this project's sessions yet: this module has
+never run. It is the first thing to run on a GPU machine:
+
+    python -m pytest -q tests/test_cuda.py
+"""
+
+import pytest
+import torch
+
+from dilated_attention import dilated_attention, recommended_dtype, ring_attention
+from reference import close, grads, reference_attention, reference_dilated_attention
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _supported(backend: str, dtype: torch.dtype) -> bool:
+    if backend == "cuda_flash":
+        return dtype in HALF and torch.cuda.get_device_capability() >= (8, 0)
+    if dtype == torch.bfloat16:
+        return torch.cuda.is_bf16_supported()
+    return True
+
+
+def _inputs(n: int, h: int, hk: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    # (b, n, h, d) in float64 on the CPU for the reference, then the tested copy
+    ref = [torch.randn(2, n, heads, 64, generator=gen, dtype=torch.float64) for heads in (h, hk, hk)]
+    dev = [x.to("cuda", dtype).requires_grad_() for x in ref]
+    return [x.requires_grad_() for x in ref], dev
+
+
+@pytest.mark.parametrize("backend", ["auto", "cuda_flash", "cuda_efficient", "blockwise"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dilated_on_cuda_matches_reference(backend, dtype, causal) -> None:
+    if not _supported(backend, dtype):
+        pytest.skip(f"{backend} does not run {dtype} on this GPU")
+    # GQA, a tail segment, rates that do not divide the heads
+    ref_in, dev_in = _inputs(1000, 6, 2, dtype)
+    segs, rates = [128, 512, 2048], [1, 2, 3]
+    out, lse = dilated_attention(
+        *dev_in, segs, rates, is_causal=causal, return_lse=True, backend=backend
+    )
+    ref_out, ref_lse = reference_dilated_attention(*ref_in, segs, rates, causal=causal)
+    close(out.cpu(), ref_out, dtype, "out")
+    close(lse.cpu(), ref_lse, torch.float32 if dtype in HALF else dtype, "lse")
+    dout = torch.randn_like(ref_out)
+    got = grads([out], [dout.to(out)], dev_in)
+    want = grads([ref_out], [dout], ref_in)
+    for name, g, w in zip("qkv", got, want):
+        close(g.cpu(), w, dtype, f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ring_at_one_rank_on_cuda_matches_reference(dtype) -> None:
+    if not _supported("auto", dtype):
+        pytest.skip(f"{dtype} not supported")
+    ref_in, dev_in = _inputs(777, 4, 4, dtype, seed=1)
+    out = ring_attention(*dev_in, is_causal=True)
+    ref_out, _ = reference_attention(*ref_in, causal=True)
+    close(out.cpu(), ref_out, dtype, "out")
+
+
+def test_recommended_dtype_follows_compute_capability() -> None:
+    major, minor = torch.cuda.get_device_capability()
+    want = (
+        torch.float32 if (major, minor) < (7, 0)
+        else torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    )
+    assert recommended_dtype("cuda") == want
