@@ -172,7 +172,7 @@ def agree(
 ) -> List[Dict[str, Any]]:
     """Check that every rank makes the same call; return every rank's dict.
 
-    One ``all_gather_object`` of this rank's `config` (plain picklable
+    One all-gather of this rank's pickled `config` (plain picklable
     values: ints, floats, strings, tuples, dtypes). Keys in `per_rank` may
     differ between ranks (e.g. this rank's sequence length) and arrive in
     the returned list, indexed by group rank; every other key must be equal
@@ -209,9 +209,9 @@ def agree(
         "config": mine,
         "error": None if error is None else f"{type(error).__name__}: {error}",
     }
-    gathered: List[Any] = [None] * size
-    _record("agree", 1, len(pickle.dumps(payload)) * (size - 1))
-    dist.all_gather_object(gathered, payload, group=group)
+    data = pickle.dumps(payload)
+    _record("agree", 1, len(data) * (size - 1))
+    gathered = _all_gather_bytes(data, group)
     failures = [(r, p["error"]) for r, p in enumerate(gathered) if p["error"] is not None]
     if failures:
         if error is not None:
@@ -221,6 +221,31 @@ def agree(
     configs = [p["config"] for p in gathered]
     _check_equal(configs, set(per_rank))
     return configs
+
+
+def _all_gather_bytes(data: bytes, group: ProcessGroup) -> List[Any]:
+    """Every rank's pickled payload, unpickled, by group rank.
+
+    Not ``dist.all_gather_object``: in torch 2.13 it decodes through NumPy,
+    which torch does not require. Two all-gathers instead: the lengths, then
+    the payloads padded to the longest.
+    """
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    )
+    size = group_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = torch.empty(size, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(lengths, length, group=group)
+    longest = int(lengths.max())
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    everyone = torch.empty(size * longest, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    # (size * longest,) -> (size, longest): one padded payload per rank
+    rows = everyone.view(size, longest).cpu()
+    return [pickle.loads(bytes(rows[r, : int(n)].tolist())) for r, n in enumerate(lengths.cpu())]
 
 
 def _check_equal(configs: List[Dict[str, Any]], exempt: set) -> None:
