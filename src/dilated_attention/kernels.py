@@ -77,9 +77,11 @@ def recommended_dtype(device) -> torch.dtype:
     device = torch.device(device)
     if device.type != "cuda":
         return torch.float32
-    if torch.cuda.get_device_capability(device) < (7, 0):
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (7, 0):
         return torch.float32
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    # native bf16 from Ampere (8.0) on; is_bf16_supported() also admits emulation
+    return torch.bfloat16 if capability >= (8, 0) else torch.float16
 
 
 def _flash_attn_available() -> bool:
@@ -130,7 +132,12 @@ def attention_forward(
     if backend == "flash_attn":
         from flash_attn.flash_attn_interface import _flash_attn_forward
 
-        out, lse = _flash_attn_forward_compat(_flash_attn_forward, q, k, v, causal, scale)
+        # flash-attn >= 2.7 keywords; it broadcasts K/V heads itself (GQA)
+        out, lse = _flash_attn_forward(
+            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1,
+            window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
+        )[:2]
+        # lse (b, h, n) -> (b, n, h)
         return out, lse.transpose(1, 2)
     return _blockwise_forward(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p, seed=seed)
 
@@ -165,16 +172,20 @@ def attention_backward(
     if dlse is not None:
         # dS = P * (dP - delta + dlse): append a ones column to v and a dlse
         # column to dout (so dP gains + dlse), pass out with a zero column (so
-        # delta is unchanged), pad q and k with zeros (scores unchanged).
-        dv_width = v.shape[-1]
-        q, k = _pad_last(q, 0.0), _pad_last(k, 0.0)
-        v = _pad_last(v, 1.0)
-        out = _pad_last(out.to(q.dtype), 0.0)
-        dout = torch.cat([dout, dlse.unsqueeze(-1).to(dout.dtype)], dim=-1)
+        # delta is unchanged), pad q and k with zeros (scores unchanged). The
+        # padding is a whole multiple of 8 columns: the CUDA kernels need an
+        # aligned head dim.
+        d = v.shape[-1]
+        width = 8 - d % 8
+        ones = torch.ones_like(v[..., :1])
+        q, k = _pad_last(q, width), _pad_last(k, width)
+        v = _pad_last(v, width, first=ones)
+        out = _pad_last(out.to(q.dtype), width)
+        dout = _pad_last(dout.to(q.dtype), width, first=dlse.unsqueeze(-1).to(q.dtype))
         dq, dk, dv = attention_backward(
             dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend
         )
-        return dq[..., :dv_width], dk[..., :dv_width], dv[..., :dv_width]
+        return dq[..., :d], dk[..., :d], dv[..., :d]
     out = out.to(q.dtype)
     dout = dout.to(q.dtype)
     if backend == "cpu_flash":
@@ -184,6 +195,20 @@ def attention_backward(
             scale=scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    if backend == "flash_attn":
+        from flash_attn.flash_attn_interface import _flash_attn_backward
+
+        # flash-attn broadcasts K/V heads itself (GQA): dk/dv come back per kv head
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _flash_attn_backward(
+            dout.contiguous(), q, k, v, out, lse.transpose(1, 2).float().contiguous(), dq, dk, dv,
+            dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1,
+            window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
+        )
+        return dq, dk, dv
+    # The aten CUDA ops are called with equal head counts (their GQA support is
+    # unverified here: no GPU yet); the repeat copies only this launch's
+    # gathered K/V, never the caller's tensors.
     hk = k.shape[2]
     k, v = _repeat_kv(k, q.shape[2]), _repeat_kv(v, q.shape[2])
     b, n, h, _ = q.shape
@@ -205,29 +230,10 @@ def attention_backward(
             out.transpose(1, 2), lse_bhn, empty, empty, 0.0, [True, True, True, False], causal,
             scale=scale,
         )
-    elif backend == "flash_attn":
-        from flash_attn.flash_attn_interface import _flash_attn_backward
-
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _flash_attn_backward(
-            dout.contiguous(), q, k, v, out, lse.transpose(1, 2).float().contiguous(), dq, dk, dv,
-            dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1,
-            window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
-        )
-        return dq, _sum_kv_groups(dk, hk), _sum_kv_groups(dv, hk)
     else:
         raise ValueError(f"unknown backend {backend!r}")
     dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)
     return dq.transpose(1, 2), _sum_kv_groups(dk, hk), _sum_kv_groups(dv, hk)
-
-
-def _flash_attn_forward_compat(fn, q, k, v, causal, scale):
-    # flash-attn >= 2.6 keyword names; returns (out, lse, ...) with lse (b, h, n)
-    res = fn(
-        q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1,
-        window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
-    )
-    return res[0], res[1]
 
 
 def _repeat_kv(x: Tensor, h: int) -> Tensor:
@@ -242,8 +248,12 @@ def _sum_kv_groups(dx: Tensor, hk: int) -> Tensor:
     return dx if h == hk else dx.view(b, m, hk, h // hk, d).sum(3)
 
 
-def _pad_last(x: Tensor, value: float) -> Tensor:
-    return torch.nn.functional.pad(x, (0, 1), value=value)
+def _pad_last(x: Tensor, width: int, first: Optional[Tensor] = None) -> Tensor:
+    """(..., d) -> (..., d + width): zero columns, the first one `first` if given."""
+    pad = torch.nn.functional.pad(x, (0, width))
+    if first is not None:
+        pad[..., x.shape[-1] : x.shape[-1] + 1] = first
+    return pad
 
 
 # --------------------------------------------------------------------------
