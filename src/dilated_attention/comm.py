@@ -258,10 +258,8 @@ def _check_equal(configs: List[Dict[str, Any]], exempt: set) -> None:
 
 
 def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b) and type(a) is type(b)
-    except Exception:  # e.g. tensors or arrays: compare their text
-        return repr(a) == repr(b)
+    """Agreement values are plain data (ints, floats, strings, tuples, dtypes)."""
+    return type(a) is type(b) and a == b
 
 
 # --------------------------------------------------------------------------
