@@ -184,6 +184,60 @@ def test_verify_tiny_passes(capsys):
     assert "4 passed, 0 failed" in out
 
 
+def _verify_after_a_failure(group, out_dir):
+    """verify.rank_main when a case fails: on every rank (agreed), then on rank 1 only."""
+    import pickle
+
+    from dilated_attention import comm, verify
+
+    rank = comm.group_rank(group)
+    config = verify.make_config(world_size=2, cases=["span-two", "gqa", "ring"], dtype="auto",
+                                device="cpu")
+    # rank 1 on the meta device: the op's agreement fails on both ranks, in step
+    agreed = verify.rank_main(group, config, lambda label: None,
+                              device="meta" if rank == 1 else "cpu")
+    if rank == 1:  # a failure before any traffic, which rank 0 cannot see coming
+        def fail(*args, **kwargs):
+            raise RuntimeError("injected failure")
+
+        verify.run_case = fail
+    one_sided = verify.rank_main(group, config, lambda label: None, device="cpu")
+    # the launcher's closing barrier may time out (the group is out of step): save now
+    (out_dir / f"rank{rank}.pkl").write_bytes(pickle.dumps((agreed, one_sided)))
+    return None
+
+
+@pytest.mark.distributed
+def test_verify_stops_every_rank_after_a_failed_case(tmp_path, capsys):
+    import pickle
+    import time
+
+    from dilated_attention import verify
+    from dist_harness import RankFailure, run_distributed
+
+    start = time.monotonic()
+    try:  # a 5 s group timeout: the one-sided failure costs at most a few of them
+        run_distributed(_verify_after_a_failure, 2, tmp_path, timeout=120, pg_timeout=5.0)
+    except RankFailure as exc:  # only the launcher's barrier after the out-of-step group
+        assert "barrier" in str(exc) and "rank_main" not in str(exc), exc
+    assert time.monotonic() - start < 60
+    for rank in (0, 1):
+        agreed, one_sided = pickle.loads((tmp_path / f"rank{rank}.pkl").read_bytes())
+        for results in (agreed, one_sided):
+            assert [r["name"] for r in results] == ["span-two", "gqa", "ring"]
+            assert results[0]["failure"] and results[0]["failure"] != "not run"
+            assert [r["failure"] for r in results[1:]] == ["not run: an earlier case failed"] * 2
+        # the agreed failure is known to every rank, with every rank's message
+        assert "rank 0: ValueError" in agreed[0]["failure"]
+        assert "rank 1: ValueError" in agreed[0]["failure"]
+    config = verify.make_config(world_size=2, cases=["span-two", "gqa", "ring"], dtype="auto",
+                                device="cpu")
+    capsys.readouterr()
+    assert verify.report(agreed, config) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  gqa" in out and "not run" in out and "0 passed, 3 failed" in out
+
+
 def test_bench_inputs_do_not_depend_on_world_size():
     # a rank builds its own rows; together they are the one-rank sequence
     full = bench.make_rows([(0, 3000)], (1, 2, 4), seed=7, dtype=torch.float32, device="cpu")

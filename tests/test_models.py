@@ -65,7 +65,9 @@ def test_presets():
         ({"dilation_rates": (1, 2, 32)}, ValueError, r"dilation_rates\[2\] = 32"),
         ({"positions": "rotary"}, ValueError, r"positions.*'rotary'"),
         ({"activation": "tanh"}, ValueError, r"activation.*'tanh'"),
-        ({"dropout": 1.5}, ValueError, r"1.5"),
+        ({"dropout": 1.5}, ValueError, r"^dropout must be in \[0, 1\), got 1.5"),
+        ({"attention_dropout": -0.1}, ValueError, r"^attention_dropout must be.*-0.1"),
+        ({"attention_dropout": "0.1"}, TypeError, r"^attention_dropout must be.*'0.1'"),
         ({"num_layers": 0}, ValueError, r"num_layers.*0"),
         ({"tie_embeddings": "yes"}, TypeError, r"tie_embeddings.*'yes'"),
     ],
@@ -92,6 +94,19 @@ def test_lm_shapes_and_loss(tie):
     expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
     torch.testing.assert_close(loss, expected)
     assert model(tokens)[1] is None
+
+
+@pytest.mark.parametrize("kind", ["lm", "encdec"])
+def test_loss_is_zero_when_every_target_is_ignored(kind):
+    # 0 / 0 tokens would be NaN: the loss is 0 instead, still differentiable (zero gradients)
+    torch.manual_seed(0)
+    model = LongNetLM(small_config()) if kind == "lm" else LongNet(small_config())
+    tokens, _ = _data(2, 9, 23)
+    targets = torch.full_like(tokens, IGNORE_INDEX)
+    _, loss = model(tokens, targets) if kind == "lm" else model(tokens, tokens, targets)
+    assert loss.item() == 0.0 and loss.requires_grad
+    loss.backward()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
 def test_encoder_decoder_shapes():
@@ -315,3 +330,34 @@ def _rank_main(group, with_example: bool):
 def test_sequence_parallel_training_step_equals_one_process(world_size):
     results = run_distributed(_rank_main, world_size, world_size == 2, timeout=240)
     assert all(len(r["cases"]) == 6 for r in results)
+
+
+def _targets_on_one_rank_only(group):
+    """Rank 1 passes no targets: the loss all-reduce must not be entered by rank 0 alone."""
+    import time
+
+    rank = comm_rank(group)
+    results = []
+    for kind in ("lm", "encdec"):
+        torch.manual_seed(0)
+        config = small_config()
+        model = (LongNetLM if kind == "lm" else LongNet)(config, process_group=group)
+        tokens, targets = _data(1, 8, config.vocab_size, seed=rank)
+        args = (tokens,) if kind == "lm" else (tokens, tokens)
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="targets_passed"):
+            model(*args, *([targets] if rank == 0 else []))
+        results.append(time.monotonic() - start)
+    # every target of every rank ignored: loss 0 on every rank, not NaN
+    model = LongNetLM(small_config(), process_group=group)
+    tokens, _ = _data(1, 8, 23, seed=rank)
+    _, loss = model(tokens, torch.full_like(tokens, IGNORE_INDEX))
+    assert loss.item() == 0.0
+    return results
+
+
+@pytest.mark.distributed
+def test_targets_on_one_rank_only_raises_on_every_rank():
+    # the group timeout is a minute: an error within 10 s is the agreement, not a timeout
+    results = run_distributed(_targets_on_one_rank_only, 2, timeout=120, pg_timeout=60.0)
+    assert all(t < 10.0 for elapsed in results for t in elapsed), results

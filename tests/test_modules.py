@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from dilated_attention import DilatedAttention, MultiheadDilatedAttention, dilated_attention
+from dilated_attention import DilatedAttention, MultiheadDilatedAttention, comm, dilated_attention
+
+from dist_harness import run_distributed
 
 PATTERNS = ([4, 8], [1, 2])
 
@@ -186,7 +188,7 @@ def test_gradients_reach_every_parameter():
         ({"embed_dim": 16.0}, TypeError, r"embed_dim.*16.0"),
         ({"dilation_rates": [1, 9]}, ValueError, r"dilation_rates\[1\] = 9"),
         ({"segment_lengths": [4]}, ValueError, r"same length"),
-        ({"dropout": 1.0}, ValueError, r"dropout_p.*1.0"),
+        ({"dropout": 1.0}, ValueError, r"^dropout must be in \[0, 1\), got 1.0"),
         ({"gamma_init": -1.0}, ValueError, r"gamma_init.*-1.0"),
         ({"layer_norm": 1}, TypeError, r"layer_norm.*1"),
     ],
@@ -197,6 +199,8 @@ def test_constructor_errors(kwargs, error, match):
 
 
 def test_dilated_attention_constructor_errors():
+    with pytest.raises(TypeError, match=r"^dropout must be a float.*None"):
+        DilatedAttention([4], [1], dropout=None)
     with pytest.raises(ValueError, match=r"scale.*-2"):
         DilatedAttention([4], [1], scale=-2.0)
     with pytest.raises(ValueError, match=r"segment_lengths must not be empty"):
@@ -214,3 +218,33 @@ def test_forward_errors():
         m(x, torch.randn(2, 5, 16), torch.randn(2, 5, 16))
     with pytest.raises(TypeError, match="is_causal"):
         m(x, x, x, is_causal=None)
+
+
+def _bad_input_on_one_rank(group):
+    """Rank 1 passes a wrong embed dim (or a non-bool is_causal): every rank raises quickly."""
+    import time
+
+    rank = comm.group_rank(group)
+    torch.manual_seed(0)
+    m = _mhda(process_group=group)
+    good = torch.randn(2, 8, 16)
+    elapsed = []
+    for bad_input, bad_causal, error in (
+        (torch.randn(2, 8, 12), False, ValueError),
+        (good, None, TypeError),
+    ):
+        x, causal = (bad_input, bad_causal) if rank == 1 else (good, False)
+        start = time.monotonic()
+        # the bad rank raises its own error, the others a ValueError naming rank 1
+        with pytest.raises(error if rank == 1 else ValueError,
+                           match="embed_dim=16|is_causal" if rank == 1 else "rank 1"):
+            m(x, x, x, is_causal=causal)
+        elapsed.append(time.monotonic() - start)
+    return elapsed
+
+
+@pytest.mark.distributed
+def test_bad_input_on_one_rank_raises_on_every_rank():
+    # the group timeout is a minute: an error within 10 s is the agreement, not a timeout
+    results = run_distributed(_bad_input_on_one_rank, 2, timeout=120, pg_timeout=60.0)
+    assert all(t < 10.0 for elapsed in results for t in elapsed), results

@@ -47,11 +47,12 @@ def check_patterns(segment_lengths, dilation_rates) -> Tuple[Tuple[int, ...], Tu
     return segs, rates
 
 
-def check_dropout(dropout_p) -> float:
+def check_dropout(dropout_p, name: str = "dropout_p") -> float:
+    """A dropout probability in [0, 1); errors call it `name` (the caller's argument)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+        raise TypeError(f"{name} must be a float in [0, 1), got {dropout_p!r}")
     if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+        raise ValueError(f"{name} must be in [0, 1), got {dropout_p}")
     return float(dropout_p)
 
 

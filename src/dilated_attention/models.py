@@ -110,8 +110,8 @@ class LongNetConfig:
             raise ValueError(
                 f"activation must be one of {tuple(_ACTIVATIONS)}, got {self.activation!r}"
             )
-        check.check_dropout(self.dropout)
-        check.check_dropout(self.attention_dropout)
+        check.check_dropout(self.dropout, "dropout")
+        check.check_dropout(self.attention_dropout, "attention_dropout")
         for name in ("bias", "tie_embeddings", "checkpoint_activations"):
             check.check_bool(name, getattr(self, name))
 
@@ -467,7 +467,7 @@ def _check_targets(targets: Tensor, tokens: Tensor) -> None:
 
 
 def _check_inputs(
-    group, names: Tuple[str, ...], inputs: Callable[[], Tuple[Tensor, ...]]
+    group, names: Tuple[str, ...], inputs: Callable[[], Tuple[Tensor, ...]], *, has_targets: bool
 ) -> Tuple[int, Dict[str, Tuple[int, ...]]]:
     """Validate this rank's inputs and learn every rank's piece lengths.
 
@@ -475,12 +475,14 @@ def _check_inputs(
     Returns this rank's group rank and {name: every rank's n}. Under
     sequence parallelism this is ONE agreement collective, entered even when
     this rank's inputs are bad (so every rank raises instead of waiting),
-    which also checks that the batch sizes match.
+    which also checks that the batch sizes match and that every rank passed
+    targets or none did (only then do all ranks enter the loss all-reduce).
     """
 
     def local() -> dict:
         shapes = dict(zip(names, (tuple(x.shape) for x in inputs())))
-        return {**{f"{k}_batch": s[0] for k, s in shapes.items()},
+        return {"targets_passed": has_targets,
+                **{f"{k}_batch": s[0] for k, s in shapes.items()},
                 **{f"{k}_len": s[1] for k, s in shapes.items()}}
 
     infos = comm.agree(group, local, per_rank=tuple(f"{k}_len" for k in names))
@@ -488,7 +490,11 @@ def _check_inputs(
 
 
 def _token_mean_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
-    """Cross-entropy averaged over every non-ignored token of every rank."""
+    """Cross-entropy averaged over every non-ignored token of every rank.
+
+    When no rank has a target that is not ignored the loss is 0 (not 0/0 =
+    NaN), still connected to the logits, so ``backward`` gives zero gradients.
+    """
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     # (b, n, v) -> (b * n, v)
     total = F.cross_entropy(
@@ -496,7 +502,8 @@ def _token_mean_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
     )
     count = (targets != IGNORE_INDEX).sum().to(acc)
     summed = _AllReduceSum.apply(torch.stack([total, count]), group)
-    return summed[0] / summed[1]
+    # count 0 means total 0 (an empty sum): 0 / 1 instead of NaN; count >= 1 is unchanged
+    return summed[0] / summed[1].clamp(min=1)
 
 
 # --------------------------------------------------------------------------
@@ -560,12 +567,13 @@ class LongNetLM(_LongNetBase):
     ``forward(tokens, targets=None)`` with tokens (b, n) int ids returns
     ``(logits (b, n, v), loss)``; loss is None without targets, else the mean
     cross-entropy over every target that is not ``IGNORE_INDEX`` (-100),
-    over the whole sequence of all ranks. Targets are aligned with tokens
-    (shift them yourself: targets[:, i] is the token after tokens[:, i]).
+    over the whole sequence of all ranks (0, with zero gradients, when every
+    target is ignored). Targets are aligned with tokens (shift them
+    yourself: targets[:, i] is the token after tokens[:, i]).
 
     With ``process_group`` set, tokens/targets are this rank's contiguous
     piece of each sequence, logits are this piece's, and the loss is the
-    global one on every rank.
+    global one on every rank. Every rank must pass targets, or none.
     """
 
     def __init__(
@@ -585,7 +593,9 @@ class LongNetLM(_LongNetBase):
                 _check_targets(targets, tokens)
             return (tokens,)
 
-        rank, lengths = _check_inputs(self.process_group, ("tokens",), inputs)
+        rank, lengths = _check_inputs(
+            self.process_group, ("tokens",), inputs, has_targets=targets is not None
+        )
         start = sum(lengths["tokens"][:rank])
         x = self._run(self.layers, self._embed(tokens, start))
         logits = self._logits(self.norm(x))
@@ -704,7 +714,8 @@ class LongNet(_LongNetBase):
                 _check_targets(targets, tgt_tokens)
             return src_tokens, tgt_tokens
 
-        rank, lengths = _check_inputs(group, ("src", "tgt"), inputs)
+        rank, lengths = _check_inputs(group, ("src", "tgt"), inputs,
+                                      has_targets=targets is not None)
         src_start = sum(lengths["src"][:rank])
         tgt_start = sum(lengths["tgt"][:rank])
         memory = self.encoder_norm(self._run(self.encoder, self._embed(src_tokens, src_start)))

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from . import _validation as check
 from .dilated import dilated_attention
+from .sequence_parallel import fail_on_all_ranks
 
 
 class DilatedAttention(nn.Module):
@@ -47,7 +48,7 @@ class DilatedAttention(nn.Module):
         self.segment_lengths, self.dilation_rates = check.check_patterns(
             segment_lengths, dilation_rates
         )
-        self.dropout = check.check_dropout(dropout)
+        self.dropout = check.check_dropout(dropout, "dropout")
         # head_dim is unknown until forward: validate with a dummy dim, keep the user's value
         if scale is not None:
             check.check_scale(scale, 1)
@@ -221,13 +222,18 @@ class MultiheadDilatedAttention(nn.Module):
         key and value must have query's length: dilated attention is
         self-attention over one sequence (positions define the segments).
         """
-        if need_weights:
-            raise ValueError(
-                "need_weights=True is not supported: dilated attention never materialises "
-                "the attention weights; pass need_weights=False"
-            )
-        check.check_bool("is_causal", is_causal)
-        self._check_inputs(query, key, value)
+        try:
+            if need_weights:
+                raise ValueError(
+                    "need_weights=True is not supported: dilated attention never materialises "
+                    "the attention weights; pass need_weights=False"
+                )
+            check.check_bool("is_causal", is_causal)
+            self._check_inputs(query, key, value)
+        except (TypeError, ValueError) as error:
+            # the other ranks wait in the op's agreement collective: fail there, on all of
+            # them (with no process group this just raises `error`)
+            fail_on_all_ranks(self.attention.process_group, error)
         q, k, v = self.project_qkv(query, key, value)
         return self.project_out(self.attention(q, k, v, is_causal=is_causal)), None
 

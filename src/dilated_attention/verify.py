@@ -209,25 +209,58 @@ def run_case(case: Case, group, config: VerifyConfig, device: str, seed: int) ->
     return worst
 
 
+# a case's outcome per rank: its largest errors (see run_case)
+_KEYS = ("error", "scale", "out", "lse", "dq", "dk", "dv")
+
+
 def rank_main(world, config: VerifyConfig, progress: Callable[[str], None], *, device: str):
-    """Run the selected cases on every rank of `world`; rank 0 returns one result per case."""
-    results = []
-    keys = ("error", "scale", "out", "lse", "dq", "dk", "dv")
+    """Run the selected cases on every rank of `world`; rank 0 returns one result per case.
+
+    Every case ends with one small agreement of every rank's outcome, so all
+    ranks learn of a failure on any of them. After a failed case every rank
+    stops together: its collectives may have left the group out of step, so
+    the remaining cases are reported as not run instead of being run.
+    """
+    results: List[Dict[str, object]] = []
+    rank = comm.group_rank(world)
     for index, name in enumerate(config.cases):
         case = next(c for c in CASES if c.name == name)
         failure = None
         try:
             worst = run_case(case, world, config, device, seed=1000 + index)
-        except Exception as exc:  # reported as this case's failure, on every rank below
-            failure = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            worst = {key: math.inf for key in keys}
+        except Exception as exc:  # shared with every rank below
+            failure = f"rank {rank}: {type(exc).__name__}: {exc}".splitlines()[0]
+            worst = {key: math.inf for key in _KEYS}
+        outcomes = _share_outcome(world, name, failure, worst)
+        failures = [o["failure"] for o in outcomes if o["failure"] is not None]
         # the largest error of any rank; a failed rank counts as infinite error
-        summary = torch.tensor([worst[key] for key in keys], dtype=torch.float64, device=device)
-        comm.all_reduce_(summary, world, op="max")
-        results.append({"name": name, "description": case.description, "failure": failure,
-                        **dict(zip(keys, summary.tolist()))})
+        results.append({"name": name, "description": case.description,
+                        "failure": "; ".join(failures) or None,
+                        **{key: max(o[key] for o in outcomes) for key in _KEYS}})
         progress(name)
+        if failures:
+            for rest in config.cases[index + 1:]:
+                results.append({"name": rest, "failure": "not run: an earlier case failed",
+                                "description": next(c for c in CASES if c.name == rest).description,
+                                **{key: math.inf for key in _KEYS}})
+            break
     return results
+
+
+def _share_outcome(world, name: str, failure: Optional[str],
+                   worst: Dict[str, float]) -> List[Dict]:
+    """Every rank's {"failure", *_KEYS} for case `name`, by rank (one small all-gather).
+
+    Every rank must be at the same case. If the agreement itself fails (a
+    peer is out of step or stuck in the failed case's traffic until the
+    group's timeout), this rank's outcome is a failure.
+    """
+    mine = {"failure": failure, **worst}
+    try:
+        return comm.agree(world, {"case": name, **mine}, per_rank=tuple(mine))
+    except Exception as exc:
+        shared = f"rank {comm.group_rank(world)}: outcome not shared: {type(exc).__name__}: {exc}"
+        return [{**mine, "failure": failure or shared.splitlines()[0]}]
 
 
 def report(results: List[Dict[str, object]], config: VerifyConfig) -> int:
