@@ -123,7 +123,8 @@ def train(args: argparse.Namespace, group=None) -> Dict[str, object]:
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     show = comm.group_rank(group) == 0
-    bar = _progress(args.steps, show)
+    # tqdm in a spawned rank leaks its multiprocessing lock at exit: plain lines there
+    bar = _progress(args.steps, show, use_tqdm=group is None)
     losses: List[float] = []
     start = time.perf_counter()
     for step in range(args.steps):
@@ -145,9 +146,9 @@ def train(args: argparse.Namespace, group=None) -> Dict[str, object]:
 class _progress:
     """tqdm when installed, else one stderr line every few steps."""
 
-    def __init__(self, total: int, show: bool) -> None:
+    def __init__(self, total: int, show: bool, use_tqdm: bool) -> None:
         self.total, self.show, self.step, self.bar = total, show, 0, None
-        if show:
+        if show and use_tqdm:
             try:
                 from tqdm import tqdm
 

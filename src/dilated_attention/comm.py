@@ -101,6 +101,12 @@ def _nbytes(x: Tensor) -> int:
     return x.numel() * x.element_size()
 
 
+# The flat-buffer collectives: torch 2.13 deprecates the *_tensor names for
+# *_single ones that older releases (this package supports >= 2.4) lack.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 # --------------------------------------------------------------------------
 # Groups
 
@@ -237,12 +243,12 @@ def _all_gather_bytes(data: bytes, group: ProcessGroup) -> List[Any]:
     size = group_size(group)
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = torch.empty(size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(lengths, length, group=group)
+    _all_gather_flat(lengths, length, group=group)
     longest = int(lengths.max())
     mine = torch.zeros(longest, dtype=torch.uint8, device=device)
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     everyone = torch.empty(size * longest, dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    _all_gather_flat(everyone, mine, group=group)
     # (size * longest,) -> (size, longest): one padded payload per rank
     rows = everyone.view(size, longest).cpu()
     return [pickle.loads(bytes(rows[r, : int(n)].tolist())) for r, n in enumerate(lengths.cpu())]
@@ -408,7 +414,7 @@ def all_gather(
     out = front.new_empty((size * longest,) + tuple(front.shape[1:]))
     if longest > 0:
         _record("all_gather", 1, _nbytes(front) * (size - 1))
-        dist.all_gather_into_tensor(out, front, group=group)
+        _all_gather_flat(out, front, group=group)
     # (size * longest, ...) -> pieces of their true lengths, back along dim
     pieces = [out[r * longest : r * longest + n] for r, n in enumerate(sizes)]
     return torch.cat(pieces).movedim(0, dim)
@@ -463,7 +469,7 @@ def reduce_scatter(
     out = inp.new_empty((longest,) + tuple(inp.shape[1:]))
     if longest > 0:
         _record("reduce_scatter", 1, _nbytes(out) * (size - 1))
-        dist.reduce_scatter_tensor(out, inp, group=group)
+        _reduce_scatter_flat(out, inp, group=group)
     return out[: sizes[rank]].movedim(0, dim)
 
 
