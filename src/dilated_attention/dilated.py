@@ -21,7 +21,7 @@ from torch import Tensor
 from . import _validation as check
 from .comm import is_distributed
 from .kernels import attention_backward, attention_forward, lse_dtype, select_backend
-from .merge import empty_accumulators, merge_
+from .merge import empty_accumulators, merge_, merge_selected_
 from .patterns import Region, gather, head_groups, regions, scatter_add_, segments_view
 
 Patterns = Tuple[Tuple[int, ...], Tuple[int, ...]]
@@ -116,11 +116,8 @@ def _merge_rows(acc_out, acc_lse, region: Region, group, out_g: Tensor, lse_g: T
     if group.identity:
         merge_(seg_out, seg_lse, out_g, lse_g)
         return
-    sel = (slice(None), slice(None), group.q_index, group.q_heads)
-    sel_out, sel_lse = seg_out[sel], seg_lse[sel]
-    merge_(sel_out, sel_lse, out_g, lse_g)
-    seg_out[sel] = sel_out
-    seg_lse[sel] = sel_lse
+    merge_selected_(seg_out, seg_lse, (slice(None), slice(None), group.q_index, group.q_heads),
+                    out_g, lse_g)
 
 
 def dilated_backward(

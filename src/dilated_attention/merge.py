@@ -42,3 +42,17 @@ def merge_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
     acc_out.mul_(torch.exp(acc_lse - safe).unsqueeze(-1))
     acc_out.addcmul_(out, torch.exp(lse - safe).unsqueeze(-1))
     acc_lse.copy_(new_lse)
+
+
+@torch.no_grad()
+def merge_selected_(acc_out: Tensor, acc_lse: Tensor, index: tuple, out: Tensor,
+                    lse: Tensor) -> None:
+    """`merge_` into the entries ``acc_out[index]``, ``acc_lse[index]`` only, in place.
+
+    `index` holds index tensors (advanced indexing), which read a copy, so the
+    merged selection is written back; out/lse have the selection's shape.
+    """
+    sel_out, sel_lse = acc_out[index], acc_lse[index]
+    merge_(sel_out, sel_lse, out, lse)
+    acc_out[index] = sel_out
+    acc_lse[index] = sel_lse

@@ -43,8 +43,8 @@ from torch.utils.checkpoint import checkpoint
 
 from . import _validation as check
 from . import comm
-from .kernels import attention_forward
-from .merge import empty_accumulators, merge_
+from .kernels import attention_forward, lse_dtype
+from .merge import empty_accumulators, merge_selected_
 from .modules import MultiheadDilatedAttention
 
 IGNORE_INDEX = -100
@@ -334,10 +334,7 @@ def cached_dilated_attention(
         k_sel = k[:, keys][:, :, kv_heads]
         v_sel = v[:, keys][:, :, kv_heads]
         out, lse = attention_forward(q[:, :, heads], k_sel, v_sel, causal=False, scale=scale)
-        sel_out, sel_lse = acc_out[:, :, heads], acc_lse[:, :, heads]
-        merge_(sel_out, sel_lse, out, lse)
-        acc_out[:, :, heads] = sel_out
-        acc_lse[:, :, heads] = sel_lse
+        merge_selected_(acc_out, acc_lse, (slice(None), slice(None), heads), out, lse)
     return acc_out.to(q.dtype)
 
 
@@ -495,7 +492,7 @@ def _token_mean_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
     When no rank has a target that is not ignored the loss is 0 (not 0/0 =
     NaN), still connected to the logits, so ``backward`` gives zero gradients.
     """
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    acc = lse_dtype(logits.dtype)
     # (b, n, v) -> (b * n, v)
     total = F.cross_entropy(
         logits.to(acc).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
