@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dilated_attention import dilated_attention
+from dilated_attention.bench import PeakMemory
 from dilated_attention.dilated import _launches
 from dilated_attention.kernels import attention_backward, attention_forward
 from dilated_attention.patterns import gather
@@ -108,14 +109,6 @@ def time_case(step, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def measure_memory_in_this_process(impl: str, n: int, dtype: torch.dtype) -> float:
     """Peak bytes beyond the inputs of one forward, output included."""
     run_case(impl, 1024, dtype, backward=False)()  # warm-up: imports, first ops
@@ -128,13 +121,14 @@ def measure_memory_in_this_process(impl: str, n: int, dtype: torch.dtype) -> flo
             with torch.no_grad():
                 return dilated_attention(q, k, v, SEGMENTS, RATES)
 
-    base = _rss_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    memory = PeakMemory("cpu")  # the package's clear_refs + VmHWM recipe
+    memory.start()
     result = step()
-    peak = _rss_kib("VmHWM")
+    peak = memory.peak_bytes()
     del result
-    return (peak - base) * 1024.0
+    if peak is None:
+        raise RuntimeError("cannot measure peak memory: /proc/self/clear_refs or VmHWM missing")
+    return float(peak)
 
 
 def measure_memory(impl: str, n: int, dtype_name: str) -> float:
