@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from typing import Dict, List, Optional, Tuple
@@ -35,6 +34,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from dilated_attention import LongNetConfig, LongNetLM, comm, launch
+from dilated_attention.cli import Progress
 from dilated_attention.models import IGNORE_INDEX, all_reduce_gradients
 from dilated_attention.sharding import shard_sequence
 
@@ -122,9 +122,10 @@ def train(args: argparse.Namespace, group=None) -> Dict[str, object]:
         return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-    show = comm.group_rank(group) == 0
-    # tqdm in a spawned rank leaks its multiprocessing lock at exit: plain lines there
-    bar = _progress(args.steps, show, use_tqdm=group is None)
+    # rank 0 reports; tqdm in a spawned rank leaks its multiprocessing lock at exit, so
+    # spawned ranks print a plain line every 10 steps instead
+    bar = (Progress(args.steps, "train", use_tqdm=group is None, every=10)
+           if comm.group_rank(group) == 0 else None)
     losses: List[float] = []
     start = time.perf_counter()
     for step in range(args.steps):
@@ -137,38 +138,12 @@ def train(args: argparse.Namespace, group=None) -> Dict[str, object]:
         opt.step()
         sched.step()
         losses.append(loss.item())
-        bar.update(loss.item())
-    bar.close()
+        if bar is not None:
+            bar.step(f"loss {losses[-1]:.4f}")
+    if bar is not None:
+        bar.close()
     seconds = time.perf_counter() - start
     return {"losses": losses, "accuracy": evaluate(model, args, group), "seconds": seconds}
-
-
-class _progress:
-    """tqdm when installed, else one stderr line every few steps."""
-
-    def __init__(self, total: int, show: bool, use_tqdm: bool) -> None:
-        self.total, self.show, self.step, self.bar = total, show, 0, None
-        if show and use_tqdm:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, desc="train", unit="step")
-            except ImportError:
-                pass
-
-    def update(self, loss: float) -> None:
-        self.step += 1
-        if not self.show:
-            return
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}")
-            self.bar.update(1)
-        elif self.step % 10 == 0 or self.step == self.total:
-            print(f"step {self.step}/{self.total}  loss {loss:.4f}", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def _train_rank(group, args: argparse.Namespace) -> Dict[str, object]:
@@ -177,7 +152,7 @@ def _train_rank(group, args: argparse.Namespace) -> Dict[str, object]:
 
 def train_distributed(args: argparse.Namespace) -> Dict[str, object]:
     """Spawn args.world_size gloo ranks on this machine and train; returns rank 0's result."""
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.world_size)
+    threads = args.threads or launch.default_threads(args.world_size)
     results = launch.spawn(
         _train_rank, args.world_size, (args,), timeout=3600.0, pg_timeout=300.0, threads=threads
     )

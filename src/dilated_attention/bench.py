@@ -33,6 +33,8 @@ from torch import Tensor
 
 from . import _validation as check
 from . import comm
+from .kernels import recommended_dtype
+from .launch import default_threads
 
 IMPLS = ("dilated", "ring", "sdpa")
 LONGNET_SEGMENTS = (2048, 4096)
@@ -78,10 +80,10 @@ class BenchConfig:
     launched_world_size: Optional[int]
 
     def threads_for(self, world_size: int) -> int:
-        """Torch threads per rank: the cores shared out over the ranks, at least one."""
+        """Torch threads per rank: the given number, else ``launch.default_threads``."""
         if self.threads is not None:
             return self.threads
-        return max(1, (os.cpu_count() or 1) // world_size)
+        return default_threads(world_size)
 
     def cases_for(self, world_size: int) -> List[Tuple[str, int]]:
         """(impl, N) pairs run at this world size; SDPA is single-device only."""
@@ -153,7 +155,8 @@ def make_config(
     if impls == ("sdpa",) and 1 not in world_sizes:
         raise ValueError("--impl sdpa runs on one rank only: include 1 in --world-sizes")
     if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
+        # torch.float32 -> "float32": the config keeps the dtype's name
+        dtype = str(recommended_dtype(device)).removeprefix("torch.")
     if "ring" in impls and causal:
         for n in seq_lens:
             for p in world_sizes:

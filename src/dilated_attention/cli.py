@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "attention (sequence-parallel for P > 1), dense ring attention, plain "
                        "single-device SDPA (dense, P = 1 only)")
     bench.add_argument("--dtype", choices=("auto",) + DTYPES, default="auto",
-                       help="default float32 on CPU, bfloat16 on CUDA")
+                       help="default recommended_dtype(device): float32 on CPU; on CUDA bfloat16 from "
+                       "compute capability 8.0, float16 on 7.x, float32 below")
     bench.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                        help="default cuda when available, else cpu")
     mode = bench.add_mutually_exclusive_group()
@@ -334,17 +335,25 @@ def resolve_device(device: str) -> str:
 
 
 class Progress:
-    """A progress bar over `total` steps on stderr."""
+    """A progress bar over `total` steps on stderr.
 
-    def __init__(self, total: int, what: str) -> None:
-        self.total, self.done, self.what = total, 0, what
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self._bar = None
-        else:
-            self._bar = tqdm(total=total, desc=what, file=sys.stderr, leave=False,
-                             dynamic_ncols=True)
+    Without tqdm (not installed, or `use_tqdm` False: pass that in ranks
+    started by ``launch.spawn``, where tqdm's multiprocessing lock leaked a
+    semaphore at exit) it prints a plain line every `every` steps and at the
+    last one.
+    """
+
+    def __init__(self, total: int, what: str, *, use_tqdm: bool = True, every: int = 1) -> None:
+        self.total, self.done, self.what, self.every = total, 0, what, every
+        self._bar = None
+        if use_tqdm:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self._bar = tqdm(total=total, desc=what, file=sys.stderr, leave=False,
+                                 dynamic_ncols=True)
 
     def step(self, label: str) -> None:
         """One step finished; `label` names the one that comes next or just ended."""
@@ -352,7 +361,7 @@ class Progress:
         if self._bar is not None:
             self._bar.set_postfix_str(label, refresh=False)
             self._bar.update(1)
-        else:
+        elif self.done % self.every == 0 or self.done == self.total:
             print(f"{self.what}: {self.done}/{self.total} {label}", file=sys.stderr, flush=True)
 
     def close(self) -> None:

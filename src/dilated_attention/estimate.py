@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -38,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from . import comm
+from .launch import default_threads
 
 MB = 1e6
 # CPU flash kernel blocking (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp):
@@ -121,7 +121,7 @@ def make_config(
     if impl == "ring" and causal:
         check_zigzag(seq_len, world_size)
     if threads is None:
-        threads = max(1, (os.cpu_count() or 1) // world_size)
+        threads = default_threads(world_size)
     return EstimateConfig(
         seq_len=seq_len, world_size=world_size, segment_lengths=segs, dilation_rates=rates,
         heads=heads, head_dim=head_dim, kv_heads=kv_heads, batch=batch, dtype=dtype,

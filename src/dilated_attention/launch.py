@@ -38,6 +38,11 @@ import torch
 from . import comm
 
 
+def default_threads(world_size: int) -> int:
+    """Torch threads per rank when not given: the cores shared out over the ranks, at least one."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 @dataclasses.dataclass(frozen=True)
 class RankError:
     """What one rank reported on failure: a one-line summary and the full traceback."""
