@@ -109,6 +109,7 @@ def attention_forward(
     m >= 1 (every query has at least one key), and n == m when causal.
     """
     backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=backend)
+    q, k, v = _unit_last_stride(q, k, v)
     if backend == "cpu_flash":
         # (b, n, h, d) -> (b, h, n, d): the op takes heads second, as a free view
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -164,6 +165,7 @@ def attention_backward(
     ``dlse`` (b, n, h), when given, is the gradient flowing into ``lse``.
     """
     backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=backend)
+    dout, q, k, v, out = _unit_last_stride(dout, q, k, v, out)
     if backend == "blockwise":
         return _blockwise_backward(
             dout, q, k, v, out, lse, causal=causal, scale=scale, dropout_p=dropout_p, seed=seed,
@@ -234,6 +236,16 @@ def attention_backward(
         raise ValueError(f"unknown backend {backend!r}")
     dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)
     return dq.transpose(1, 2), _sum_kv_groups(dk, hk), _sum_kv_groups(dv, hk)
+
+
+def _unit_last_stride(*xs: Tensor) -> Tuple[Tensor, ...]:
+    """`xs` with head_dim stride 1: the fused kernels assume it.
+
+    The CPU flash op (called directly, without SDPA's input checks) silently
+    returns wrong results when the last dim is strided, e.g. for a view of a
+    tensor stored head_dim-major. A copy is made only where needed.
+    """
+    return tuple(x if x.stride(-1) == 1 else x.contiguous() for x in xs)
 
 
 def _repeat_kv(x: Tensor, h: int) -> Tensor:
