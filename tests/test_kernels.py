@@ -147,3 +147,26 @@ def test_merge_low_precision_blocks_into_fp32() -> None:
     ref_out, ref_lse = reference_attention(q, k, v, causal=False, scale=0.5)
     close(acc_out, ref_out, torch.bfloat16, "merged out")
     close(acc_lse.transpose(1, 2), ref_lse, torch.bfloat16, "merged lse")
+
+
+
+@pytest.mark.parametrize("backend", ["cpu_flash", "blockwise"])
+def test_head_dim_not_unit_stride_is_exact(backend: str) -> None:
+    """The CPU flash op, called directly, is wrong when head_dim has stride != 1: we copy."""
+    torch.manual_seed(0)
+    # (b, n, h, d) values stored d-major, so the last dim has stride b * n * h
+    q, k, v = (
+        torch.randn(8, 2, 37, 3, dtype=torch.float64).permute(1, 2, 3, 0).requires_grad_()
+        for _ in range(3)
+    )
+    assert q.stride(-1) != 1
+    out, lse = attention_forward(q, k, v, causal=True, scale=0.3, backend=backend)
+    ref_out, ref_lse = reference_attention(q, k, v, causal=True, scale=0.3)
+    assert_close(out, ref_out, rtol=1e-9, atol=1e-9)
+    # (b, h, n) -> (b, n, h)
+    assert_close(lse, ref_lse.transpose(1, 2), rtol=1e-9, atol=1e-9)
+    dout = torch.randn_like(ref_out)
+    got = attention_backward(dout, q, k, v, out, lse, causal=True, scale=0.3, backend=backend)
+    want = torch.autograd.grad(ref_out, (q, k, v), dout)
+    for g, w in zip(got, want):
+        assert_close(g, w, rtol=1e-9, atol=1e-9)
