@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from dilated_attention import dilated_attention
-from dilated_attention.bench import PeakMemory
-from dilated_attention.dilated import _launches
-from dilated_attention.kernels import attention_backward, attention_forward
+from dilated_attention.kernels import KernelOptions, attention_backward, attention_forward
+from dilated_attention.launches import sequence_launches
 from dilated_attention.patterns import gather
+from dilated_attention.tools.bench import PeakMemory
 
 HEADS, HEAD_DIM = 12, 64
 SEGMENTS, RATES = (2048, 4096), (1, 2)
@@ -49,7 +49,8 @@ def make_inputs(n: int, dtype: torch.dtype, requires_grad: bool = False):
 def pregathered(q, k, v):
     """Per launch: the dense (b * s, rows, heads, d) blocks the op would gather."""
     blocks = []
-    for _, region, group in _launches(q.shape[1], HEADS, HEADS, (SEGMENTS, RATES), q.device):
+    for launch in sequence_launches(q.shape[1], HEADS, HEADS, (SEGMENTS, RATES), q.device):
+        region, group = launch.region, launch.group
         q_sel = (region, group.q_heads, group.q_index, group.identity)
         kv_sel = (region, group.kv_heads, group.kv_index, group.identity)
         blocks.append(
@@ -60,7 +61,7 @@ def pregathered(q, k, v):
 
 def run_case(impl: str, n: int, dtype: torch.dtype, backward: bool):
     """Return a callable running one iteration of `impl` at length n."""
-    scale = HEAD_DIM**-0.5
+    opts = KernelOptions(causal=False, scale=HEAD_DIM**-0.5)
     if impl == "dilated":
         q, k, v = make_inputs(n, dtype, requires_grad=backward)
         dout = torch.randn_like(q)
@@ -78,9 +79,9 @@ def run_case(impl: str, n: int, dtype: torch.dtype, backward: bool):
 
         def step():
             for q_g, k_g, v_g in blocks:
-                out, lse = attention_forward(q_g, k_g, v_g, causal=False, scale=scale)
+                out, lse = attention_forward(q_g, k_g, v_g, opts)
                 if backward:
-                    attention_backward(out, q_g, k_g, v_g, out, lse, causal=False, scale=scale)
+                    attention_backward(out, q_g, k_g, v_g, out, lse, opts)
 
         return step
     if impl == "dense_sdpa":

@@ -33,10 +33,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from dilated_attention import LongNetConfig, LongNetLM, comm, launch
-from dilated_attention.cli import Progress
-from dilated_attention.models import IGNORE_INDEX, all_reduce_gradients
-from dilated_attention.sharding import shard_sequence
+from dilated_attention import LongNetConfig, LongNetLM, all_reduce_gradients, shard_sequence
+from dilated_attention.distributed import comm
+from dilated_attention.models import IGNORE_INDEX
+from dilated_attention.tools import launch
+from dilated_attention.tools.cli import Progress
+from dilated_attention.tools.settings import default_threads
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -152,7 +154,7 @@ def _train_rank(group, args: argparse.Namespace) -> Dict[str, object]:
 
 def train_distributed(args: argparse.Namespace) -> Dict[str, object]:
     """Spawn args.world_size gloo ranks on this machine and train; returns rank 0's result."""
-    threads = args.threads or launch.default_threads(args.world_size)
+    threads = args.threads or default_threads(args.world_size)
     results = launch.spawn(
         _train_rank, args.world_size, (args,), timeout=3600.0, pg_timeout=300.0, threads=threads
     )

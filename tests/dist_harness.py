@@ -2,7 +2,7 @@
 
     results = run_distributed(fn, world_size, *args, timeout=120)
 
-spawns `world_size` processes through ``dilated_attention.launch.spawn``;
+spawns `world_size` processes through ``dilated_attention.tools.launch.spawn``;
 each joins a gloo process group (file:// rendezvous in a fresh temp dir: no
 fixed ports; 30 s collective timeout), calls ``torch.set_num_threads(1)``
 and runs ``fn(group, *args)`` with ``group`` the WORLD group. `fn` must be
@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Sequence
 
-from dilated_attention import comm, launch
+from dilated_attention.distributed import comm
+from dilated_attention.tools import launch
 
 PG_TIMEOUT_S = 30.0
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from dilated_attention import bench, cli, estimate
+from dilated_attention.tools import bench, cli, estimate, settings
 
 # ---------------------------------------------------------------------------
 # User mistakes: one line on stderr, exit status 2, never a traceback
@@ -131,12 +131,12 @@ def test_estimates_match_measured_peaks():
             impl=row["impl"], seq_len=4096, world_size=2, segment_lengths=[1024, 4096],
             dilation_rates=[1, 2], training=True, threads=config.threads_for(2),
         )
-        measured = row["peak_mem_mb"] * bench.MB
+        measured = row["peak_mem_mb"] * settings.MB
         for e in (estimate.formula(est), estimate.dry_run(est)):
             assert abs(e.peak_bytes / measured - 1) <= 0.25, (row, e)
         # traffic per pass (forward + backward) as counted by comm
         f = estimate.formula(est)
-        assert row["comm_mb"] * bench.MB == pytest.approx(f.forward_bytes + f.backward_bytes)
+        assert row["comm_mb"] * settings.MB == pytest.approx(f.forward_bytes + f.backward_bytes)
 
 
 # ---------------------------------------------------------------------------
@@ -188,7 +188,8 @@ def _verify_after_a_failure(group, out_dir):
     """verify.rank_main when a case fails: on every rank (agreed), then on rank 1 only."""
     import pickle
 
-    from dilated_attention import comm, verify
+    from dilated_attention.distributed import comm
+    from dilated_attention.tools import verify
 
     rank = comm.group_rank(group)
     config = verify.make_config(world_size=2, cases=["span-two", "gqa", "ring"], dtype="auto",
@@ -212,7 +213,7 @@ def test_verify_stops_every_rank_after_a_failed_case(tmp_path, capsys):
     import pickle
     import time
 
-    from dilated_attention import verify
+    from dilated_attention.tools import verify
     from dist_harness import RankFailure, run_distributed
 
     start = time.monotonic()

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from dilated_attention import comm
+from dilated_attention.distributed import comm
 from dist_harness import RankFailure, run_distributed, subgroup
 
 
@@ -200,7 +200,7 @@ def test_harness_reports_a_failing_rank_without_hanging():
 _FAKE_SCRIPT = textwrap.dedent(
     """
     import torch, torch.distributed as dist
-    from dilated_attention import comm
+    from dilated_attention.distributed import comm
     dist.init_process_group("fake", rank=3, world_size=8)
     g = dist.group.WORLD
     assert comm.is_fake(g) and comm.group_size(g) == 8

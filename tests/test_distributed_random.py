@@ -26,9 +26,10 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from dilated_attention import comm, dilated_attention
-from dilated_attention.ring import ring_attention
-from dilated_attention.sharding import piece_ranges
+from dilated_attention import dilated_attention
+from dilated_attention.distributed import comm
+from dilated_attention import ring_attention
+from dilated_attention.distributed.sharding import piece_ranges
 from dist_harness import run_distributed
 from reference import close, grads, reference_attention
 

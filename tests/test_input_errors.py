@@ -223,3 +223,25 @@ def test_backend_without_dropout_support(backend: str) -> None:
     """Only the blockwise kernel drops; the others must refuse, not silently run p = 0."""
     with pytest.raises(ValueError, match=names("backend", repr(backend), "dropout_p", "0.1")):
         call(backend=backend, dropout_p=0.1)
+
+
+def test_inputs_are_checked_once_per_call() -> None:
+    """One validation pass per call: the op, the ring, the modules, forward and backward."""
+    from unittest import mock
+
+    from dilated_attention import DilatedAttention, MultiheadDilatedAttention, ring_attention
+    from dilated_attention import validation
+
+    q, k, v = (x.requires_grad_() for x in qkv())
+    mha = MultiheadDilatedAttention(16, 2, [4], [1])
+    x = torch.randn(2, 8, 16)
+    calls = {
+        "dilated_attention": lambda: dilated_attention(q, k, v, [4, 8], [1, 2], is_causal=True),
+        "ring_attention": lambda: ring_attention(q, k, v, is_causal=True),
+        "DilatedAttention": lambda: DilatedAttention([4, 8], [1, 2])(q, k, v),
+        "MultiheadDilatedAttention": lambda: mha(x, x, x)[0],
+    }
+    for name, fn in calls.items():
+        with mock.patch.object(validation, "check_qkv", wraps=validation.check_qkv) as spy:
+            fn().sum().backward()
+        assert spy.call_count == 1, (name, spy.call_count)

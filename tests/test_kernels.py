@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from dilated_attention.kernels import attention_backward, attention_forward
+from dilated_attention.kernels import KernelOptions, attention_backward, attention_forward
 from dilated_attention.merge import empty_accumulators, merge_
 from reference import close, grads, reference_attention
 
@@ -53,7 +53,7 @@ def test_kernel_matches_dense_reference(shape, dtype, backend, with_dlse) -> Non
     causal = shape[-1]
     scale = 0.37
     q, k, v, dout, dlse = make(shape, dtype)
-    out, lse = attention_forward(q, k, v, causal=causal, scale=scale, backend=backend)
+    out, lse = attention_forward(q, k, v, KernelOptions(causal, scale, backend))
     assert out.dtype == dtype and out.shape == q.shape
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert lse.shape == q.shape[:3]
@@ -64,7 +64,7 @@ def test_kernel_matches_dense_reference(shape, dtype, backend, with_dlse) -> Non
     close(lse.transpose(1, 2), ref_lse, dtype, "lse")  # (b, n, h) -> (b, h, n)
 
     got = attention_backward(
-        dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend,
+        dout, q, k, v, out, lse, KernelOptions(causal, scale, backend),
         dlse=dlse if with_dlse else None,
     )
     upstream = [dout.double()] + ([dlse.double().transpose(1, 2)] if with_dlse else [])
@@ -87,7 +87,7 @@ def test_merging_key_blocks_equals_attention_over_all_keys(dtype, backend) -> No
     assert acc_out.dtype == acc_lse.dtype == acc_dtype
     for k0, k1 in blocks:
         out_i, lse_i = attention_forward(
-            q, k[:, k0:k1], v[:, k0:k1], causal=False, scale=0.5, backend=backend
+            q, k[:, k0:k1], v[:, k0:k1], KernelOptions(False, 0.5, backend)
         )
         merge_(acc_out, acc_lse, out_i, lse_i)
 
@@ -101,8 +101,8 @@ def test_merging_key_blocks_equals_attention_over_all_keys(dtype, backend) -> No
     dk, dv = [], []
     for k0, k1 in blocks:
         dq_i, dk_i, dv_i = attention_backward(
-            dout, q, k[:, k0:k1], v[:, k0:k1], out, acc_lse, causal=False, scale=0.5,
-            backend=backend, dlse=dlse,
+            dout, q, k[:, k0:k1], v[:, k0:k1], out, acc_lse, KernelOptions(False, 0.5, backend),
+            dlse=dlse,
         )
         dq += dq_i
         dk.append(dk_i)
@@ -142,7 +142,7 @@ def test_merge_low_precision_blocks_into_fp32() -> None:
     acc_out, acc_lse = empty_accumulators(q.shape, q.dtype, q.device)
     assert acc_out.dtype == torch.float32
     for k0, k1 in [(0, 3), (3, 8)]:
-        out_i, lse_i = attention_forward(q, k[:, k0:k1], v[:, k0:k1], causal=False, scale=0.5)
+        out_i, lse_i = attention_forward(q, k[:, k0:k1], v[:, k0:k1], KernelOptions(False, 0.5))
         merge_(acc_out, acc_lse, out_i, lse_i)
     ref_out, ref_lse = reference_attention(q, k, v, causal=False, scale=0.5)
     close(acc_out, ref_out, torch.bfloat16, "merged out")
@@ -160,13 +160,13 @@ def test_head_dim_not_unit_stride_is_exact(backend: str) -> None:
         for _ in range(3)
     )
     assert q.stride(-1) != 1
-    out, lse = attention_forward(q, k, v, causal=True, scale=0.3, backend=backend)
+    out, lse = attention_forward(q, k, v, KernelOptions(True, 0.3, backend))
     ref_out, ref_lse = reference_attention(q, k, v, causal=True, scale=0.3)
     assert_close(out, ref_out, rtol=1e-9, atol=1e-9)
     # (b, h, n) -> (b, n, h)
     assert_close(lse, ref_lse.transpose(1, 2), rtol=1e-9, atol=1e-9)
     dout = torch.randn_like(ref_out)
-    got = attention_backward(dout, q, k, v, out, lse, causal=True, scale=0.3, backend=backend)
+    got = attention_backward(dout, q, k, v, out, lse, KernelOptions(True, 0.3, backend))
     want = torch.autograd.grad(ref_out, (q, k, v), dout)
     for g, w in zip(got, want):
         assert_close(g, w, rtol=1e-9, atol=1e-9)

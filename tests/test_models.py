@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from dilated_attention import LongNet, LongNetConfig, LongNetLM, dilated_attention
-from dilated_attention.models import IGNORE_INDEX, all_reduce_gradients, cached_dilated_attention
-from dilated_attention.sharding import shard_sequence
+from dilated_attention import all_reduce_gradients
+from dilated_attention.dilated import cached_dilated_attention
+from dilated_attention.models import IGNORE_INDEX
+from dilated_attention.distributed.sharding import shard_sequence
 
 from dist_harness import run_distributed
 
@@ -313,7 +315,7 @@ def _example_curves(group):
 
 
 def comm_rank(group) -> int:
-    from dilated_attention import comm
+    from dilated_attention.distributed import comm
 
     return comm.group_rank(group)
 

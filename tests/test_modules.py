@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from dilated_attention import DilatedAttention, MultiheadDilatedAttention, comm, dilated_attention
+from dilated_attention import DilatedAttention, MultiheadDilatedAttention, dilated_attention
+from dilated_attention.distributed import comm
 
 from dist_harness import run_distributed
 

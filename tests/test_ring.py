@@ -13,9 +13,9 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from dilated_attention import comm
-from dilated_attention.ring import ring_attention
-from dilated_attention.sharding import piece_ranges
+from dilated_attention.distributed import comm
+from dilated_attention import ring_attention
+from dilated_attention.distributed.sharding import piece_ranges
 from dist_harness import run_distributed, subgroup
 from reference import grads, reference_attention
 
@@ -217,7 +217,8 @@ def test_local_validation_errors():
 
 _FAKE_SCRIPT = """
 import torch, torch.distributed as dist
-from dilated_attention import comm, ring_attention
+from dilated_attention import ring_attention
+from dilated_attention.distributed import comm
 dist.init_process_group("fake", rank=5, world_size=16)
 q = torch.empty(1, 64, 8, 16, device="meta", requires_grad=True)
 k, v = (torch.empty(1, 64, 2, 16, device="meta", requires_grad=True) for _ in range(2))

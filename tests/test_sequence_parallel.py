@@ -14,13 +14,15 @@ import functools
 import itertools
 import time
 from typing import Dict, List, Tuple
+from unittest import mock
 
 import pytest
 import torch
 
-from dilated_attention import comm, dilated_attention
+from dilated_attention import dilated_attention, ring_attention, validation
+from dilated_attention.distributed import comm
 from dilated_attention.patterns import cross_head_groups, selected_pairs
-from dilated_attention.sequence_parallel import make_plan, spanning_segments
+from dilated_attention.distributed.sequence_parallel import make_plan, spanning_segments
 from dist_harness import run_distributed, subgroup
 from reference import dilated_counts, reference_dilated_attention
 
@@ -279,6 +281,7 @@ def _spawned_cases(group, world):
     bad = x[0] if rank == world - 1 else x
     res["bad_input"] = _error_of(lambda: dilated_attention(bad, x, x, (4,), (2,), group=group))
 
+    res["qkv_checks"] = _qkv_checks_per_call(group)
     if world == 2:
         res["dropout"] = _dropout_case(group)
     if world == 3:
@@ -287,6 +290,20 @@ def _spawned_cases(group, world):
             res["subgroup"] = _run_sharded(sub, (5, 7), (4, 16), (2, 1), True, 4, 2, seed=7)
         res["float32"] = _run_sharded(group, *FLOAT32_CASE, seed=8, dtype=torch.float32)
     return res
+
+
+def _qkv_checks_per_call(group):
+    """How often each sequence-parallel op runs validation.check_qkv per call (forward and
+    backward): it validates once, inside the agreement."""
+    x = torch.randn(1, 5, 2, 4, dtype=torch.float64, requires_grad=True)
+    counts = {}
+    with mock.patch.object(validation, "check_qkv", wraps=validation.check_qkv) as spy:
+        dilated_attention(x, x, x, (4, 8), (1, 2), is_causal=True, group=group).sum().backward()
+        counts["dilated"] = spy.call_count
+        spy.reset_mock()
+        ring_attention(x, x, x, is_causal=True, group=group).sum().backward()
+        counts["ring"] = spy.call_count
+    return counts
 
 
 def _dropout_case(group):
@@ -398,6 +415,13 @@ def test_errors_raise_on_every_rank_within_seconds(world):
             assert msg.startswith("ValueError") and "must be 4-D" in msg, msg
         else:
             assert msg.startswith("ValueError") and f"rank {world - 1}" in msg, msg
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_inputs_are_checked_once_per_call(world):
+    for r in _spawn(world):
+        assert r["qkv_checks"] == {"dilated": 1, "ring": 1}
 
 
 @pytest.mark.distributed

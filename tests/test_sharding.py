@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dilated_attention import comm
-from dilated_attention.ring import ring_attention
-from dilated_attention.sharding import (
+from dilated_attention.distributed import comm
+from dilated_attention import ring_attention
+from dilated_attention.distributed.sharding import (
     piece_lengths,
     piece_ranges,
     shard_sequence,

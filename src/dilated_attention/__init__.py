@@ -1,11 +1,10 @@
 """Exact dilated (LongNet) attention and ring attention for very long sequences."""
 
-from .dilated import dilated_attention
+from .distributed.sharding import all_reduce_gradients, shard_sequence, unshard_sequence
+from .functional import dilated_attention, ring_attention
 from .kernels import recommended_dtype
 from .models import LongNet, LongNetConfig, LongNetLM
 from .modules import DilatedAttention, MultiheadDilatedAttention
-from .ring import ring_attention
-from .sharding import shard_sequence, unshard_sequence
 
 __all__ = [
     "dilated_attention",
@@ -15,6 +14,7 @@ __all__ = [
     "ring_attention",
     "shard_sequence",
     "unshard_sequence",
+    "all_reduce_gradients",
     "LongNetConfig",
     "LongNetLM",
     "LongNet",

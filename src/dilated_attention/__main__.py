@@ -1,6 +1,6 @@
 """``python -m dilated_attention``: the ``dilated-attention`` command."""
 
-from .cli import main
+from .tools.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -16,8 +16,9 @@ triangle (n == m, query i sees keys 0..i); callers never need another mask.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -28,6 +29,30 @@ BACKENDS = ("auto", "cpu_flash", "cuda_flash", "cuda_efficient", "flash_attn", "
 # overhead, small enough that a (b, hk, g, rows, rows) fp32 score block stays
 # in the tens of MiB.
 _BLOCK = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """How every kernel launch of one call computes, as one value.
+
+    causal: the op's causal flag (a launch over a key block that lies wholly
+    before its queries runs unmasked: see `for_launch`); scale: the softmax
+    scale; backend: a resolved name from BACKENDS (not "auto" once a call is
+    validated); dropout_p, seed: attention dropout, its masks drawn from
+    `seed` plus the launch id so that backward replays them.
+    """
+
+    causal: bool
+    scale: float
+    backend: str = "auto"
+    dropout_p: float = 0.0
+    seed: int = 0
+
+    def for_launch(self, launch: int, *, causal: Optional[bool] = None) -> "KernelOptions":
+        """The options of launch number `launch` (its own dropout seed), maybe unmasked."""
+        return dataclasses.replace(
+            self, seed=self.seed + launch, causal=self.causal if causal is None else causal
+        )
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -92,23 +117,14 @@ def _flash_attn_available() -> bool:
     return True
 
 
-def attention_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool,
-    scale: float,
-    backend: str = "auto",
-    dropout_p: float = 0.0,
-    seed: int = 0,
-) -> Tuple[Tensor, Tensor]:
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, opts: KernelOptions) -> Tuple[Tensor, Tensor]:
     """Softmax attention of one block: q (b, n, h, d), k/v (b, m, hk, d).
 
     Returns ``out`` (b, n, h, d) in q's dtype and ``lse`` (b, n, h). Requires
     m >= 1 (every query has at least one key), and n == m when causal.
     """
-    backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=backend)
+    causal, scale, dropout_p, seed = opts.causal, opts.scale, opts.dropout_p, opts.seed
+    backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=opts.backend)
     q, k, v = _unit_last_stride(q, k, v)
     if backend == "cpu_flash":
         # (b, n, h, d) -> (b, h, n, d): the op takes heads second, as a free view
@@ -150,12 +166,8 @@ def attention_backward(
     v: Tensor,
     out: Tensor,
     lse: Tensor,
+    opts: KernelOptions,
     *,
-    causal: bool,
-    scale: float,
-    backend: str = "auto",
-    dropout_p: float = 0.0,
-    seed: int = 0,
     dlse: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of one block, given the final ``out``/``lse``.
@@ -164,7 +176,8 @@ def attention_backward(
     the softmax recomputed here is the global one restricted to this block.
     ``dlse`` (b, n, h), when given, is the gradient flowing into ``lse``.
     """
-    backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=backend)
+    causal, scale, dropout_p, seed = opts.causal, opts.scale, opts.dropout_p, opts.seed
+    backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=opts.backend)
     dout, q, k, v, out = _unit_last_stride(dout, q, k, v, out)
     if backend == "blockwise":
         return _blockwise_backward(
@@ -185,7 +198,7 @@ def attention_backward(
         out = _pad_last(out.to(q.dtype), width)
         dout = _pad_last(dout.to(q.dtype), width, first=dlse.unsqueeze(-1).to(q.dtype))
         dq, dk, dv = attention_backward(
-            dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend
+            dout, q, k, v, out, lse, dataclasses.replace(opts, backend=backend)
         )
         return dq[..., :d], dk[..., :d], dv[..., :d]
     out = out.to(q.dtype)
@@ -369,3 +382,31 @@ def _blockwise_backward(dout, q, k, v, out, lse, *, causal, scale, dropout_p, se
     dk = dk.permute(0, 2, 1, 3).to(k.dtype)
     dv = dv.permute(0, 2, 1, 3).to(v.dtype)
     return dq, dk, dv
+
+
+# --------------------------------------------------------------------------
+# The ops' thin autograd Functions share this: each saves q, k, v and its
+# final (out, lse), and its backward reruns the op's launches with them.
+
+
+def save_for_backward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, result: Tuple[Tensor, Tensor],
+                      args: Any) -> Tuple[Tensor, Tensor]:
+    """In an op's ``forward(ctx, ...)``: keep q, k, v, out, lse and `args`; return (out, lse).
+
+    Gradients are not materialised: backward gets None for an output that
+    did not reach the loss (`saved_for_backward` turns a None ``dout`` into
+    zeros; a None ``dlse`` means no lse term).
+    """
+    out, lse = result
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = args
+    ctx.set_materialize_grads(False)
+    return out, lse
+
+
+def saved_for_backward(ctx: Any, dout: Optional[Tensor]) -> Tuple[Tensor, ...]:
+    """In an op's ``backward(ctx, dout, dlse)``: (dout, q, k, v, out, lse), dout never None."""
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    return dout, q, k, v, out, lse

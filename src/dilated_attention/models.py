@@ -23,8 +23,8 @@ empty). Embeddings, norms, feed-forwards, the head and the token losses work
 on the local piece; only the dilated attention communicates (plus one tiny
 agreement of piece lengths for the global positions and one all-reduce of
 (loss sum, token count)). Parameters are replicated: after ``backward`` call
-``all_reduce_gradients(model, process_group)`` so every rank holds the full
-gradient. The encoder-decoder also gathers the encoder output on every rank
+``dilated_attention.all_reduce_gradients(model, process_group)`` so every
+rank holds the full gradient. The encoder-decoder also gathers the encoder output on every rank
 for its cross-attention (O(N e) memory per rank).
 """
 
@@ -41,10 +41,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from . import _validation as check
-from . import comm
-from .kernels import attention_forward, lse_dtype
-from .merge import empty_accumulators, merge_selected_
+from . import validation as check
+from .dilated import cached_dilated_attention
+from .distributed import comm
+from .distributed.sharding import gather_pieces, sum_across_ranks
+from .kernels import lse_dtype
 from .modules import MultiheadDilatedAttention
 
 IGNORE_INDEX = -100
@@ -297,47 +298,6 @@ class Block(nn.Module):
         return x + self.dropout(self.ffn(self.ffn_norm(x)))
 
 
-def cached_dilated_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    *,
-    scale: Optional[float] = None,
-) -> Tensor:
-    """Causal dilated attention of the LAST position against all earlier keys.
-
-    q (b, 1, h, d) is the query at position t = m - 1; k, v (b, m, hk, d)
-    hold positions 0..t. Equals row t of ``dilated_attention(..., is_causal=
-    True)`` over the m positions: per pattern (w, r) the segment of t starts
-    at a = (t // w) * w (this is also right when w > t, where the segment is
-    min(w, m) = m long and starts at 0); head j takes part when
-    (t - a) mod r == j mod r and then reads keys a + o, a + o + r, ..., t
-    with o = (t - a) mod r. Patterns merge by log-sum-exp. Inference only
-    (no gradient through the merge).
-    """
-    b, _, h, d = q.shape
-    m, hk = k.shape[1], k.shape[2]
-    t = m - 1
-    scale = check.check_scale(scale, d)
-    acc_out, acc_lse = empty_accumulators((b, 1, h, d), q.dtype, q.device)
-    for w, r in zip(segment_lengths, dilation_rates):
-        a = (t // w) * w
-        o = (t - a) % r
-        heads = torch.arange(o, h, r, device=q.device)
-        if heads.numel() == 0:
-            continue
-        keys = torch.arange(a + o, t + 1, r, device=q.device)
-        kv_heads = heads // (h // hk)
-        # (b, m, hk, d) -> (b, keys, heads, d): one key/value head per query head
-        k_sel = k[:, keys][:, :, kv_heads]
-        v_sel = v[:, keys][:, :, kv_heads]
-        out, lse = attention_forward(q[:, :, heads], k_sel, v_sel, causal=False, scale=scale)
-        merge_selected_(acc_out, acc_lse, (slice(None), slice(None), heads), out, lse)
-    return acc_out.to(q.dtype)
-
-
 class Positions(nn.Module):
     """Absolute position embeddings for global positions [start, start + n)."""
 
@@ -382,66 +342,6 @@ def _magneto_gamma(decoder_layers: int, encoder_layers: int = 0) -> Tuple[float,
     enc = math.sqrt(math.log(3 * decoder_layers) * math.log(2 * encoder_layers) / 3)
     dec = math.sqrt(math.log(3 * decoder_layers))
     return enc, dec
-
-
-# --------------------------------------------------------------------------
-# Sequence-parallel plumbing (every collective goes through comm)
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over ranks; the gradient passes through unchanged.
-
-    Every rank computes the same loss from the summed tensor and runs its
-    own backward, so d(loss)/d(local term) is exactly the incoming gradient
-    (summing gradients here too would count every rank's loss P times).
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        return comm.all_reduce_(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad, None
-
-
-class _GatherSequence(torch.autograd.Function):
-    """(b, n_local, e) -> (b, N, e) on every rank; backward sums and returns the local rows."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group, sizes: Tuple[int, ...]) -> Tensor:
-        ctx.group, ctx.sizes = group, sizes
-        return comm.all_gather(x, group, dim=1, sizes=sizes)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        # every rank's copy of the full sequence fed its own loss: sum them
-        return comm.reduce_scatter(grad.contiguous(), ctx.group, dim=1, sizes=ctx.sizes), None, None
-
-
-def all_reduce_gradients(module: nn.Module, process_group) -> None:
-    """Sum the parameter gradients over the sequence-parallel ranks, in place.
-
-    Parameters are replicated and each rank's backward yields the gradient
-    of the (global) loss through its own tokens; the sum is the full
-    gradient, identical on every rank afterwards. A parameter without a
-    gradient counts as zero (so every rank reduces the same buffer).
-    """
-    if not comm.is_distributed(process_group):
-        return
-    params = [p for p in module.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    by_dtype: dict = {}
-    for p in params:
-        by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-    for group in by_dtype.values():
-        # one flat buffer per dtype: one collective instead of one per parameter
-        flat = torch.cat([p.grad.reshape(-1) for p in group])
-        comm.all_reduce_(flat, process_group)
-        for p, g in zip(group, flat.split([p.numel() for p in group])):
-            p.grad.copy_(g.view_as(p.grad))
 
 
 def _check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
@@ -498,7 +398,7 @@ def _token_mean_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
         logits.to(acc).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
     count = (targets != IGNORE_INDEX).sum().to(acc)
-    summed = _AllReduceSum.apply(torch.stack([total, count]), group)
+    summed = sum_across_ranks(torch.stack([total, count]), group)
     # count 0 means total 0 (an empty sum): 0 / 1 instead of NaN; count >= 1 is unchanged
     return summed[0] / summed[1].clamp(min=1)
 
@@ -625,7 +525,7 @@ class LongNetLM(_LongNetBase):
             raise ValueError(
                 f"tokens must hold at least one id per row, got shape {tuple(tokens.shape)}"
             )
-        max_new_tokens = check._positive_int("max_new_tokens", max_new_tokens)
+        max_new_tokens = check.check_positive_int("max_new_tokens", max_new_tokens)
         if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
             raise TypeError(f"temperature must be a float >= 0, got {temperature!r}")
         if not (math.isfinite(temperature) and temperature >= 0):
@@ -717,7 +617,7 @@ class LongNet(_LongNetBase):
         tgt_start = sum(lengths["tgt"][:rank])
         memory = self.encoder_norm(self._run(self.encoder, self._embed(src_tokens, src_start)))
         if comm.is_distributed(group):
-            memory = _GatherSequence.apply(memory, group, lengths["src"])
+            memory = gather_pieces(memory, group, lengths["src"])
         x = self._run(self.decoder, self._embed(tgt_tokens, tgt_start), memory)
         logits = self._logits(self.decoder_norm(x))
         return logits, self._loss(logits, targets)
@@ -735,4 +635,4 @@ def _sample(logits: Tensor, temperature: float, top_k: Optional[int], generator)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-__all__ = ["LongNetConfig", "LongNetLM", "LongNet", "all_reduce_gradients", "IGNORE_INDEX"]
+__all__ = ["LongNetConfig", "LongNetLM", "LongNet", "IGNORE_INDEX"]

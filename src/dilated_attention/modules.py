@@ -18,9 +18,9 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from . import _validation as check
-from .dilated import dilated_attention
-from .sequence_parallel import fail_on_all_ranks
+from . import validation as check
+from .distributed.comm import fail_on_all_ranks
+from .functional import dilated_attention
 
 
 class DilatedAttention(nn.Module):

@@ -22,6 +22,10 @@ import torch
 from torch import Tensor
 
 
+# A validated pattern set: (segment_lengths, dilation_rates), tuples of equal length.
+Patterns = Tuple[Tuple[int, ...], Tuple[int, ...]]
+
+
 @dataclass(frozen=True)
 class HeadGroup:
     """Heads of one pattern that read equally many rows of a segment slice.

@@ -36,10 +36,12 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from . import comm
-from .launch import default_threads
+from ..distributed import comm
+from ..distributed.sequence_parallel import make_plan
+from ..distributed.sharding import piece_lengths
+from ..functional import dilated_attention, ring_attention
+from .settings import MB, check_setting, check_zigzag, default_threads, ring_layout
 
-MB = 1e6
 # CPU flash kernel blocking (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp):
 # query blocks of 256 rows (64 below 768 rows, 32 below 192), key blocks of 512.
 _KV_SPLIT = 512
@@ -84,12 +86,9 @@ class EstimateConfig:
 
     @property
     def layout(self) -> str:
-        return "zigzag" if self.impl == "ring" and self.causal and self.world_size > 1 \
-            else "contiguous"
+        return ring_layout(self.causal, self.world_size) if self.impl == "ring" else "contiguous"
 
     def lengths(self) -> Tuple[int, ...]:
-        from .sharding import piece_lengths
-
         return tuple(piece_lengths(self.seq_len, self.world_size, self.layout))
 
 
@@ -110,8 +109,6 @@ def make_config(
     threads: Optional[int] = None,
 ) -> EstimateConfig:
     """Check the options; ValueError names the option and value on a mistake."""
-    from .bench import check_setting, check_zigzag
-
     segs, rates, kv_heads = check_setting(segment_lengths, dilation_rates, heads, kv_heads)
     if world_size > seq_len:
         raise ValueError(
@@ -275,9 +272,13 @@ def _group_shape(g) -> Tuple[int, int, int, int, bool]:
 
 
 def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int) -> Estimate:
-    """Forward (and backward) phases of single-device or sequence-parallel dilated attention."""
-    from .sequence_parallel import make_plan
+    """Forward (and backward) phases of single-device or sequence-parallel dilated attention.
 
+    NOTE: this accounting mirrors, by hand, which buffers are alive when in
+    launches.py and distributed/sequence_parallel.py (sp_forward,
+    sp_backward). Edit both together: the dry run, which runs the real code,
+    keeps them honest (tests/test_cli.py holds the two within 10%).
+    """
     sh = _Shapes(config)
     s, a, h, hk = sh.s, sh.a, sh.h, sh.hk
     n = lengths[rank]
@@ -451,9 +452,6 @@ def _meta_rows(config: EstimateConfig, n: int, heads: int) -> Tensor:
 
 def _trace_rank(config: EstimateConfig, rank: int) -> Estimate:
     """Run the real op for `rank` of a fake group of world size P on meta tensors."""
-    from .dilated import dilated_attention
-    from .ring import ring_attention
-
     lengths = config.lengths()
     n = lengths[rank]
     group = None
@@ -508,8 +506,6 @@ def _distinct_ranks(config: EstimateConfig) -> List[int]:
     ranks = _ranks_to_check(config)
     if config.impl == "ring":
         return ranks
-    from .sequence_parallel import make_plan
-
     lengths = config.lengths()
     chosen: Dict[tuple, int] = {}
     for r in ranks:

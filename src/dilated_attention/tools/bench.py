@@ -31,20 +31,17 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _validation as check
-from . import comm
-from .kernels import recommended_dtype
-from .launch import default_threads
+from ..distributed import comm
+from ..distributed.sharding import piece_ranges
+from ..functional import dilated_attention, ring_attention
+from ..kernels import recommended_dtype
+from .settings import (DEFAULT_SEQ_LENS, DEFAULT_WORLD_SIZES, MB, check_setting, check_zigzag,
+                       default_threads, ring_layout)
 
 IMPLS = ("dilated", "ring", "sdpa")
-LONGNET_SEGMENTS = (2048, 4096)
-LONGNET_RATES = (1, 2)
-DEFAULT_SEQ_LENS = (8192, 16384, 32768)
-DEFAULT_WORLD_SIZES = (1, 2, 4)
 # Rows per generator block: a rank seeds each block it overlaps from the
 # global block index, so no rank materialises the rows of another.
 ROW_BLOCK = 1024
-MB = 1e6  # reported megabytes are 10^6 bytes
 
 COLUMNS = (
     ("impl", "implementation", "{}"),
@@ -80,7 +77,7 @@ class BenchConfig:
     launched_world_size: Optional[int]
 
     def threads_for(self, world_size: int) -> int:
-        """Torch threads per rank: the given number, else ``launch.default_threads``."""
+        """Torch threads per rank: the given number, else ``settings.default_threads``."""
         if self.threads is not None:
             return self.threads
         return default_threads(world_size)
@@ -169,31 +166,6 @@ def make_config(
     )
 
 
-def check_setting(
-    segment_lengths: Optional[Sequence[int]], dilation_rates: Optional[Sequence[int]], heads: int,
-    kv_heads: Optional[int],
-) -> Tuple[Tuple[int, ...], Tuple[int, ...], int]:
-    """Patterns (default LongNet's) and kv heads (default: heads), checked; shared with estimate."""
-    if (segment_lengths is None) != (dilation_rates is None):
-        raise ValueError("give --segment-lengths and --dilation-rates together")
-    segs, rates = check.check_patterns(
-        list(segment_lengths or LONGNET_SEGMENTS), list(dilation_rates or LONGNET_RATES)
-    )
-    kv_heads = heads if kv_heads is None else kv_heads
-    if heads % kv_heads:
-        raise ValueError(f"--kv-heads {kv_heads} must divide --heads {heads}")
-    return segs, rates, kv_heads
-
-
-def check_zigzag(n: int, world_size: int) -> None:
-    """Causal ring attention runs in the zigzag layout: N must cut into 2P equal chunks."""
-    if world_size > 1 and n % (2 * world_size):
-        raise ValueError(
-            f"causal ring attention uses the zigzag layout, which needs the sequence length to "
-            f"divide into 2 * ranks chunks: {n} % {2 * world_size} != 0"
-        )
-
-
 # --------------------------------------------------------------------------
 # Inputs: each rank builds its own rows only
 
@@ -232,8 +204,6 @@ def make_rows(
 
 
 def _dilated(q, k, v, config: BenchConfig, group) -> Tensor:
-    from .dilated import dilated_attention
-
     return dilated_attention(
         q, k, v, config.segment_lengths, config.dilation_rates, is_causal=config.causal,
         group=group,
@@ -241,10 +211,8 @@ def _dilated(q, k, v, config: BenchConfig, group) -> Tensor:
 
 
 def _ring(q, k, v, config: BenchConfig, group) -> Tensor:
-    from .ring import ring_attention
-
     return ring_attention(q, k, v, is_causal=config.causal, group=group,
-                          layout=_ring_layout(config, comm.group_size(group)))
+                          layout=ring_layout(config.causal, comm.group_size(group)))
 
 
 def _sdpa(q, k, v, config: BenchConfig, group) -> Tensor:
@@ -259,16 +227,9 @@ def _sdpa(q, k, v, config: BenchConfig, group) -> Tensor:
 IMPL_FNS: Dict[str, Callable] = {"dilated": _dilated, "ring": _ring, "sdpa": _sdpa}
 
 
-def _ring_layout(config: BenchConfig, world_size: int) -> str:
-    # causal dense attention is balanced only in the zigzag layout
-    return "zigzag" if config.causal and world_size > 1 else "contiguous"
-
-
 def rank_ranges(impl: str, n: int, world_size: int, rank: int, config: BenchConfig):
     """Global row ranges [start, stop) this rank holds for `impl`, in its local order."""
-    from .sharding import piece_ranges
-
-    layout = _ring_layout(config, world_size) if impl == "ring" else "contiguous"
+    layout = ring_layout(config.causal, world_size) if impl == "ring" else "contiguous"
     return piece_ranges(n, world_size, rank, layout)
 
 

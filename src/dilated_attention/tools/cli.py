@@ -1,25 +1,23 @@
 """The ``dilated-attention`` command: ``bench``, ``verify`` and ``estimate``.
 
-This module parses arguments, checks them (a user mistake is one line on
-stderr and exit status 2, never a traceback), and launches ranks: under
-``torchrun`` (RANK and WORLD_SIZE set) it joins the launched ranks (NCCL on
-CUDA, gloo on CPU); otherwise it spawns its own ranks with a ``file://``
-rendezvous and a hard deadline. The work itself lives in ``bench``,
-``verify`` and ``estimate``: each rank runs ``fn(group, *args, progress)``
+This module parses arguments and checks them (a user mistake is one line on
+stderr and exit status 2, never a traceback), then hands the ranks to the
+launcher (``launch``): under ``torchrun`` it joins the launched ranks,
+otherwise it spawns its own. The work itself lives in ``bench``, ``verify``
+and ``estimate``: each rank runs ``fn(group, *args, progress, device=...)``
 and returns a picklable result.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import shlex
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
-PROG = "dilated-attention"
-DTYPES = ("float32", "float16", "bfloat16", "float64")
+from . import launch
+from .settings import DTYPES, PROG
 
 # Exit statuses: 0 success, 1 a run or a check failed, 2 a user mistake.
 EXIT_FAILED = 1
@@ -371,59 +369,29 @@ class Progress:
 
 
 # --------------------------------------------------------------------------
-# Launching ranks
+# Launching ranks (the launcher does the work; failures become RunFailed)
 
 
 def torchrun_world() -> Optional[int]:
-    """The launched world size when run under torchrun (RANK, WORLD_SIZE set), else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        try:
-            return int(os.environ["WORLD_SIZE"])
-        except ValueError:
-            raise UsageError(f"WORLD_SIZE must be an integer, got {os.environ['WORLD_SIZE']!r}")
-    return None
-
-
-def _setup_device(device: str, local_rank: int) -> str:
-    """The device string this rank uses ("cpu" or "cuda:i") and its group backend."""
-    import torch
-
-    if device == "cuda":
-        index = local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return f"cuda:{index}"
-    return "cpu"
+    """The world size torchrun launched, else None; a bad WORLD_SIZE is a usage error."""
+    try:
+        return launch.torchrun_world_size()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def run_launched(fn: Callable, config: Any, *, device: str) -> Optional[Any]:
-    """Run ``fn(world, config, progress, device=...)`` on the ranks torchrun launched.
-
-    Returns rank 0's result on rank 0 and None elsewhere.
-    """
-    from . import comm
-
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    _limit_malloc_caching()
-    rank_device = _setup_device(device, local_rank)
-    backend = "nccl" if device == "cuda" else "gloo"
-    world = comm.init_process_group(backend, timeout_s=1800.0)
-    progress = Progress(config.steps, fn.__module__.rsplit(".", 1)[-1]) if rank == 0 else None
+    """`fn` on torchrun's ranks with a progress bar on rank 0; rank 0's result, else None."""
+    first = os.environ.get("RANK") == "0"
+    progress = Progress(config.steps, fn.__module__.rsplit(".", 1)[-1]) if first else None
     try:
-        result = fn(world, config, progress.step if progress else _no_progress,
-                    device=rank_device)
-        comm.barrier(world)
-    except Exception as exc:
-        raise RunFailed(f"rank {rank}: {type(exc).__name__}: {exc}") from exc
+        return launch.run_torchrun(fn, (config,), device=device,
+                                   progress=progress.step if progress else None)
+    except launch.LaunchFailed as exc:
+        raise RunFailed(str(exc)) from exc
     finally:
         if progress is not None:
             progress.close()
-        comm.destroy_process_group()
-    return result if rank == 0 else None
-
-
-def _no_progress(label: str) -> None:
-    """A progress callback that drops its labels (ranks other than 0, no bar)."""
 
 
 def spawn(
@@ -440,20 +408,15 @@ def spawn(
 ) -> List[Any]:
     """Run ``fn(group, *args, progress, device=...)`` on `world_size` spawned ranks.
 
-    Each rank joins a process group (gloo on CPU, NCCL on CUDA) through a
-    ``file://`` rendezvous in a fresh temp dir (``launch.spawn``), uses
-    `threads` torch threads, and returns a picklable result; ``results[r]``
-    is rank r's. Rank 0 may call ``progress(label)``. Any failure or the
-    `timeout` deadline kills the remaining ranks and raises ``RunFailed``
-    naming each failed rank's error.
+    ``launch.spawn`` with the rank set-up of `device`; ``results[r]`` is
+    rank r's. Any failure or the `timeout` deadline kills the remaining
+    ranks and raises ``RunFailed`` naming each failed rank's error.
     """
-    from . import launch
-
     try:
         return launch.spawn(
             fn, world_size, args, timeout=timeout, pg_timeout=pg_timeout, grace=grace,
-            backend="nccl" if device == "cuda" else "gloo", threads=threads,
-            prepare=functools.partial(_prepare_rank, device),
+            backend=launch.backend_for(device), threads=threads,
+            prepare=launch.device_setup(device),
             on_progress=progress.step if progress is not None else _no_progress,
         )
     except launch.LaunchFailed as exc:
@@ -461,30 +424,9 @@ def spawn(
         raise RunFailed(str(exc)) from _Remote(first.traceback)
 
 
-def _prepare_rank(device: str, rank: int) -> Dict[str, Any]:
-    """In a spawned rank, before it joins the group: tune malloc, pick its device."""
-    _limit_malloc_caching()
-    return {"device": _setup_device(device, rank)}
+def _no_progress(label: str) -> None:
+    """A progress callback that drops its labels."""
 
 
 class _Remote(Exception):
     """A rank's traceback, chained to RunFailed for callers that want it."""
-
-
-def _limit_malloc_caching() -> None:
-    """Let freed memory go back to the OS, so a process's RSS peak is its tensors' peak.
-
-    glibc raises its mmap threshold after large frees (up to 32 MiB), after
-    which freed tensors stay in the heap and a later run reuses them without
-    raising the high-water mark; a fixed threshold keeps every large tensor
-    mmapped, so each one counts in RSS while alive and leaves when freed.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to tune
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 256 * 1024)
-    libc.mallopt(m_trim_threshold, 1024 * 1024)

@@ -21,7 +21,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import comm
+from ..distributed import comm
+from ..distributed.sharding import piece_ranges
+from ..functional import dilated_attention, ring_attention
 
 # Pass when max |error| <= tolerance * max(1, max |reference|), per dtype.
 TOLERANCE = {
@@ -126,8 +128,6 @@ def make_config(*, world_size: int, cases: Optional[Sequence[str]], dtype: str,
 def _rows(case: Case, lengths: List[int], rank: int) -> List[Tuple[int, int]]:
     """Global row ranges of rank `rank`, in its local order."""
     if case.layout == "zigzag":
-        from .sharding import piece_ranges
-
         return piece_ranges(sum(lengths), len(lengths), rank, "zigzag")
     start = sum(lengths[:rank])
     return [(start, start + lengths[rank])]
@@ -140,9 +140,6 @@ def _take(x: Tensor, ranges: List[Tuple[int, int]]) -> Tensor:
 
 def _attention(case: Case, q, k, v, n: int, group):
     """The case's op on (b, n, h, d) inputs; returns out (b, n, h, d), lse (b, h, n)."""
-    from .dilated import dilated_attention
-    from .ring import ring_attention
-
     segments, rates = case.patterns(n)
     if case.impl == "ring" and group is not None:
         return ring_attention(q, k, v, is_causal=case.causal, group=group, return_lse=True,

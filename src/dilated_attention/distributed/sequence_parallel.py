@@ -14,7 +14,7 @@ Per pattern, the global segments [a, min(a + W, N)) are of two kinds:
                inside  inside  spans 0,1   spans 1,2  inside ...
 
 - A segment inside one rank's piece (A, B, E, ...) is computed there by the
-  single-device launches (dilated.forward_launches), with no communication.
+  single-device launches (launches.forward_launches), with no communication.
 - A segment that spans ranks (C, D) is cut into slices, one per rank. Each
   rank computes ITS OWN query slice against every key slice it may see: its
   own slice locally (square causal when causal, like a segment), and the
@@ -49,6 +49,11 @@ Either way a rank's received K/V (and their dK/dV in backward) stay within
 2 * hk * max_p N_p rows: per-rank memory is O(N / P) for balanced pieces,
 whatever w is.
 
+Memory: tools/estimate.py's formula (``_dilated_formula``) mirrors, by hand,
+which buffers sp_forward and sp_backward keep alive in each round; change
+the two together (the estimate's dry run runs this code and tests hold the
+formula to it).
+
 Dropout (p > 0, blockwise kernel) replays the same masks in backward: every
 launch gets seed + rank * 2**32 + its launch id on the computing rank. The
 masks are NOT those of the single-device op (blocks are cut differently);
@@ -58,21 +63,21 @@ only p = 0 equals the single device exactly.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, NoReturn, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import _validation as check
-from . import comm
-from .dilated import backward_launches, chunks, forward_launches, _merge_rows
-from .kernels import attention_backward, attention_forward, lse_dtype
-from .merge import empty_accumulators
-from .patterns import (
+from ..kernels import KernelOptions, attention_backward, attention_forward, lse_dtype
+from ..kernels import save_for_backward, saved_for_backward
+from ..launches import Launch, backward_launches, forward_launches, merge_rows, region_launches
+from ..merge import empty_accumulators
+from ..patterns import (
     HeadGroup,
+    Patterns,
     Region,
     cross_head_groups,
     gather,
@@ -80,8 +85,7 @@ from .patterns import (
     scatter_add_,
     selected_pairs,
 )
-
-Patterns = Tuple[Tuple[int, ...], Tuple[int, ...]]
+from . import comm
 
 # Dropout seeds of different ranks' launches must differ (their launch ids
 # overlap); launch ids of one call stay far below this.
@@ -92,7 +96,7 @@ _SEED_STRIDE = 1 << 32
 # The plan: pure functions of the agreed piece lengths
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Slice:
     """Rows [lo, hi) of a segment (segment-local), held by `rank` from row `start` on."""
 
@@ -106,7 +110,7 @@ class Slice:
         return Region(self.start, 1, self.hi - self.lo)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Transfer:
     """The selected key/value rows of slice `keys` read by the queries of slice `queries`.
 
@@ -126,7 +130,7 @@ class Transfer:
         return self.spans[-1][1]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Round:
     """One exchange: this rank's key slices out, other ranks' key slices in."""
 
@@ -134,17 +138,17 @@ class Round:
     recvs: Tuple[Transfer, ...]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """Everything one rank computes and exchanges, for all patterns.
 
-    local: (launch id, region, head group) launches on this rank's rows;
+    local: the launches on this rank's own rows;
     rounds: the exchanges with their remote blocks, in order;
     modes: per pattern "local" (no segment spans ranks), "gather" or "rotate".
     """
 
     lengths: Tuple[int, ...]
-    local: Tuple[Tuple[int, Region, HeadGroup], ...]
+    local: Tuple[Launch, ...]
     rounds: Tuple[Round, ...]
     modes: Tuple[str, ...]
 
@@ -221,7 +225,7 @@ def make_plan(
     """The plan of `rank` (see Note [sequence-parallel plan]); equal inputs on all ranks."""
     total = sum(lengths)
     budget = num_kv_heads * max(lengths, default=0)
-    local: List[Tuple[int, Region, HeadGroup]] = []
+    local: List[Launch] = []
     rounds: List[Round] = []
     modes: List[str] = []
     launch = 0
@@ -233,10 +237,9 @@ def make_plan(
         spans = dict(spanning_segments(lengths, seg_len))
         for region, lo, hi in _local_regions(lengths, rank, seg_len, spans):
             groups = head_groups(lo, hi, r, num_heads, num_kv_heads, device)
-            for chunk in chunks(region, torch.device(device)):
-                for group in groups:
-                    local.append((launch, chunk, group))
-                    launch += 1
+            launches = region_launches(region, groups, torch.device(device), launch)
+            local.extend(launches)
+            launch += len(launches)
         # every transfer of the pattern, on all ranks: (step, keys, queries)
         moves: List[Tuple[int, Slice, Slice]] = []
         sent: Counter = Counter()
@@ -338,24 +341,12 @@ def _fetch_keys(k: Tensor, v: Tensor, rnd: Round, group: Any) -> List[Tensor]:
 # Forward and backward
 
 
-def sp_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    plan: Plan,
-    *,
-    causal: bool,
-    scale: float,
-    backend: str,
-    dropout_p: float,
-    seed: int,
-    group: Any,
-) -> Tuple[Tensor, Tensor]:
+def sp_forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions,
+               group: Any) -> Tuple[Tensor, Tensor]:
     """q (b, n, h, d), k/v (b, n, hk, d) pieces -> out (b, n, h, d), lse (b, n, h) fp32."""
     b, n, h, d = q.shape
     acc_out, acc_lse = empty_accumulators((b, n, h, d), q.dtype, q.device)
-    kernel = dict(scale=scale, backend=backend, dropout_p=dropout_p)
-    forward_launches(q, k, v, plan.local, acc_out, acc_lse, causal=causal, seed=seed, **kernel)
+    forward_launches(q, k, v, plan.local, acc_out, acc_lse, opts)
     for rnd in plan.rounds:
         for t, buf in zip(rnd.recvs, _fetch_keys(k, v, rnd, group)):
             region = t.queries.region
@@ -364,40 +355,22 @@ def sp_forward(
                 q_g = gather(q, region, g.q_heads, g.q_index, g.identity)
                 # remote keys are all earlier (causal) or all visible: no mask
                 out_g, lse_g = attention_forward(
-                    q_g, k_g, v_g, causal=False, seed=seed + t.launch + gi, **kernel
+                    q_g, k_g, v_g, opts.for_launch(t.launch + gi, causal=False)
                 )
-                _merge_rows(acc_out, acc_lse, region, g, out_g, lse_g)
+                merge_rows(acc_out, acc_lse, region, g, out_g, lse_g)
                 del q_g, out_g, lse_g
     return acc_out.to(q.dtype), acc_lse
 
 
-def sp_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    plan: Plan,
-    *,
-    causal: bool,
-    scale: float,
-    backend: str,
-    dropout_p: float,
-    seed: int,
-    group: Any,
-    dlse: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor, Tensor]:
+def sp_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                plan: Plan, opts: KernelOptions, group: Any,
+                dlse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of `sp_forward` for this rank's pieces, given its final out and lse."""
     acc = lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-    kernel = dict(scale=scale, backend=backend, dropout_p=dropout_p)
-    backward_launches(
-        dout, q, k, v, out, lse, plan.local, dq, dk, dv, causal=causal, seed=seed, dlse=dlse,
-        **kernel,
-    )
+    backward_launches(dout, q, k, v, out, lse, plan.local, dq, dk, dv, opts, dlse)
     for rnd in plan.rounds:
         grads = []
         for t, buf in zip(rnd.recvs, _fetch_keys(k, v, rnd, group)):
@@ -406,8 +379,8 @@ def sp_backward(
                 q_sel = (t.queries.region, g.q_heads, g.q_index, g.identity)
                 dq_g, dk_g, dv_g = attention_backward(
                     gather(dout, *q_sel), gather(q, *q_sel), k_g, v_g, gather(out, *q_sel),
-                    gather(lse, *q_sel), causal=False, seed=seed + t.launch + gi,
-                    dlse=None if dlse is None else gather(dlse, *q_sel), **kernel,
+                    gather(lse, *q_sel), opts.for_launch(t.launch + gi, causal=False),
+                    dlse=None if dlse is None else gather(dlse, *q_sel),
                 )
                 scatter_add_(dq, *q_sel, dq_g)
                 lo, hi = t.spans[gi]
@@ -433,101 +406,36 @@ def sp_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class _SequenceParallelDilatedAttention(torch.autograd.Function):
+class SequenceParallelDilatedAttentionFunction(torch.autograd.Function):
     """Saves q, k, v, out, lse; backward is `sp_backward` (a collective: every rank calls it)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, group, causal, scale, backend, dropout_p, seed):
-        args = dict(causal=causal, scale=scale, backend=backend, dropout_p=dropout_p, seed=seed,
-                    group=group)
-        out, lse = sp_forward(q, k, v, plan, **args)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.args = plan, args
-        ctx.set_materialize_grads(False)
-        return out, lse
+    def forward(ctx, q, k, v, plan, opts, group):
+        result = sp_forward(q, k, v, plan, opts, group)
+        return save_for_backward(ctx, q, k, v, result, (plan, opts, group))
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = sp_backward(dout, q, k, v, out, lse, ctx.plan, dlse=dlse, **ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dout, q, k, v, out, lse = saved_for_backward(ctx, dout)
+        plan, opts, group = ctx.args
+        dq, dk, dv = sp_backward(dout, q, k, v, out, lse, plan, opts, group, dlse)
+        return dq, dk, dv, None, None, None
 
 
-# --------------------------------------------------------------------------
-# Entry points
-
-
-def sequence_parallel_dilated_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    patterns: Patterns,
-    *,
-    causal: bool,
-    scale: float,
-    dropout_p: float,
-    seed: int,
-    group: Any,
-    backend: str,
-) -> Tuple[Tensor, Tensor]:
+def sequence_parallel_dilated_attention(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns,
+                                        opts: KernelOptions, group: Any,
+                                        lengths: Tuple[int, ...]) -> Tuple[Tensor, Tensor]:
     """Dilated attention over the sequence split across `group` (differentiable).
 
     Each rank passes its own contiguous piece, in rank order: q (b, n_p, h, d),
-    k/v (b, n_p, hk, d), n_p >= 0. Returns this rank's rows of the
-    single-device out (b, n_p, h, d) and lse (b, n_p, h) (fp32; fp64 for fp64).
-    `patterns` is the validated (segment_lengths, dilation_rates). First one
-    agreement collective: every rank raises ValueError if the calls differ
-    or any rank's input is bad. Every rank must also run the backward.
+    k/v (b, n_p, hk, d), n_p = lengths[rank] >= 0. Returns this rank's rows of
+    the single-device out (b, n_p, h, d) and lse (b, n_p, h) (fp32; fp64 for
+    fp64). The call must already be agreed on every rank (functional.py
+    validates it once, in the agreement collective), `opts.seed` included:
+    each rank decorrelates it by its rank. Every rank must also run the
+    backward.
     """
-    infos = comm.agree(
-        group,
-        lambda: _call_config(q, k, v, patterns, causal, scale, dropout_p, seed, backend),
-        per_rank=("n_local", "seed"),
-    )
     rank = comm.group_rank(group)
-    lengths = tuple(info["n_local"] for info in infos)
-    plan = make_plan(lengths, patterns, causal, q.shape[2], k.shape[2], rank, str(q.device))
-    # one dropout seed for the call (rank 0's draw), decorrelated per rank
-    seed = infos[0]["seed"] + rank * _SEED_STRIDE
-    return _SequenceParallelDilatedAttention.apply(
-        q, k, v, plan, group, causal, scale, backend, dropout_p, seed
-    )
-
-
-def _call_config(q, k, v, patterns, causal, scale, dropout_p, seed, backend) -> Dict[str, Any]:
-    """What every rank must agree on (raises if this rank's own input is bad)."""
-    check.check_qkv(q, k, v, allow_empty=True)
-    b, n, h, d = q.shape
-    return {
-        "segment_lengths": tuple(patterns[0]),
-        "dilation_rates": tuple(patterns[1]),
-        "causal": causal,
-        "scale": scale,
-        "dtype": str(q.dtype),
-        "device_type": q.device.type,
-        "batch": b,
-        "heads": h,
-        "kv_heads": k.shape[2],
-        "head_dim": d,
-        "dropout_p": dropout_p,
-        "backend": backend,
-        "n_local": n,
-        "seed": seed,
-    }
-
-
-def fail_on_all_ranks(group: Any, error: Exception) -> NoReturn:
-    """Raise `error` here and a ValueError naming it on every other rank of `group`.
-
-    For a rank whose input failed validation before the agreement: it joins
-    the other ranks' agreement collective with its error instead of a
-    config, so no rank waits for it.
-    """
-
-    def failing_config() -> Dict[str, Any]:
-        raise error
-
-    comm.agree(group, failing_config)
-    raise error  # only reached when `group` is local
+    plan = make_plan(lengths, patterns, opts.causal, q.shape[2], k.shape[2], rank, str(q.device))
+    opts = dataclasses.replace(opts, seed=opts.seed + rank * _SEED_STRIDE)
+    return SequenceParallelDilatedAttentionFunction.apply(q, k, v, plan, opts, group)

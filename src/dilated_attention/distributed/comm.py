@@ -35,7 +35,8 @@ import contextvars
 import dataclasses
 import datetime
 import pickle
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, Iterator, List, Mapping, NoReturn, Optional, Sequence,
+                    Tuple, Union)
 
 import torch
 import torch.distributed as dist
@@ -227,6 +228,21 @@ def agree(
     configs = [p["config"] for p in gathered]
     _check_equal(configs, set(per_rank))
     return configs
+
+
+def fail_on_all_ranks(group: ProcessGroup, error: Exception) -> NoReturn:
+    """Raise `error` here and a ValueError naming it on every other rank of `group`.
+
+    For a rank whose input failed a check before the agreement: it joins
+    the other ranks' agreement collective with its error instead of a
+    config, so no rank waits for it. With a local group this just raises.
+    """
+
+    def failing_config() -> Dict[str, Any]:
+        raise error
+
+    agree(group, failing_config)
+    raise error  # only reached when `group` is local
 
 
 def _all_gather_bytes(data: bytes, group: ProcessGroup) -> List[Any]:

@@ -48,16 +48,16 @@ seen by rank p (every rank does 2c*c units of work at every step):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from . import _validation as check
+from ..kernels import KernelOptions, attention_backward, attention_forward, lse_dtype
+from ..kernels import save_for_backward, saved_for_backward
+from ..merge import empty_accumulators, merge_
 from . import comm
-from .kernels import attention_backward, attention_forward, lse_dtype, select_backend
-from .merge import empty_accumulators, merge_
-from .sharding import check_layout, check_piece_lengths
 
 _ALL = slice(None)
 
@@ -113,12 +113,10 @@ def ring_forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    opts: KernelOptions,
     *,
-    causal: bool,
-    scale: float,
     layout: str = "contiguous",
     lengths: Optional[Sequence[int]] = None,
-    backend: str = "auto",
 ) -> Tuple[Tensor, Tensor]:
     """q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse (b, n, h) fp32.
 
@@ -136,12 +134,12 @@ def ring_forward(
         if step + 1 < size:
             # post the next block's transfer before this block's compute
             k_next, v_next = _pass_on(ring, lengths[(rank - step - 1) % size], k_cur, v_cur)
-        plan = _block_plan(layout, causal, rank, src, n, lengths[src])
+        plan = _block_plan(layout, opts.causal, rank, src, n, lengths[src])
         if plan is not None:
             rows, keys, block_causal = plan
             out_b, lse_b = attention_forward(
-                q[:, rows], k_cur[:, keys], v_cur[:, keys], causal=block_causal, scale=scale,
-                backend=backend,
+                q[:, rows], k_cur[:, keys], v_cur[:, keys],
+                dataclasses.replace(opts, causal=block_causal),
             )
             merge_(acc_out[:, rows], acc_lse[:, rows], out_b, lse_b)
         if step + 1 < size:
@@ -158,12 +156,10 @@ def ring_backward(
     v: Tensor,
     out: Tensor,
     lse: Tensor,
+    opts: KernelOptions,
     *,
-    causal: bool,
-    scale: float,
     layout: str = "contiguous",
     lengths: Optional[Sequence[int]] = None,
-    backend: str = "auto",
     dlse: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of this rank's piece, given the final out and lse of `ring_forward`.
@@ -183,13 +179,13 @@ def ring_backward(
         src = (rank - step) % size
         if step + 1 < size:
             k_next, v_next = _pass_on(kv_ring, lengths[(rank - step - 1) % size], k_cur, v_cur)
-        plan = _block_plan(layout, causal, rank, src, n, lengths[src])
+        plan = _block_plan(layout, opts.causal, rank, src, n, lengths[src])
         grads = None
         if plan is not None:
             rows, keys, block_causal = plan
             dq_b, dk_b, dv_b = attention_backward(
                 dout[:, rows], q[:, rows], k_cur[:, keys], v_cur[:, keys], out[:, rows],
-                lse[:, rows], causal=block_causal, scale=scale, backend=backend,
+                lse[:, rows], dataclasses.replace(opts, causal=block_causal),
                 dlse=None if dlse is None else dlse[:, rows],
             )
             dq[:, rows] += dq_b
@@ -217,97 +213,18 @@ def ring_backward(
     return dq.to(q.dtype), dk_in.to(k.dtype), dv_in.to(v.dtype)
 
 
-class _RingAttention(torch.autograd.Function):
+class RingAttentionFunction(torch.autograd.Function):
     """Saves q, k, v, out, lse; backward is `ring_backward` (a collective: every rank runs it)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, layout, lengths, backend):
-        out, lse = ring_forward(
-            group, q, k, v, causal=causal, scale=scale, layout=layout, lengths=lengths,
-            backend=backend,
-        )
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, scale, layout, lengths, backend)
-        ctx.set_materialize_grads(False)
-        return out, lse
+    def forward(ctx, q, k, v, opts, group, layout, lengths):
+        result = ring_forward(group, q, k, v, opts, layout=layout, lengths=lengths)
+        return save_for_backward(ctx, q, k, v, result, (opts, group, layout, lengths))
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, layout, lengths, backend = ctx.args
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = ring_backward(
-            group, dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
-            lengths=lengths, backend=backend, dlse=dlse,
-        )
-        return dq, dk, dv, None, None, None, None, None, None
-
-
-def ring_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    is_causal: bool = False,
-    scale: Optional[float] = None,
-    group=None,
-    return_lse: bool = False,
-    layout: str = "contiguous",
-    backend: str = "auto",
-):
-    """Exact dense attention over the whole sequence spread across `group`.
-
-    Args:
-        q: (batch, seq_len, heads, head_dim), this rank's piece.
-        k, v: (batch, seq_len, kv_heads, head_dim); kv_heads divides heads.
-        is_causal: queries see only keys at or before their global position.
-        scale: softmax scale, default 1/sqrt(head_dim).
-        group: the process group the sequence is spread over; None (or one
-            rank) is plain local attention.
-        return_lse: also return the log-sum-exp (batch, heads, seq_len).
-        layout: "contiguous" (rank p holds the p-th piece; pieces may differ
-            in length and be empty) or "zigzag" (2P equal chunks, rank p
-            holds chunks p and 2P-1-p concatenated: even causal work; see
-            ``shard_sequence``).
-        backend: kernel override, as for ``dilated_attention``.
-
-    Returns:
-        This rank's rows of out (batch, seq_len, heads, head_dim), or
-        (out, lse) with lse float32 (float64 for float64 inputs). Every rank
-        must call this (and its backward) with the same configuration; a
-        mismatch or a bad argument on any rank raises on every rank.
-    """
-    distributed = comm.is_distributed(group)
-
-    def config():
-        check.check_qkv(q, k, v, allow_empty=distributed)
-        check.check_bool("return_lse", return_lse)
-        b, n, h, d = q.shape
-        return {
-            "is_causal": check.check_bool("is_causal", is_causal),
-            "scale": check.check_scale(scale, d),
-            "layout": check_layout(layout),
-            "backend": select_backend(q.device, q.dtype, backend=backend),
-            "dtype": q.dtype,
-            "device_type": q.device.type,
-            "batch": b,
-            "heads": h,
-            "kv_heads": k.shape[2],
-            "head_dim": d,
-            "n": n,
-        }
-
-    infos = comm.agree(group, config, per_rank=("n",))
-    cfg = infos[0]
-    lengths = tuple(info["n"] for info in infos)
-    if sum(lengths) == 0:
-        raise ValueError(f"the sequence is empty on every rank (piece lengths {list(lengths)})")
-    check_piece_lengths(lengths, layout)
-    out, lse = _RingAttention.apply(
-        q, k, v, group, is_causal, cfg["scale"], layout, lengths, cfg["backend"]
-    )
-    if return_lse:
-        # (b, n, h) -> (b, h, n)
-        return out, lse.transpose(1, 2)
-    return out
+        dout, q, k, v, out, lse = saved_for_backward(ctx, dout)
+        opts, group, layout, lengths = ctx.args
+        dq, dk, dv = ring_backward(group, dout, q, k, v, out, lse, opts, layout=layout,
+                                   lengths=lengths, dlse=dlse)
+        return dq, dk, dv, None, None, None, None

@@ -1,4 +1,6 @@
-"""Spawn ranks that never hang: the one launcher of the CLI and the tests.
+"""Start ranks: spawn them so that they never hang, or join the ranks torchrun launched.
+
+The one launcher of the command line, the tests and the examples.
 
     results = spawn(fn, world_size, args, timeout=120.0)
 
@@ -17,6 +19,10 @@ report theirs, and a rank that died without a report (a crash in a kernel)
 counts as failed. Then every straggler is killed and ``LaunchFailed`` is
 raised with each failed rank's error.
 
+Under ``torchrun`` (RANK and WORLD_SIZE set) ``run_torchrun`` joins the
+launched ranks instead; ``device_setup(device)`` is the per-rank set-up both
+ways share (the rank's CUDA device, malloc tuning for honest RSS peaks).
+
 Process groups are created and destroyed through ``comm``, the one module
 that touches ``torch.distributed``.
 """
@@ -24,6 +30,7 @@ that touches ``torch.distributed``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -35,12 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import comm
-
-
-def default_threads(world_size: int) -> int:
-    """Torch threads per rank when not given: the cores shared out over the ranks, at least one."""
-    return max(1, (os.cpu_count() or 1) // world_size)
+from ..distributed import comm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,3 +227,96 @@ def _collect(
 def _lost(summary: str) -> RankError:
     """A rank that never reported: the summary is all there is."""
     return RankError(summary, summary)
+
+
+# --------------------------------------------------------------------------
+# Per-rank device set-up, and joining torchrun's ranks
+
+
+def backend_for(device: str) -> str:
+    """The process-group backend for ranks on `device`: NCCL on CUDA, gloo otherwise."""
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def device_setup(device: str) -> Callable[[int], Dict[str, Any]]:
+    """A picklable ``prepare(rank)`` for `spawn`: tune malloc, pick the rank's device.
+
+    It returns ``{"device": "cpu" | "cuda:i"}``, so `fn` gets a ``device=``
+    keyword.
+    """
+    return functools.partial(_prepare_rank, device)
+
+
+def _prepare_rank(device: str, rank: int) -> Dict[str, Any]:
+    limit_malloc_caching()
+    return {"device": _setup_device(device, rank)}
+
+
+def _setup_device(device: str, local_rank: int) -> str:
+    """The device string this rank uses: "cpu", or "cuda:i" (made current)."""
+    if device == "cuda":
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return f"cuda:{index}"
+    return "cpu"
+
+
+def limit_malloc_caching() -> None:
+    """Let freed memory go back to the OS, so a process's RSS peak is its tensors' peak.
+
+    glibc raises its mmap threshold after large frees (up to 32 MiB), after
+    which freed tensors stay in the heap and a later run reuses them without
+    raising the high-water mark; a fixed threshold keeps every large tensor
+    mmapped, so each one counts in RSS while alive and leaves when freed.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 256 * 1024)
+    libc.mallopt(m_trim_threshold, 1024 * 1024)
+
+
+def torchrun_world_size() -> Optional[int]:
+    """The launched world size when run under torchrun (RANK, WORLD_SIZE set), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        try:
+            return int(os.environ["WORLD_SIZE"])
+        except ValueError:
+            raise ValueError(
+                f"WORLD_SIZE must be an integer, got {os.environ['WORLD_SIZE']!r}"
+            ) from None
+    return None
+
+
+def run_torchrun(fn: Callable, args: Sequence[Any], *, device: str,
+                 progress: Optional[Callable[[str], None]] = None) -> Optional[Any]:
+    """Run ``fn(world, *args, progress, device=...)`` on the ranks torchrun launched.
+
+    Returns rank 0's result on rank 0 and None elsewhere; rank 0 calls
+    ``progress(label)`` (others get a callback that drops labels). A
+    failure raises ``LaunchFailed`` naming this rank.
+    """
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    limit_malloc_caching()
+    rank_device = _setup_device(device, local_rank)
+    world = comm.init_process_group(backend_for(device), timeout_s=1800.0)
+    report = progress if rank == 0 and progress is not None else _drop_label
+    try:
+        result = fn(world, *args, report, device=rank_device)
+        comm.barrier(world)
+    except Exception as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        raise LaunchFailed({rank: RankError(text.splitlines()[0], traceback.format_exc())},
+                           comm.group_size(world)) from exc
+    finally:
+        comm.destroy_process_group()
+    return result if rank == 0 else None
+
+
+def _drop_label(label: str) -> None:
+    """A progress callback that drops its labels (ranks other than 0)."""

@@ -15,7 +15,8 @@ from torch import Tensor
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
-def _positive_int(name: str, value) -> int:
+def check_positive_int(name: str, value) -> int:
+    """A positive int (not a bool), else TypeError/ValueError naming `name`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
     if value < 1:
@@ -36,8 +37,10 @@ def check_patterns(segment_lengths, dilation_rates) -> Tuple[Tuple[int, ...], Tu
             f"{list(segment_lengths)!r} ({len(segment_lengths)}) and {list(dilation_rates)!r} "
             f"({len(dilation_rates)})"
         )
-    segs = tuple(_positive_int(f"segment_lengths[{i}]", w) for i, w in enumerate(segment_lengths))
-    rates = tuple(_positive_int(f"dilation_rates[{i}]", r) for i, r in enumerate(dilation_rates))
+    segs = tuple(check_positive_int(f"segment_lengths[{i}]", w)
+                 for i, w in enumerate(segment_lengths))
+    rates = tuple(check_positive_int(f"dilation_rates[{i}]", r)
+                  for i, r in enumerate(dilation_rates))
     for i, (w, r) in enumerate(zip(segs, rates)):
         if r > w:
             raise ValueError(
@@ -122,4 +125,4 @@ def check_bool(name: str, value) -> bool:
 
 
 def check_optional_positive_int(name: str, value: Optional[int]) -> Optional[int]:
-    return None if value is None else _positive_int(name, value)
+    return None if value is None else check_positive_int(name, value)

@@ -1,4 +1,4 @@
-"""Split a full sequence into per-rank pieces and put it back together.
+"""Split a full sequence into per-rank pieces, put it back together, sum across ranks.
 
 Two layouts of a sequence of N rows over P ranks:
 
@@ -9,6 +9,11 @@ Two layouts of a sequence of N rows over P ranks:
   2P-1-p, concatenated; it balances causal work for the dense ring (see
   Note [zigzag] in ring.py). Needs N divisible by 2P.
 
+Training with replicated parameters needs two sums over the ranks of the
+sequence-parallel group: the token-weighted loss (`sum_across_ranks`, whose
+gradient passes through unchanged) and the parameter gradients
+(`all_reduce_gradients`, after backward).
+
 Notation: b batch, n rows, h heads, d head dim; the sequence dim is 1 in
 the (b, n, h, d) layout and is an argument here.
 """
@@ -18,7 +23,7 @@ from __future__ import annotations
 from typing import List, Sequence, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from . import comm
 
@@ -114,6 +119,16 @@ def unshard_sequence(x_local: Tensor, group, *, layout: str = "contiguous", dim:
     return _Unshard.apply(x_local, group, layout, d, tuple(lengths))
 
 
+def gather_pieces(x_local: Tensor, group, lengths: Sequence[int], *, dim: int = 1) -> Tensor:
+    """`unshard_sequence` for contiguous pieces whose lengths every rank already knows.
+
+    No agreement collective: `lengths` (every rank's piece length along
+    `dim`, e.g. from an earlier agreement) must be right on every rank.
+    Differentiable like `unshard_sequence`.
+    """
+    return _Unshard.apply(x_local, group, "contiguous", dim % x_local.dim(), tuple(lengths))
+
+
 def _zigzag_order(world_size: int) -> List[int]:
     """Chunk index at each position of the rank-order gather [r0c0, r0c1, r1c0, ...]."""
     return [c for p in range(world_size) for c in (p, 2 * world_size - 1 - p)]
@@ -145,3 +160,55 @@ class _Unshard(torch.autograd.Function):
             grad_full = torch.cat([chunks[c] for c in _zigzag_order(size)], dim=dim)
         grad = comm.reduce_scatter(grad_full.contiguous(), group, dim=dim, sizes=lengths)
         return grad, None, None, None, None
+
+
+class _SumAcrossRanks(torch.autograd.Function):
+    """Sum over ranks; the gradient passes through unchanged.
+
+    Every rank computes the same loss from the summed tensor and runs its
+    own backward, so d(loss)/d(local term) is exactly the incoming gradient
+    (summing gradients here too would count every rank's loss P times).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        return comm.all_reduce_(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+def sum_across_ranks(x: Tensor, group) -> Tensor:
+    """The sum of every rank's `x` (same shape everywhere), on every rank; differentiable.
+
+    For a loss built from per-rank partial sums (e.g. token loss and token
+    count): each rank's backward then yields the gradient of the global loss
+    through its own terms, and `all_reduce_gradients` completes it.
+    """
+    return _SumAcrossRanks.apply(x, group)
+
+
+def all_reduce_gradients(module: nn.Module, process_group) -> None:
+    """Sum the parameter gradients over the sequence-parallel ranks, in place.
+
+    Parameters are replicated and each rank's backward yields the gradient
+    of the (global) loss through its own tokens; the sum is the full
+    gradient, identical on every rank afterwards. A parameter without a
+    gradient counts as zero (so every rank reduces the same buffer).
+    """
+    if not comm.is_distributed(process_group):
+        return
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict = {}
+    for p in params:
+        by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    for group in by_dtype.values():
+        # one flat buffer per dtype: one collective instead of one per parameter
+        flat = torch.cat([p.grad.reshape(-1) for p in group])
+        comm.all_reduce_(flat, process_group)
+        for p, g in zip(group, flat.split([p.numel() for p in group])):
+            p.grad.copy_(g.view_as(p.grad))

@@ -1,0 +1,1 @@
+"""The ``dilated-attention`` command line: bench, verify, estimate, and the rank launcher."""

@@ -1,0 +1,134 @@
+"""The package's layering, read from its source: no import cycle, no private names across modules.
+
+Each module of ``src/dilated_attention`` may import lower modules and use
+their public names only; a name starting with "_" stays in its module. The
+test parses every file (imports inside functions count too), so the rule
+holds as the code changes.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Set, Tuple
+
+PACKAGE = "dilated_attention"
+ROOT = Path(__file__).resolve().parents[1] / "src" / PACKAGE
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES: Dict[str, Path] = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module an ImportFrom names (relative imports resolved)."""
+    if node.level == 0:
+        return node.module or ""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(module: str, path: Path) -> Tuple[Set[str], List[str], Dict[str, str]]:
+    """(internal modules imported, private names imported, alias -> internal module)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    deps: Set[str] = set()
+    private: List[str] = []
+    aliases: Dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == PACKAGE:
+                    deps.add(a.name)
+                    aliases[a.asname or a.name] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(module, path, node)
+            if source.split(".")[0] != PACKAGE:
+                continue
+            for a in node.names:
+                target = f"{source}.{a.name}"
+                if target in MODULES:  # `from . import comm`: a module
+                    deps.add(target)
+                    aliases[a.asname or a.name] = target
+                else:
+                    deps.add(source)
+                    if a.name.startswith("_"):
+                        private.append(f"{module} imports {a.name} from {source}")
+    return deps, private, aliases
+
+
+def _private_attributes(path: Path, aliases: Dict[str, str], module: str) -> List[str]:
+    """`comm._name`-style uses of another module's private names."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in aliases and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            found.append(f"{module} uses {aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def _graph() -> Tuple[Dict[str, Set[str]], List[str]]:
+    graph: Dict[str, Set[str]] = {}
+    problems: List[str] = []
+    for module, path in MODULES.items():
+        deps, private, aliases = _imports(module, path)
+        # importing a subpackage's module implies its package __init__; only edges between
+        # files count, and a package's own __init__ re-exporting is not a dependency back
+        graph[module] = {d for d in deps if d in MODULES and d != module}
+        problems += private + _private_attributes(path, aliases, module)
+    return graph, problems
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    _, problems = _graph()
+    assert not problems, "\n".join(problems)
+
+
+def test_no_private_modules() -> None:
+    hidden = [m for m, p in MODULES.items() if p.stem.startswith("_") and
+              p.stem not in ("__init__", "__main__")]
+    assert not hidden, hidden
+
+
+def test_import_graph_has_no_cycle() -> None:
+    graph, _ = _graph()
+    # the package __init__ files sit on top (they re-export); leave them out of the layering
+    inner = {m: {d for d in ds if MODULES[d].name != "__init__.py"}
+             for m, ds in graph.items() if MODULES[m].name != "__init__.py"}
+    state: Dict[str, int] = {}
+    stack: List[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(inner.get(m, ())):
+            if state.get(d) == 1:
+                cycle = stack[stack.index(d):] + [d]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(inner):
+        if m not in state:
+            visit(m)
+
+
+def test_layers() -> None:
+    """Library modules never import the tools; the distributed core never imports the
+    public ops, modules or models above it."""
+    graph, _ = _graph()
+    for m, deps in graph.items():
+        if ".tools" not in m and m != f"{PACKAGE}.__main__":
+            assert not [d for d in deps if ".tools" in d], (m, deps)
+        if ".distributed." in m:
+            above = {f"{PACKAGE}.{x}" for x in ("functional", "modules", "models")}
+            assert not deps & above, (m, deps & above)
