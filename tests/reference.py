@@ -30,15 +30,25 @@ TOLERANCE = {
 
 
 def dilated_counts(
-    n: int, h: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int], causal: bool
+    n: int, h: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int], causal: bool,
+    cu_seqlens: Optional[Sequence[int]] = None, first_head: int = 0,
 ) -> Tensor:
     """c (h, n, n) int64: in how many patterns query t of head j attends key u.
 
     Straight from SPEC.md "One pattern": W = min(w, n), segments
     [a, min(a + W, n)), head j selects local index (t - a) with
     (t - a) mod r == j mod r, a selected query attends the selected keys of
-    its own segment (u <= t too when causal).
+    its own segment (u <= t too when causal). With `cu_seqlens` every
+    document is such a sequence on its own (no key outside it). Head j is
+    model head first_head + j (its offset counts from there).
     """
+    if cu_seqlens is not None:
+        counts = torch.zeros(h, n, n, dtype=torch.int64)
+        for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            if e > s:
+                counts[:, s:e, s:e] = dilated_counts(e - s, h, segment_lengths, dilation_rates,
+                                                     causal, first_head=first_head)
+        return counts
     counts = torch.zeros(h, n, n, dtype=torch.int64)
     pos = torch.arange(n)
     for w, r in zip(segment_lengths, dilation_rates):
@@ -46,7 +56,7 @@ def dilated_counts(
         segment = pos // seg_w  # (n,) which segment a position is in
         local = pos - segment * seg_w  # (n,) t - a
         for j in range(h):
-            selected = local % r == j % r  # (n,)
+            selected = local % r == (first_head + j) % r  # (n,)
             # (n, 1) & (1, n): query t and key u both selected, same segment
             attends = selected[:, None] & selected[None, :]
             attends &= segment[:, None] == segment[None, :]
@@ -99,26 +109,39 @@ def reference_dilated_attention(
     *,
     causal: bool = False,
     scale: Optional[float] = None,
+    cu_seqlens: Optional[Sequence[int]] = None,
+    key_padding_mask: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Exact dilated attention (SPEC.md) in float64: out (b, n, h, d), lse (b, h, n)."""
+    """Exact dilated attention (SPEC.md) in float64: out (b, n, h, d), lse (b, h, n).
+
+    cu_seqlens: packed documents, each attended on its own; key_padding_mask
+    (b, n) bool: True keys leave every softmax (their counts become 0).
+    """
     n, h = q.shape[1], q.shape[2]
-    counts = dilated_counts(n, h, segment_lengths, dilation_rates, causal)
+    counts = dilated_counts(n, h, segment_lengths, dilation_rates, causal, cu_seqlens)
+    if key_padding_mask is not None:
+        # (h, n, n) -> (b, h, n, n) with masked key columns zeroed
+        counts = counts[None].masked_fill(key_padding_mask[:, None, None, :], 0)
     return attention_with_counts(q, k, v, counts, scale)
 
 
 def reference_attention(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None,
+    key_padding_mask: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Dense softmax attention in float64: out (b, n, h, d), lse (b, h, n).
 
     q (b, n, h, d), k/v (b, m, hk, d), GQA by head mapping j -> j // (h // hk).
     ``causal``: query t sees keys u <= t (top-left aligned, as SDPA; for
-    n == m the usual lower triangle).
+    n == m the usual lower triangle). key_padding_mask (b, m): True = ignore.
     """
     n, m = q.shape[1], k.shape[1]
     counts = torch.ones(n, m, dtype=torch.int64)
     if causal:
         counts = torch.tril(counts)
+    if key_padding_mask is not None:
+        # (n, m) -> (b, 1, n, m) with masked key columns zeroed
+        counts = counts[None, None].masked_fill(key_padding_mask[:, None, None, :], 0)
     return attention_with_counts(q, k, v, counts, scale)
 
 

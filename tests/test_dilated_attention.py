@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from dilated_attention import dilated_attention, launches
+from dilated_attention import dilated_attention, plan
 from reference import TOLERANCE, close, dilated_counts, grads, reference_dilated_attention
 
 BACKENDS = ("cpu_flash", "blockwise")
@@ -137,9 +137,9 @@ def test_float32_matches_reference(backend: str, cfg: Config) -> None:
 @settings(max_examples=60)
 @given(cfg=configs(), rows_per_launch=st.integers(1, 16))
 def test_segments_launched_in_small_chunks(backend: str, cfg: Config, rows_per_launch: int) -> None:
-    """Long sequences launch their segments in chunks of ROWS_PER_LAUNCH rows; shrink the
-    chunk so that these short sequences cross chunk boundaries too."""
-    with mock.patch.dict(launches.ROWS_PER_LAUNCH, {"cpu": rows_per_launch}):
+    """Long sequences run in row blocks of ROWS_PER_BLOCK rows or more; shrink the blocks
+    so that these short sequences cross block borders too (segments cut into parts)."""
+    with mock.patch.dict(plan.ROWS_PER_BLOCK, {"cpu": rows_per_launch}):
         check_against_reference(cfg, torch.float64, backend)
 
 

@@ -11,7 +11,6 @@ dk, dv with the single-process op on the concatenated sequence in float64.
 from __future__ import annotations
 
 import functools
-import itertools
 import time
 from typing import Dict, List, Tuple
 from unittest import mock
@@ -21,150 +20,10 @@ import torch
 
 from dilated_attention import dilated_attention, ring_attention, validation
 from dilated_attention.distributed import comm
-from dilated_attention.patterns import cross_head_groups, selected_pairs
-from dilated_attention.distributed.sequence_parallel import make_plan, spanning_segments
+from dilated_attention.plan import Layout, make_plan
+from dilated_attention.patterns import Heads
 from dist_harness import run_distributed, subgroup
-from reference import dilated_counts, reference_dilated_attention
-
-# --------------------------------------------------------------------------
-# Head groups of a query slice against a key slice
-
-
-@pytest.mark.parametrize("rate,h,hk", [(1, 4, 2), (2, 3, 1), (3, 5, 5), (4, 6, 3), (3, 8, 2)])
-def test_cross_head_groups_select_each_heads_rows(rate, h, hk):
-    g = h // hk
-    for q_lo, q_len, k_lo, k_len in itertools.product(range(4), range(5), range(4), range(5)):
-        groups = cross_head_groups(q_lo, q_lo + q_len, k_lo, k_lo + k_len, rate, h, hk)
-        seen = []
-        for grp in groups:
-            per_kv = len(grp.q_heads) // len(grp.kv_heads)
-            for i, j in enumerate(grp.q_heads.tolist()):
-                c = i // per_kv  # the kernel's GQA order: query column i reads kv column c
-                assert grp.kv_heads[c].item() == j // g
-                want_q = [t - q_lo for t in range(q_lo, q_lo + q_len) if t % rate == j % rate]
-                want_k = [u - k_lo for u in range(k_lo, k_lo + k_len) if u % rate == j % rate]
-                assert grp.q_index[:, i].tolist() == want_q
-                assert grp.kv_index[:, c].tolist() == want_k
-                seen.append(j)
-        # heads with rows on both sides, each exactly once
-        want = [j for j in range(h)
-                if any(t % rate == j % rate for t in range(q_lo, q_lo + q_len))
-                and any(u % rate == j % rate for u in range(k_lo, k_lo + k_len))]
-        assert sorted(seen) == want
-        assert selected_pairs(q_lo, q_lo + q_len, k_lo, k_lo + k_len, rate, h, hk) == sum(
-            grp.kv_index.numel() for grp in groups
-        )
-
-
-# --------------------------------------------------------------------------
-# The plan, all ranks simulated in one process
-
-
-def _plan_counts(lengths, patterns, causal, h, hk) -> Tuple[torch.Tensor, List]:
-    """c (h, N, N): how often the ranks' plans together attend (t, u) for head j."""
-    starts = [sum(lengths[:p]) for p in range(len(lengths))]
-    total = sum(lengths)
-    counts = torch.zeros(h, total, total, dtype=torch.int64)
-    plans = [make_plan(tuple(lengths), patterns, causal, h, hk, p) for p in range(len(lengths))]
-
-    def add(group, q_base, k_base, mask_causal):
-        per_kv = len(group.q_heads) // len(group.kv_heads)
-        for i, j in enumerate(group.q_heads.tolist()):
-            ts = (q_base + group.q_index[:, i]).tolist()
-            us = (k_base + group.kv_index[:, i // per_kv]).tolist()
-            for a, t in enumerate(ts):
-                for c, u in enumerate(us):
-                    if not mask_causal or c <= a:
-                        counts[j, t, u] += 1
-
-    for p, plan in enumerate(plans):
-        for _, region, group in plan.local:
-            for s in range(region.num_segments):
-                base = starts[p] + region.start + s * region.seg_len
-                add(group, base, base, causal)
-        for rnd in plan.rounds:
-            for t in rnd.recvs:
-                assert t.queries.rank == p and t.keys.rank != p
-                for group in t.groups:
-                    add(group, starts[p] + t.queries.start, starts[t.keys.rank] + t.keys.start,
-                        False)
-    return counts, plans
-
-
-def _check_sends_meet_receives(plans) -> None:
-    """Between every two ranks, the ordered sends of one equal the receives of the other."""
-    flows: Dict[Tuple[int, int, str], List] = {}
-    for p, plan in enumerate(plans):
-        for k, rnd in enumerate(plan.rounds):
-            for t in rnd.sends:
-                key = (t.keys, t.queries, t.pairs)
-                flows.setdefault((p, t.queries.rank, "send"), []).append(key)
-            for t in rnd.recvs:
-                key = (t.keys, t.queries, t.pairs)
-                flows.setdefault((t.keys.rank, p, "recv"), []).append(key)
-    pairs = {(a, b) for a, b, _ in flows}
-    for a, b in pairs:
-        assert flows.get((a, b, "send")) == flows.get((a, b, "recv")), (a, b)
-
-
-PLAN_CASES = [
-    # lengths, patterns, causal, h, hk
-    ((8, 12), ((4,), (2,)), False, 3, 1),  # every segment inside a rank
-    ((5, 6, 7), ((4, 8), (1, 2)), False, 3, 3),  # segments span two ranks
-    ((5, 6, 7), ((4, 8), (1, 2)), True, 4, 2),
-    ((3, 0, 7, 4), ((32, 5), (3, 1)), True, 5, 5),  # w > N (spans all), an empty piece
-    ((3, 0, 7, 4), ((32, 5), (3, 1)), False, 6, 2),
-    ((4, 4, 4, 4), ((16,), (1,)), False, 2, 1),  # dense: rotates
-    ((6, 1, 2, 9), ((7, 3, 20), (2, 3, 4)), True, 7, 7),
-    ((0, 9, 0), ((4, 2), (2, 1)), False, 3, 1),  # one non-empty piece: all local
-]
-
-
-@pytest.mark.parametrize("lengths,patterns,causal,h,hk", PLAN_CASES)
-def test_plans_of_all_ranks_cover_the_single_device_op(lengths, patterns, causal, h, hk):
-    counts, plans = _plan_counts(lengths, patterns, causal, h, hk)
-    want = dilated_counts(sum(lengths), h, patterns[0], patterns[1], causal)
-    assert torch.equal(counts, want)
-    _check_sends_meet_receives(plans)
-
-
-@pytest.mark.parametrize("lengths,patterns,causal,h,hk", PLAN_CASES + [
-    ((10,) * 8, ((80, 20), (1, 2)), False, 4, 2),  # dense over 8 ranks, and w/r > N/P
-    ((10,) * 8, ((80, 20), (1, 2)), True, 4, 2),
-])
-def test_received_rows_stay_within_two_pieces(lengths, patterns, causal, h, hk):
-    """The memory bound of Note [sequence-parallel plan]: per round, a rank sends and
-    receives at most 2 * hk * max_p N_p (row, kv head) pairs, whatever w is."""
-    bound = 2 * hk * max(lengths)
-    for p in range(len(lengths)):
-        for rnd in make_plan(tuple(lengths), patterns, causal, h, hk, p).rounds:
-            assert sum(t.pairs for t in rnd.recvs) <= bound
-            assert sum(t.pairs for t in rnd.sends) <= bound
-
-
-def test_plan_modes():
-    lengths = (4, 4, 4, 4)
-    # w >= N, r = 1: each rank would gather 3 pieces: rotate, one step per round
-    dense = make_plan(lengths, ((16,), (1,)), False, 2, 1, 1)
-    assert dense.modes == ("rotate",) and len(dense.rounds) == 3
-    assert all(len(r.recvs) == 1 for r in dense.rounds)
-    # causal dense: rank p receives from p earlier ranks, one per round
-    assert len(make_plan(lengths, ((16,), (1,)), True, 2, 1, 3).rounds) == 3
-    assert len(make_plan(lengths, ((16,), (1,)), True, 2, 1, 0).rounds) == 3  # sends only
-    # small segments across the boundaries: gathered in one round per pattern
-    assert make_plan((6, 6, 6), ((4,), (2,)), False, 2, 2, 1).modes == ("gather",)
-    assert make_plan((8, 8), ((4,), (1,)), False, 2, 2, 0).modes == ("local",)
-    assert make_plan((8, 8), ((4,), (1,)), False, 2, 2, 0).rounds == ()
-
-
-def test_spanning_segments_are_the_cut_ones():
-    # boundaries at 5 and 11 (after the empty piece), N = 18, segment length 4
-    spans = spanning_segments((5, 0, 6, 7), 4)
-    assert [i for i, _ in spans] == [1, 2]
-    (_, first), (_, second) = spans
-    assert [(s.rank, s.lo, s.hi, s.start) for s in first] == [(0, 0, 1, 4), (2, 1, 4, 0)]
-    assert [(s.rank, s.lo, s.hi, s.start) for s in second] == [(2, 0, 3, 3), (3, 3, 4, 0)]
-
+from reference import reference_dilated_attention
 
 # --------------------------------------------------------------------------
 # Real spawned gloo ranks: sharded result == single-process result (float64)
@@ -375,7 +234,9 @@ def test_sharded_equals_single_process(world, i):
     torch.testing.assert_close(want["lse"], ref_lse, rtol=1e-9, atol=1e-10)
     for r in results:
         assert r["fwd"][2] == 1 and r["bwd"][2] == 0  # one agreement, in the forward
-    spans = any(spanning_segments(tuple(lengths), min(w, sum(lengths))) for w in segs)
+    layout, heads = Layout.contiguous(lengths), Heads.of(h, hk)
+    spans = any(make_plan(layout, (segs, rates), causal, heads, p).rounds
+                for p in range(len(lengths)))
     if not spans:  # a purely local pattern set sends nothing
         assert all(r["fwd"][:2] == (0, 0) and r["bwd"][:2] == (0, 0) for r in results)
     else:

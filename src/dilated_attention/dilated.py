@@ -16,57 +16,152 @@ a sequence-parallel one, is ``functional.dilated_attention``.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from . import launches
 from . import validation as check
-from .kernels import KernelOptions, attention_forward, lse_dtype, save_for_backward
-from .kernels import saved_for_backward
-from .launches import backward_launches, forward_launches, merge_rows, sequence_launches
+from .kernels import KernelOptions, attention_forward, lse_dtype
 from .merge import empty_accumulators
-from .patterns import Patterns, Region, cross_head_groups, gather
+from .patterns import Heads, Patterns, Segments, cross_head_groups, gather
+from .plan import Documents, Layout, Plan, make_plan
 
 
-def dilated_forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns,
-                    opts: KernelOptions) -> Tuple[Tensor, Tensor]:
-    """q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse (b, n, h) fp32."""
-    b, n, h, d = q.shape
-    acc_out, acc_lse = empty_accumulators((b, n, h, d), q.dtype, q.device)
-    launches = sequence_launches(n, h, k.shape[2], patterns, q.device)
-    forward_launches(q, k, v, launches, acc_out, acc_lse, opts)
-    return acc_out.to(q.dtype), acc_lse
+def local_plan(q: Tensor, k: Tensor, patterns: Patterns, causal: bool, heads: Optional[Heads],
+               documents: Documents) -> Plan:
+    """The plan of one device holding the whole sequence (q (b, n, h, d), k (b, n, hk, d))."""
+    heads = heads or Heads.of(q.shape[2], k.shape[2])
+    layout = Layout.contiguous([q.shape[1]])
+    return make_plan(layout, patterns, causal, heads, 0, str(q.device), documents)
+
+
+def dilated_forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, opts: KernelOptions, *,
+                    heads: Optional[Heads] = None, documents: Documents = None,
+                    key_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse (b, n, h) fp32.
+
+    heads: which model heads q holds (default all, GQA j -> j // (h // hk));
+    documents: cu_seqlens, each document an independent sequence; key_mask
+    (b, n) bool, True = ignore that key.
+    """
+    plan = local_plan(q, k, patterns, opts.causal, heads, documents)
+    return launches.forward(q, k, v, plan, opts, key_mask=key_mask)
 
 
 def dilated_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                     patterns: Patterns, opts: KernelOptions,
-                     dlse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                     patterns: Patterns, opts: KernelOptions, dlse: Optional[Tensor] = None, *,
+                     heads: Optional[Heads] = None, documents: Documents = None,
+                     key_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of `dilated_forward`, given its final out (b, n, h, d) and lse (b, n, h)."""
-    n, h = q.shape[1], q.shape[2]
-    acc = lse_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-    launches = sequence_launches(n, h, k.shape[2], patterns, q.device)
-    backward_launches(dout, q, k, v, out, lse, launches, dq, dk, dv, opts, dlse)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    plan = local_plan(q, k, patterns, opts.causal, heads, documents)
+    return launches.backward(dout, q, k, v, out, lse, plan, opts, dlse=dlse, key_mask=key_mask)
 
 
-class DilatedAttentionFunction(torch.autograd.Function):
-    """Saves q, k, v, out, lse; backward is `dilated_backward`."""
+# The single-device op is a pair of custom ops (forward, backward): torch.compile
+# sees one opaque node per call instead of tracing the planning and every
+# launch, and autograd is registered on the forward. Their arguments are the
+# agreed call, flattened to the types custom ops take.
 
-    @staticmethod
-    def forward(ctx, q, k, v, patterns, opts):
-        result = dilated_forward(q, k, v, patterns, opts)
-        return save_for_backward(ctx, q, k, v, result, (patterns, opts))
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        dout, q, k, v, out, lse = saved_for_backward(ctx, dout)
-        patterns, opts = ctx.args
-        dq, dk, dv = dilated_backward(dout, q, k, v, out, lse, patterns, opts, dlse)
-        return dq, dk, dv, None, None
+def forward_flat(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int],
+                 dilation_rates: List[int], causal: bool, scale: float, backend: str,
+                 dropout_p: float, seed: int, first_head: int, kv_of: List[int],
+                 cu_seqlens: Optional[List[int]], key_mask: Optional[Tensor]
+                 ) -> Tuple[Tensor, Tensor]:
+    """`dilated_forward` with the call flattened to custom-op argument types."""
+    patterns, opts, heads, documents = _unflatten(segment_lengths, dilation_rates, causal, scale,
+                                                  backend, dropout_p, seed, first_head, kv_of,
+                                                  cu_seqlens)
+    return dilated_forward(q, k, v, patterns, opts, heads=heads, documents=documents,
+                           key_mask=key_mask)
+
+
+def backward_flat(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  dlse: Optional[Tensor], segment_lengths: List[int], dilation_rates: List[int],
+                  causal: bool, scale: float, backend: str, dropout_p: float, seed: int,
+                  first_head: int, kv_of: List[int], cu_seqlens: Optional[List[int]],
+                  key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """`dilated_backward` with the call flattened to custom-op argument types."""
+    patterns, opts, heads, documents = _unflatten(segment_lengths, dilation_rates, causal, scale,
+                                                  backend, dropout_p, seed, first_head, kv_of,
+                                                  cu_seqlens)
+    return dilated_backward(dout, q, k, v, out, lse, patterns, opts, dlse, heads=heads,
+                            documents=documents, key_mask=key_mask)
+
+
+_forward_op = torch.library.custom_op("dilated_attention::forward", forward_flat,
+                                      mutates_args=())
+_backward_op = torch.library.custom_op("dilated_attention::backward", backward_flat,
+                                       mutates_args=())
+# the ops and the Python code they run (a memory tracer follows the call inside)
+IMPLEMENTATIONS = {
+    torch.ops.dilated_attention.forward.default: forward_flat,
+    torch.ops.dilated_attention.backward.default: backward_flat,
+}
+
+
+def _unflatten(segment_lengths, dilation_rates, causal, scale, backend, dropout_p, seed,
+               first_head, kv_of, cu_seqlens):
+    patterns = (tuple(segment_lengths), tuple(dilation_rates))
+    opts = KernelOptions(causal, scale, backend, dropout_p, seed)
+    documents = None if cu_seqlens is None else tuple(cu_seqlens)
+    return patterns, opts, Heads(first_head, tuple(kv_of)), documents
+
+
+@_forward_op.register_fake
+def _forward_shapes(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, dropout_p,
+                    seed, first_head, kv_of, cu_seqlens, key_mask):
+    if _real_meta(q):
+        return forward_flat(q, k, v, segment_lengths, dilation_rates, causal, scale, backend,
+                            dropout_p, seed, first_head, kv_of, cu_seqlens, key_mask)
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
+
+
+@_backward_op.register_fake
+def _backward_shapes(dout, q, k, v, out, lse, dlse, *args):
+    if _real_meta(q):
+        return backward_flat(dout, q, k, v, out, lse, dlse, *args)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _real_meta(x: Tensor) -> bool:
+    """A plain meta tensor (``estimate --dry-run``), not torch.compile's fake tensors:
+    the real code runs on it, so that its allocations can be traced."""
+    return x.device.type == "meta" and type(x) is Tensor
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v = inputs[:3]
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.args = inputs[3:]
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, *ctx.args)
+    return (dq, dk, dv) + (None,) * len(ctx.args)
+
+
+torch.library.register_autograd("dilated_attention::forward", _backward,
+                                setup_context=_setup_context)
+
+
+def dilated_attention_local(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns,
+                            opts: KernelOptions, *, heads: Optional[Heads] = None,
+                            documents: Documents = None,
+                            key_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """The single-device op, differentiable: out (b, n, h, d), lse (b, n, h) fp32.
+
+    The call is already validated (``functional.dilated_attention``).
+    """
+    heads = heads or Heads.of(q.shape[2], k.shape[2])
+    return _forward_op(q, k, v, list(patterns[0]), list(patterns[1]), opts.causal, opts.scale,
+                       opts.backend, opts.dropout_p, opts.seed, heads.first, list(heads.kv_of),
+                       None if documents is None else list(documents), key_mask)
 
 
 def cached_dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths: Sequence[int],
@@ -86,13 +181,14 @@ def cached_dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths: S
     m, hk = k.shape[1], k.shape[2]
     t = m - 1
     opts = KernelOptions(causal=False, scale=check.check_scale(scale, d))
+    heads = Heads.of(h, hk)
     acc_out, acc_lse = empty_accumulators((b, 1, h, d), q.dtype, q.device)
-    query = Region(0, 1, 1)
+    query = Segments(0, 1, 1)
     for w, r in zip(segment_lengths, dilation_rates):
         a = (t // w) * w
-        keys = Region(a, 1, t - a + 1)
+        keys = Segments(a, 1, t - a + 1)
         # the query row t - a of the segment against its key rows 0 .. t - a
-        for g in cross_head_groups(t - a, t - a + 1, 0, t - a + 1, r, h, hk, str(q.device)):
+        for g in cross_head_groups(t - a, t - a + 1, 0, t - a + 1, r, heads, str(q.device)):
             # query indices are relative to the query row: row 0 of q
             out_g, lse_g = attention_forward(
                 gather(q, query, g.q_heads, g.q_index, g.identity),
@@ -100,5 +196,5 @@ def cached_dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths: S
                 gather(v, keys, g.kv_heads, g.kv_index, g.identity),
                 opts,
             )
-            merge_rows(acc_out, acc_lse, query, g, out_g, lse_g)
+            launches.merge_rows(acc_out, acc_lse, query, g, out_g, lse_g)
     return acc_out.to(q.dtype)

@@ -7,7 +7,7 @@ argument on one rank is an error on every rank of the group, never a hang.
 The agreed configuration then travels down as values (``patterns``,
 ``KernelOptions``, every rank's piece length) to the op that computes it:
 
-    dilated_attention --(group None or size 1)--> dilated.DilatedAttentionFunction
+    dilated_attention --(group None or size 1)--> dilated.dilated_attention_local
                       --(group of P > 1 ranks)--> distributed.sequence_parallel
     ring_attention    ---------------------------> distributed.ring
 
@@ -17,13 +17,13 @@ h query heads, hk key/value heads, d head dim; layout (b, n, h, d).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from . import validation as check
-from .dilated import DilatedAttentionFunction
+from .dilated import dilated_attention_local
 from .distributed import comm
 from .distributed.ring import RingAttentionFunction
 from .distributed.sequence_parallel import sequence_parallel_dilated_attention
@@ -46,6 +46,18 @@ def _tensor_config(q: Tensor, k: Tensor, v: Tensor, *, allow_empty: bool) -> Dic
             "kv_heads": k.shape[2], "head_dim": d, "n": n}
 
 
+def _documents(cu_seqlens: Optional[Tuple[int, ...]], total: int) -> Optional[Tuple[int, ...]]:
+    """The agreed boundaries, checked against the sequence length; None for one document."""
+    if cu_seqlens is None:
+        return None
+    if cu_seqlens[-1] != total:
+        raise ValueError(
+            f"cu_seqlens must end at the sequence length {total}, got {cu_seqlens[-1]} "
+            f"(cu_seqlens {check.brief(cu_seqlens)})"
+        )
+    return None if len(cu_seqlens) == 2 else cu_seqlens
+
+
 def dilated_attention(
     q: Tensor,
     k: Tensor,
@@ -59,6 +71,8 @@ def dilated_attention(
     group=None,
     return_lse: bool = False,
     backend: str = "auto",
+    cu_seqlens=None,
+    key_padding_mask: Optional[Tensor] = None,
 ):
     """Exact LongNet dilated attention (see docs/spec.md).
 
@@ -75,17 +89,25 @@ def dilated_attention(
         return_lse: also return the log-sum-exp (batch, heads, seq_len).
         backend: kernel override: "auto", "cpu_flash", "cuda_flash",
             "cuda_efficient", "flash_attn" or "blockwise".
+        cu_seqlens: packed documents: boundaries [0, c1, ..., N] along the
+            sequence (an int tensor or a list), shared by every batch row;
+            each document is an independent sequence (segments restart at
+            its start, W = min(w, its length), causal stays inside it). With
+            `group`, the global boundaries, identical on every rank.
+        key_padding_mask: (batch, seq_len) bool, True = ignore that key (this
+            rank's rows with `group`). Positions and segments do not move.
 
     Returns:
         out (batch, seq_len, heads, head_dim), or (out, lse) with lse float32
         (float64 for float64 inputs). A query that attends nothing gets zeros
-        and lse = -inf.
+        and lse = -inf (and zero gradients).
     """
     distributed = comm.is_distributed(group)
 
     def config() -> Dict[str, Any]:
         segs, rates = check.check_patterns(segment_lengths, dilation_rates)
         p = check.check_dropout(dropout_p)
+        mask = check.check_key_padding_mask(key_padding_mask, q)
         return {
             **_tensor_config(q, k, v, allow_empty=distributed),
             "segment_lengths": segs,
@@ -94,20 +116,29 @@ def dilated_attention(
             "return_lse": check.check_bool("return_lse", return_lse),
             "scale": check.check_scale(scale, q.shape[-1]),
             "dropout_p": p,
-            "backend": select_backend(q.device, q.dtype, dropout_p=p, backend=backend),
+            "cu_seqlens": check.check_cu_seqlens(cu_seqlens),
+            "key_padding_mask": mask is not None,
+            "masked_keys": mask is not None and bool(mask.any()),
+            "backend": select_backend(q.device, q.dtype, dropout_p=p, backend=backend,
+                                      masked=mask is not None),
             "seed": dropout_seed(p),
         }
 
-    infos = comm.agree(group, config, per_rank=("n", "seed"))
+    infos = comm.agree(group, config, per_rank=("n", "seed", "masked_keys"))
     call = infos[0]  # rank 0's dropout seed is the call's
+    lengths = tuple(info["n"] for info in infos)
+    documents = _documents(call["cu_seqlens"], sum(lengths))
     patterns = (call["segment_lengths"], call["dilation_rates"])
     opts = KernelOptions(call["causal"], call["scale"], call["backend"], call["dropout_p"],
                          call["seed"])
+    # a mask that ignores nothing on any rank changes nothing: skip its cost
+    mask = key_padding_mask if any(info["masked_keys"] for info in infos) else None
     if distributed:
-        lengths = tuple(info["n"] for info in infos)
-        out, lse = sequence_parallel_dilated_attention(q, k, v, patterns, opts, group, lengths)
+        out, lse = sequence_parallel_dilated_attention(q, k, v, patterns, opts, group, lengths,
+                                                       documents=documents, key_mask=mask)
     else:
-        out, lse = DilatedAttentionFunction.apply(q, k, v, patterns, opts)
+        out, lse = dilated_attention_local(q, k, v, patterns, opts, documents=documents,
+                                           key_mask=mask)
     if return_lse:
         # (b, n, h) -> (b, h, n)
         return out, lse.transpose(1, 2)

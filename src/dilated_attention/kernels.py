@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 
 BACKENDS = ("auto", "cpu_flash", "cuda_flash", "cuda_efficient", "flash_attn", "blockwise")
+# the kernels that honour a key padding mask
+MASKED_BACKENDS = ("auto", "cpu_flash", "blockwise")
 
 # Rows per block of the pure-PyTorch kernel: big enough to amortise Python
 # overhead, small enough that a (b, hk, g, rows, rows) fp32 score block stays
@@ -61,9 +63,10 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def select_backend(
-    device: torch.device, dtype: torch.dtype, *, dropout_p: float = 0.0, backend: str = "auto"
+    device: torch.device, dtype: torch.dtype, *, dropout_p: float = 0.0, backend: str = "auto",
+    masked: bool = False,
 ) -> str:
-    """Pick the fastest kernel that supports `device`, `dtype` and dropout."""
+    """Pick the fastest kernel that supports `device`, `dtype`, dropout and key masks."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if dropout_p > 0.0 and backend not in ("auto", "blockwise"):
@@ -72,11 +75,20 @@ def select_backend(
             f"backend {backend!r} does not support dropout (dropout_p={dropout_p}); "
             f"use backend='blockwise' or 'auto'"
         )
+    if masked and backend not in MASKED_BACKENDS:
+        raise ValueError(
+            f"backend {backend!r} does not take a key padding mask; use one of "
+            f"{MASKED_BACKENDS}"
+        )
     if backend != "auto":
         return backend
     if dropout_p > 0.0:
         # Only the blockwise kernel can replay the same dropout mask in backward.
         return "blockwise"
+    if masked:
+        # the CPU flash op takes an additive mask; the CUDA paths with one are not verified
+        # on a GPU yet, so masked calls there run the pure-PyTorch kernel
+        return "cpu_flash" if device.type in ("cpu", "meta") else "blockwise"
     if device.type in ("cpu", "meta"):
         # the CPU flash op has meta kernels: shape-only runs (estimate --dry-run) stay fast
         return "cpu_flash"
@@ -117,21 +129,30 @@ def _flash_attn_available() -> bool:
     return True
 
 
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, opts: KernelOptions) -> Tuple[Tensor, Tensor]:
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, opts: KernelOptions, *,
+                      key_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Softmax attention of one block: q (b, n, h, d), k/v (b, m, hk, d).
 
     Returns ``out`` (b, n, h, d) in q's dtype and ``lse`` (b, n, h). Requires
-    m >= 1 (every query has at least one key), and n == m when causal.
+    m >= 1, and n == m when causal. ``key_mask`` (b, m, hk) bool, True =
+    ignore that key for the query heads of that kv head; a query left with
+    no key gets out 0 and lse -inf.
     """
     causal, scale, dropout_p, seed = opts.causal, opts.scale, opts.dropout_p, opts.seed
-    backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=opts.backend)
+    backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=opts.backend,
+                             masked=key_mask is not None)
     q, k, v = _unit_last_stride(q, k, v)
     if backend == "cpu_flash":
         # (b, n, h, d) -> (b, h, n, d): the op takes heads second, as a free view
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal,
+            attn_mask=_additive_mask(key_mask, q), scale=scale,
         )
-        return out.transpose(1, 2), lse.transpose(1, 2)
+        out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+        if key_mask is not None:
+            # the op returns lse 0 (and out 0) for a query that sees no key
+            lse = lse.masked_fill(_no_keys(key_mask, q.shape[1], q.shape[2], causal), -math.inf)
+        return out, lse
     if backend == "cuda_flash":
         k, v = _repeat_kv(k, q.shape[2]), _repeat_kv(v, q.shape[2])
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
@@ -156,7 +177,32 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, opts: KernelOptions) -> T
         )[:2]
         # lse (b, h, n) -> (b, n, h)
         return out, lse.transpose(1, 2)
-    return _blockwise_forward(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p, seed=seed)
+    return _blockwise_forward(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p, seed=seed,
+                              key_mask=key_mask)
+
+
+def _additive_mask(key_mask: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
+    """key_mask (b, m, hk) -> (b, h, 1, m) in q's dtype: -inf where ignored, else 0."""
+    if key_mask is None:
+        return None
+    h, hk = q.shape[2], key_mask.shape[2]
+    # (b, m, hk) -> (b, hk, 1, m) -> (b, h, 1, m): query head j reads kv head j // (h // hk)
+    mask = key_mask.permute(0, 2, 1).unsqueeze(2).repeat_interleave(h // hk, dim=1)
+    return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(mask, -math.inf)
+
+
+def _no_keys(key_mask: Tensor, n: int, h: int, causal: bool) -> Tensor:
+    """(b, n, h) bool: the queries that see no unmasked key (key_mask (b, m, hk))."""
+    visible = ~key_mask
+    hk = key_mask.shape[2]
+    if causal:
+        # query i sees keys 0..i: none visible before the first visible key
+        first = torch.where(visible.any(1), visible.int().argmax(1), key_mask.shape[1])  # (b, hk)
+        none = torch.arange(n, device=key_mask.device)[None, :, None] < first[:, None, :]
+    else:
+        none = (~visible.any(1))[:, None, :].expand(-1, n, -1)
+    # (b, n, hk) -> (b, n, h)
+    return none.repeat_interleave(h // hk, dim=2)
 
 
 def attention_backward(
@@ -169,20 +215,26 @@ def attention_backward(
     opts: KernelOptions,
     *,
     dlse: Optional[Tensor] = None,
+    key_mask: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of one block, given the final ``out``/``lse``.
 
     ``out`` and ``lse`` are the merged results of all blocks a query saw, so
     the softmax recomputed here is the global one restricted to this block.
-    ``dlse`` (b, n, h), when given, is the gradient flowing into ``lse``.
+    ``dlse`` (b, n, h), when given, is the gradient flowing into ``lse``;
+    ``key_mask`` as for `attention_forward`.
     """
     causal, scale, dropout_p, seed = opts.causal, opts.scale, opts.dropout_p, opts.seed
-    backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=opts.backend)
+    backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=opts.backend,
+                             masked=key_mask is not None)
     dout, q, k, v, out = _unit_last_stride(dout, q, k, v, out)
+    if key_mask is not None:
+        # a query that sees no key anywhere (lse -inf) has probabilities exp(s - inf) = 0
+        lse = lse.masked_fill(lse == -math.inf, math.inf)
     if backend == "blockwise":
         return _blockwise_backward(
             dout, q, k, v, out, lse, causal=causal, scale=scale, dropout_p=dropout_p, seed=seed,
-            dlse=dlse,
+            dlse=dlse, key_mask=key_mask,
         )
     if dlse is not None:
         # dS = P * (dP - delta + dlse): append a ones column to v and a dlse
@@ -198,7 +250,7 @@ def attention_backward(
         out = _pad_last(out.to(q.dtype), width)
         dout = _pad_last(dout.to(q.dtype), width, first=dlse.unsqueeze(-1).to(q.dtype))
         dq, dk, dv = attention_backward(
-            dout, q, k, v, out, lse, dataclasses.replace(opts, backend=backend)
+            dout, q, k, v, out, lse, dataclasses.replace(opts, backend=backend), key_mask=key_mask
         )
         return dq[..., :d], dk[..., :d], dv[..., :d]
     out = out.to(q.dtype)
@@ -207,7 +259,7 @@ def attention_backward(
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             out.transpose(1, 2), lse.transpose(1, 2).to(lse_dtype(q.dtype)), 0.0, causal,
-            scale=scale,
+            attn_mask=_additive_mask(key_mask, q), scale=scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     if backend == "flash_attn":
@@ -296,7 +348,12 @@ def _blocks(n: int):
     return [(s, min(s + _BLOCK, n)) for s in range(0, n, _BLOCK)]
 
 
-def _blockwise_forward(q, k, v, *, causal, scale, dropout_p, seed):
+def _heads_last_mask(key_mask: Optional[Tensor]) -> Optional[Tensor]:
+    """key_mask (b, m, hk) -> (b, hk, 1, 1, m): broadcast over the g heads and query rows."""
+    return None if key_mask is None else key_mask.permute(0, 2, 1)[:, :, None, None, :]
+
+
+def _blockwise_forward(q, k, v, *, causal, scale, dropout_p, seed, key_mask=None):
     b, n, h, d = q.shape
     m, hk = k.shape[1], k.shape[2]
     g = h // hk
@@ -305,6 +362,7 @@ def _blockwise_forward(q, k, v, *, causal, scale, dropout_p, seed):
     qf = q.to(acc).unflatten(2, (hk, g)).permute(0, 2, 3, 1, 4)
     kf = k.to(acc).permute(0, 2, 1, 3).unsqueeze(2)  # (b, hk, 1, m, d)
     vf = v.to(acc).permute(0, 2, 1, 3).unsqueeze(2)
+    mask = _heads_last_mask(key_mask)
     out = torch.empty(b, hk, g, n, d, dtype=acc, device=q.device)
     lse = torch.empty(b, hk, g, n, dtype=acc, device=q.device)
     for qi, (q0, q1) in enumerate(_blocks(n)):
@@ -317,17 +375,23 @@ def _blockwise_forward(q, k, v, *, causal, scale, dropout_p, seed):
             s = (qf[:, :, :, q0:q1] @ kf[:, :, :, k0:k1].transpose(-1, -2)) * scale
             if causal and k1 > q0:
                 s = s.masked_fill(_causal_mask(q0, q1, k0, k1, q.device), -math.inf)
+            if mask is not None:
+                s = s.masked_fill(mask[..., k0:k1], -math.inf)
             new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
-            p = torch.exp(s - new_max)
-            correction = torch.exp(row_max - new_max)
+            # a row with no key yet keeps max -inf: shift by 0 so exp gives 0, not NaN
+            shift = new_max.masked_fill(new_max == -math.inf, 0.0)
+            p = torch.exp(s - shift)
+            correction = torch.exp(row_max - shift)
             row_sum = row_sum * correction + p.sum(-1, keepdim=True)
             if dropout_p > 0.0:
                 keep = _dropout_keep(p.shape, dropout_p, seed, qi, ki, q.device)
                 p = p * keep / (1.0 - dropout_p)
             o = o * correction + p @ vf[:, :, :, k0:k1]
             row_max = new_max
-        out[:, :, :, q0:q1] = o / row_sum
-        lse[:, :, :, q0:q1] = (row_max + torch.log(row_sum)).squeeze(-1)
+        # a row with no key at all: out 0, lse -inf
+        out[:, :, :, q0:q1] = o / row_sum.masked_fill(row_sum == 0, 1.0)
+        lse[:, :, :, q0:q1] = (row_max + torch.log(row_sum)).squeeze(-1).nan_to_num(
+            nan=-math.inf)
     # (b, hk, g, n, d) -> (b, n, h, d)
     out = out.permute(0, 3, 1, 2, 4).reshape(b, n, h, d).to(q.dtype)
     return out, lse.permute(0, 3, 1, 2).reshape(b, n, h)
@@ -339,7 +403,8 @@ def _causal_mask(q0, q1, k0, k1, device) -> Tensor:
     return cols > rows
 
 
-def _blockwise_backward(dout, q, k, v, out, lse, *, causal, scale, dropout_p, seed, dlse):
+def _blockwise_backward(dout, q, k, v, out, lse, *, causal, scale, dropout_p, seed, dlse,
+                        key_mask=None):
     b, n, h, d = q.shape
     m, hk = k.shape[1], k.shape[2]
     g = h // hk
@@ -356,6 +421,7 @@ def _blockwise_backward(dout, q, k, v, out, lse, *, causal, scale, dropout_p, se
     delta = (dof * of).sum(-1, keepdim=True)
     if dlse is not None:
         delta = delta - dlse.to(acc).unflatten(2, (hk, g)).permute(0, 2, 3, 1).unsqueeze(-1)
+    mask = _heads_last_mask(key_mask)
     dq = torch.zeros_like(qf)
     dk = torch.zeros(b, hk, m, d, dtype=acc, device=q.device)
     dv = torch.zeros_like(dk)
@@ -366,6 +432,8 @@ def _blockwise_backward(dout, q, k, v, out, lse, *, causal, scale, dropout_p, se
             s = (qf[:, :, :, q0:q1] @ kf[:, :, :, k0:k1].transpose(-1, -2)) * scale
             if causal and k1 > q0:
                 s = s.masked_fill(_causal_mask(q0, q1, k0, k1, q.device), -math.inf)
+            if mask is not None:
+                s = s.masked_fill(mask[..., k0:k1], -math.inf)
             p = torch.exp(s - lsef[:, :, :, q0:q1])
             dp = dof[:, :, :, q0:q1] @ vf[:, :, :, k0:k1].transpose(-1, -2)
             if dropout_p > 0.0:

@@ -1,139 +1,411 @@
-"""Kernel launches over rows of a sequence: the loops every dilated op shares.
+"""Running a plan: kernel launches over row blocks, with bounded fp32 accumulators.
 
-A launch runs one head group (patterns.HeadGroup) of one pattern over a
-chunk of equal segments (patterns.Region): gather the selected rows into a
-dense ``(b * segments, rows, heads, d)`` batch (a free view for rate 1), call
-the kernel, and merge the result into whole-sequence fp32 accumulators with
-the log-sum-exp merge. The backward runs the same launches with the final
-merged out/lse and scatters the gradients back. The single-device op runs
-every launch of the sequence; the sequence-parallel op runs the launches of
-the segments that lie inside its rank (and its own slices of the others).
+A launch gathers the selected rows of its query and key segments into dense
+``(b * segments, rows, heads, d)`` batches (a free view for rate 1), calls the
+kernel, and merges the result into its block's fp32 accumulators with the
+log-sum-exp merge. The backward runs the same launches with the final merged
+out/lse, adding dq (query rows) and dK/dV (key rows) into block accumulators
+the same way. Which launch runs when: Note [plan] in plan.py.
 
-Notation: b batch, n rows, h query heads, hk key/value heads, d head dim.
+Note [block accumulators]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+Blocks take turns. The block whose turn it is holds fp32 accumulators (for
+fp32 inputs: views of the outputs themselves). A launch output for another
+block (a cross launch's dK/dV, a remote launch's rows) is kept as it is,
+compact, and applied when that block's accumulators are made; if a block's
+pending outputs grow as large as its accumulators, these are made at once.
+An accumulator is written into the output, in its dtype, and freed after
+its last writer (``count_writers``). So a rank holds about one block of fp32
+accumulators, plus the compact outputs that straddling or remote segments
+send ahead, whatever n is.
+
+A rank of a sequence-parallel call also attends key rows of other ranks;
+the distributed op passes a ``RemoteKeys`` that moves them, and the launches
+on them run here like the local ones.
+
+Notation: b batch, n this rank's rows, h query heads, hk key/value heads,
+d head dim.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, List, NamedTuple, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
 
-from .kernels import KernelOptions, attention_backward, attention_forward
+from .kernels import KernelOptions, attention_backward, attention_forward, lse_dtype
 from .merge import merge_, merge_selected_
-from .patterns import HeadGroup, Patterns, Region, gather, head_groups, regions, scatter_add_
-from .patterns import segments_view
+from .patterns import HeadGroup, Segments, gather, scatter_add_, segment_view, selection
+from .plan import Plan, RemoteLaunch, Transfer
 
-# Segments are launched in chunks of at most max(ROWS_PER_LAUNCH, 1/16 of the
-# region) rows: the gathered copies and the kernel's output stay a small
-# fraction of the input whatever n is, each launch is large enough to keep
-# every core busy (a GPU needs far more rows in flight than a CPU to hide its
-# launch latency), and a region never takes more than ~16 launches, so the
-# per-launch Python and merge overhead stays constant too (this is also what
-# keeps shape-only runs on meta tensors fast).
-ROWS_PER_LAUNCH = {"cpu": 4096, "cuda": 131072}
-MAX_LAUNCHES_PER_REGION = 16
+# Merges and scatters go in slices of at most this many elements: their
+# temporaries (an fp32 copy of a low-precision launch output, the selected
+# accumulator rows) stay small whatever the launch size.
+CHUNK_ELEMENTS = 1 << 19
 
 
-class Launch(NamedTuple):
-    """One kernel call: the heads of `group` over every segment of `region`.
+class RemoteKeys(Protocol):
+    """How a sequence-parallel rank moves the key rows of its plan's transfers.
 
-    `id` numbers the launches of one call on one rank; dropout seeds derive
-    from it (KernelOptions.for_launch), so backward replays forward's masks.
+    ``post()`` starts the first exchange (called before any local work, so
+    that it overlaps it). ``keys()`` yields, round by round, every received
+    transfer with its buffers: k and v ``(2, b, columns, d)`` and the key
+    padding mask ``(b, columns)`` or None. ``send_home(index, grads)``
+    (backward, once per round, after its keys) sends the dK/dV
+    ``(2, b, columns, d)`` of every received transfer back and returns ours,
+    one per sent transfer.
     """
 
-    id: int
-    region: Region
-    group: HeadGroup
+    def post(self) -> None: ...
+
+    def keys(self) -> Iterator[Tuple[int, List[Tuple[Transfer, Tensor, Optional[Tensor]]]]]: ...
+
+    def send_home(self, round_index: int, grads: List[Tensor]) -> List[Tuple[Transfer, Tensor]]: ...
 
 
-def chunks(region: Region, device: torch.device) -> Iterator[Region]:
-    """Split a region into consecutive regions that each make one launch."""
-    rows = max(
-        ROWS_PER_LAUNCH.get(device.type, ROWS_PER_LAUNCH["cpu"]),
-        -(-region.num_segments * region.seg_len // MAX_LAUNCHES_PER_REGION),
-    )
-    per_launch = max(1, rows // region.seg_len)
-    for first in range(0, region.num_segments, per_launch):
-        yield Region(
-            region.start + first * region.seg_len,
-            min(per_launch, region.num_segments - first),
-            region.seg_len,
-        )
+# --------------------------------------------------------------------------
+# Block accumulators (Note [block accumulators])
 
 
-def region_launches(
-    region: Region, groups: Iterable[HeadGroup], device: torch.device, first_id: int
-) -> List[Launch]:
-    """The launches of `groups` over `region`, numbered from `first_id`."""
-    groups = tuple(groups)
-    out: List[Launch] = []
-    for chunk in chunks(region, device):
-        for group in groups:
-            out.append(Launch(first_id + len(out), chunk, group))
-    return out
+class Blocks:
+    """This rank's block accumulators: made on demand, pending outputs, freed after the last write.
+
+    ``make(lo, hi, kind)`` builds accumulator `kind` of block rows [lo, hi)
+    (a tensor, or a tuple for the forward's (out, lse)); ``write(lo, hi,
+    kind, acc)`` stores a finished one in the output; ``nbytes(lo, hi,
+    kind)`` is its size, for the pending threshold; ``writers`` counts the
+    writes each (block, kind) will get.
+    """
+
+    def __init__(self, plan: Plan, kinds: int, make: Callable, write: Callable, nbytes: Callable,
+                 writers: Dict[Tuple[int, int], int]) -> None:
+        self.spans = {block.index: (block.lo, block.hi) for block in plan.blocks}
+        self.order = [block.index for block in plan.blocks]
+        self.kinds, self.make, self.write, self.nbytes = kinds, make, write, nbytes
+        self.writers = dict(writers)
+        self.live: Dict[Tuple[int, int], object] = {}
+        self.pending: Dict[Tuple[int, int], List[Callable]] = {}
+        self.pending_bytes: Dict[Tuple[int, int], int] = {}
+        self.finished: set = set()
+        self.current: Optional[int] = None
+
+    def turn(self, index: int) -> None:
+        """Block `index` runs now: outputs for it are applied at once."""
+        self.current = index
+
+    def acc(self, index: int, kind: int):
+        """The accumulator, made now (with every pending output applied) if need be."""
+        key = (index, kind)
+        if key not in self.live:
+            lo, hi = self.spans[index]
+            self.live[key] = self.make(lo, hi, kind)
+            for apply in self.pending.pop(key, ()):
+                apply(self.live[key])
+            self.pending_bytes.pop(key, None)
+        return self.live[key]
+
+    def add(self, index: int, kind: int, apply: Callable, nbytes: int) -> None:
+        """One write `apply(acc)` into (block, kind): now, or pending until the block's turn."""
+        key = (index, kind)
+        if key in self.live or index == self.current:
+            apply(self.acc(index, kind))
+        else:
+            self.pending.setdefault(key, []).append(apply)
+            self.pending_bytes[key] = self.pending_bytes.get(key, 0) + nbytes
+            lo, hi = self.spans[index]
+            if self.pending_bytes[key] >= self.nbytes(lo, hi, kind):
+                self.acc(index, kind)  # the accumulator is no larger than what waits
+        self.writers[key] -= 1
+        if self.writers[key] == 0 and (key in self.live or index == self.current):
+            self._finish(key)
+
+    def _finish(self, key: Tuple[int, int]) -> None:
+        lo, hi = self.spans[key[0]]
+        acc = self.acc(*key)
+        self.write(lo, hi, key[1], acc)
+        del self.live[key]
+        self.finished.add(key)
+
+    def end_turn(self, index: int) -> None:
+        """Finish the block's accumulators that have had all their writes."""
+        for kind in range(self.kinds):
+            key = (index, kind)
+            if key not in self.finished and self.writers.get(key, 0) == 0:
+                self._finish(key)
+        self.current = None
+
+    def finish_all(self) -> None:
+        for index in self.order:
+            for kind in range(self.kinds):
+                if (index, kind) not in self.finished:
+                    self._finish((index, kind))
+
+    def relative(self, index: int, segs: Segments) -> Segments:
+        """`segs` in rows of block `index` (its accumulators' rows)."""
+        by = -self.spans[index][0]
+        if segs.starts is None:
+            return segs._replace(start=segs.start + by)
+        return segs._replace(starts=segs.starts + by)
 
 
-def sequence_launches(n: int, h: int, hk: int, patterns: Patterns,
-                      device: torch.device) -> Iterator[Launch]:
-    """Every launch of the single-device op over n rows, in order."""
-    next_id = 0
-    for w, r in zip(*patterns):
-        for region in regions(n, w):
-            groups = head_groups(0, region.seg_len, r, h, hk, str(device))
-            for launch in region_launches(region, groups, device, next_id):
-                yield launch
-                next_id += 1
+def count_writers(plan: Plan, backward: bool) -> Dict[Tuple[int, int], int]:
+    """How many writes each (block, kind) gets: launches, remote launches, dK/dV home.
+
+    Forward kind 0 is (out, lse); backward kinds 0, 1, 2 are dq, dK, dV.
+    """
+    counts: Dict[Tuple[int, int], int] = {}
+
+    def add(index: int, kind: int) -> None:
+        counts[(index, kind)] = counts.get((index, kind), 0) + 1
+
+    for block in plan.blocks:
+        for launch in block.forward:
+            add(launch.q_block, 0)
+            if backward:
+                add(launch.k_block, 1)
+                add(launch.k_block, 2)
+    for rnd in plan.rounds:
+        for t in rnd.recvs:
+            for launch in t.launches:
+                add(launch.q_block, 0)
+        if backward:
+            for t in rnd.sends:
+                for index, _, _, _ in t.homes:
+                    add(index, 1)
+                    add(index, 2)
+    return counts
 
 
-def forward_launches(q: Tensor, k: Tensor, v: Tensor, launches: Iterable[Launch],
-                     acc_out: Tensor, acc_lse: Tensor, opts: KernelOptions) -> None:
-    """Run `launches` over rows of q and k/v; merge each into the (b, n, h, ...) accumulators."""
-    for launch in launches:
-        region, group = launch.region, launch.group
-        # (b, n, h, d) -> (b * segments, rows, heads, d)
-        q_g = gather(q, region, group.q_heads, group.q_index, group.identity)
-        k_g = gather(k, region, group.kv_heads, group.kv_index, group.identity)
-        v_g = gather(v, region, group.kv_heads, group.kv_index, group.identity)
-        out_g, lse_g = attention_forward(q_g, k_g, v_g, opts.for_launch(launch.id))
-        del q_g, k_g, v_g
-        merge_rows(acc_out, acc_lse, region, group, out_g, lse_g)
-        del out_g, lse_g  # free before the next launch gathers
+def _key_mask(key_mask: Optional[Tensor], segs: Segments, group: HeadGroup) -> Optional[Tensor]:
+    """The launch's keys' padding mask (b * count, kv_rows, hkv), True = ignore; or None."""
+    if key_mask is None:
+        return None
+    # (b, n) -> (b, n, 1) broadcast over kv heads, gathered like k
+    expanded = key_mask[:, :, None].expand(-1, -1, int(group.kv_heads.max()) + 1)
+    return gather(expanded, segs, group.kv_heads, group.kv_index, group.identity)
 
 
-def merge_rows(acc_out: Tensor, acc_lse: Tensor, region: Region, group: HeadGroup,
+def _row_slices(rows: int, per_row: int) -> List[slice]:
+    step = max(1, CHUNK_ELEMENTS // max(per_row, 1))
+    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def merge_rows(acc_out: Tensor, acc_lse: Tensor, segs: Segments, group: HeadGroup,
                out_g: Tensor, lse_g: Tensor) -> None:
-    """Merge a launch's (b * s, rows, heads, ...) results into the (b, n, h, ...) accumulators."""
-    seg_out, seg_lse = segments_view(acc_out, region), segments_view(acc_lse, region)
+    """Merge a launch's (b * count, rows, hq, ...) results into (b, n, h, ...) accumulators."""
     # (b * s, rows, heads, ...) -> (b, s, rows, heads, ...)
-    out_g = out_g.unflatten(0, seg_out.shape[:2])
-    lse_g = lse_g.unflatten(0, seg_out.shape[:2])
-    if group.identity:
-        merge_(seg_out, seg_lse, out_g, lse_g)
-        return
-    merge_selected_(seg_out, seg_lse, (slice(None), slice(None), group.q_index, group.q_heads),
-                    out_g, lse_g)
+    out_g = out_g.unflatten(0, (acc_out.shape[0], segs.count))
+    lse_g = lse_g.unflatten(0, (acc_out.shape[0], segs.count))
+    if segs.starts is None:
+        acc_out, acc_lse = segment_view(acc_out, segs), segment_view(acc_lse, segs)
+    for rows in _row_slices(out_g.shape[2], out_g[:, :, 0].numel()):
+        where = selection(segs, group.q_heads, group.q_index[rows], group.identity)
+        if where is None:
+            merge_(acc_out[:, :, rows], acc_lse[:, :, rows], out_g[:, :, rows], lse_g[:, :, rows])
+        else:
+            merge_selected_(acc_out, acc_lse, where, out_g[:, :, rows], lse_g[:, :, rows])
 
 
-def backward_launches(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                      launches: Iterable[Launch], dq: Tensor, dk: Tensor, dv: Tensor,
-                      opts: KernelOptions, dlse: Optional[Tensor]) -> None:
-    """Gradients of `forward_launches`' launches, accumulated into dq, dk, dv (fp32)."""
-    for launch in launches:
-        region, group = launch.region, launch.group
-        q_sel = (region, group.q_heads, group.q_index, group.identity)
-        kv_sel = (region, group.kv_heads, group.kv_index, group.identity)
-        dq_g, dk_g, dv_g = attention_backward(
-            gather(dout, *q_sel),
-            gather(q, *q_sel),
-            gather(k, *kv_sel),
-            gather(v, *kv_sel),
-            gather(out, *q_sel),
-            gather(lse, *q_sel),
-            opts.for_launch(launch.id),
-            dlse=None if dlse is None else gather(dlse, *q_sel),
-        )
-        scatter_add_(dq, *q_sel, dq_g)
-        scatter_add_(dk, *kv_sel, dk_g)
-        scatter_add_(dv, *kv_sel, dv_g)
-        del dq_g, dk_g, dv_g  # free before the next launch gathers
+def _scatter(acc: Tensor, segs: Segments, heads: Tensor, index: Tensor, identity: bool,
+             y: Tensor) -> None:
+    """acc[rows of segs, heads] += y (b * count, rows, heads, d), in slices of rows."""
+    # (b * s, rows, heads, d) -> (b, s, rows, heads, d)
+    y = y.unflatten(0, (acc.shape[0], segs.count))
+    for rows in _row_slices(y.shape[2], y[:, :, 0].numel()):
+        scatter_add_(acc, segs, heads, index[rows], identity, y[:, :, rows].flatten(0, 1),
+                     rows=rows)
+
+
+def _remote_block(buf: Tensor, launch: RemoteLaunch) -> Tensor:
+    """The launch's kv block (b, kv_rows, hkv, ...) from a pair-major (b, columns, ...) buffer."""
+    g = launch.group
+    hkv, kv_rows = g.kv_heads.numel(), g.kv_index.shape[0]
+    # (b, hkv * kv_rows, ...) -> (b, hkv, kv_rows, ...) -> (b, kv_rows, hkv, ...)
+    return buf[:, launch.columns].unflatten(1, (hkv, kv_rows)).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------
+# Forward
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, *,
+            key_mask: Optional[Tensor] = None,
+            remote: Optional[RemoteKeys] = None) -> Tuple[Tensor, Tensor]:
+    """q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse (b, n, h) fp32 (fp64)."""
+    b, n, h, d = q.shape
+    acc = lse_dtype(q.dtype)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, n, h), dtype=acc, device=q.device)
+
+    def make(lo: int, hi: int, kind: int) -> Tuple[Tensor, Tensor]:
+        # the merge's identity (0, -inf); lse is written in place, out too for fp32
+        acc_out = (out[:, lo:hi].zero_() if out.dtype == acc
+                   else torch.zeros((b, hi - lo, h, d), dtype=acc, device=q.device))
+        return acc_out, lse[:, lo:hi].fill_(-float("inf"))
+
+    def write(lo: int, hi: int, kind: int, accs: Tuple[Tensor, Tensor]) -> None:
+        if out.dtype != acc:
+            out[:, lo:hi] = accs[0]
+
+    def nbytes(lo: int, hi: int, kind: int) -> int:
+        return 0 if out.dtype == acc else b * (hi - lo) * h * d * torch.finfo(acc).bits // 8
+
+    blocks = Blocks(plan, 1, make, write, nbytes, count_writers(plan, backward=False))
+    if remote is not None:
+        remote.post()
+    for block in plan.blocks:
+        if block.remote and remote is not None:
+            _forward_remote(q, remote, blocks, opts)
+            remote = None  # every round is done
+        blocks.turn(block.index)
+        for launch in block.forward:
+            g = launch.group
+            q_g = gather(q, launch.queries, g.q_heads, g.q_index, g.identity)
+            k_g = gather(k, launch.keys, g.kv_heads, g.kv_index, g.identity)
+            v_g = gather(v, launch.keys, g.kv_heads, g.kv_index, g.identity)
+            out_g, lse_g = attention_forward(
+                q_g, k_g, v_g, opts.for_launch(launch.id, causal=launch.causal),
+                key_mask=_key_mask(key_mask, launch.keys, g),
+            )
+            del q_g, k_g, v_g
+            _merge_into(blocks, launch.q_block, launch.queries, g, out_g, lse_g)
+            del out_g, lse_g  # free before the next launch gathers
+        blocks.end_turn(block.index)
+    blocks.finish_all()
+    return out, lse
+
+
+def _merge_into(blocks: Blocks, index: int, queries: Segments, group: HeadGroup, out_g: Tensor,
+                lse_g: Tensor) -> None:
+    """Merge a launch's results into block `index`'s accumulators (now or pending)."""
+    rel = blocks.relative(index, queries)
+
+    def apply(accs: Tuple[Tensor, Tensor]) -> None:
+        merge_rows(accs[0], accs[1], rel, group, out_g, lse_g)
+
+    blocks.add(index, 0, apply, out_g.nbytes + lse_g.nbytes)
+
+
+def _forward_remote(q: Tensor, remote: RemoteKeys, blocks: Blocks, opts: KernelOptions) -> None:
+    """Every launch on received keys, merged into (or pending for) its query block."""
+    for _, received in remote.keys():
+        for transfer, buf, mask in received:
+            for launch in transfer.launches:
+                g = launch.group
+                q_g = gather(q, launch.queries, g.q_heads, g.q_index, g.identity)
+                # remote keys are all earlier (causal) or all visible: no causal mask
+                out_g, lse_g = attention_forward(
+                    q_g, _remote_block(buf[0], launch), _remote_block(buf[1], launch),
+                    opts.for_launch(launch.id, causal=False),
+                    key_mask=None if mask is None else _remote_block(mask, launch),
+                )
+                _merge_into(blocks, launch.q_block, launch.queries, g, out_g, lse_g)
+                del q_g, out_g, lse_g
+            del buf, mask
+
+
+# --------------------------------------------------------------------------
+# Backward
+
+
+def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, plan: Plan,
+             opts: KernelOptions, *, dlse: Optional[Tensor] = None,
+             key_mask: Optional[Tensor] = None,
+             remote: Optional[RemoteKeys] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of `forward`, given its final out (b, n, h, d) and lse (b, n, h)."""
+    acc = lse_dtype(q.dtype)
+    grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+
+    def make(lo: int, hi: int, kind: int) -> Tensor:
+        g = grads[kind]
+        if g.dtype == acc:
+            return g[:, lo:hi].zero_()
+        return torch.zeros((g.shape[0], hi - lo) + g.shape[2:], dtype=acc, device=g.device)
+
+    def write(lo: int, hi: int, kind: int, block_acc: Tensor) -> None:
+        if grads[kind].dtype != acc:
+            grads[kind][:, lo:hi] = block_acc
+
+    def nbytes(lo: int, hi: int, kind: int) -> int:
+        g = grads[kind]
+        per_row = g[:, :1].numel() * torch.finfo(acc).bits // 8
+        return 0 if g.dtype == acc else (hi - lo) * per_row
+
+    blocks = Blocks(plan, 3, make, write, nbytes, count_writers(plan, backward=True))
+    saved = (dout, q, out, lse, dlse)
+    if remote is not None:
+        remote.post()
+    for block in plan.blocks:
+        if block.remote and remote is not None:
+            _backward_remote(saved, remote, blocks, opts)
+            remote = None
+        blocks.turn(block.index)
+        for launch in block.backward:
+            g = launch.group
+            q_sel = (launch.queries, g.q_heads, g.q_index, g.identity)
+            kv_sel = (launch.keys, g.kv_heads, g.kv_index, g.identity)
+            dq_g, dk_g, dv_g = attention_backward(
+                gather(dout, *q_sel), gather(q, *q_sel), gather(k, *kv_sel), gather(v, *kv_sel),
+                gather(out, *q_sel), gather(lse, *q_sel),
+                opts.for_launch(launch.id, causal=launch.causal),
+                dlse=None if dlse is None else gather(dlse, *q_sel),
+                key_mask=_key_mask(key_mask, launch.keys, g),
+            )
+            _scatter_into(blocks, launch.q_block, 0, q_sel, dq_g)
+            _scatter_into(blocks, launch.k_block, 1, kv_sel, dk_g)
+            _scatter_into(blocks, launch.k_block, 2, kv_sel, dv_g)
+            del dq_g, dk_g, dv_g  # free before the next launch gathers
+        blocks.end_turn(block.index)
+    blocks.finish_all()
+    return grads
+
+
+def _scatter_into(blocks: Blocks, index: int, kind: int, sel, y: Tensor) -> None:
+    """Add a launch's gradient (b * count, rows, heads, d) into a block (now or pending)."""
+    segs, heads, rows_index, identity = sel
+    rel = blocks.relative(index, segs)
+    blocks.add(index, kind, lambda a: _scatter(a, rel, heads, rows_index, identity, y), y.nbytes)
+
+
+def _backward_remote(saved, remote: RemoteKeys, blocks: Blocks, opts: KernelOptions) -> None:
+    """Launches on received keys: dq into query blocks, dK/dV home; ours come back."""
+    dout, q, out, lse, dlse = saved
+    acc = lse_dtype(q.dtype)
+    for round_index, received in remote.keys():
+        sent_back = []
+        for transfer, buf, mask in received:
+            grad = torch.zeros(buf.shape, dtype=acc, device=buf.device)
+            for launch in transfer.launches:
+                g = launch.group
+                q_sel = (launch.queries, g.q_heads, g.q_index, g.identity)
+                dq_g, dk_g, dv_g = attention_backward(
+                    gather(dout, *q_sel), gather(q, *q_sel), _remote_block(buf[0], launch),
+                    _remote_block(buf[1], launch), gather(out, *q_sel), gather(lse, *q_sel),
+                    opts.for_launch(launch.id, causal=False),
+                    dlse=None if dlse is None else gather(dlse, *q_sel),
+                    key_mask=None if mask is None else _remote_block(mask, launch),
+                )
+                _scatter_into(blocks, launch.q_block, 0, q_sel, dq_g)
+                # (b, kv_rows, hkv, d) -> the pair-major columns of the wire format
+                for i, dx in enumerate((dk_g, dv_g)):
+                    _remote_block(grad[i], launch).add_(dx)
+                del dq_g, dk_g, dv_g
+            sent_back.append(grad)
+            del buf, mask
+        for transfer, home in remote.send_home(round_index, sent_back):
+            _add_home(home, transfer, blocks)
+        del sent_back
+
+
+def _add_home(home: Tensor, transfer: Transfer, blocks: Blocks) -> None:
+    """Add the dK/dV (2, b, columns, d) of our key part that a reader sent back."""
+    for index, rows, heads, columns in transfer.homes:
+        for kind in (1, 2):
+            # (b, e, d) entries of this block: each (row, kv head) once, so += is exact
+            part = home[kind - 1][:, columns]
+
+            def apply(a: Tensor, part=part, rows=rows, heads=heads) -> None:
+                a[:, rows, heads] += part
+
+            blocks.add(index, kind, apply, part.nbytes)

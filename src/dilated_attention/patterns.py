@@ -1,29 +1,64 @@
 """Which rows each head reads under one dilation pattern, as index plans.
 
-A pattern (segment length w, rate r) cuts the sequence into segments; head j
+A pattern (segment length w, rate r) cuts a sequence into segments; head j
 reads the rows of a segment whose local index t has ``t mod r == j mod r``.
 Heads whose selections have the same length can share one kernel launch, so a
 segment slice is described by a few ``HeadGroup``s, each a batch of heads with
 equally many rows. Gathering a group turns a strided, per-head selection into
 one dense ``(b * segments, rows, heads, d)`` block for a fast kernel.
 
-GQA: query head j reads key/value head ``j // (h // hk)``. A group lists each
-distinct (offset, kv head) pair once and orders its query heads so that the
-kernel's own GQA broadcast maps them to their pair: no K/V row is repeated.
+Heads: a call holds query heads ``first .. first + h - 1`` of the model (all
+of them, or a head-parallel rank's share); dilation offsets count *global*
+heads, and each local query head names the local key/value head it reads
+(``Heads``). GQA: a group lists each distinct (offset, kv head) pair once and
+orders its query heads so that the kernel's own GQA broadcast maps them to
+their pair: no K/V row is repeated.
+
+Everything here costs what the heads need, never what the rate is: a rate
+of 2^40 plans as fast as a rate of 2.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-
 # A validated pattern set: (segment_lengths, dilation_rates), tuples of equal length.
 Patterns = Tuple[Tuple[int, ...], Tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The query heads a call computes, and the key/value head each one reads.
+
+    first: the model's index of local query head 0 (0 unless a head-parallel
+    rank holds a slice of the heads); head j's dilation offset is
+    ``(first + j) mod r``. kv_of: per local query head, the index of its key/
+    value head among the local ones.
+    """
+
+    first: int
+    kv_of: Tuple[int, ...]
+
+    @classmethod
+    def of(cls, num_heads: int, num_kv_heads: int, first: int = 0) -> "Heads":
+        """All heads of a GQA layout: query head j reads kv head j // (h // hk)."""
+        group = num_heads // num_kv_heads
+        return cls(first, tuple(j // group for j in range(num_heads)))
+
+    @property
+    def count(self) -> int:
+        return len(self.kv_of)
+
+    @property
+    def grouped(self) -> bool:
+        """True when kv_of is the kernels' own GQA map j -> j // (h / hk) over every kv head."""
+        hk = max(self.kv_of) + 1
+        return self.count % hk == 0 and self.kv_of == Heads.of(self.count, hk).kv_of
 
 
 @dataclass(frozen=True)
@@ -33,10 +68,12 @@ class HeadGroup:
     rows: rows read per head; q_heads (hq,) and q_index (rows, hq): the query
     heads and, per head, the rows it reads (relative to the slice start);
     kv_heads (hkv,) and kv_index (kv_rows, hkv) likewise for keys/values
-    (kv_rows == rows except for `cross_head_groups`), with
-    ``hq == hkv * (hq // hkv)`` in kernel GQA order. ``identity`` marks the
-    group that reads every row of every head in order (rate 1): its gather
-    is a free view.
+    (kv_rows == rows unless the key slice differs from the query slice),
+    with ``hq == hkv * (hq // hkv)`` in kernel GQA order. ``identity`` marks
+    the group that reads every row of every head in order (rate 1, kernel
+    GQA layout): its gather is a free view. ``pairs`` names the (offset, kv
+    head) pair of each kv column: the wire format of sequence-parallel
+    transfers is keyed by it.
     """
 
     rows: int
@@ -45,163 +82,188 @@ class HeadGroup:
     kv_heads: Tensor
     kv_index: Tensor
     identity: bool
+    pairs: Tuple[Tuple[int, int], ...]
 
 
-@dataclass(frozen=True)
-class Region:
-    """``num_segments`` equal segments of ``seg_len`` rows starting at ``start``."""
+class Segments(NamedTuple):
+    """`count` segments of `length` rows each, as local row numbers.
+
+    A run (``starts`` None): segment i starts at ``start + i * length``, the
+    rows of the run are contiguous and views of them are free. Otherwise
+    segment i starts at ``starts[i]`` (an int64 tensor; packed documents put
+    equal segments anywhere) and gathers copy.
+    """
 
     start: int
-    num_segments: int
-    seg_len: int
+    count: int
+    length: int
+    starts: Optional[Tensor] = None
 
     @property
-    def stop(self) -> int:
-        return self.start + self.num_segments * self.seg_len
+    def rows(self) -> int:
+        return self.count * self.length
 
 
-def regions(n: int, segment_length: int) -> List[Region]:
-    """The segments of a length-n sequence: full ones, then the shorter tail."""
-    w = min(segment_length, n)
-    full, tail = divmod(n, w)
-    out = [Region(0, full, w)]
-    if tail:
-        out.append(Region(full * w, 1, tail))
-    return out
+def _offset_rows(lo: int, hi: int, offset: int, rate: int) -> Tuple[int, int]:
+    """(first row of [lo, hi) with row mod rate == offset, how many such rows)."""
+    first = lo + (offset - lo) % rate
+    return first, max(0, -(-(hi - first) // rate))
 
 
-@functools.lru_cache(maxsize=256)
-def head_groups(
-    lo: int, hi: int, rate: int, num_heads: int, num_kv_heads: int, device: str = "cpu"
-) -> Tuple[HeadGroup, ...]:
-    """Head groups for rows ``[lo, hi)`` of a segment (local indices).
-
-    Row t is read by head j when ``t mod rate == j mod rate``. Indices in the
-    result are relative to ``lo``. Heads that read nothing in the slice are
-    absent. Cached: plans are built once per shape.
-    """
-    return cross_head_groups(lo, hi, lo, hi, rate, num_heads, num_kv_heads, device)
-
-
-def _first_and_count(lo: int, hi: int, rate: int) -> Tuple[List[int], List[int]]:
-    """Per offset o: the first row of ``[lo, hi)`` with ``t mod rate == o``, and how many."""
-    first = [lo + ((o - lo) % rate) for o in range(rate)]
-    count = [max(0, -(-(hi - f) // rate)) for f in first]
-    return first, count
-
-
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=4096)
 def cross_head_groups(
-    q_lo: int,
-    q_hi: int,
-    k_lo: int,
-    k_hi: int,
-    rate: int,
-    num_heads: int,
-    num_kv_heads: int,
-    device: str = "cpu",
+    q_lo: int, q_hi: int, k_lo: int, k_hi: int, rate: int, heads: Heads, device: str = "cpu"
 ) -> Tuple[HeadGroup, ...]:
     """Head groups for query rows ``[q_lo, q_hi)`` against key rows ``[k_lo, k_hi)``.
 
-    Both slices lie in one segment (local indices); a head reads the rows of
-    its offset in each slice. ``q_index`` is relative to ``q_lo`` and has
-    ``rows`` rows; ``kv_index`` is relative to ``k_lo`` and has its own row
-    count (``kv_index.shape[0]``). Heads with no query or no key row in
-    their slice are absent. With equal slices this is `head_groups`.
+    Both slices lie in one segment (segment-local row numbers); a head reads
+    the rows of its offset in each slice. ``q_index`` is relative to ``q_lo``
+    and has ``rows`` rows; ``kv_index`` is relative to ``k_lo`` and has its own
+    row count (``kv_index.shape[0]``). Heads with no query or no key row in
+    their slice are absent. Cached: plans are built once per shape.
     """
     q_rows, k_rows = q_hi - q_lo, k_hi - k_lo
-    if rate == 1:
-        if q_rows <= 0 or k_rows <= 0:
-            return ()
-        heads = torch.arange(num_heads, device=device)
-        kv_heads = torch.arange(num_kv_heads, device=device)
+    if q_rows <= 0 or k_rows <= 0:
+        return ()
+    if rate == 1 and heads.grouped:
+        hk = max(heads.kv_of) + 1
         return (
             HeadGroup(
                 q_rows,
-                heads,
-                torch.arange(q_rows, device=device)[:, None].expand(q_rows, num_heads),
-                kv_heads,
-                torch.arange(k_rows, device=device)[:, None].expand(k_rows, num_kv_heads),
+                torch.arange(heads.count, device=device),
+                torch.arange(q_rows, device=device)[:, None].expand(q_rows, heads.count),
+                torch.arange(hk, device=device),
+                torch.arange(k_rows, device=device)[:, None].expand(k_rows, hk),
                 identity=True,
+                pairs=tuple((0, kv) for kv in range(hk)),
             ),
         )
-    group_size = num_heads // num_kv_heads
-    q_first, q_count = _first_and_count(q_lo, q_hi, rate)
-    k_first, k_count = _first_and_count(k_lo, k_hi, rate)
-    # (query rows, key rows, multiplicity) -> {(offset, kv head): [query heads]}
-    buckets: dict = {}
-    pairs: dict = {}
-    for j in range(num_heads):
-        o = j % rate
-        if q_count[o] == 0 or k_count[o] == 0:
-            continue
-        pairs.setdefault((q_count[o], k_count[o], o, j // group_size), []).append(j)
-    for (rows, kv_rows, o, kvh), heads in pairs.items():
-        buckets.setdefault((rows, kv_rows, len(heads)), []).append((o, kvh, heads))
+    # (offset, kv head) -> query heads reading that pair; offsets of the heads only
+    readers: Dict[Tuple[int, int], List[int]] = {}
+    for j, kv in enumerate(heads.kv_of):
+        readers.setdefault(((heads.first + j) % rate, kv), []).append(j)
+    # (query rows, key rows, multiplicity) -> [((offset, kv head), q first, k first, query heads)]
+    buckets: Dict[Tuple[int, int, int], list] = {}
+    for (offset, kv), members in readers.items():
+        q_first, q_count = _offset_rows(q_lo, q_hi, offset, rate)
+        k_first, k_count = _offset_rows(k_lo, k_hi, offset, rate)
+        if q_count and k_count:
+            buckets.setdefault((q_count, k_count, len(members)), []).append(
+                ((offset, kv), q_first - q_lo, k_first - k_lo, members))
     groups = []
-    for (rows, _, _), members in sorted(buckets.items(), key=lambda kv: kv[0]):
+    for (rows, kv_rows, _), entries in sorted(buckets.items(), key=lambda kv: kv[0]):
         q_heads: List[int] = []
-        q_cols: List[Tensor] = []
+        q_starts: List[int] = []
         kv_heads: List[int] = []
-        kv_cols: List[Tensor] = []
-        for o, kvh, heads in members:
-            kv_heads.append(kvh)
-            kv_cols.append(torch.arange(k_first[o] - k_lo, k_rows, rate))
-            q_heads.extend(heads)
-            q_cols.extend([torch.arange(q_first[o] - q_lo, q_rows, rate)] * len(heads))
+        kv_starts: List[int] = []
+        pairs: List[Tuple[int, int]] = []
+        for pair, q_first, k_first, members in entries:
+            pairs.append(pair)
+            kv_heads.append(pair[1])
+            kv_starts.append(k_first)
+            q_heads.extend(members)
+            q_starts.extend([q_first] * len(members))
+        # (rows, heads): head i reads rows start_i, start_i + rate, ...
+        steps = torch.arange(rows, device=device)[:, None] * rate
+        kv_steps = torch.arange(kv_rows, device=device)[:, None] * rate
         groups.append(
             HeadGroup(
                 rows,
                 torch.tensor(q_heads, device=device),
-                torch.stack(q_cols, 1).to(device),
+                steps + torch.tensor(q_starts, device=device),
                 torch.tensor(kv_heads, device=device),
-                torch.stack(kv_cols, 1).to(device),
+                kv_steps + torch.tensor(kv_starts, device=device),
                 identity=False,
+                pairs=tuple(pairs),
             )
         )
     return tuple(groups)
 
 
-def segments_view(x: Tensor, region: Region) -> Tensor:
-    """(b, n, h, d) -> (b, segments, seg_len, h, d), a view of the region."""
-    return x[:, region.start : region.stop].unflatten(1, (region.num_segments, region.seg_len))
+def head_groups(lo: int, hi: int, rate: int, heads: Heads,
+                device: str = "cpu") -> Tuple[HeadGroup, ...]:
+    """Head groups for rows ``[lo, hi)`` of a segment against themselves (indices from lo)."""
+    return cross_head_groups(lo, hi, lo, hi, rate, heads, device)
 
 
-def gather(x: Tensor, region: Region, heads: Tensor, index: Tensor, identity: bool) -> Tensor:
-    """Rows of every segment of `region` for `heads`: (b * segments, rows, heads, d)."""
-    seg = segments_view(x, region)
-    if not identity:
-        # (b, s, w, h, d) -> (b, s, rows, heads, d): head i takes rows index[:, i]
-        seg = seg[:, :, index, heads]
-    return seg.flatten(0, 1)
-
-
-def scatter_add_(
-    x: Tensor, region: Region, heads: Tensor, index: Tensor, identity: bool, y: Tensor
-) -> None:
-    """The inverse of `gather`, accumulating: x[rows of region, heads] += y."""
-    seg = segments_view(x, region)
-    # (b * s, rows, heads, ...) -> (b, s, rows, heads, ...)
-    y = y.unflatten(0, seg.shape[:2])
-    if identity:
-        seg.add_(y)
-    else:
-        # no (row, head) pair repeats within a group, so read-add-write is exact
-        seg[:, :, index, heads] += y
-
-
-@functools.lru_cache(maxsize=4096)
-def selected_pairs(
-    q_lo: int, q_hi: int, k_lo: int, k_hi: int, rate: int, num_heads: int, num_kv_heads: int
-) -> int:
+@functools.lru_cache(maxsize=65536)
+def selected_pairs(q_lo: int, q_hi: int, k_lo: int, k_hi: int, rate: int, heads: Heads) -> int:
     """How many (key row, kv head) pairs `cross_head_groups` reads: pure arithmetic.
 
     Equals ``sum(g.kv_index.numel() for g in cross_head_groups(...))`` without
     building any tensor, so a plan can size every rank's traffic cheaply.
     """
-    group_size = num_heads // num_kv_heads
-    _, q_count = _first_and_count(q_lo, q_hi, rate)
-    _, k_count = _first_and_count(k_lo, k_hi, rate)
-    # each distinct (offset, kv head) pair with rows on both sides is read once
-    used = {(j % rate, j // group_size) for j in range(num_heads)}
-    return sum(k_count[o] for o, _ in used if q_count[o] > 0)
+    if q_hi <= q_lo or k_hi <= k_lo:
+        return 0
+    used = {((heads.first + j) % rate, kv) for j, kv in enumerate(heads.kv_of)}
+    total = 0
+    for offset, _ in used:
+        if _offset_rows(q_lo, q_hi, offset, rate)[1]:
+            total += _offset_rows(k_lo, k_hi, offset, rate)[1]
+    return total
+
+
+# --------------------------------------------------------------------------
+# Gathering selected rows into dense kernel batches, and back
+
+
+def _rows_of(segs: Segments, index: Tensor) -> Tensor:
+    """Local row numbers (count, *index.shape): segment start + index."""
+    starts = segs.starts
+    if starts is None:
+        starts = segs.start + segs.length * torch.arange(segs.count, device=index.device)
+    return starts.view((-1,) + (1,) * index.dim()) + index
+
+
+def _view(x: Tensor, segs: Segments) -> Tensor:
+    """(b, n, ...) -> (b, count, length, ...), a view of a run's rows."""
+    return x[:, segs.start : segs.start + segs.rows].unflatten(1, (segs.count, segs.length))
+
+
+def gather(x: Tensor, segs: Segments, heads: Tensor, index: Tensor, identity: bool) -> Tensor:
+    """The rows `index` (rows, heads) of every segment for `heads`: (b * count, rows, heads, ...).
+
+    x is (b, n, h, ...) (d, or nothing for lse-like tensors). A run read by
+    an identity group is a view; anything else is one advanced-indexing copy.
+    """
+    if segs.starts is None:
+        seg = _view(x, segs)
+        if not identity:
+            # (b, s, w, h, ...) -> (b, s, rows, heads, ...): head i takes rows index[:, i]
+            seg = seg[:, :, index, heads]
+        return seg.flatten(0, 1)
+    # (b, n, h, ...) -> (b, s, rows, heads, ...) at rows starts[s] + index[:, i] of head i
+    return x[:, _rows_of(segs, index), heads].flatten(0, 1)
+
+
+def selection(segs: Segments, heads: Tensor, index: Tensor, identity: bool):
+    """The index that `gather` reads, for writing back: a view or an advanced index."""
+    if segs.starts is None and identity:
+        return None
+    if segs.starts is None:
+        return (slice(None), slice(None), index, heads)
+    return (slice(None), _rows_of(segs, index), heads)
+
+
+def scatter_add_(x: Tensor, segs: Segments, heads: Tensor, index: Tensor, identity: bool,
+                 y: Tensor, rows: slice = slice(None)) -> None:
+    """The inverse of `gather`, accumulating: x[rows of segs, heads] += y (b * count, ...).
+
+    `rows` restricts an identity group to those rows of each segment (for a
+    non-identity group pass the matching rows of `index`).
+    """
+    # (b * s, rows, heads, ...) -> (b, s, rows, heads, ...)
+    y = y.unflatten(0, (x.shape[0], segs.count))
+    where = selection(segs, heads, index, identity)
+    if where is None:
+        _view(x, segs)[:, :, rows].add_(y)
+    elif segs.starts is None:
+        # no (row, head) pair repeats within a group, so read-add-write is exact
+        _view(x, segs)[where] += y
+    else:
+        x[where] += y
+
+
+def segment_view(x: Tensor, segs: Segments) -> Tensor:
+    """(b, n, ...) -> (b, count, length, ...) for a run (a view)."""
+    return _view(x, segs)

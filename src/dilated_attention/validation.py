@@ -126,3 +126,69 @@ def check_bool(name: str, value) -> bool:
 
 def check_optional_positive_int(name: str, value: Optional[int]) -> Optional[int]:
     return None if value is None else check_positive_int(name, value)
+
+
+def check_cu_seqlens(cu_seqlens) -> Optional[Tuple[int, ...]]:
+    """Document boundaries [0, c1, ..., N] (an int tensor or a sequence of ints), non-decreasing.
+
+    Returns them as a tuple of ints (None stays None). Whether the last one is
+    the sequence length is checked by the caller, which knows N.
+    """
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, Tensor):
+        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or \
+                cu_seqlens.dtype == torch.bool:
+            raise TypeError(f"cu_seqlens must hold integers, got a tensor of {cu_seqlens.dtype}")
+        if cu_seqlens.dim() != 1:
+            raise ValueError(
+                f"cu_seqlens must be 1-D [0, c1, ..., N], got shape {tuple(cu_seqlens.shape)}"
+            )
+        values = tuple(int(c) for c in cu_seqlens.tolist())
+    elif isinstance(cu_seqlens, (str, bytes)) or not isinstance(cu_seqlens, Sequence):
+        raise TypeError(
+            f"cu_seqlens must be an int tensor or a sequence of ints, got {cu_seqlens!r}"
+        )
+    else:
+        for i, c in enumerate(cu_seqlens):
+            if isinstance(c, bool) or not isinstance(c, numbers.Integral):
+                raise TypeError(f"cu_seqlens must hold ints, got cu_seqlens[{i}] = {c!r}")
+        values = tuple(int(c) for c in cu_seqlens)
+    if len(values) < 2 or values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0 and end at the sequence length, got "
+                         f"{brief(values)}")
+    for i in range(1, len(values)):
+        if values[i] < values[i - 1]:
+            raise ValueError(
+                f"cu_seqlens must be non-decreasing, got cu_seqlens[{i - 1}] = {values[i - 1]} > "
+                f"cu_seqlens[{i}] = {values[i]} in {brief(values)}"
+            )
+    return values
+
+
+def brief(values: Sequence[int]) -> str:
+    """A list for an error message, elided in the middle when long."""
+    if len(values) <= 8:
+        return str(list(values))
+    return f"[{', '.join(map(str, values[:4]))}, ..., {', '.join(map(str, values[-3:]))}]"
+
+
+def check_key_padding_mask(mask, q: Tensor) -> Optional[Tensor]:
+    """A bool (b, n) mask on q's device matching q (b, n, h, d), True = ignore that key."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"key_padding_mask must be a bool tensor or None, got "
+                        f"{type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"key_padding_mask must be a bool tensor (True = ignore that key), got {mask.dtype}"
+        )
+    if tuple(mask.shape) != tuple(q.shape[:2]):
+        raise ValueError(
+            f"key_padding_mask must have shape (batch, seq_len) = {tuple(q.shape[:2])}, got "
+            f"{tuple(mask.shape)}"
+        )
+    if mask.device != q.device:
+        raise ValueError(f"key_padding_mask must be on q's device {q.device}, got {mask.device}")
+    return mask

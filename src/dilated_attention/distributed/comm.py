@@ -360,18 +360,19 @@ class RingComm:
         self._reqs = []
 
 
-def exchange(
+def post_exchange(
     sends: Mapping[int, Tensors],
     recv_buffers: Mapping[int, Tensors],
     group: ProcessGroup,
-) -> None:
-    """Send and receive tensors to and from peers (group ranks), then wait.
+) -> List[Any]:
+    """Post sending and receiving tensors to and from peers (group ranks); return the handle.
 
     ``sends[p]`` goes to group rank p, ``recv_buffers[p]`` is filled from
     group rank p; a list of tensors per peer is matched in order with the
     peer's list. Every send must meet a receive of the same shape posted by
-    its peer. All operations go out in one ``batch_isend_irecv``. Entries for
-    this rank itself are copied locally and not counted.
+    its peer. All operations go out in one ``batch_isend_irecv``; the
+    receive buffers hold the data after ``wait_exchange(handle)``. Entries
+    for this rank itself are copied locally at once and not counted.
     """
     me = group_rank(group)
     if me in sends or me in recv_buffers:
@@ -396,7 +397,21 @@ def exchange(
             ops.append(("send", t.contiguous(), gpeer, tag))
         for tag, t in enumerate(_as_list(recv_buffers.get(peer, []))):
             ops.append(("recv", t, gpeer, tag))
-    _wait(_post(ops, group))
+    return _post(ops, group)
+
+
+def wait_exchange(handle: List[Any]) -> None:
+    """Block until a `post_exchange` is done (its receive buffers are filled)."""
+    _wait(handle)
+
+
+def exchange(
+    sends: Mapping[int, Tensors],
+    recv_buffers: Mapping[int, Tensors],
+    group: ProcessGroup,
+) -> None:
+    """`post_exchange`, then wait for it."""
+    wait_exchange(post_exchange(sends, recv_buffers, group))
 
 
 # --------------------------------------------------------------------------

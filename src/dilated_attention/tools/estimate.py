@@ -36,8 +36,11 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..dilated import IMPLEMENTATIONS
 from ..distributed import comm
-from ..distributed.sequence_parallel import make_plan
+from ..launches import CHUNK_ELEMENTS, Blocks, count_writers
+from ..patterns import Heads
+from ..plan import Layout, make_plan
 from ..distributed.sharding import piece_lengths
 from ..functional import dilated_attention, ring_attention
 from .settings import MB, check_setting, check_zigzag, default_threads, ring_layout
@@ -55,7 +58,7 @@ SAVED = "saved for backward (out, lse)"
 GRADS = "gradient shards (dq, dk, dv)"
 COMM = "communication buffers"
 WORKSPACE = "kernel workspace (gathers, launch outputs)"
-SCRATCH = "CPU kernel scratch (per thread, modelled)"
+SCRATCH = "CPU kernel scratch (modelled)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,23 +156,31 @@ def _sizes(config: EstimateConfig) -> Tuple[int, int]:
     return torch.empty(0, dtype=dtype).element_size(), 8 if dtype == torch.float64 else 4
 
 
-def cpu_kernel_scratch(config: EstimateConfig) -> int:
-    """The CPU flash kernel's per-thread buffers for the longest launch (not seen by tracing).
+def kernel_scratch(config: EstimateConfig, plan=None) -> int:
+    """The CPU flash kernel's own buffers for the largest launch (not seen by tracing).
 
     Forward: threads x (qs*ks + 2 qs + qs*d) accumulators, plus qs*ks in the
-    dtype for bf16/fp16; backward: threads x 2 qs*ks more. qs, ks: the
-    kernel's query and key block sizes (256 and 512 rows for long launches).
+    dtype for bf16/fp16; backward: threads x 2 qs*ks more, and one buffer the
+    size of the launch's q in the dtype (measured: the op's dq accumulation).
+    qs, ks: the kernel's query and key block sizes (256 and 512 rows for
+    long launches).
     """
     s, a = _sizes(config)
     rows = config.seq_len // config.world_size
+    if plan is not None:
+        rows = max((_launch_size(l)[0] for blk in plan.blocks for l in blk.forward), default=rows)
     qs = 256 if rows >= 768 else 64 if rows >= 192 else 32
     qs, ks = min(qs, rows), min(_KV_SPLIT, rows)
     per_thread = (qs * ks + 2 * qs + qs * config.head_dim) * a
     if s < a:  # reduced-precision copy of the score block
         per_thread += qs * ks * s
+    extra = 0
     if config.training:
         per_thread += 2 * qs * ks * a
-    return config.threads * per_thread
+        extra = max((config.batch * _launch_size(l)[0] * _launch_size(l)[2] * config.head_dim * s
+                     for blk in (plan.blocks if plan is not None else ()) for l in blk.forward),
+                    default=0)
+    return config.threads * per_thread + extra
 
 
 def formula(config: EstimateConfig) -> Estimate:
@@ -227,130 +238,184 @@ class _Shapes:
         return self.b * n * heads * (self.d if d is None else d) * elem
 
 
-def _launch_fwd(sh: _Shapes, segs: int, q_rows: int, k_rows: int, hq: int, hkv: int,
-                identity: bool, gathered_kv: bool = True) -> int:
-    """Peak temporaries of one forward launch (see forward_launches and merge_).
+def _launch_size(launch) -> Tuple[int, int, int, int, bool]:
+    """(query rows, key rows, query heads, kv heads, identity) of a launch, all segments."""
+    g = launch.group
+    count = launch.queries.count
+    return (count * g.rows, count * g.kv_index.shape[0], g.q_heads.numel(), g.kv_heads.numel(),
+            g.identity)
 
-    Kernel call: gathered q (and k, v when `gathered_kv`) unless the group is
-    an identity view, plus the launch's out and lse. Merge: out, lse, the
-    selected accumulator rows (non-identity) and four lse-sized temporaries.
+
+def _merge_temps(sh: "_Shapes", elements: int) -> int:
+    """Temporaries of a merge or scatter: launches.CHUNK_ELEMENTS-sized slices, a few fp32."""
+    return 3 * min(elements, CHUNK_ELEMENTS) * sh.a
+
+
+def _launch_fwd(sh: "_Shapes", nq: int, nk: int, hq: int, hkv: int, identity: bool,
+                gathered_kv: bool = True) -> int:
+    """Peak temporaries of one forward launch (launches.forward, merge_rows).
+
+    Gathers of q (and k, v when `gathered_kv`) unless the group is an identity
+    view, the launch's out and lse, then the chunked merge.
     """
-    n = segs * q_rows
-    out = sh.rows(n, hq, sh.s) + sh.rows(n, hq, sh.a, 1)
-    gathers = 0
-    if not identity:
-        gathers = sh.rows(n, hq, sh.s)
-        if gathered_kv:
-            gathers += 2 * sh.rows(segs * k_rows, hkv, sh.s)
-    sel = 0 if identity else sh.rows(n, hq, sh.a) + sh.rows(n, hq, sh.a, 1)
-    merge = out + sel + 4 * sh.rows(n, hq, sh.a, 1)
-    return max(gathers + out, merge)
+    out = sh.rows(nq, hq, sh.s) + sh.rows(nq, hq, sh.a, 1)
+    gathers = 0 if identity else sh.rows(nq, hq, sh.s)
+    if not identity and gathered_kv:
+        gathers += 2 * sh.rows(nk, hkv, sh.s)
+    return max(gathers + out, out + _merge_temps(sh, sh.b * nq * hq * sh.d))
 
 
-def _launch_bwd(sh: _Shapes, segs: int, q_rows: int, k_rows: int, hq: int, hkv: int,
-                identity: bool, gathered_kv: bool = True) -> int:
-    """Peak temporaries of one backward launch (see backward_launches, scatter_add_).
+def _launch_bwd(sh: "_Shapes", nq: int, nk: int, hq: int, hkv: int, identity: bool,
+                gathered_kv: bool = True) -> int:
+    """Peak temporaries of one backward launch (launches.backward, _scatter).
 
-    Kernel call: gathered dout, q, out, lse (and k, v) unless identity views,
-    plus the kernel's dq, dk, dv. Scatter (non-identity): the outputs plus
-    one accumulator-dtype copy of the rows being added to.
+    Gathers of dout, q, out, lse (and k, v) unless identity views, the
+    kernel's dq, dk, dv, then the chunked scatters.
     """
-    nq, nk = segs * q_rows, segs * k_rows
     outputs = sh.rows(nq, hq, sh.s) + 2 * sh.rows(nk, hkv, sh.s)
     gathers = 0
     if not identity:
         gathers = 3 * sh.rows(nq, hq, sh.s) + sh.rows(nq, hq, sh.a, 1)
         if gathered_kv:
             gathers += 2 * sh.rows(nk, hkv, sh.s)
-    scatter = 0 if identity else outputs + max(sh.rows(nq, hq, sh.a), sh.rows(nk, hkv, sh.a))
-    return max(gathers + outputs, scatter)
+    return max(gathers, _merge_temps(sh, sh.b * nq * hq * sh.d)) + outputs
 
 
-def _group_shape(g) -> Tuple[int, int, int, int, bool]:
-    """(query rows, key rows, query heads, kv heads, identity) of a HeadGroup."""
-    return (g.rows, g.kv_index.shape[0], g.q_heads.numel(), g.kv_heads.numel(), g.identity)
+def plan_for(config: EstimateConfig, lengths: Tuple[int, ...], rank: int):
+    """The rank's plan, as the op builds it (index tensors on meta: no data)."""
+    layout = Layout.contiguous(lengths)
+    heads = Heads.of(config.heads, config.kv_heads)
+    return make_plan(layout, config.patterns, config.causal, heads, rank, "meta")
+
+
+def _alive(blocks: Blocks) -> int:
+    """Bytes of a Blocks' live accumulators and pending outputs (sizes, in the formula)."""
+    return (sum(blocks.nbytes(*blocks.spans[i], kind) for i, kind in blocks.live)
+            + sum(blocks.pending_bytes.values()))
+
+
+def _sim_blocks(plan, kinds: int, nbytes, backward: bool) -> Blocks:
+    """The executor's Blocks, run on sizes only: accumulators are placeholders."""
+    return Blocks(plan, kinds, lambda lo, hi, kind: None, lambda lo, hi, kind, acc: None,
+                  nbytes, count_writers(plan, backward=backward))
 
 
 def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int) -> Estimate:
     """Forward (and backward) phases of single-device or sequence-parallel dilated attention.
 
     NOTE: this accounting mirrors, by hand, which buffers are alive when in
-    launches.py and distributed/sequence_parallel.py (sp_forward,
-    sp_backward). Edit both together: the dry run, which runs the real code,
-    keeps them honest (tests/test_cli.py holds the two within 10%).
+    launches.py (it replays the plan through the executor's own ``Blocks``
+    bookkeeping on sizes: block accumulators and pending outputs, Note
+    [block accumulators]; plus each launch's temporaries) and
+    distributed/sequence_parallel.py (the exchange: round 0 posted before the
+    local launches). Edit both together: the dry run, which runs the real
+    code, keeps them honest (tests/test_cli.py holds the two within 10%).
     """
     sh = _Shapes(config)
-    s, a, h, hk = sh.s, sh.a, sh.h, sh.hk
-    n = lengths[rank]
-    plan = make_plan(lengths, config.patterns, config.causal, h, hk, rank, "meta")
+    s, a, h, hk, b, d = sh.s, sh.a, sh.h, sh.hk, sh.b, sh.d
+    plan = plan_for(config, lengths, rank)
+    n = plan.rows
     shards = {SHARDS: sh.rows(n, h + 2 * hk, s)}
     if config.training:
         shards[DOUT] = sh.rows(n, h, s)
-    acc = sh.rows(n, h, a) + sh.rows(n, h, a, 1)
+    output = sh.rows(n, h, s) + sh.rows(n, h, a, 1)  # out, and lse (fp32) written in place
+
+    def wire(transfers) -> int:
+        return sum(2 * b * t.columns * d * s for t in transfers)
+
+    def pack_temp(transfers) -> int:
+        # packing gathers each group, then concatenates: about twice the largest send
+        return max((2 * b * t.columns * d * s for t in transfers), default=0)
+
+    def out_size(l) -> int:  # a launch's (out, lse) or dq, kept pending
+        nq, _, hq, _, _ = _launch_size(l)
+        return sh.rows(nq, hq, s) + sh.rows(nq, hq, a, 1)
+
+    rounds = plan.rounds
+    posted = wire(rounds[0].sends) + wire(rounds[0].recvs) if rounds else 0
     phases: Dict[str, Dict[str, int]] = {}
+    fwd_bytes = sum(wire(r.sends) for r in rounds)
+    fwd_msgs = sum(1 for r in rounds for t in r.sends if t.columns)
 
-    # local launches: distinct shapes only
-    shapes = {(region.num_segments,) + _group_shape(g) for _, region, g in plan.local}
-    fwd_local = max((_launch_fwd(sh, *shape) for shape in shapes), default=0)
-    phases["forward, local launches"] = {**shards, OUTPUT: acc, WORKSPACE: fwd_local}
+    sim = _sim_blocks(plan, 1, lambda lo, hi, kind: 0 if s == a else sh.rows(hi - lo, h, a),
+                      backward=False)
+    remote_done = not rounds
+    for block in plan.blocks:
+        if block.remote and not remote_done:
+            for i, rnd in enumerate(rounds):
+                peak = 0
+                for t in rnd.recvs:
+                    for l in t.launches:
+                        size = _launch_size(l)
+                        peak = max(peak, _alive(sim) + _launch_fwd(sh, *size[:4], False, False))
+                        sim.add(l.q_block, 0, lambda acc: None, out_size(l))
+                phases[f"forward, exchange round {i}"] = {
+                    **shards, OUTPUT: output, WORKSPACE: max(peak, _alive(sim)),
+                    COMM: wire(rnd.sends) + wire(rnd.recvs) + (pack_temp(rnd.sends) if i else 0)}
+            remote_done = True
+        sim.turn(block.index)
+        peak = 0
+        for l in block.forward:
+            sim.acc(l.q_block, 0)
+            peak = max(peak, _alive(sim) + _launch_fwd(sh, *_launch_size(l)))
+            sim.add(l.q_block, 0, lambda acc: None, out_size(l))
+        phases[f"forward, block {block.index}"] = {
+            **shards, OUTPUT: output, WORKSPACE: peak,
+            COMM: 0 if remote_done else posted + pack_temp(rounds[0].sends)}
+        sim.end_turn(block.index)
 
-    fwd_bytes = fwd_msgs = bwd_bytes = bwd_msgs = 0
-    bwd_rounds: List[Tuple[int, int, int, int]] = []
-    linger_fwd, linger_bwd = 0, (0, 0, 0)
-    for i, rnd in enumerate(plan.rounds):
-        recv = sum(2 * sh.b * t.pairs * sh.d * s for t in rnd.recvs)
-        sent = sum(2 * sh.b * t.pairs * sh.d * s for t in rnd.sends)
-        # packing a send gathers one group's selected rows (a copy unless identity)
-        pack = max((sh.b * g.kv_index.shape[0] * g.kv_heads.numel() * sh.d * s
-                    for t in rnd.sends for g in t.groups if not g.identity), default=0)
-        launch = max((_launch_fwd(sh, 1, *_group_shape(g), gathered_kv=False)
-                      for t in rnd.recvs for g in t.groups), default=0)
-        phases[f"forward, exchange round {i}"] = {**shards, OUTPUT: acc,
-                                                  COMM: recv + sent + pack + linger_fwd}
-        phases[f"forward, remote launches {i}"] = {**shards, OUTPUT: acc, COMM: recv,
-                                                   WORKSPACE: launch}
-        fwd_bytes += sent
-        fwd_msgs += sum(1 for t in rnd.sends if t.pairs)
-        bwd_launch = max((_launch_bwd(sh, 1, *_group_shape(g), gathered_kv=False)
-                          for t in rnd.recvs for g in t.groups), default=0)
-        grads_out = sum(2 * sh.b * t.pairs * sh.d * a for t in rnd.recvs)
-        grads_in = sum(2 * sh.b * t.pairs * sh.d * a for t in rnd.sends)
-        last = 2 * sh.b * rnd.recvs[-1].pairs * sh.d if rnd.recvs else 0
-        first_grad = 2 * sh.b * rnd.recvs[0].pairs * sh.d * a if rnd.recvs else 0
-        prev_buf, prev_grad, prev_home = linger_bwd
-        bwd_rounds.append((
-            recv + sent + pack + prev_buf + prev_grad + prev_home,
-            recv + prev_home + max(first_grad + prev_grad, grads_out),
-            bwd_launch,
-            last * s + grads_out + grads_in + prev_home,
-        ))
-        bwd_bytes += sent + grads_out
-        bwd_msgs += sum(1 for t in rnd.sends if t.pairs) + sum(1 for t in rnd.recvs if t.pairs)
-        # a round's loop variables live on into the next round: its last received
-        # buffer (views k_g, v_g), and in backward its last dK/dV buffer (grad)
-        # and the last dK/dV that came home (views dk_g, dv_g)
-        linger_fwd = last * s
-        home = 2 * sh.b * rnd.sends[-1].pairs * sh.d * a if rnd.sends else 0
-        linger_bwd = (last * s, last * a, home)
-    if s != a:  # out = acc_out.to(dtype) while the accumulator is alive
-        phases["forward, output cast"] = {**shards, OUTPUT: acc + sh.rows(n, h, s)}
-
+    bwd_bytes = bwd_msgs = 0
     if config.training:
-        saved = sh.rows(n, h, s if s != a else a) + sh.rows(n, h, a, 1)
-        grads = sh.rows(n, h + 2 * hk, a)
+        saved = sh.rows(n, h, s) + sh.rows(n, h, a, 1)
+        grads = sh.rows(n, h + 2 * hk, s)
         base = {**shards, SAVED: saved, GRADS: grads}
-        bwd_local = max((_launch_bwd(sh, *shape) for shape in shapes), default=0)
-        phases["backward, local launches"] = {**base, WORKSPACE: bwd_local}
-        for i, (exchange, held, launch, returns) in enumerate(bwd_rounds):
-            phases[f"backward, exchange round {i}"] = {**base, COMM: exchange}
-            phases[f"backward, remote launches {i}"] = {**base, COMM: held, WORKSPACE: launch}
-            phases[f"backward, gradients home {i}"] = {**base, COMM: returns}
-        if s != a:
-            phases["backward, gradient cast"] = {**base, GRADS: grads + sh.rows(n, h + 2 * hk, s)}
-    if not config.training:
-        bwd_bytes = bwd_msgs = 0
+        heads_of = (h, hk, hk)
+        sim = _sim_blocks(
+            plan, 3, lambda lo, hi, kind: 0 if s == a else sh.rows(hi - lo, heads_of[kind], a),
+            backward=True)
+        remote_done = not rounds
+        for block in plan.blocks:
+            if block.remote and not remote_done:
+                for i, rnd in enumerate(rounds):
+                    keys = wire(rnd.recvs)
+                    grads_out = keys * a // s
+                    peak = 0
+                    for t in rnd.recvs:
+                        for l in t.launches:
+                            size = _launch_size(l)
+                            peak = max(peak, _alive(sim) + _launch_bwd(sh, *size[:4], False, False))
+                            sim.add(l.q_block, 0, lambda acc: None, sh.rows(size[0], size[2], s))
+                    homes = wire(rnd.sends) * a // s
+                    # the sends are done once the keys arrive; the keys stay until the
+                    # dK/dV of the round have gone home and ours came back
+                    phases[f"backward, exchange round {i}"] = {
+                        **base, WORKSPACE: max(peak, _alive(sim)),
+                        COMM: keys + grads_out + homes}
+                    for t in rnd.sends:
+                        for index, rows, _, _ in t.homes:
+                            for kind in (1, 2):
+                                sim.add(index, kind, lambda acc: None, b * rows.numel() * d * a)
+                    bwd_bytes += wire(rnd.sends) + grads_out
+                    bwd_msgs += 2 * sum(1 for t in rnd.sends if t.columns) + sum(
+                        1 for t in rnd.recvs if t.columns)
+                remote_done = True
+            sim.turn(block.index)
+            peak = 0
+            for l in block.backward:
+                nq, nk, hq, hkv, _ = size = _launch_size(l)
+                for index, kind in ((l.q_block, 0), (l.k_block, 1), (l.k_block, 2)):
+                    if index == block.index:
+                        sim.acc(index, kind)
+                peak = max(peak, _alive(sim) + _launch_bwd(sh, *size))
+                sim.add(l.q_block, 0, lambda acc: None, sh.rows(nq, hq, s))
+                sim.add(l.k_block, 1, lambda acc: None, sh.rows(nk, hkv, s))
+                sim.add(l.k_block, 2, lambda acc: None, sh.rows(nk, hkv, s))
+            phases[f"backward, block {block.index}"] = {
+                **base, WORKSPACE: peak,
+                COMM: 0 if remote_done else posted + pack_temp(rounds[0].sends)}
+            sim.end_turn(block.index)
     return _phases_to_estimate("formula", rank, phases, (fwd_bytes, fwd_msgs, bwd_bytes, bwd_msgs),
-                               cpu_kernel_scratch(config))
+                               kernel_scratch(config, plan))
 
 
 def _ring_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int) -> Estimate:
@@ -401,7 +466,7 @@ def _ring_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int) -
             bwd_bytes = fwd_bytes + 2 * sh.b * (others + n) * hk * sh.d * a
             bwd_msgs = fwd_msgs + 2 * p
     return _phases_to_estimate("formula", rank, phases, (fwd_bytes, fwd_msgs, bwd_bytes, bwd_msgs),
-                               cpu_kernel_scratch(config))
+                               kernel_scratch(config))
 
 
 # --------------------------------------------------------------------------
@@ -423,7 +488,12 @@ class LiveBytes(TorchDispatchMode):
         self._seen: Dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        if func in IMPLEMENTATIONS:
+            # the op's own code, traced too (a dispatch mode is off inside the op it handles)
+            with self:
+                out = IMPLEMENTATIONS[func](*args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, Tensor):
                 self._track(t)
@@ -488,7 +558,8 @@ def _trace_rank(config: EstimateConfig, rank: int) -> Estimate:
     breakdown = {
         "inputs (q/k/v shards" + (", dout)" if config.training else ")"): inputs,
         "everything else at the peak (traced)": tracker.peak - inputs,
-        SCRATCH: cpu_kernel_scratch(config),
+        SCRATCH: kernel_scratch(
+            config, None if config.impl == "ring" else plan_for(config, lengths, rank)),
     }
     return Estimate(
         "dry run", rank, sum(breakdown.values()), phase, breakdown,
@@ -509,12 +580,12 @@ def _distinct_ranks(config: EstimateConfig) -> List[int]:
     lengths = config.lengths()
     chosen: Dict[tuple, int] = {}
     for r in ranks:
-        plan = make_plan(lengths, config.patterns, config.causal, config.heads, config.kv_heads,
-                         r, "meta")
-        local = sorted({(region.num_segments,) + _group_shape(g) for _, region, g in plan.local})
-        rounds = tuple((tuple(t.pairs for t in rnd.sends), tuple(t.pairs for t in rnd.recvs))
+        plan = plan_for(config, lengths, r)
+        local = sorted({(len(b.forward), b.hi - b.lo) + tuple(sorted(_launch_size(l)
+                        for l in b.forward)) for b in plan.blocks})
+        rounds = tuple((tuple(t.columns for t in rnd.sends), tuple(t.columns for t in rnd.recvs))
                        for rnd in plan.rounds)
-        chosen.setdefault((lengths[r], tuple(local), len(plan.local), rounds), r)
+        chosen.setdefault((plan.rows, tuple(local), rounds), r)
     return sorted(chosen.values())
 
 

@@ -1,0 +1,513 @@
+"""What one rank computes: documents and segments, row blocks, launches, transfers.
+
+Notation: N global rows, n this rank's rows, h query heads (``Heads``), a
+pattern (w, r); "global" rows number the whole sequence, "local" rows this
+rank's tensors; a *part* is the piece of a segment that one chunk holds.
+
+Note [plan]
+~~~~~~~~~~~
+The sequence is cut into chunks held by ranks (``Layout``: one chunk for a
+single device; one per rank, contiguous; or two per rank, zigzag). Documents
+(``cu_seqlens``) cut it into independent sequences, and each pattern cuts
+every document into segments of W = min(w, document length) rows (the last
+one shorter). A rank computes the query rows it holds, in *row blocks* of a
+bounded size, so that its fp32 accumulators stay a small fraction of its
+rows whatever n is:
+
+    rank's rows:   |--- block 0 ---|--- block 1 ---|--- block 2 ---|
+    segments:      [ A ][ B ][ C ][ D ][ E ][ F ][ G ][ H ][ I ][ J ]   (one pattern)
+                    inside        straddles       inside ...
+
+- Segments inside one block (A, B, ...) are batched by length into launches
+  of one head group each: queries and keys are the same rows (square,
+  causal when the op is).
+- A segment that crosses a block or chunk border (D, H, or one spanning
+  ranks) is cut into parts. Each part of it held by this rank is a query
+  part: against itself (square, causal when the op is), against the
+  segment's other parts on this rank (local *cross launches*: full blocks,
+  no mask; with causal only parts before it), and against its parts on
+  other ranks (*transfers*: the selected key/value rows, fetched).
+
+Blocks run in an order that puts the blocks touched by transfers last, so
+the exchange (posted first) overlaps the other blocks' work. A launch that
+writes rows of two blocks (a cross launch: dq of its query block, dK/dV of
+its key block) runs with the earlier of the two in that order; its output
+for the other block goes to that block's accumulators, which then start
+early. With blocks aligned to the largest segment that fits, only segments
+that really cross a border make cross launches.
+
+Transfers go in rounds (one exchange each). In a segment with parts on L
+ranks the transfer from part i to part j is step (j - i) mod L.
+- gather: every transfer of the gather-mode patterns goes in round 0. A
+  pattern is gather-mode when no rank sends or receives more (row, kv head)
+  pairs than the largest rank holds (kv heads x max n): the LongNet regime.
+- rotate: otherwise (dense-like patterns over many ranks): one round per
+  step, so a rank holds one received part per spanning segment at a time.
+
+Wire format of a transfer: for k then v, the selected rows of each (offset,
+kv head) pair the query part reads, pair after pair (pair-major), in the
+order of ``cross_head_groups(query part, key part)``: (2, b, columns, d).
+Both sides derive it from the agreed layout, so nothing but the selected
+rows travels, and the receiver cuts kernel-ready blocks (per row block of
+its query part) out of the buffer, by pair.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from collections import Counter
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .patterns import HeadGroup, Heads, Patterns, Segments, cross_head_groups, head_groups
+from .patterns import selected_pairs
+
+# Rows per block (and so per launch): at least this many rows (a GPU needs far
+# more rows in flight than a CPU to hide its launch latency), and at most
+# MAX_BLOCKS blocks per rank, so that the accumulators of a block stay a small
+# fraction of the rank's rows while the per-launch Python overhead stays
+# constant in n (which also keeps shape-only dry runs on meta tensors fast).
+ROWS_PER_BLOCK = {"cpu": 2048, "cuda": 131072}
+MAX_BLOCKS = 32
+# Segments batched into one launch hold at most this many rows (a longer
+# segment is one launch): a launch's gathers, outputs and the kernel's own
+# scratch stay a fraction of a block.
+ROWS_PER_LAUNCH = {"cpu": 2048, "cuda": 131072}
+
+Documents = Optional[Tuple[int, ...]]
+
+
+# --------------------------------------------------------------------------
+# Where the rows are
+
+
+class Chunk(NamedTuple):
+    """Global rows [start, stop) held by `rank` at local rows [local, local + stop - start)."""
+
+    start: int
+    stop: int
+    rank: int
+    local: int
+
+
+class Layout(NamedTuple):
+    """A sequence of `total` rows cut into non-empty chunks, in global order."""
+
+    chunks: Tuple[Chunk, ...]
+    total: int
+    ranks: int
+
+    @classmethod
+    def contiguous(cls, lengths: Sequence[int]) -> "Layout":
+        """Rank p holds global rows [S_p, S_p + N_p), S_p = N_0 + ... + N_(p-1)."""
+        chunks, start = [], 0
+        for rank, n in enumerate(lengths):
+            if n:
+                chunks.append(Chunk(start, start + n, rank, 0))
+            start += n
+        return cls(tuple(chunks), start, len(lengths))
+
+    @classmethod
+    def zigzag(cls, lengths: Sequence[int]) -> "Layout":
+        """2P equal chunks; rank p holds chunks p and 2P-1-p, in that local order."""
+        p = len(lengths)
+        c = lengths[0] // 2
+        chunks = [Chunk(i * c, (i + 1) * c, i if i < p else 2 * p - 1 - i, 0 if i < p else c)
+                  for i in range(2 * p)]
+        return cls(tuple(chunks), 2 * p * c, p)
+
+    def of_rank(self, rank: int) -> List[Chunk]:
+        """This rank's chunks in local order."""
+        return sorted((c for c in self.chunks if c.rank == rank), key=lambda c: c.local)
+
+    def rows_of(self, rank: int) -> int:
+        return sum(c.stop - c.start for c in self.chunks if c.rank == rank)
+
+    def split(self, start: int, stop: int) -> List[Chunk]:
+        """Global rows [start, stop) cut by chunk, as chunks of those rows."""
+        first = bisect.bisect_right([c.start for c in self.chunks], start) - 1
+        out = []
+        for c in self.chunks[max(first, 0):]:
+            if c.start >= stop:
+                break
+            lo, hi = max(start, c.start), min(stop, c.stop)
+            if hi > lo:
+                out.append(Chunk(lo, hi, c.rank, c.local + lo - c.start))
+        return out
+
+
+def segments_between(x: int, y: int, w: int, documents: Documents,
+                     total: int) -> Tuple[Tensor, Tensor]:
+    """(starts, lengths), int64, of the pattern-w segments that meet global rows [x, y).
+
+    Vectorised over documents: no Python loop over them. Documents are
+    ``cu_seqlens`` [0, c1, ..., N] (None: one document of `total` rows).
+    """
+    cu = torch.tensor(documents if documents is not None else (0, total), dtype=torch.int64)
+    # documents [i0, i1) meet [x, y)
+    i0 = max(int(torch.searchsorted(cu, x, right=True)) - 1, 0)
+    i1 = min(int(torch.searchsorted(cu, y, right=False)), cu.numel() - 1)
+    if i1 <= i0 or y <= x:
+        empty = torch.empty(0, dtype=torch.int64)
+        return empty, empty
+    doc_start, doc_stop = cu[i0:i1], cu[i0 + 1 : i1 + 1]
+    length = doc_stop - doc_start
+    keep = length > 0
+    doc_start, doc_stop, length = doc_start[keep], doc_stop[keep], length[keep]
+    seg = torch.clamp(length, max=w)  # W = min(w, document length)
+    # segments k of each document that meet [x, y): from (x - start) // W to ceil((y - start) / W)
+    k_lo = torch.clamp((x - doc_start) // seg, min=0)
+    k_hi = torch.minimum(-((doc_start - y) // seg), -(-length // seg))
+    count = torch.clamp(k_hi - k_lo, min=0)
+    doc = torch.repeat_interleave(torch.arange(doc_start.numel()), count)
+    # k = k_lo of its document + its rank among that document's segments
+    first = torch.cumsum(count, 0) - count
+    k = k_lo[doc] + torch.arange(doc.numel()) - first[doc]
+    starts = doc_start[doc] + k * seg[doc]
+    lengths = torch.minimum(seg[doc], doc_stop[doc] - starts)
+    return starts, lengths
+
+
+# --------------------------------------------------------------------------
+# The plan's parts
+
+
+class Launch(NamedTuple):
+    """One kernel call on this rank's rows: `group` over query segments against key segments.
+
+    `queries` and `keys` hold the same number of segments (local rows);
+    ``causal`` applies the square causal mask (queries and keys the same
+    rows). q_block/k_block: the row blocks its dq and dK/dV rows lie in.
+    `id` numbers the launches of one call on one rank (dropout seeds).
+    """
+
+    id: int
+    queries: Segments
+    keys: Segments
+    group: HeadGroup
+    causal: bool
+    q_block: int
+    k_block: int
+
+
+class RemoteLaunch(NamedTuple):
+    """A kernel call of this rank's query rows against the keys of a received transfer.
+
+    `columns` (a slice, or an index tensor (hkv * kv_rows,)) cuts the group's
+    key block out of the transfer's (2, b, columns, d) buffer, pair-major.
+    """
+
+    id: int
+    queries: Segments
+    group: HeadGroup
+    columns: Union[slice, Tensor]
+    q_block: int
+
+
+class Transfer(NamedTuple):
+    """The selected key/value rows of part `keys` that the queries of part `queries` read.
+
+    groups: ``cross_head_groups(query part, key part)``, whose kv columns, pair
+    after pair, are the wire format; columns: their total. launches: the
+    receiver's kernel calls on the buffer (empty on the sending rank).
+    homes: on the sending rank, where the dK/dV that come back go: per
+    block, (block index, local rows (e,), kv heads (e,), buffer columns (e,)).
+    """
+
+    keys: Chunk
+    queries: Chunk
+    pattern: int  # which pattern's segment
+    segment: int  # the segment's global start (its parts' rows count from there)
+    groups: Tuple[HeadGroup, ...]
+    columns: int
+    launches: Tuple[RemoteLaunch, ...]
+    homes: Tuple[Tuple[int, Tensor, Tensor, Tensor], ...]
+
+
+class Round(NamedTuple):
+    """One exchange: this rank's key parts out, other ranks' key parts in."""
+
+    sends: Tuple[Transfer, ...]
+    recvs: Tuple[Transfer, ...]
+
+
+class Block(NamedTuple):
+    """Local rows [lo, hi), computed with one set of fp32 accumulators.
+
+    forward: the local launches whose queries lie here; backward: the local
+    launches run when this block's turn comes (see Note [plan]); remote:
+    True when transfers write rows here (it runs after the exchange).
+    """
+
+    index: int
+    lo: int
+    hi: int
+    forward: Tuple[Launch, ...]
+    backward: Tuple[Launch, ...]
+    remote: bool
+
+
+class Plan(NamedTuple):
+    """Everything one rank computes and exchanges for all patterns.
+
+    blocks: in the order they run; rounds: the exchanges; modes: per pattern
+    "local" (no transfer), "gather" or "rotate"; launches: how many kernel
+    calls (local and remote) the forward makes.
+    """
+
+    rows: int
+    blocks: Tuple[Block, ...]
+    rounds: Tuple[Round, ...]
+    modes: Tuple[str, ...]
+    launches: int
+
+
+# --------------------------------------------------------------------------
+# Building a plan
+
+
+def _block_rows(n: int, segment_lengths: Sequence[int], device_type: str) -> int:
+    """Rows per block: the launch minimum or n / MAX_BLOCKS, a multiple of the largest
+    segment length that fits (so those segments never straddle a block border)."""
+    target = max(ROWS_PER_BLOCK.get(device_type, ROWS_PER_BLOCK["cpu"]), -(-n // MAX_BLOCKS))
+    unit = max([w for w in segment_lengths if w <= target], default=1)
+    return max(unit, target // unit * unit)
+
+
+def _blocks_of(chunks: List[Chunk], rows: int) -> List[Tuple[int, int, int]]:
+    """(global lo, global hi, local lo) of this rank's blocks, chunk by chunk, on the global grid."""
+    out = []
+    for c in chunks:
+        lo = c.start
+        while lo < c.stop:
+            hi = min(c.stop, (lo // rows + 1) * rows)
+            out.append((lo, hi, c.local + lo - c.start))
+            lo = hi
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(layout: Layout, w: int, r: int, causal: bool, heads: Heads,
+              documents: Documents) -> Tuple[str, Tuple[Tuple[int, int, Chunk, Chunk], ...]]:
+    """Every transfer of one pattern on every rank: (mode, ((round, segment start, keys, queries))).
+
+    Pure arithmetic on the layout (no tensors), shared by all ranks' plans.
+    """
+    starts = [c.start for c in layout.chunks]
+    moves: List[Tuple[int, int, Chunk, Chunk]] = []
+    sent: Counter = Counter()
+    received: Counter = Counter()
+    seen = set()
+    for border in starts[1:]:
+        seg_starts, seg_lengths = segments_between(border - 1, border, w, documents, layout.total)
+        for a, length in zip(seg_starts.tolist(), seg_lengths.tolist()):
+            if a + length <= border or a in seen:
+                continue  # the border is this segment's end: nothing spans it
+            seen.add(a)
+            parts = layout.split(a, a + length)
+            for i, src in enumerate(parts):
+                for j, dst in enumerate(parts):
+                    if src.rank == dst.rank or (causal and i > j):
+                        continue
+                    pairs = selected_pairs(dst.start - a, dst.stop - a, src.start - a,
+                                           src.stop - a, r, heads)
+                    if pairs:
+                        moves.append(((j - i) % len(parts), a, src, dst))
+                        sent[src.rank] += pairs
+                        received[dst.rank] += pairs
+    if not moves:
+        return "local", ()
+    budget = max(heads.kv_of, default=0) + 1
+    budget *= max(layout.rows_of(p) for p in range(layout.ranks))
+    if max(list(sent.values()) + list(received.values())) <= budget:
+        return "gather", tuple((0, a, src, dst) for _, a, src, dst in moves)
+    return "rotate", tuple(moves)
+
+
+def _columns(groups: Tuple[HeadGroup, ...]) -> Dict[Tuple[int, int], Tuple[int, int]]:
+    """(offset, kv head) -> (first column, rows) in a transfer's pair-major wire format."""
+    out, col = {}, 0
+    for g in groups:
+        kv_rows = g.kv_index.shape[0]
+        for pair in g.pairs:
+            out[pair] = (col, kv_rows)
+            col += kv_rows
+    return out
+
+
+def _cut(directory: Dict[Tuple[int, int], Tuple[int, int]], group: HeadGroup,
+         device: str) -> Union[slice, Tensor]:
+    """The buffer columns of `group`'s kv block, pair after pair: a slice when contiguous."""
+    spans = [directory[p] for p in group.pairs]
+    kv_rows = group.kv_index.shape[0]
+    if all(spans[i][0] + kv_rows == spans[i + 1][0] for i in range(len(spans) - 1)):
+        return slice(spans[0][0], spans[0][0] + kv_rows * len(spans))
+    return torch.cat([torch.arange(c, c + kv_rows, device=device) for c, _ in spans])
+
+
+def make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, rank: int,
+              device: str = "cpu", documents: Documents = None) -> Plan:
+    """The plan of `rank` (see Note [plan]); equal arguments on every rank of a call.
+
+    Plans are cached: a call with the same shapes reuses its plan.
+    """
+    kind = torch.device(device).type
+    rows = _block_rows(layout.rows_of(rank), patterns[0], kind)
+    launch_rows = ROWS_PER_LAUNCH.get(kind, ROWS_PER_LAUNCH["cpu"])
+    return _make_plan(layout, patterns, causal, heads, rank, device, documents, rows, launch_rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, rank: int,
+               device: str, documents: Documents, rows: int, launch_rows: int) -> Plan:
+    chunks = layout.of_rank(rank)
+    n = sum(c.stop - c.start for c in chunks)
+    grid = _blocks_of(chunks, rows)
+    # blocks by global start (a rank's chunks need not be in global order: zigzag)
+    by_start = sorted(range(len(grid)), key=lambda i: grid[i][0])
+    block_starts = [grid[i][0] for i in by_start]
+
+    def block_of(pos: int) -> int:
+        """The block (index into grid) holding global row `pos` of this rank."""
+        return by_start[bisect.bisect_right(block_starts, pos) - 1]
+
+    def local(pos: int) -> int:
+        b = grid[block_of(pos)]
+        return b[2] + pos - b[0]
+
+    launches: List[Tuple[Segments, Segments, HeadGroup, bool, int, int]] = []
+    rounds_by_step: Dict[int, Tuple[List[Transfer], List[Transfer]]] = {}
+    modes: List[str] = []
+    remote_blocks = set()
+    for pattern, (w, r) in enumerate(zip(*patterns)):
+        for lo, hi, local_lo in grid:
+            starts, lengths = segments_between(lo, hi, w, documents, layout.total)
+            inside = (starts >= lo) & (starts + lengths <= hi)
+            b = block_of(lo)
+            # whole segments inside the block: batches of one length, launch_rows at most
+            for length in torch.unique(lengths[inside]).tolist():
+                local_starts = starts[inside & (lengths == length)] - lo + local_lo
+                for s in local_starts.split(max(1, launch_rows // length)):
+                    regular = s.numel() == 1 or bool((s[1:] - s[:-1] == length).all())
+                    segs = (Segments(int(s[0]), s.numel(), length) if regular
+                            else Segments(0, s.numel(), length, s.to(device)))
+                    for g in head_groups(0, length, r, heads, device):
+                        launches.append((segs, segs, g, causal, b, b))
+            # segments crossing the block's border: this block's part of each
+            for a, length in zip(starts[~inside].tolist(), lengths[~inside].tolist()):
+                qa, qb = max(a, lo), min(a + length, hi)
+                q_segs = Segments(local(qa), 1, qb - qa)
+                for g in head_groups(qa - a, qb - a, r, heads, device):
+                    launches.append((q_segs, q_segs, g, causal, b, b))
+                for part in layout.split(a, a + length):
+                    if part.rank != rank:
+                        continue  # another rank's keys: a transfer (below)
+                    for ka, kb in _own_key_ranges(part, grid, qa, qb, causal):
+                        k_segs = Segments(local(ka), 1, kb - ka)
+                        for g in cross_head_groups(qa - a, qb - a, ka - a, kb - a, r, heads,
+                                                   device):
+                            launches.append((q_segs, k_segs, g, False, b, block_of(ka)))
+        mode, moves = _schedule(layout, w, r, causal, heads, documents)
+        modes.append(mode)
+        for step, a, src, dst in moves:
+            if rank not in (src.rank, dst.rank):
+                continue
+            groups = cross_head_groups(dst.start - a, dst.stop - a, src.start - a, src.stop - a,
+                                       r, heads, device)
+            columns = sum(g.kv_index.numel() for g in groups)
+            sends, recvs = rounds_by_step.setdefault(step, ([], []))
+            if src.rank == rank:
+                homes = _homes(src, a, r, groups, grid, block_of, device)
+                remote_blocks.update(index for index, _, _, _ in homes)
+                sends.append(Transfer(src, dst, pattern, a, groups, columns, (), homes))
+                continue
+            directory = _columns(groups)
+            remote = []
+            for lo, hi, _ in grid:
+                qa, qb = max(lo, dst.start), min(hi, dst.stop)
+                if qb <= qa:
+                    continue
+                remote_blocks.add(block_of(qa))
+                for g in cross_head_groups(qa - a, qb - a, src.start - a, src.stop - a, r, heads,
+                                           device):
+                    remote.append((Segments(local(qa), 1, qb - qa), g, _cut(directory, g, device),
+                                   block_of(qa)))
+            recvs.append(Transfer(src, dst, pattern, a, groups, columns, tuple(remote), ()))
+    return _assemble(grid, launches, rounds_by_step, modes, remote_blocks, n)
+
+
+def _homes(src: Chunk, a: int, rate: int, groups: Tuple[HeadGroup, ...], grid, block_of,
+           device: str) -> Tuple[Tuple[int, Tensor, Tensor, Tensor], ...]:
+    """Where the wire-format columns of a sent key part land, block by block (arithmetic)."""
+    rows_of, heads_of, cols_of = [], [], []
+    col = 0
+    for g in groups:
+        kv_rows, hkv = g.kv_index.shape[0], len(g.pairs)
+        for c, (offset, kv) in enumerate(g.pairs):
+            # (kv_rows,) global rows of this pair's keys: first row of the offset, every rate
+            first = src.start + (offset - (src.start - a)) % rate
+            rows_of.append(first + rate * torch.arange(kv_rows))
+            heads_of.append(torch.full((kv_rows,), kv))
+            cols_of.append(col + c * kv_rows + torch.arange(kv_rows))
+        col += kv_rows * hkv
+    rows, heads, cols = torch.cat(rows_of), torch.cat(heads_of), torch.cat(cols_of)
+    out = []
+    for index, (lo, hi, _) in enumerate(grid):
+        if hi <= src.start or lo >= src.stop:
+            continue
+        inside = (rows >= lo) & (rows < hi)
+        # rows relative to the block: they index its accumulators
+        out.append((index, (rows[inside] - lo).to(device), heads[inside].to(device),
+                    cols[inside].to(device)))
+    return tuple(out)
+
+
+def _own_key_ranges(part: Chunk, grid, qa: int, qb: int, causal: bool) -> List[Tuple[int, int]]:
+    """This rank's key ranges of a segment part, cut by block, other than the query part
+    [qa, qb) itself (and, when causal, only those before it)."""
+    out = []
+    for lo, hi, _ in grid:
+        ka, kb = max(lo, part.start), min(hi, part.stop)
+        if kb <= ka or (ka == qa and kb == qb):
+            continue
+        if causal and ka >= qb:
+            continue
+        out.append((ka, kb))
+    return out
+
+
+def _assemble(grid, launches, rounds_by_step, modes, remote_blocks, n) -> Plan:
+    """Number the launches, order the blocks (remote ones last), assign backward launches."""
+    order = [i for i in range(len(grid)) if i not in remote_blocks]
+    order += [i for i in range(len(grid)) if i in remote_blocks]
+    position = {b: k for k, b in enumerate(order)}
+    numbered = [Launch(i, *spec) for i, spec in enumerate(launches)]
+    forward: Dict[int, List[Launch]] = {}
+    backward: Dict[int, List[Launch]] = {}
+    for launch in numbered:
+        forward.setdefault(launch.q_block, []).append(launch)
+        first = min((launch.q_block, launch.k_block), key=position.__getitem__)
+        backward.setdefault(first, []).append(launch)
+    for here, todo in backward.items():
+        # within a block: launches of its own rows, then those whose keys are here (they
+        # complete its dK/dV), then those whose queries are here: accumulators end early
+        todo.sort(key=lambda l: (l.q_block != l.k_block, l.k_block != here))
+    next_id = len(numbered)
+    rounds = []
+    for step in sorted(rounds_by_step):
+        sends, recvs = rounds_by_step[step]
+        numbered_recvs = []
+        for t in recvs:
+            remote = tuple(RemoteLaunch(next_id + i, *spec) for i, spec in enumerate(t.launches))
+            next_id += len(remote)
+            numbered_recvs.append(t._replace(launches=remote))
+        rounds.append(Round(tuple(sends), tuple(numbered_recvs)))
+    blocks = tuple(
+        Block(i, grid[i][2], grid[i][2] + grid[i][1] - grid[i][0], tuple(forward.get(i, ())),
+              tuple(backward.get(i, ())), i in remote_blocks)
+        for i in order
+    )
+    return Plan(n, blocks, tuple(rounds), tuple(modes), next_id)

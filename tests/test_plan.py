@@ -1,0 +1,258 @@
+"""The plan (Note [plan]): every rank's launches together attend exactly the pairs of the
+single-device op, and the transfers' wire format delivers exactly the rows each launch reads.
+
+All ranks are simulated in one process: plans are pure functions of the agreed layout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Dict, List, Tuple
+from unittest import mock
+
+import pytest
+import torch
+
+from dilated_attention import plan as plan_module
+from dilated_attention.distributed.sequence_parallel import pack
+from dilated_attention.launches import _remote_block
+from dilated_attention.patterns import Heads, cross_head_groups, selected_pairs
+from dilated_attention.plan import Layout, make_plan, segments_between
+from reference import dilated_counts
+
+
+@pytest.mark.parametrize("rate,h,hk,first", [(1, 4, 2, 0), (2, 3, 1, 0), (3, 5, 5, 0),
+                                             (4, 6, 3, 0), (3, 8, 2, 0), (3, 4, 2, 5)])
+def test_cross_head_groups_select_each_heads_rows(rate, h, hk, first):
+    heads = Heads.of(h, hk, first)
+    g = h // hk
+    for q_lo, q_len, k_lo, k_len in itertools.product(range(4), range(5), range(4), range(5)):
+        groups = cross_head_groups(q_lo, q_lo + q_len, k_lo, k_lo + k_len, rate, heads)
+        seen = []
+        for grp in groups:
+            per_kv = len(grp.q_heads) // len(grp.kv_heads)
+            for i, j in enumerate(grp.q_heads.tolist()):
+                c = i // per_kv  # the kernel's GQA order: query column i reads kv column c
+                assert grp.kv_heads[c].item() == j // g
+                offset = (first + j) % rate
+                assert grp.pairs[c] == (offset, j // g)
+                want_q = [t - q_lo for t in range(q_lo, q_lo + q_len) if t % rate == offset]
+                want_k = [u - k_lo for u in range(k_lo, k_lo + k_len) if u % rate == offset]
+                assert grp.q_index[:, i].tolist() == want_q
+                assert grp.kv_index[:, c].tolist() == want_k
+                seen.append(j)
+        # heads with rows on both sides, each exactly once
+        want = [j for j in range(h)
+                if any(t % rate == (first + j) % rate for t in range(q_lo, q_lo + q_len))
+                and any(u % rate == (first + j) % rate for u in range(k_lo, k_lo + k_len))]
+        assert sorted(seen) == want
+        assert selected_pairs(q_lo, q_lo + q_len, k_lo, k_lo + k_len, rate, heads) == sum(
+            grp.kv_index.numel() for grp in groups
+        )
+
+
+def test_uneven_kv_map():
+    """A head-parallel rank's heads may read kv heads unevenly (h 6, hk 3 over 2 ranks: the
+    second holds heads 3, 4, 5 reading kv heads 1, 2, 2): each query head still reads its own."""
+    heads = Heads(3, (0, 1, 1))
+    for rate in (1, 2, 4):
+        for grp in cross_head_groups(0, 9, 0, 9, rate, heads):
+            per_kv = len(grp.q_heads) // len(grp.kv_heads)
+            for i, j in enumerate(grp.q_heads.tolist()):
+                assert grp.kv_heads[i // per_kv].item() == heads.kv_of[j]
+
+
+def test_huge_rates_plan_instantly():
+    """Planning costs what the heads need, not what the rate is (issue 15, item 9)."""
+    start = time.perf_counter()
+    groups = cross_head_groups(0, 64, 0, 64, 2**40, Heads.of(4, 2))
+    # head j reads row j only (offset j): one (row, kv head) pair per head
+    assert selected_pairs(0, 64, 0, 64, 2**40, Heads.of(4, 2)) == 4
+    plan = make_plan(Layout.contiguous([64]), ((2**41,), (2**40,)), True, Heads.of(4, 2), 0)
+    assert time.perf_counter() - start < 0.5
+    assert [g.rows for g in groups] == [1]
+    assert plan.launches == 1
+
+
+def test_segments_between_documents():
+    # documents [0, 3), [3, 3) (empty), [3, 10), [10, 25); w = 4
+    cu = (0, 3, 3, 10, 25)
+    starts, lengths = segments_between(0, 25, 4, cu, 25)
+    assert list(zip(starts.tolist(), lengths.tolist())) == [
+        (0, 3), (3, 4), (7, 3), (10, 4), (14, 4), (18, 4), (22, 3)]
+    starts, lengths = segments_between(12, 19, 4, cu, 25)  # only those meeting [12, 19)
+    assert list(zip(starts.tolist(), lengths.tolist())) == [(10, 4), (14, 4), (18, 4)]
+    starts, _ = segments_between(0, 25, 100, None, 25)
+    assert starts.tolist() == [0]
+
+
+# --------------------------------------------------------------------------
+# Every rank's plan together covers the single-device op, through the wire format
+
+
+def _global_rows(layout: Layout, rank: int) -> torch.Tensor:
+    """(n,) the global row of each local row of `rank`."""
+    rows = torch.empty(layout.rows_of(rank), dtype=torch.int64)
+    for c in layout.of_rank(rank):
+        rows[c.local : c.local + c.stop - c.start] = torch.arange(c.start, c.stop)
+    return rows
+
+
+def _segment_rows(segs, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Global rows (count, *index.shape) of local segment rows segs + index."""
+    starts = segs.starts if segs.starts is not None else \
+        segs.start + segs.length * torch.arange(segs.count)
+    return rows[starts.view((-1,) + (1,) * index.dim()) + index]
+
+
+def plan_counts(layout: Layout, patterns, causal, h, hk, documents=None):
+    """c (h, N, N): how often all ranks' plans attend (t, u) for head j; the plans."""
+    total = layout.total
+    heads = Heads.of(h, hk)
+    counts = torch.zeros(h, total, total, dtype=torch.int64)
+    plans = [make_plan(layout, patterns, causal, heads, p, "cpu", documents)
+             for p in range(layout.ranks)]
+    rows = [_global_rows(layout, p) for p in range(layout.ranks)]
+
+    def add(group, ts, us, square_causal):
+        # ts (s, rows, hq), us (s, kv_rows, hkv) global rows
+        per_kv = len(group.q_heads) // len(group.kv_heads)
+        for s in range(ts.shape[0]):
+            for i, j in enumerate(group.q_heads.tolist()):
+                for a, t in enumerate(ts[s, :, i].tolist()):
+                    for c, u in enumerate(us[s, :, i // per_kv].tolist()):
+                        if not square_causal or c <= a:
+                            counts[j, t, u] += 1
+
+    # the keys a rank's buffer carries, as global row ids: k = v = row id (b = 1, d = 1)
+    ids = [rows[p].double()[None, :, None, None].expand(1, -1, hk, 1) for p in range(layout.ranks)]
+    for p, plan in enumerate(plans):
+        seen = set()
+        for block in plan.blocks:
+            assert block.index not in seen
+            seen.add(block.index)
+            for launch in block.forward:
+                g = launch.group
+                add(g, _segment_rows(launch.queries, g.q_index, rows[p]),
+                    _segment_rows(launch.keys, g.kv_index, rows[p]), launch.causal)
+        assert sorted(
+            l.id for b in plan.blocks for l in b.forward) == sorted(
+            l.id for b in plan.blocks for l in b.backward)
+        for rnd in plan.rounds:
+            for t in rnd.recvs:
+                assert t.queries.rank == p and t.keys.rank != p
+                # what the sender packs (its rows as ids), cut as the receiver cuts it
+                sent = next(s for other in plans[t.keys.rank].rounds for s in other.sends
+                            if s[:4] == t[:4])
+                buf = pack(ids[t.keys.rank], sent)
+                assert buf.shape[1] == t.columns
+                for launch in t.launches:
+                    g = launch.group
+                    # (1, kv_rows, hkv, 1) ids -> (1, kv_rows, hkv) global rows
+                    us = _remote_block(buf, launch)[..., 0].long()
+                    add(g, _segment_rows(launch.queries, g.q_index, rows[p]), us, False)
+    return counts, plans
+
+
+def _check_sends_meet_receives(plans) -> None:
+    """Between every two ranks, the ordered sends of one equal the receives of the other."""
+    flows: Dict[Tuple[int, int, str], List] = {}
+    for p, plan in enumerate(plans):
+        # rounds are a rank's own (it skips steps it has no part in): compare in order
+        for rnd in plan.rounds:
+            for t in rnd.sends:
+                flows.setdefault((p, t.queries.rank, "send"), []).append(
+                    (t.keys, t.queries, t.pattern, t.segment, t.columns))
+            for t in rnd.recvs:
+                flows.setdefault((t.keys.rank, p, "recv"), []).append(
+                    (t.keys, t.queries, t.pattern, t.segment, t.columns))
+    for a, b in {(a, b) for a, b, _ in flows}:
+        assert flows.get((a, b, "send")) == flows.get((a, b, "recv")), (a, b)
+
+
+PLAN_CASES = [
+    # lengths, patterns, causal, h, hk, documents
+    ((8, 12), ((4,), (2,)), False, 3, 1, None),  # every segment inside a rank
+    ((5, 6, 7), ((4, 8), (1, 2)), False, 3, 3, None),  # segments span two ranks
+    ((5, 6, 7), ((4, 8), (1, 2)), True, 4, 2, None),
+    ((3, 0, 7, 4), ((32, 5), (3, 1)), True, 5, 5, None),  # w > N (spans all), an empty piece
+    ((3, 0, 7, 4), ((32, 5), (3, 1)), False, 6, 2, None),
+    ((4, 4, 4, 4), ((16,), (1,)), False, 2, 1, None),  # dense: rotates
+    ((6, 1, 2, 9), ((7, 3, 20), (2, 3, 4)), True, 7, 7, None),
+    ((0, 9, 0), ((4, 2), (2, 1)), False, 3, 1, None),  # one non-empty piece: all local
+    ((5, 6, 7), ((4, 8), (1, 2)), True, 4, 2, (0, 2, 2, 9, 13, 18)),  # documents cross ranks
+    ((9, 3, 6), ((3, 16), (1, 3)), False, 3, 1, (0, 1, 8, 10, 11, 11, 18)),
+    ((18,), ((3, 16), (1, 3)), True, 3, 1, (0, 1, 8, 10, 11, 11, 18)),  # one device, documents
+]
+
+
+@pytest.mark.parametrize("block_rows", [4096, 1, 3])
+@pytest.mark.parametrize("lengths,patterns,causal,h,hk,documents", PLAN_CASES)
+def test_plans_cover_the_single_device_op(lengths, patterns, causal, h, hk, documents,
+                                          block_rows):
+    with mock.patch.dict(plan_module.ROWS_PER_BLOCK, {"cpu": block_rows}):
+        counts, plans = plan_counts(Layout.contiguous(lengths), patterns, causal, h, hk,
+                                    documents)
+    want = dilated_counts(sum(lengths), h, patterns[0], patterns[1], causal, documents)
+    assert torch.equal(counts, want)
+    _check_sends_meet_receives(plans)
+
+
+@pytest.mark.parametrize("world,half", [(2, 4), (3, 3), (4, 2)])
+@pytest.mark.parametrize("patterns,causal", [(((4, 16), (1, 2)), True), (((6, 64), (2, 1)), False)])
+def test_zigzag_plans_cover_the_single_device_op(world, half, patterns, causal):
+    layout = Layout.zigzag([2 * half] * world)
+    counts, plans = plan_counts(layout, patterns, causal, 4, 2)
+    want = dilated_counts(layout.total, 4, patterns[0], patterns[1], causal)
+    assert torch.equal(counts, want)
+    _check_sends_meet_receives(plans)
+
+
+@pytest.mark.parametrize("lengths,patterns,causal,h,hk,documents", PLAN_CASES + [
+    ((10,) * 8, ((80, 20), (1, 2)), False, 4, 2, None),  # dense over 8 ranks, and w/r > N/P
+    ((10,) * 8, ((80, 20), (1, 2)), True, 4, 2, None),
+])
+def test_received_rows_stay_within_two_pieces(lengths, patterns, causal, h, hk, documents):
+    """Per round, a rank sends and receives at most 2 * hk * max_p N_p (row, kv head) pairs,
+    whatever w is (Note [plan], rotate mode)."""
+    bound = 2 * hk * max(lengths)
+    layout = Layout.contiguous(lengths)
+    for p in range(len(lengths)):
+        plan = make_plan(layout, patterns, causal, Heads.of(h, hk), p, "cpu", documents)
+        for rnd in plan.rounds:
+            assert sum(t.columns for t in rnd.recvs) <= bound
+            assert sum(t.columns for t in rnd.sends) <= bound
+
+
+def test_plan_modes():
+    layout = Layout.contiguous((4, 4, 4, 4))
+    heads = Heads.of(2, 1)
+    # w >= N, r = 1: each rank would gather 3 pieces: rotate, one step per round
+    dense = make_plan(layout, ((16,), (1,)), False, heads, 1)
+    assert dense.modes == ("rotate",) and len(dense.rounds) == 3
+    assert all(len(r.recvs) == 1 for r in dense.rounds)
+    # causal dense: rank p receives from p earlier ranks, one per round
+    assert len(make_plan(layout, ((16,), (1,)), True, heads, 3).rounds) == 3
+    assert len(make_plan(layout, ((16,), (1,)), True, heads, 0).rounds) == 3  # sends only
+    # small segments across the boundaries: gathered in one round
+    three = Layout.contiguous((6, 6, 6))
+    assert make_plan(three, ((4,), (2,)), False, Heads.of(2, 2), 1).modes == ("gather",)
+    two = Layout.contiguous((8, 8))
+    assert make_plan(two, ((4,), (1,)), False, Heads.of(2, 2), 0).modes == ("local",)
+    assert make_plan(two, ((4,), (1,)), False, Heads.of(2, 2), 0).rounds == ()
+    # a document boundary at the rank border: nothing spans it, nothing moves
+    assert make_plan(two, ((8,), (1,)), False, Heads.of(2, 2), 0, "cpu",
+                     (0, 8, 16)).rounds == ()
+
+
+def test_longnet_billion_token_plan_is_fast():
+    """LongNet's geometric schedule up to 2^30 rows over 128 ranks: one rank's plan in
+    well under a second (issue 11), on meta index tensors."""
+    segs = tuple(2048 * 2**i for i in range(0, 20, 4)) + (2**30,)
+    rates = tuple(w // 2048 for w in segs)
+    layout = Layout.contiguous([2**30 // 128] * 128)
+    start = time.perf_counter()
+    plan = make_plan(layout, (segs, rates), True, Heads.of(12, 12), 77, "meta")
+    assert time.perf_counter() - start < 5.0
+    assert plan.rounds
