@@ -179,6 +179,50 @@ def test_input_errors():
         model.generate(torch.zeros(1, 3, dtype=torch.long), 2.5)
 
 
+def test_target_and_token_checks_before_the_forward():
+    """Issue 15: ids out of range or negative targets, uint8 ids, labels=, batch mismatch."""
+    model = LongNetLM(small_config())
+    tokens = torch.zeros(1, 5, dtype=torch.long)
+    for bad in (23, -5):
+        with pytest.raises(ValueError, match=rf"targets must be ids in \[0, 23\).*{bad}"):
+            model(tokens, torch.full((1, 5), bad))
+    with pytest.raises(TypeError, match="uint8"):
+        model(tokens.to(torch.uint8))
+    with pytest.raises(ValueError, match="labels must be ids"):
+        model(tokens, labels=torch.full((1, 5), 99))
+    targets = torch.ones(1, 5, dtype=torch.long)
+    torch.testing.assert_close(model(tokens, labels=targets)[1], model(tokens, targets)[1])
+    with pytest.raises(ValueError, match="not both"):
+        model(tokens, targets, labels=targets)
+    encdec = LongNet(small_config())
+    with pytest.raises(ValueError, match="same batch size, got 1 and 2"):
+        encdec(tokens, torch.zeros(2, 5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("how", ["cu_seqlens", "position_ids"])
+def test_packed_documents_equal_training_them_one_by_one(how):
+    """A packed sequence: each document's logits are its logits alone (positions restart),
+    and the loss is the token mean over every document's targets."""
+    torch.manual_seed(0)
+    model = LongNetLM(small_config(positions="learned", max_seq_len=20), dtype=torch.float64)
+    _perturb(model)
+    tokens, targets = _data(2, 37, 23, seed=4)
+    kwargs = {"cu_seqlens": PACKED} if how == "cu_seqlens" else {"position_ids": _restarts(37)}
+    logits, loss = model(tokens, targets, **kwargs)
+    total, count = 0.0, 0
+    for s, e in zip(PACKED[:-1], PACKED[1:]):
+        if e == s:
+            continue
+        alone, _ = model(tokens[:, s:e])
+        torch.testing.assert_close(logits[:, s:e], alone, rtol=1e-10, atol=1e-12)
+        keep = targets[:, s:e] != IGNORE_INDEX
+        total += F.cross_entropy(alone[keep], targets[:, s:e][keep], reduction="sum")
+        count += int(keep.sum())
+    torch.testing.assert_close(loss, total / count, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="not both"):
+        model(tokens, cu_seqlens=PACKED, position_ids=_restarts(37))
+
+
 def test_checkpointing_gives_the_same_gradients():
     torch.manual_seed(0)
     config = small_config(num_kv_heads=3)
@@ -259,11 +303,23 @@ def _example():
     return module
 
 
-def _step(model, group, tokens, targets, *extra):
+PACKED = (0, 3, 3, 19, 20, 37)  # documents of 3, 0, 16, 1 and 17 tokens
+
+
+def _restarts(n: int) -> torch.Tensor:
+    """(n,) positions restarting at 0 at each document of PACKED."""
+    cu = torch.tensor(PACKED)
+    rows = torch.arange(n)
+    return rows - cu[torch.searchsorted(cu, rows, right=True) - 1]
+
+
+def _step(model, group, tokens, targets, *extra, **kwargs):
     """One training step's loss and full parameter gradients, on this rank's pieces."""
     model.zero_grad(set_to_none=True)
     pieces = [shard_sequence(x, group) for x in (*extra, tokens, targets)]
-    _, loss = model(*pieces)
+    if "position_ids" in kwargs:
+        kwargs = {"position_ids": shard_sequence(kwargs["position_ids"], group, dim=0)}
+    _, loss = model(*pieces, **kwargs)
     loss.backward()
     all_reduce_gradients(model, group)
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -276,6 +332,8 @@ def _sp_cases(group):
         ("lm", dict(checkpoint_activations=True, segment_lengths=(64,), dilation_rates=(1,)), 31),
         ("encdec", dict(num_kv_heads=3), 26),
         ("lm", dict(), 2),  # 3 ranks: the last piece is empty
+        ("packed", dict(positions="learned", max_seq_len=20), 37),  # documents cross pieces
+        ("restart", dict(), 37),  # the same documents, given as restarting position_ids
     ]
     done = []
     for kind, overrides, n in cases:
@@ -283,13 +341,15 @@ def _sp_cases(group):
         models = []
         for g in (None, group):
             torch.manual_seed(0)  # identical initial parameters in both models
-            cls = LongNetLM if kind == "lm" else LongNet
+            cls = LongNet if kind == "encdec" else LongNetLM
             models.append(cls(config, dtype=torch.float64, process_group=g))
             _perturb(models[-1])
         tokens, targets = _data(2, n, config.vocab_size, seed=n)
-        extra = () if kind == "lm" else (_data(2, n + 5, config.vocab_size, seed=1)[0],)
-        ref_loss, ref_grads = _step(models[0], None, tokens, targets, *extra)
-        loss, grads = _step(models[1], group, tokens, targets, *extra)
+        extra = () if kind != "encdec" else (_data(2, n + 5, config.vocab_size, seed=1)[0],)
+        docs = {"packed": dict(cu_seqlens=PACKED), "restart": dict(position_ids=_restarts(n))}
+        ref_loss, ref_grads = _step(models[0], None, tokens, targets, *extra,
+                                    **docs.get(kind, {}))
+        loss, grads = _step(models[1], group, tokens, targets, *extra, **docs.get(kind, {}))
         torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
         for name, g in ref_grads.items():
             torch.testing.assert_close(grads[name], g, rtol=1e-9, atol=1e-12, msg=f"{kind} {name}")
@@ -331,7 +391,7 @@ def _rank_main(group, with_example: bool):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sequence_parallel_training_step_equals_one_process(world_size):
     results = run_distributed(_rank_main, world_size, world_size == 2, timeout=240)
-    assert all(len(r["cases"]) == 6 for r in results)
+    assert all(len(r["cases"]) == 8 for r in results)
 
 
 def _targets_on_one_rank_only(group):
@@ -350,6 +410,16 @@ def _targets_on_one_rank_only(group):
         with pytest.raises(ValueError, match="targets_passed"):
             model(*args, *([targets] if rank == 0 else []))
         results.append(time.monotonic() - start)
+    # a target id out of range on one rank only: every rank raises before the forward
+    model = LongNetLM(small_config(), process_group=group)
+    tokens, targets = _data(1, 8, 23, seed=rank)
+    if rank == 1:
+        targets[0, 3] = 23
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"targets must be ids in \[0, 23\)" if rank == 1
+                       else "rank 1"):
+        model(tokens, targets)
+    results.append(time.monotonic() - start)
     # every target of every rank ignored: loss 0 on every rank, not NaN
     model = LongNetLM(small_config(), process_group=group)
     tokens, _ = _data(1, 8, 23, seed=rank)

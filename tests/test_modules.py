@@ -221,6 +221,23 @@ def test_forward_errors():
         m(x, x, x, is_causal=None)
 
 
+def test_forward_follows_multihead_attention_argument_order():
+    """A drop-in for nn.MultiheadAttention: (query, key, value, key_padding_mask, need_weights,
+    attn_mask, average_attn_weights, is_causal); a positional mask is a key padding mask."""
+    m = _mhda()
+    x = torch.randn(2, 8, 16)
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[:, 6:] = True
+    positional, _ = m(x, x, x, mask)
+    keyword, _ = m(x, x, x, key_padding_mask=mask)
+    torch.testing.assert_close(positional, keyword, rtol=0, atol=0)
+    assert not torch.equal(positional, m(x, x, x)[0])
+    with pytest.raises(ValueError, match="attn_mask"):
+        m(x, x, x, None, False, torch.zeros(8, 8))
+    with pytest.raises(TypeError, match="dtype"):
+        m(x.double(), x.double(), x.double())
+
+
 def _bad_input_on_one_rank(group):
     """Rank 1 passes a wrong embed dim (or a non-bool is_causal): every rank raises quickly."""
     import time
@@ -233,12 +250,14 @@ def _bad_input_on_one_rank(group):
     for bad_input, bad_causal, error in (
         (torch.randn(2, 8, 12), False, ValueError),
         (good, None, TypeError),
+        (good.double(), False, TypeError),  # issue 15: a dtype the projections would reject
+        (good.long(), False, TypeError),
     ):
         x, causal = (bad_input, bad_causal) if rank == 1 else (good, False)
         start = time.monotonic()
         # the bad rank raises its own error, the others a ValueError naming rank 1
         with pytest.raises(error if rank == 1 else ValueError,
-                           match="embed_dim=16|is_causal" if rank == 1 else "rank 1"):
+                           match="embed_dim=16|is_causal|dtype" if rank == 1 else "rank 1"):
             m(x, x, x, is_causal=causal)
         elapsed.append(time.monotonic() - start)
     return elapsed

@@ -5,11 +5,14 @@ modules) call. Each builds the call's configuration inside the callable
 that ``comm.agree`` runs, so the checks run exactly once per call and a bad
 argument on one rank is an error on every rank of the group, never a hang.
 The agreed configuration then travels down as values (``patterns``,
-``KernelOptions``, every rank's piece length) to the op that computes it:
+``KernelOptions``, every rank's piece length, the documents) to the op that
+computes it:
 
     dilated_attention --(group None or size 1)--> dilated.dilated_attention_local
                       --(group of P > 1 ranks)--> distributed.sequence_parallel
     ring_attention    ---------------------------> distributed.ring
+                      --(documents or a padding mask)--> the dilated ops, one
+                        segment per document (dense attention is that case)
 
 Notation: b batch, n rows (this rank's piece under sequence parallelism),
 h query heads, hk key/value heads, d head dim; layout (b, n, h, d).
@@ -17,6 +20,8 @@ h query heads, hk key/value heads, d head dim; layout (b, n, h, d).
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -29,6 +34,8 @@ from .distributed.ring import RingAttentionFunction
 from .distributed.sequence_parallel import sequence_parallel_dilated_attention
 from .distributed.sharding import check_layout, check_piece_lengths
 from .kernels import KernelOptions, select_backend
+from .patterns import Patterns
+from .plan import Documents, Layout, unread_rows
 
 
 def dropout_seed(dropout_p: float) -> int:
@@ -38,15 +45,45 @@ def dropout_seed(dropout_p: float) -> int:
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
 
-def _tensor_config(q: Tensor, k: Tensor, v: Tensor, *, allow_empty: bool) -> Dict[str, Any]:
-    """The checked shapes every rank must share (and this rank's length, "n")."""
+def _tensor_config(q: Tensor, k: Tensor, v: Tensor, key_padding_mask, *,
+                   allow_empty: bool) -> Dict[str, Any]:
+    """The checked shapes every rank must share, and this rank's own facts (per_rank keys)."""
     check.check_qkv(q, k, v, allow_empty=allow_empty)
+    mask = check.check_key_padding_mask(key_padding_mask, q)
     b, n, h, d = q.shape
-    return {"dtype": q.dtype, "device_type": q.device.type, "batch": b, "heads": h,
-            "kv_heads": k.shape[2], "head_dim": d, "n": n}
+    # data-dependent facts cannot be read while torch.compile traces (nor on meta tensors):
+    # there a mask counts as masking, and keys as finite
+    inspect = q.device.type != "meta" and not torch.compiler.is_compiling()
+    return {
+        "dtype": q.dtype, "device_type": q.device.type, "batch": b, "heads": h,
+        "kv_heads": k.shape[2], "head_dim": d,
+        # autograd: every rank runs the backward collectives, or none does
+        "requires_grad": torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
+        "key_padding_mask": mask is not None,
+        # this rank's own (per_rank): its length, whether its mask ignores any key, and
+        # whether a key or value row holds a non-finite number (see _nonfinite_keys)
+        "n": n,
+        "masked_keys": mask is not None and (not inspect or bool(mask.any())),
+        "nonfinite": inspect and bool(_bad_keys(k, v).any() or not torch.isfinite(q).all()),
+    }
 
 
-def _documents(cu_seqlens: Optional[Tuple[int, ...]], total: int) -> Optional[Tuple[int, ...]]:
+_PER_RANK = ("n", "masked_keys", "nonfinite")
+
+
+def _bad_keys(k: Tensor, v: Tensor) -> Tensor:
+    """(b, n, hk, 2) bool: the key rows whose k, or whose v, holds a NaN or an infinity."""
+    return torch.stack([~torch.isfinite(k).all(-1), ~torch.isfinite(v).all(-1)], dim=-1)
+
+
+def _agreed_lengths(infos) -> Tuple[int, ...]:
+    lengths = tuple(info["n"] for info in infos)
+    if sum(lengths) == 0:
+        raise ValueError(f"the sequence is empty on every rank (piece lengths {list(lengths)})")
+    return lengths
+
+
+def _documents(cu_seqlens: Optional[Tuple[int, ...]], total: int) -> Documents:
     """The agreed boundaries, checked against the sequence length; None for one document."""
     if cu_seqlens is None:
         return None
@@ -100,16 +137,18 @@ def dilated_attention(
     Returns:
         out (batch, seq_len, heads, head_dim), or (out, lse) with lse float32
         (float64 for float64 inputs). A query that attends nothing gets zeros
-        and lse = -inf (and zero gradients).
+        and lse = -inf (and zero gradients). A query that is not finite, or
+        that attends a key whose k or v row is not finite, gets NaN, on one
+        device and sequence-parallel alike; every other query is exact.
     """
     distributed = comm.is_distributed(group)
 
     def config() -> Dict[str, Any]:
         segs, rates = check.check_patterns(segment_lengths, dilation_rates)
         p = check.check_dropout(dropout_p)
-        mask = check.check_key_padding_mask(key_padding_mask, q)
+        tensors = _tensor_config(q, k, v, key_padding_mask, allow_empty=distributed)
         return {
-            **_tensor_config(q, k, v, allow_empty=distributed),
+            **tensors,
             "segment_lengths": segs,
             "dilation_rates": rates,
             "causal": check.check_bool("is_causal", is_causal),
@@ -117,32 +156,85 @@ def dilated_attention(
             "scale": check.check_scale(scale, q.shape[-1]),
             "dropout_p": p,
             "cu_seqlens": check.check_cu_seqlens(cu_seqlens),
-            "key_padding_mask": mask is not None,
-            "masked_keys": mask is not None and bool(mask.any()),
             "backend": select_backend(q.device, q.dtype, dropout_p=p, backend=backend,
-                                      masked=mask is not None),
+                                      masked=tensors["key_padding_mask"]),
             "seed": dropout_seed(p),
         }
 
-    infos = comm.agree(group, config, per_rank=("n", "seed", "masked_keys"))
+    infos = comm.agree(group, config, per_rank=_PER_RANK + ("seed",))
     call = infos[0]  # rank 0's dropout seed is the call's
-    lengths = tuple(info["n"] for info in infos)
+    lengths = _agreed_lengths(infos)
     documents = _documents(call["cu_seqlens"], sum(lengths))
     patterns = (call["segment_lengths"], call["dilation_rates"])
     opts = KernelOptions(call["causal"], call["scale"], call["backend"], call["dropout_p"],
                          call["seed"])
-    # a mask that ignores nothing on any rank changes nothing: skip its cost
-    mask = key_padding_mask if any(info["masked_keys"] for info in infos) else None
-    if distributed:
-        out, lse = sequence_parallel_dilated_attention(q, k, v, patterns, opts, group, lengths,
+    if comm.group_rank(group) == 0:
+        _warn_unread(sum(lengths), patterns, call["heads"], documents)
+
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        if distributed:
+            return sequence_parallel_dilated_attention(q, k, v, patterns, opts, group, lengths,
                                                        documents=documents, key_mask=mask)
-    else:
-        out, lse = dilated_attention_local(q, k, v, patterns, opts, documents=documents,
-                                           key_mask=mask)
+        return dilated_attention_local(q, k, v, patterns, opts, documents=documents,
+                                       key_mask=mask)
+
+    out, lse = _attend(run, q, k, v, key_padding_mask, infos)
     if return_lse:
         # (b, n, h) -> (b, h, n)
         return out, lse.transpose(1, 2)
     return out
+
+
+def _attend(run, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
+            infos) -> Tuple[Tensor, Tensor]:
+    """`run(q, k, v, mask)`, with what every rank agreed about masks and non-finite keys."""
+    # a mask that ignores nothing on any rank changes nothing: skip its cost
+    mask = key_padding_mask if any(info["masked_keys"] for info in infos) else None
+    if not any(info["nonfinite"] for info in infos):
+        return run(q, k, v, mask)
+    return _nonfinite_keys(run, q, k, v, mask)
+
+
+def _nonfinite_keys(run, q: Tensor, k: Tensor, v: Tensor,
+                    mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """Attention where some q, k or v rows hold NaN/inf (on some rank): exact elsewhere.
+
+    A kernel multiplies a masked-out probability (0) by a value row anyway
+    (0 * NaN = NaN), so a non-finite row would reach queries that never
+    attend it, and which ones depends on how launches are cut (one device
+    and sequence-parallel would differ). So: attend with those rows zeroed,
+    then attend once more with values that mark them (1 in column 0 for a
+    bad k row, column 1 for a bad v row; no gradient): a query whose marker
+    output is positive attends one, and its output (and for a bad k its lse)
+    becomes NaN, as exact arithmetic would give.
+    """
+    bad = _bad_keys(k, v)  # (b, n, hk, 2)
+    rows = bad.any(-1, keepdim=True)
+    # a non-finite query reaches its own row only (the CPU kernel would return 0 for it)
+    bad_q = ~torch.isfinite(q).all(-1)  # (b, n, h)
+    q = q.masked_fill(bad_q[..., None], 0.0)
+    out, lse = run(q, k.masked_fill(rows, 0.0), v.masked_fill(rows, 0.0), mask)
+    with torch.no_grad():
+        marker = torch.zeros_like(v)
+        marker[..., :2] = bad.to(v.dtype)
+        hits, _ = run(q.detach(), k.detach().masked_fill(rows, 0.0), marker, mask)
+    hit_k = (hits[..., 0] > 0) | bad_q  # (b, n, h)
+    out = out.masked_fill((hit_k | (hits[..., 1] > 0))[..., None], math.nan)
+    return out, lse.masked_fill(hit_k, math.nan)
+
+
+def _warn_unread(n: int, patterns: Patterns, heads: int, documents: Documents) -> None:
+    """A UserWarning (once per pattern set) when some (row, head) is read by no pattern."""
+    count = unread_rows(n, patterns, heads, documents)
+    if count:
+        # the text names the pattern set only, so Python shows it once per pattern set
+        warnings.warn(
+            f"dilated attention with segment_lengths {list(patterns[0])} and dilation_rates "
+            f"{list(patterns[1])} over {heads} heads leaves some (row, head) pairs unread: "
+            f"no head's pattern selects them, so their outputs are 0 (docs/spec.md, 'One "
+            f"pattern'). Add a pattern with rate 1, or rates that the heads' offsets cover.",
+            UserWarning, stacklevel=3,
+        )
 
 
 def ring_attention(
@@ -156,6 +248,8 @@ def ring_attention(
     return_lse: bool = False,
     layout: str = "contiguous",
     backend: str = "auto",
+    cu_seqlens=None,
+    key_padding_mask: Optional[Tensor] = None,
 ):
     """Exact dense attention over the whole sequence spread across `group`.
 
@@ -172,6 +266,11 @@ def ring_attention(
             holds chunks p and 2P-1-p concatenated: even causal work; see
             ``shard_sequence``).
         backend: kernel override, as for ``dilated_attention``.
+        cu_seqlens, key_padding_mask: packed documents and key padding, as
+            for ``dilated_attention``. With either, the attention runs on the
+            dilated machinery with one segment per document (dense attention
+            is its special case): a document inside one rank costs no
+            traffic, one that spans ranks moves only its own rows.
 
     Returns:
         This rank's rows of out (batch, seq_len, heads, head_dim), or
@@ -182,23 +281,37 @@ def ring_attention(
     distributed = comm.is_distributed(group)
 
     def config() -> Dict[str, Any]:
+        tensors = _tensor_config(q, k, v, key_padding_mask, allow_empty=distributed)
         return {
-            **_tensor_config(q, k, v, allow_empty=distributed),
+            **tensors,
             "is_causal": check.check_bool("is_causal", is_causal),
             "return_lse": check.check_bool("return_lse", return_lse),
             "scale": check.check_scale(scale, q.shape[-1]),
             "layout": check_layout(layout),
-            "backend": select_backend(q.device, q.dtype, backend=backend),
+            "cu_seqlens": check.check_cu_seqlens(cu_seqlens),
+            "backend": select_backend(q.device, q.dtype, backend=backend,
+                                      masked=tensors["key_padding_mask"]),
         }
 
-    infos = comm.agree(group, config, per_rank=("n",))
+    infos = comm.agree(group, config, per_rank=_PER_RANK)
     call = infos[0]
-    lengths = tuple(info["n"] for info in infos)
-    if sum(lengths) == 0:
-        raise ValueError(f"the sequence is empty on every rank (piece lengths {list(lengths)})")
+    lengths = _agreed_lengths(infos)
     check_piece_lengths(lengths, layout)
+    documents = _documents(call["cu_seqlens"], sum(lengths))
     opts = KernelOptions(call["is_causal"], call["scale"], call["backend"])
-    out, lse = RingAttentionFunction.apply(q, k, v, opts, group, layout, lengths)
+    dense_patterns = ((sum(lengths),), (1,))
+
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        if mask is None and documents is None:
+            return RingAttentionFunction.apply(q, k, v, opts, group, layout, lengths)
+        if not distributed:
+            return dilated_attention_local(q, k, v, dense_patterns, opts, documents=documents,
+                                           key_mask=mask)
+        cut = Layout.zigzag(lengths) if layout == "zigzag" else Layout.contiguous(lengths)
+        return sequence_parallel_dilated_attention(q, k, v, dense_patterns, opts, group, lengths,
+                                                   documents=documents, key_mask=mask, layout=cut)
+
+    out, lse = _attend(run, q, k, v, key_padding_mask, infos)
     if return_lse:
         # (b, n, h) -> (b, h, n)
         return out, lse.transpose(1, 2)

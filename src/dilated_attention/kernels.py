@@ -390,8 +390,7 @@ def _blockwise_forward(q, k, v, *, causal, scale, dropout_p, seed, key_mask=None
             row_max = new_max
         # a row with no key at all: out 0, lse -inf
         out[:, :, :, q0:q1] = o / row_sum.masked_fill(row_sum == 0, 1.0)
-        lse[:, :, :, q0:q1] = (row_max + torch.log(row_sum)).squeeze(-1).nan_to_num(
-            nan=-math.inf)
+        lse[:, :, :, q0:q1] = (row_max + torch.log(row_sum)).squeeze(-1)
     # (b, hk, g, n, d) -> (b, n, h, d)
     out = out.permute(0, 3, 1, 2, 4).reshape(b, n, h, d).to(q.dtype)
     return out, lse.permute(0, 3, 1, 2).reshape(b, n, h)

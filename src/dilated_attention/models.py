@@ -253,10 +253,12 @@ class Block(nn.Module):
         self.ffn = FeedForward(config, gamma, factory)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, memory: Optional[Tensor] = None) -> Tensor:
-        """x (b, n, e) [, memory (b, m, e)] -> (b, n, e)."""
+    def forward(self, x: Tensor, memory: Optional[Tensor] = None,
+                cu_seqlens: Optional[Tuple[int, ...]] = None) -> Tensor:
+        """x (b, n, e) [, memory (b, m, e)] -> (b, n, e); cu_seqlens: packed documents."""
         h = self.attn_norm(x)
-        x = x + self.dropout(self.self_attn(h, h, h, is_causal=self.causal)[0])
+        attn, _ = self.self_attn(h, h, h, is_causal=self.causal, cu_seqlens=cu_seqlens)
+        x = x + self.dropout(attn)
         return self._after_self_attention(x, memory)
 
     def decode(self, x: Tensor, cache: KVCache, start: int) -> Tensor:
@@ -311,17 +313,15 @@ class Positions(nn.Module):
             self.table = nn.Embedding(config.max_seq_len, config.embed_dim, **factory)
             nn.init.normal_(self.table.weight, std=config.embed_dim**-0.5)
 
-    def forward(self, start: int, n: int, like: Tensor) -> Tensor:
-        """(n, e) embeddings of positions start..start+n-1 in like's dtype/device."""
+    def forward(self, positions: Tensor, like: Tensor) -> Tensor:
+        """(n,) positions -> (n, e) embeddings in like's dtype/device.
+
+        The caller checks positions against max_seq_len (on every rank at once).
+        """
         if self.table is not None:
-            if start + n > self.max_seq_len:
-                raise ValueError(
-                    f"positions up to {start + n - 1} exceed max_seq_len={self.max_seq_len} "
-                    f"of the learned position table"
-                )
-            return self.table(torch.arange(start, start + n, device=like.device))
+            return self.table(positions)
         # float64 angles: exact for positions far beyond 2^24, then one cast
-        pos = torch.arange(start, start + n, device=like.device, dtype=torch.float64)
+        pos = positions.to(torch.float64)
         half = self.embed_dim // 2
         freq = torch.exp(
             torch.arange(half, device=like.device, dtype=torch.float64)
@@ -344,32 +344,85 @@ def _magneto_gamma(decoder_layers: int, encoder_layers: int = 0) -> Tuple[float,
     return enc, dec
 
 
+_ID_DTYPES = (torch.int64, torch.int32)
+
+
 def _check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
     if not isinstance(tokens, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tokens).__name__}")
     if tokens.dim() != 2:
         raise ValueError(f"{name} must be 2-D (batch, seq_len), got shape {tuple(tokens.shape)}")
-    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-        raise TypeError(f"{name} must hold integer token ids, got {tokens.dtype}")
+    if tokens.dtype not in _ID_DTYPES:
+        raise TypeError(f"{name} must hold integer token ids (int64 or int32), got {tokens.dtype}")
     if tokens.device.type != "meta" and tokens.numel():
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"{name} must be ids in [0, {vocab_size}), got values in [{lo}, {hi}]")
 
 
-def _check_targets(targets: Tensor, tokens: Tensor) -> None:
+def _check_targets(targets: Tensor, tokens: Tensor, vocab_size: int, name: str) -> None:
+    """Targets: tokens' shape, int ids in [0, vocab) or IGNORE_INDEX (checked before the
+    forward, so that a bad id is an error on every rank, not in one rank's loss)."""
     if not isinstance(targets, Tensor) or targets.shape != tokens.shape:
         shape = tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__
-        raise ValueError(f"targets must have tokens' shape {tuple(tokens.shape)}, got {shape}")
+        raise ValueError(f"{name} must have tokens' shape {tuple(tokens.shape)}, got {shape}")
+    if targets.dtype not in _ID_DTYPES:
+        raise TypeError(f"{name} must hold int64 or int32 ids, got {targets.dtype}")
+    if targets.device.type != "meta" and targets.numel():
+        bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab_size))
+        if bool(bad.any()):
+            value = int(targets[bad][0])
+            raise ValueError(
+                f"{name} must be ids in [0, {vocab_size}) or {IGNORE_INDEX} (ignored), got "
+                f"{value}"
+            )
+
+
+def _pick_targets(targets: Optional[Tensor], labels: Optional[Tensor]) -> Tuple[Optional[Tensor],
+                                                                                 str]:
+    """`labels` is `targets` under the name transformers users know; not both."""
+    if targets is not None and labels is not None:
+        raise ValueError("pass targets or labels (the same argument), not both")
+    return (labels, "labels") if labels is not None else (targets, "targets")
+
+
+def _document_starts(position_ids: Optional[Tensor], tokens: Tensor,
+                     max_seq_len: Optional[int]) -> Dict[str, object]:
+    """This rank's facts from position_ids (b, n) or (n,): where documents start, the largest
+    position; the rows of a batch must agree (documents are shared by every row)."""
+    if position_ids is None:
+        return {"doc_starts": (), "max_position": None}
+    if not isinstance(position_ids, Tensor) or position_ids.dtype not in _ID_DTYPES:
+        raise TypeError(f"position_ids must be an int64 or int32 tensor, got "
+                        f"{getattr(position_ids, 'dtype', type(position_ids).__name__)}")
+    if position_ids.dim() == 1:
+        position_ids = position_ids[None]
+    if position_ids.dim() != 2 or position_ids.shape[1] != tokens.shape[1]:
+        raise ValueError(
+            f"position_ids must be (batch, seq_len) or (seq_len,) matching tokens "
+            f"{tuple(tokens.shape)}, got {tuple(position_ids.shape)}"
+        )
+    if not bool((position_ids == position_ids[:1]).all()):
+        raise ValueError("position_ids must be the same in every batch row (packed documents "
+                         "are shared by the batch)")
+    row = position_ids[0]
+    if row.numel() and int(row.min()) < 0:
+        raise ValueError(f"position_ids must be >= 0, got {int(row.min())}")
+    return {"doc_starts": tuple((row == 0).nonzero().flatten().tolist()),
+            "max_position": int(row.max()) if row.numel() else None}
 
 
 def _check_inputs(
-    group, names: Tuple[str, ...], inputs: Callable[[], Tuple[Tensor, ...]], *, has_targets: bool
-) -> Tuple[int, Dict[str, Tuple[int, ...]]]:
-    """Validate this rank's inputs and learn every rank's piece lengths.
+    group, names: Tuple[str, ...], inputs: Callable[[], Tuple[Tensor, ...]], *, has_targets: bool,
+    facts: Callable[[], Dict[str, object]] = dict, fact_keys: Tuple[str, ...] = (),
+    shared: Optional[Dict[str, object]] = None,
+) -> Tuple[int, Dict[str, Tuple[int, ...]], List[Dict[str, object]]]:
+    """Validate this rank's inputs and learn every rank's piece lengths (and `facts`).
 
-    `inputs` validates and returns the (b, n) tensors called `names`.
-    Returns this rank's group rank and {name: every rank's n}. Under
+    `inputs` validates and returns the (b, n) tensors called `names`; `facts`
+    returns this rank's own values under `fact_keys` (they may differ between
+    ranks); `shared` values must be equal on every rank. Returns this rank's
+    group rank, {name: every rank's n} and every rank's agreed dict. Under
     sequence parallelism this is ONE agreement collective, entered even when
     this rank's inputs are bad (so every rank raises instead of waiting),
     which also checks that the batch sizes match and that every rank passed
@@ -378,12 +431,13 @@ def _check_inputs(
 
     def local() -> dict:
         shapes = dict(zip(names, (tuple(x.shape) for x in inputs())))
-        return {"targets_passed": has_targets,
+        return {"targets_passed": has_targets, **(shared or {}), **facts(),
                 **{f"{k}_batch": s[0] for k, s in shapes.items()},
                 **{f"{k}_len": s[1] for k, s in shapes.items()}}
 
-    infos = comm.agree(group, local, per_rank=tuple(f"{k}_len" for k in names))
-    return comm.group_rank(group), {k: tuple(i[f"{k}_len"] for i in infos) for k in names}
+    infos = comm.agree(group, local, per_rank=tuple(f"{k}_len" for k in names) + fact_keys)
+    lengths = {k: tuple(i[f"{k}_len"] for i in infos) for k in names}
+    return comm.group_rank(group), lengths, infos
 
 
 def _token_mean_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
@@ -434,18 +488,28 @@ class _LongNetBase(nn.Module):
     def _norm(self) -> nn.LayerNorm:
         return nn.LayerNorm(self.config.embed_dim, eps=self.config.layer_norm_eps, **self._factory)
 
-    def _embed(self, tokens: Tensor, start: int) -> Tensor:
-        """(b, n) ids at global positions [start, start + n) -> (b, n, e)."""
+    def _embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """(b, n) ids at positions (n,) -> (b, n, e)."""
         x = self.embed(tokens)
-        return x + self.positions(start, tokens.shape[1], x)
+        return x + self.positions(positions, x)
 
-    def _run(self, layers: nn.ModuleList, x: Tensor, memory: Optional[Tensor] = None) -> Tensor:
+    def _check_positions(self, largest: Optional[int]) -> None:
+        """Positions past a learned table: an error on every rank (the caller agreed `largest`)."""
+        if self.positions.table is not None and largest is not None and \
+                largest >= self.config.max_seq_len:
+            raise ValueError(
+                f"positions up to {largest} exceed max_seq_len={self.config.max_seq_len} of the "
+                f"learned position table"
+            )
+
+    def _run(self, layers: nn.ModuleList, x: Tensor, memory: Optional[Tensor] = None,
+             cu_seqlens: Optional[Tuple[int, ...]] = None) -> Tensor:
         use_checkpoint = self.config.checkpoint_activations and torch.is_grad_enabled()
         for layer in layers:
             if use_checkpoint:
-                x = checkpoint(layer, x, memory, use_reentrant=False)
+                x = checkpoint(layer, x, memory, cu_seqlens, use_reentrant=False)
             else:
-                x = layer(x, memory)
+                x = layer(x, memory, cu_seqlens)
         return x
 
     def _logits(self, x: Tensor) -> Tensor:
@@ -455,7 +519,9 @@ class _LongNetBase(nn.Module):
         return self.head(x)
 
     def _loss(self, logits: Tensor, targets: Optional[Tensor]) -> Optional[Tensor]:
-        return None if targets is None else _token_mean_loss(logits, targets, self.process_group)
+        if targets is None:
+            return None
+        return _token_mean_loss(logits, targets.long(), self.process_group)
 
 
 class LongNetLM(_LongNetBase):
@@ -482,21 +548,60 @@ class LongNetLM(_LongNetBase):
         self.norm = self._norm()
 
     def forward(
-        self, tokens: Tensor, targets: Optional[Tensor] = None
+        self, tokens: Tensor, targets: Optional[Tensor] = None, *, labels: Optional[Tensor] = None,
+        cu_seqlens=None, position_ids: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
+        """tokens (b, n) -> (logits (b, n, v), loss or None).
+
+        Packed documents: ``cu_seqlens`` (global boundaries [0, c1, ..., N],
+        shared by the batch) or ``position_ids`` that restart at 0 where a
+        document starts ((b, n) or (n,), this rank's rows of the global
+        positions). Attention stays inside each document and positions
+        restart at each document's start (with position_ids: they are the
+        positions). ``labels`` is another name for ``targets``.
+        """
+        targets, target_name = _pick_targets(targets, labels)
+        vocab = self.config.vocab_size
+
         def inputs() -> Tuple[Tensor, ...]:
-            _check_tokens("tokens", tokens, self.config.vocab_size)
+            _check_tokens("tokens", tokens, vocab)
             if targets is not None:
-                _check_targets(targets, tokens)
+                _check_targets(targets, tokens, vocab, target_name)
+            if cu_seqlens is not None and position_ids is not None:
+                raise ValueError("pass cu_seqlens or position_ids (restarting at 0), not both")
             return (tokens,)
 
-        rank, lengths = _check_inputs(
-            self.process_group, ("tokens",), inputs, has_targets=targets is not None
+        rank, lengths, infos = _check_inputs(
+            self.process_group, ("tokens",), inputs, has_targets=targets is not None,
+            facts=lambda: _document_starts(position_ids, tokens, self.config.max_seq_len),
+            fact_keys=("doc_starts", "max_position"),
+            shared={"cu_seqlens": check.check_cu_seqlens(cu_seqlens)},
         )
-        start = sum(lengths["tokens"][:rank])
-        x = self._run(self.layers, self._embed(tokens, start))
+        pieces = lengths["tokens"]
+        start, total = sum(pieces[:rank]), sum(pieces)
+        documents = _documents_of(infos, pieces, total)
+        positions = self._positions_of(tokens, start, documents, position_ids, infos)
+        x = self._run(self.layers, self._embed(tokens, positions), cu_seqlens=documents)
         logits = self._logits(self.norm(x))
         return logits, self._loss(logits, targets)
+
+    def _positions_of(self, tokens: Tensor, start: int, documents: Optional[Tuple[int, ...]],
+                      position_ids: Optional[Tensor], infos) -> Tensor:
+        """(n,) this rank's positions: given, restarting per document, or global."""
+        if position_ids is not None:
+            self._check_positions(max((i["max_position"] for i in infos
+                                       if i["max_position"] is not None), default=None))
+            return (position_ids if position_ids.dim() == 1 else position_ids[0]).long()
+        n = tokens.shape[1]
+        rows = torch.arange(start, start + n, device=tokens.device)
+        if documents is None:
+            self._check_positions(sum(i["tokens_len"] for i in infos) - 1)
+            return rows
+        cu = torch.tensor(documents, device=tokens.device)
+        # each row minus the start of its document
+        doc_start = cu[torch.searchsorted(cu, rows, right=True) - 1]
+        self._check_positions(max(e - s for s, e in zip(documents[:-1], documents[1:])) - 1)
+        return rows - doc_start
 
     @torch.no_grad()
     def generate(
@@ -569,7 +674,7 @@ class LongNetLM(_LongNetBase):
 
     def _decode(self, tokens: Tensor, caches: List[KVCache], start: int) -> Tensor:
         """Logits (b, n, v) of tokens (b, n) at positions [start, start + n), caching k/v."""
-        x = self._embed(tokens, start)
+        x = self._embed(tokens, torch.arange(start, start + tokens.shape[1], device=tokens.device))
         for layer, cache in zip(self.layers, caches):
             x = layer.decode(x, cache, start)
         return self._logits(self.norm(x))
@@ -600,27 +705,55 @@ class LongNet(_LongNetBase):
         self.decoder_norm = self._norm()
 
     def forward(
-        self, src_tokens: Tensor, tgt_tokens: Tensor, targets: Optional[Tensor] = None
+        self, src_tokens: Tensor, tgt_tokens: Tensor, targets: Optional[Tensor] = None, *,
+        labels: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         group = self.process_group
+        targets, target_name = _pick_targets(targets, labels)
+        vocab = self.config.vocab_size
 
         def inputs() -> Tuple[Tensor, ...]:
-            _check_tokens("src_tokens", src_tokens, self.config.vocab_size)
-            _check_tokens("tgt_tokens", tgt_tokens, self.config.vocab_size)
+            _check_tokens("src_tokens", src_tokens, vocab)
+            _check_tokens("tgt_tokens", tgt_tokens, vocab)
+            if src_tokens.shape[0] != tgt_tokens.shape[0]:
+                # cross-attention would broadcast a batch of 1 silently
+                raise ValueError(
+                    f"src_tokens and tgt_tokens must have the same batch size, got "
+                    f"{src_tokens.shape[0]} and {tgt_tokens.shape[0]}"
+                )
             if targets is not None:
-                _check_targets(targets, tgt_tokens)
+                _check_targets(targets, tgt_tokens, vocab, target_name)
             return src_tokens, tgt_tokens
 
-        rank, lengths = _check_inputs(group, ("src", "tgt"), inputs,
-                                      has_targets=targets is not None)
+        rank, lengths, _ = _check_inputs(group, ("src", "tgt"), inputs,
+                                         has_targets=targets is not None)
         src_start = sum(lengths["src"][:rank])
         tgt_start = sum(lengths["tgt"][:rank])
-        memory = self.encoder_norm(self._run(self.encoder, self._embed(src_tokens, src_start)))
+        self._check_positions(max(sum(lengths["src"]), sum(lengths["tgt"])) - 1)
+        device = src_tokens.device
+        src_pos = torch.arange(src_start, src_start + src_tokens.shape[1], device=device)
+        tgt_pos = torch.arange(tgt_start, tgt_start + tgt_tokens.shape[1], device=device)
+        memory = self.encoder_norm(self._run(self.encoder, self._embed(src_tokens, src_pos)))
         if comm.is_distributed(group):
             memory = gather_pieces(memory, group, lengths["src"])
-        x = self._run(self.decoder, self._embed(tgt_tokens, tgt_start), memory)
+        x = self._run(self.decoder, self._embed(tgt_tokens, tgt_pos), memory)
         logits = self._logits(self.decoder_norm(x))
         return logits, self._loss(logits, targets)
+
+
+def _documents_of(infos, pieces: Tuple[int, ...], total: int) -> Optional[Tuple[int, ...]]:
+    """The agreed document boundaries: given as cu_seqlens, or where position_ids restart."""
+    given = infos[0]["cu_seqlens"]
+    if given is not None:
+        if given[-1] != total:
+            raise ValueError(f"cu_seqlens must end at the sequence length {total}, got "
+                             f"{given[-1]}")
+        return given
+    starts = sorted({0} | {sum(pieces[:r]) + s for r, i in enumerate(infos)
+                           for s in i["doc_starts"]})
+    if len(starts) == 1 and not any(i["doc_starts"] for i in infos):
+        return None  # no position_ids: one sequence
+    return tuple(starts) + (total,)
 
 
 def _sample(logits: Tensor, temperature: float, top_k: Optional[int], generator) -> Tensor:

@@ -55,8 +55,13 @@ class DilatedAttention(nn.Module):
         self.scale = None if scale is None else float(scale)
         self.process_group = process_group
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> Tensor:
-        """q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d)."""
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, *,
+                key_padding_mask: Optional[Tensor] = None, cu_seqlens=None) -> Tensor:
+        """q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d).
+
+        key_padding_mask (b, n) bool, True = ignore that key; cu_seqlens: packed
+        document boundaries (see ``dilated_attention``).
+        """
         return dilated_attention(
             q,
             k,
@@ -67,6 +72,8 @@ class DilatedAttention(nn.Module):
             scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
             group=self.process_group,
+            key_padding_mask=key_padding_mask,
+            cu_seqlens=cu_seqlens,
         )
 
     def extra_repr(self) -> str:
@@ -214,13 +221,24 @@ class MultiheadDilatedAttention(nn.Module):
         query: Tensor,
         key: Tensor,
         value: Tensor,
-        is_causal: bool = False,
+        key_padding_mask: Optional[Tensor] = None,
         need_weights: bool = False,
+        attn_mask: Optional[Tensor] = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+        *,
+        cu_seqlens=None,
     ) -> Tuple[Tensor, None]:
         """query, key, value (b, n, e) -> (out (b, n, e), None).
 
-        key and value must have query's length: dilated attention is
-        self-attention over one sequence (positions define the segments).
+        The arguments come in ``nn.MultiheadAttention``'s order.
+        key_padding_mask (b, n) bool: True = ignore that key. cu_seqlens:
+        packed documents (see ``dilated_attention``). key and value must
+        have query's length: dilated attention is self-attention over one
+        sequence (positions define the segments). Attention weights are
+        never materialised, so ``need_weights`` must be False (the default
+        here, unlike ``nn.MultiheadAttention``), and an ``attn_mask`` is
+        refused: dilated attention's pattern is its mask.
         """
         try:
             if need_weights:
@@ -228,16 +246,25 @@ class MultiheadDilatedAttention(nn.Module):
                     "need_weights=True is not supported: dilated attention never materialises "
                     "the attention weights; pass need_weights=False"
                 )
+            if attn_mask is not None:
+                raise ValueError(
+                    "attn_mask is not supported: the dilation patterns are the attention mask; "
+                    "use is_causal, key_padding_mask or cu_seqlens"
+                )
             check.check_bool("is_causal", is_causal)
+            check.check_bool("average_attn_weights", average_attn_weights)
             self._check_inputs(query, key, value)
         except (TypeError, ValueError) as error:
             # the other ranks wait in the op's agreement collective: fail there, on all of
             # them (with no process group this just raises `error`)
             fail_on_all_ranks(self.attention.process_group, error)
         q, k, v = self.project_qkv(query, key, value)
-        return self.project_out(self.attention(q, k, v, is_causal=is_causal)), None
+        attn = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask,
+                              cu_seqlens=cu_seqlens)
+        return self.project_out(attn), None
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        weight = self.q_proj.weight
         for name, x in (("query", query), ("key", key), ("value", value)):
             if not isinstance(x, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -245,6 +272,16 @@ class MultiheadDilatedAttention(nn.Module):
                 raise ValueError(
                     f"{name} must be (batch, seq_len, embed_dim={self.embed_dim}), got shape "
                     f"{tuple(x.shape)}"
+                )
+            # checked here, not left to the projection: an error there would strike one
+            # rank only while the others wait in the attention's collectives
+            if x.dtype != weight.dtype:
+                raise TypeError(
+                    f"{name} must have the module's dtype {weight.dtype}, got {x.dtype}"
+                )
+            if x.device != weight.device:
+                raise ValueError(
+                    f"{name} must be on the module's device {weight.device}, got {x.device}"
                 )
         if not (query.shape == key.shape == value.shape):
             raise ValueError(

@@ -171,6 +171,30 @@ def segments_between(x: int, y: int, w: int, documents: Documents,
     return starts, lengths
 
 
+# Sequences longer than this are checked for unread rows on their first rows only.
+UNREAD_CHECK_ROWS = 1 << 22
+
+
+@functools.lru_cache(maxsize=256)
+def unread_rows(n: int, patterns: Patterns, heads: int, documents: Documents) -> int:
+    """How many (row, head) pairs of an n-row sequence no pattern reads (0 when a rate is 1).
+
+    Head j reads the rows of its offset j mod r in each pattern; with no rate
+    1 some rows can be read by no head's pattern, and their outputs are 0.
+    """
+    if 1 in patterns[1] or n == 0:
+        return 0
+    rows = min(n, UNREAD_CHECK_ROWS)
+    read = torch.zeros(rows, heads, dtype=torch.bool)
+    offsets = torch.arange(heads)
+    for w, r in zip(*patterns):
+        starts, lengths = segments_between(0, rows, w, documents, n)
+        # (rows,) each row's index inside its segment
+        local = torch.arange(rows) - torch.repeat_interleave(starts, lengths)[:rows]
+        read |= (local[:, None] % r) == (offsets % r)[None, :]
+    return int((~read).sum())
+
+
 # --------------------------------------------------------------------------
 # The plan's parts
 
