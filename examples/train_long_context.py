@@ -13,6 +13,7 @@ information across the whole sequence.
     python examples/train_long_context.py                 # one process
     python examples/train_long_context.py --world-size 2  # sequence split over 2 gloo ranks
     python examples/train_long_context.py --world-size 2 --compare  # and diff against 1 process
+    python examples/train_long_context.py --packed 4 --check-unpacked  # 4 documents a sequence
 
 With --world-size P every rank holds a contiguous piece of every sequence;
 only the dilated attention communicates, the loss is the token-weighted mean
@@ -56,6 +57,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="gloo ranks to split the sequence over")
     p.add_argument("--compare", action="store_true",
                    help="with --world-size > 1: also train on one process, compare the losses")
+    p.add_argument("--packed", type=int, default=0, metavar="K",
+                   help="pack K documents of random lengths into each sequence (each its own "
+                        "recall task; attention stays inside each document)")
+    p.add_argument("--check-unpacked", action="store_true",
+                   help="with --packed: also train on the same documents one at a time and "
+                        "compare the losses")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per process (0: cores / world size)")
@@ -68,6 +75,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--steps, --batch-size and --eval-batches must be positive")
     if args.world_size < 1 or args.world_size > args.seq_len:
         p.error(f"--world-size must be in [1, seq_len], got {args.world_size}")
+    if args.packed < 0 or args.packed * (args.key_len + 2) > args.seq_len:
+        p.error(f"--packed {args.packed} documents of at least key-len + 2 tokens do not fit "
+                f"in --seq-len {args.seq_len}")
+    if args.check_unpacked and (not args.packed or args.world_size > 1):
+        p.error("--check-unpacked needs --packed and one process")
     return args
 
 
@@ -83,37 +95,70 @@ def model_config() -> LongNetConfig:
 
 def make_batch(args: argparse.Namespace, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The full (b, n) tokens and targets of one step, the same on every rank."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-    b, n = args.batch_size, args.seq_len
-    keys = torch.randint(0, args.keys, (b,), generator=g)
-    tokens = torch.randint(args.keys, QUERY, (b, n), generator=g)
-    tokens[:, : args.key_len] = keys[:, None]
-    tokens[:, -1] = QUERY
-    targets = torch.full((b, n), IGNORE_INDEX)
-    targets[:, -1] = keys
+    tokens, targets, _ = make_packed_batch(args, step)
     return tokens, targets
 
 
+def make_packed_batch(args: argparse.Namespace, step: int):
+    """(b, n) tokens, targets and the documents' cu_seqlens (None unless --packed).
+
+    Each document is one recall task: its key at its start, its query at its end.
+    """
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    b, n = args.batch_size, args.seq_len
+    count = max(args.packed, 1)
+    shortest = args.key_len + 2
+    # document lengths: the shortest each, the rest of the sequence spread at random
+    cuts = sorted(torch.randint(0, n - count * shortest + 1, (count - 1,), generator=g).tolist())
+    extra = [hi - lo for lo, hi in zip([0] + cuts, cuts + [n - count * shortest])]
+    cu = [0]
+    for e in extra:
+        cu.append(cu[-1] + shortest + e)
+    tokens = torch.randint(args.keys, QUERY, (b, n), generator=g)
+    targets = torch.full((b, n), IGNORE_INDEX)
+    for s, e in zip(cu[:-1], cu[1:]):
+        keys = torch.randint(0, args.keys, (b,), generator=g)
+        tokens[:, s : s + args.key_len] = keys[:, None]
+        tokens[:, e - 1] = QUERY
+        targets[:, e - 1] = keys
+    return tokens, targets, (cu if args.packed else None)
+
+
 def evaluate(model: LongNetLM, args: argparse.Namespace, group) -> float:
-    """Recall accuracy at the query position on held-out batches."""
+    """Recall accuracy at the query positions on held-out batches."""
     correct = total = 0
-    last_rank = comm.group_rank(group) == comm.group_size(group) - 1
     model.eval()
     with torch.no_grad():
         for i in range(args.eval_batches):
-            tokens, targets = make_batch(args, -1 - i)  # negative steps: never trained on
-            logits, _ = model(shard_sequence(tokens, group))
-            if last_rank:  # the query position lives on the last rank
-                correct += int((logits[:, -1].argmax(-1) == targets[:, -1]).sum())
-                total += tokens.shape[0]
+            # negative steps: never trained on
+            tokens, targets, cu = make_packed_batch(args, -1 - i)
+            logits, _ = model(shard_sequence(tokens, group), cu_seqlens=cu)
+            mine = shard_sequence(targets, group)
+            asked = mine != IGNORE_INDEX  # the query positions this rank holds
+            correct += int((logits.argmax(-1)[asked] == mine[asked]).sum())
+            total += int(asked.sum())
     model.train()
     counts = torch.tensor([correct, total], dtype=torch.float64)
     comm.all_reduce_(counts, group)
     return float(counts[0] / counts[1])
 
 
-def train(args: argparse.Namespace, group=None) -> Dict[str, object]:
-    """Train on this process's piece of every sequence; returns the loss curve and accuracy."""
+def _one_by_one(model: LongNetLM, tokens, targets, cu) -> torch.Tensor:
+    """The packed batch's loss, computed document by document: the token-weighted mean of
+    each document's own loss (positions restart at each document, as packing restarts them)."""
+    total, count = 0.0, 0
+    for s, e in zip(cu[:-1], cu[1:]):
+        _, loss = model(tokens[:, s:e], targets[:, s:e])
+        c = int((targets[:, s:e] != IGNORE_INDEX).sum())
+        total, count = total + loss * c, count + c
+    return total / max(count, 1)
+
+
+def train(args: argparse.Namespace, group=None, unpacked: bool = False) -> Dict[str, object]:
+    """Train on this process's piece of every sequence; returns the loss curve and accuracy.
+
+    unpacked (with --packed): run each document of a sequence on its own instead.
+    """
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
     model = LongNetLM(model_config(), dtype=dtype, process_group=group)
@@ -131,9 +176,13 @@ def train(args: argparse.Namespace, group=None) -> Dict[str, object]:
     losses: List[float] = []
     start = time.perf_counter()
     for step in range(args.steps):
-        tokens, targets = make_batch(args, step)
-        _, loss = model(shard_sequence(tokens, group), shard_sequence(targets, group))
+        tokens, targets, cu = make_packed_batch(args, step)
         opt.zero_grad(set_to_none=True)
+        if unpacked:
+            loss = _one_by_one(model, tokens, targets, cu)
+        else:
+            _, loss = model(shard_sequence(tokens, group), shard_sequence(targets, group),
+                            cu_seqlens=cu)
         loss.backward()
         all_reduce_gradients(model, group)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -164,16 +213,25 @@ def train_distributed(args: argparse.Namespace) -> Dict[str, object]:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     chance = 1.0 / args.keys
-    print(
-        f"task: recall the key at positions 0..{args.key_len - 1} at position "
-        f"{args.seq_len - 1}; chance {chance:.3f}"
-    )
+    if args.packed:
+        print(f"task: {args.packed} documents per sequence, each recalls the key written at its "
+              f"start ({args.key_len} tokens) at its last position; chance {chance:.3f}")
+    else:
+        print(f"task: recall the key at positions 0..{args.key_len - 1} at position "
+              f"{args.seq_len - 1}; chance {chance:.3f}")
     if args.world_size == 1:
         torch.set_num_threads(args.threads or torch.get_num_threads())
         result = train(args)
     else:
         result = train_distributed(args)
-    _report(f"{args.world_size} process(es)", result, chance)
+    _report(f"{args.world_size} process(es)" + (f", {args.packed} documents per sequence"
+                                                 if args.packed else ""), result, chance)
+    if args.check_unpacked:
+        unpacked = train(args, unpacked=True)
+        _report("the same documents one by one", unpacked, chance)
+        diffs = [abs(a - b) for a, b in zip(result["losses"], unpacked["losses"])]
+        print(f"max |loss difference|, packed vs one by one, over {args.steps} steps: "
+              f"{max(diffs):.3e} ({args.dtype})")
     if args.compare and args.world_size > 1:
         torch.set_num_threads(args.threads or torch.get_num_threads())
         single = train(args)

@@ -282,6 +282,8 @@ def _spawned(group, world):
     for i, case in enumerate(SP_CASES[world]):
         res[f"case{i}"] = _sharded_case(group, *case, seed=30 + i)
         res[f"ring{i}"] = _sharded_case(group, *case, seed=40 + i, ring=True)
+    # the zigzag layout (causal balance) for dilated attention: rank p holds chunks p, 2P-1-p
+    res["zigzag"] = _zigzag_case(group)
     # a rank whose bad boundaries differ: every rank raises, fast
     rank = comm.group_rank(group)
     x = torch.randn(1, 4, 2, 4, dtype=torch.float64)
@@ -315,6 +317,22 @@ def _spawned(group, world):
     except ValueError as exc:
         res["empty"] = str(exc)
     return res
+
+
+def _zigzag_case(group):
+    from dilated_attention import shard_sequence
+
+    world = comm.group_size(group)
+    n = 8 * world
+    q, k, v, dout, _ = _inputs(2, n, 4, 2, 8, 77)
+    mask = _mask(2, n, 77)
+    leaves = [shard_sequence(x, group, layout="zigzag").clone().requires_grad_()
+              for x in (q, k, v)]
+    out = dilated_attention(*leaves, [4, 16], [1, 2], is_causal=True, group=group,
+                            layout="zigzag", key_padding_mask=shard_sequence(
+                                mask, group, layout="zigzag"), cu_seqlens=[0, 5, n])
+    (out * shard_sequence(dout, group, layout="zigzag")).sum().backward()
+    return {"out": out, "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
 
 
 @functools.lru_cache(maxsize=None)
@@ -375,3 +393,22 @@ def test_distributed_errors_and_edge_cases(world):
     got = torch.cat([r["nan"] for r in results], dim=1)
     assert torch.equal(torch.isnan(got), torch.isnan(single))
     torch.testing.assert_close(got.nan_to_num(), single.nan_to_num(), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_zigzag_dilated_equals_one_process(world):
+    from dilated_attention.distributed.sharding import piece_ranges
+
+    n = 8 * world
+    q, k, v, dout, _ = _inputs(2, n, 4, 2, 8, 77)
+    mask = _mask(2, n, 77)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = dilated_attention(*leaves, [4, 16], [1, 2], is_causal=True, key_padding_mask=mask,
+                            cu_seqlens=[0, 5, n])
+    (out * dout).sum().backward()
+    want = {"out": out, "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    for rank, r in enumerate(_spawn(world)):
+        rows = torch.cat([torch.arange(a, b) for a, b in piece_ranges(n, world, rank, "zigzag")])
+        for key, value in want.items():
+            torch.testing.assert_close(r["zigzag"][key], value[:, rows], rtol=1e-9, atol=1e-9)

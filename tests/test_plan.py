@@ -18,7 +18,7 @@ from dilated_attention import plan as plan_module
 from dilated_attention.distributed.sequence_parallel import pack
 from dilated_attention.launches import _remote_block
 from dilated_attention.patterns import Heads, cross_head_groups, selected_pairs
-from dilated_attention.plan import Layout, make_plan, segments_between
+from dilated_attention.plan import Layout, make_plan, segments_between, work
 from reference import dilated_counts
 
 
@@ -256,3 +256,19 @@ def test_longnet_billion_token_plan_is_fast():
     plan = make_plan(layout, (segs, rates), True, Heads.of(12, 12), 77, "meta")
     assert time.perf_counter() - start < 5.0
     assert plan.rounds
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_zigzag_balances_causal_work(world):
+    """Issue 11: causal LongNet attention with segments spanning ranks: contiguous pieces give
+    the later rank of each segment more work; the zigzag layout keeps the busiest rank within
+    1.15x of the mean (here exactly even)."""
+    n, patterns, heads = 8192, ((2048, 4096), (1, 2)), Heads.of(12, 12)
+    for layout, bound in ((Layout.zigzag([n // world] * world), 1.15),
+                          (Layout.contiguous([n // world] * world), None)):
+        loads = [work(make_plan(layout, patterns, True, heads, r)) for r in range(world)]
+        ratio = max(loads) / (sum(loads) / world)
+        if bound is not None:
+            assert ratio <= bound, loads
+        else:
+            assert ratio > 1.15  # the imbalance zigzag removes

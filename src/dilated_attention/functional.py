@@ -83,6 +83,10 @@ def _agreed_lengths(infos) -> Tuple[int, ...]:
     return lengths
 
 
+def _layout(layout: str, lengths: Tuple[int, ...]) -> Layout:
+    return Layout.zigzag(lengths) if layout == "zigzag" else Layout.contiguous(lengths)
+
+
 def _documents(cu_seqlens: Optional[Tuple[int, ...]], total: int) -> Documents:
     """The agreed boundaries, checked against the sequence length; None for one document."""
     if cu_seqlens is None:
@@ -110,6 +114,7 @@ def dilated_attention(
     backend: str = "auto",
     cu_seqlens=None,
     key_padding_mask: Optional[Tensor] = None,
+    layout: str = "contiguous",
 ):
     """Exact LongNet dilated attention (see docs/spec.md).
 
@@ -133,6 +138,11 @@ def dilated_attention(
             `group`, the global boundaries, identical on every rank.
         key_padding_mask: (batch, seq_len) bool, True = ignore that key (this
             rank's rows with `group`). Positions and segments do not move.
+        layout: with `group`, which rows a rank holds: "contiguous" (rank p
+            the p-th piece; pieces may differ in length and be empty) or
+            "zigzag" (2P equal chunks, rank p holds chunks p and 2P-1-p:
+            balances causal work when segments span ranks; see
+            ``shard_sequence``).
 
     Returns:
         out (batch, seq_len, heads, head_dim), or (out, lse) with lse float32
@@ -156,6 +166,7 @@ def dilated_attention(
             "scale": check.check_scale(scale, q.shape[-1]),
             "dropout_p": p,
             "cu_seqlens": check.check_cu_seqlens(cu_seqlens),
+            "layout": check_layout(layout),
             "backend": select_backend(q.device, q.dtype, dropout_p=p, backend=backend,
                                       masked=tensors["key_padding_mask"]),
             "seed": dropout_seed(p),
@@ -164,6 +175,7 @@ def dilated_attention(
     infos = comm.agree(group, config, per_rank=_PER_RANK + ("seed",))
     call = infos[0]  # rank 0's dropout seed is the call's
     lengths = _agreed_lengths(infos)
+    check_piece_lengths(lengths, layout)
     documents = _documents(call["cu_seqlens"], sum(lengths))
     patterns = (call["segment_lengths"], call["dilation_rates"])
     opts = KernelOptions(call["causal"], call["scale"], call["backend"], call["dropout_p"],
@@ -173,8 +185,9 @@ def dilated_attention(
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
         if distributed:
-            return sequence_parallel_dilated_attention(q, k, v, patterns, opts, group, lengths,
-                                                       documents=documents, key_mask=mask)
+            return sequence_parallel_dilated_attention(
+                q, k, v, patterns, opts, group, lengths, documents=documents, key_mask=mask,
+                layout=_layout(layout, lengths))
         return dilated_attention_local(q, k, v, patterns, opts, documents=documents,
                                        key_mask=mask)
 
@@ -307,9 +320,9 @@ def ring_attention(
         if not distributed:
             return dilated_attention_local(q, k, v, dense_patterns, opts, documents=documents,
                                            key_mask=mask)
-        cut = Layout.zigzag(lengths) if layout == "zigzag" else Layout.contiguous(lengths)
-        return sequence_parallel_dilated_attention(q, k, v, dense_patterns, opts, group, lengths,
-                                                   documents=documents, key_mask=mask, layout=cut)
+        return sequence_parallel_dilated_attention(
+            q, k, v, dense_patterns, opts, group, lengths, documents=documents, key_mask=mask,
+            layout=_layout(layout, lengths))
 
     out, lse = _attend(run, q, k, v, key_padding_mask, infos)
     if return_lse:

@@ -489,6 +489,24 @@ def _homes(src: Chunk, a: int, rate: int, groups: Tuple[HeadGroup, ...], grid, b
     return tuple(out)
 
 
+def work(plan: Plan) -> int:
+    """The attention work of a plan: score entries its forward computes (query row x key row
+    x head; half the square for causal launches), local and remote launches alike."""
+    total = 0
+    for block in plan.blocks:
+        for l in block.forward:
+            rows, keys = l.group.rows, l.group.kv_index.shape[0]
+            heads = l.group.q_heads.numel()
+            square = rows * (rows + 1) // 2 if l.causal else rows * keys
+            total += l.queries.count * square * heads
+    for rnd in plan.rounds:
+        for t in rnd.recvs:
+            for l in t.launches:
+                total += l.queries.count * l.group.rows * l.group.kv_index.shape[0] * \
+                    l.group.q_heads.numel()
+    return total
+
+
 def _own_key_ranges(part: Chunk, grid, qa: int, qb: int, causal: bool) -> List[Tuple[int, int]]:
     """This rank's key ranges of a segment part, cut by block, other than the query part
     [qa, qb) itself (and, when causal, only those before it)."""

@@ -49,6 +49,12 @@ def _with_empty(p: int) -> List[int]:
     return lengths
 
 
+def _documents(n: int) -> List[int]:
+    # documents of 1, 0, 7 rows, then ~n/3, then the rest: short and long ones, an empty one
+    cuts = sorted({0, 1, 1, 8, max(8, n // 3), n} & set(range(n + 1)))
+    return [0, 1, 1] + [c for c in cuts if c > 1]
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
@@ -61,6 +67,8 @@ class Case:
     kv_heads: int = 4
     head_dim: int = 16
     layout: str = "contiguous"
+    documents: Optional[Callable[[int], List[int]]] = None  # N -> cu_seqlens
+    masked: bool = False  # a key padding mask (about a third of the keys)
 
 
 CASES: Tuple[Case, ...] = (
@@ -92,6 +100,16 @@ CASES: Tuple[Case, ...] = (
          "ring", lambda p: _even(p, 16), lambda n: ([n], [1]), causal=True, layout="zigzag"),
     Case("ring-gqa", "dense ring, multi-query (4 heads, 1 kv head)",
          "ring", _uneven, lambda n: ([n], [1]), kv_heads=1),
+    Case("documents", "packed documents crossing rank borders, causal",
+         "dilated", _uneven, lambda n: ([4, 16], [1, 2]), causal=True, kv_heads=2,
+         documents=_documents),
+    Case("padding", "a key padding mask, uneven pieces",
+         "dilated", _uneven, lambda n: ([4, 12, 64], [1, 3, 2]), masked=True),
+    Case("documents-padding-zigzag", "documents and padding, zigzag layout, causal",
+         "dilated", lambda p: _even(p, 16), lambda n: ([8, 32], [1, 2]), causal=True,
+         layout="zigzag", documents=_documents, masked=True),
+    Case("ring-documents", "dense ring over packed documents with padding, causal",
+         "ring", _uneven, lambda n: ([n], [1]), causal=True, documents=_documents, masked=True),
 )
 CASE_NAMES = tuple(c.name for c in CASES)
 
@@ -138,14 +156,17 @@ def _take(x: Tensor, ranges: List[Tuple[int, int]]) -> Tensor:
     return torch.cat([x[:, lo:hi] for lo, hi in ranges], dim=1)
 
 
-def _attention(case: Case, q, k, v, n: int, group):
+def _attention(case: Case, q, k, v, n: int, group, mask=None):
     """The case's op on (b, n, h, d) inputs; returns out (b, n, h, d), lse (b, h, n)."""
     segments, rates = case.patterns(n)
+    documents = case.documents(n) if case.documents else None
+    layout = case.layout if group is not None else "contiguous"
     if case.impl == "ring" and group is not None:
         return ring_attention(q, k, v, is_causal=case.causal, group=group, return_lse=True,
-                              layout=case.layout)
+                              layout=layout, cu_seqlens=documents, key_padding_mask=mask)
     return dilated_attention(q, k, v, segments, rates, is_causal=case.causal, group=group,
-                             return_lse=True)
+                             return_lse=True, cu_seqlens=documents, key_padding_mask=mask,
+                             layout=layout)
 
 
 def _max_error(got: Tensor, want: Tensor) -> Tuple[float, float]:
@@ -176,14 +197,15 @@ def run_case(case: Case, group, config: VerifyConfig, device: str, seed: int) ->
     dlse = torch.randn(2, case.heads, n, generator=gen).to(device, torch.float64 if
                                                           dtype == torch.float64 else
                                                           torch.float32)
+    mask = (torch.rand(2, n, generator=gen) < 0.3).to(device) if case.masked else None
     ranges = _rows(case, lengths, rank)
     # single device: the whole sequence, no group
     qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
-    out_ref, lse_ref = _attention(case, qf, kf, vf, n, None)
+    out_ref, lse_ref = _attention(case, qf, kf, vf, n, None, mask)
     ((out_ref.double() * dout.double()).sum() + (lse_ref.double() * dlse.double()).sum()).backward()
     # sequence parallel: this rank's rows only
     ql, kl, vl = (_take(x, ranges).requires_grad_() for x in (q, k, v))
-    out, lse = _attention(case, ql, kl, vl, n, group)
+    out, lse = _attention(case, ql, kl, vl, n, group, None if mask is None else _take(mask, ranges))
     dlse_mine = torch.cat([dlse[:, :, lo:hi] for lo, hi in ranges], dim=2)
     loss = (out.double() * _take(dout, ranges).double()).sum() + (lse.double() *
                                                                  dlse_mine.double()).sum()
