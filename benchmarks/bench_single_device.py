@@ -8,9 +8,11 @@ both sides alike.
     python benchmarks/bench_single_device.py                      # LongNet setting, 8K..64K
     python benchmarks/bench_single_device.py --seq-lens 8192 --repeats 1
 
-Working memory (peak resident memory beyond the inputs, the output included)
-is measured in a fresh subprocess per case with /proc/self/clear_refs and
-VmHWM, and reported in units of one input-sized tensor (b * n * h * d).
+Working memory (peak resident memory beyond the inputs: q, k, v, and dout
+for forward + backward; what the call returns, out and in training dq, dk,
+dv, included) is measured in a fresh subprocess per case with
+/proc/self/clear_refs and VmHWM, and reported in units of one input-sized
+tensor (b * n * h * d elements of the dtype). Times: min/median/max.
 """
 
 from __future__ import annotations
@@ -22,18 +24,20 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import List
 
 import torch
 import torch.nn.functional as F
 
 from dilated_attention import dilated_attention
+from dilated_attention.dilated import local_plan
 from dilated_attention.kernels import KernelOptions, attention_backward, attention_forward
-from dilated_attention.launches import sequence_launches
 from dilated_attention.patterns import gather
 from dilated_attention.tools.bench import PeakMemory
 
 HEADS, HEAD_DIM = 12, 64
 SEGMENTS, RATES = (2048, 4096), (1, 2)
+CAUSAL = False
 
 
 def make_inputs(n: int, dtype: torch.dtype, requires_grad: bool = False):
@@ -47,21 +51,23 @@ def make_inputs(n: int, dtype: torch.dtype, requires_grad: bool = False):
 
 
 def pregathered(q, k, v):
-    """Per launch: the dense (b * s, rows, heads, d) blocks the op would gather."""
+    """Per launch of the op's plan: the dense (b * s, rows, heads, d) blocks it would gather,
+    and whether the launch is causal."""
     blocks = []
-    for launch in sequence_launches(q.shape[1], HEADS, HEADS, (SEGMENTS, RATES), q.device):
-        region, group = launch.region, launch.group
-        q_sel = (region, group.q_heads, group.q_index, group.identity)
-        kv_sel = (region, group.kv_heads, group.kv_index, group.identity)
-        blocks.append(
-            tuple(x.contiguous() for x in (gather(q, *q_sel), gather(k, *kv_sel), gather(v, *kv_sel)))
-        )
+    plan = local_plan(q, k, (SEGMENTS, RATES), CAUSAL, None, None)
+    for block in plan.blocks:
+        for launch in block.forward:
+            g = launch.group
+            q_sel = (launch.queries, g.q_heads, g.q_index, g.identity)
+            kv_sel = (launch.keys, g.kv_heads, g.kv_index, g.identity)
+            gathered = (gather(q, *q_sel), gather(k, *kv_sel), gather(v, *kv_sel))
+            blocks.append(tuple(x.contiguous() for x in gathered) + (launch.causal,))
     return blocks
 
 
 def run_case(impl: str, n: int, dtype: torch.dtype, backward: bool):
     """Return a callable running one iteration of `impl` at length n."""
-    opts = KernelOptions(causal=False, scale=HEAD_DIM**-0.5)
+    scale = HEAD_DIM**-0.5
     if impl == "dilated":
         q, k, v = make_inputs(n, dtype, requires_grad=backward)
         dout = torch.randn_like(q)
@@ -78,7 +84,8 @@ def run_case(impl: str, n: int, dtype: torch.dtype, backward: bool):
         blocks = pregathered(*make_inputs(n, dtype))
 
         def step():
-            for q_g, k_g, v_g in blocks:
+            for q_g, k_g, v_g, causal in blocks:
+                opts = KernelOptions(causal=causal, scale=scale)
                 out, lse = attention_forward(q_g, k_g, v_g, opts)
                 if backward:
                     attention_backward(out, q_g, k_g, v_g, out, lse, opts)
@@ -100,28 +107,37 @@ def run_case(impl: str, n: int, dtype: torch.dtype, backward: bool):
     raise ValueError(f"unknown impl {impl!r}")
 
 
-def time_case(step, repeats: int) -> float:
+def time_case(step, repeats: int) -> List[float]:
+    """Seconds of `repeats` runs after one warm-up, sorted (min, ..., max)."""
     step()  # warm-up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return sorted(times)
 
 
-def measure_memory_in_this_process(impl: str, n: int, dtype: torch.dtype) -> float:
-    """Peak bytes beyond the inputs of one forward, output included."""
-    run_case(impl, 1024, dtype, backward=False)()  # warm-up: imports, first ops
-    step = run_case(impl, n, dtype, backward=False)
-    if impl == "dilated":
-        # keep the output alive, as a caller does
-        q, k, v = make_inputs(n, dtype)
+def measure_memory_in_this_process(n: int, dtype: torch.dtype, training: bool) -> float:
+    """Peak bytes of one call beyond its inputs (q, k, v, and dout when training).
 
-        def step():  # noqa: F811
+    What the call leaves is counted, as a caller keeps it: out, and in training
+    dq, dk, dv.
+    """
+    def call(n):
+        q, k, v = make_inputs(n, dtype, requires_grad=training)
+        dout = torch.randn_like(q) if training else None
+        def step():
+            if training:
+                out = dilated_attention(q, k, v, SEGMENTS, RATES)
+                out.backward(dout)
+                return out, q.grad, k.grad, v.grad
             with torch.no_grad():
                 return dilated_attention(q, k, v, SEGMENTS, RATES)
+        return step
 
+    call(1024)()  # warm-up: imports, first ops
+    step = call(n)
     memory = PeakMemory("cpu")  # the package's clear_refs + VmHWM recipe
     memory.start()
     result = step()
@@ -132,10 +148,11 @@ def measure_memory_in_this_process(impl: str, n: int, dtype: torch.dtype) -> flo
     return float(peak)
 
 
-def measure_memory(impl: str, n: int, dtype_name: str) -> float:
+def measure_memory(n: int, dtype_name: str, training: bool) -> float:
+    """`measure_memory_in_this_process` in a fresh process (no earlier allocations)."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="2")
     out = subprocess.run(
-        [sys.executable, __file__, "--memory-case", impl, str(n), dtype_name],
+        [sys.executable, __file__, "--memory-case", str(n), dtype_name, str(int(training))],
         env=env, capture_output=True, text=True, check=True,
     )
     return float(out.stdout.strip().splitlines()[-1])
@@ -148,41 +165,49 @@ def main(argv=None) -> None:
                         help="skip dense SDPA above this length (it is quadratic)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--memory-only", action="store_true", help="skip the timings")
     parser.add_argument("--json", default="bench-out/single_device.json")
-    parser.add_argument("--memory-case", nargs=3, metavar=("IMPL", "N", "DTYPE"),
+    parser.add_argument("--memory-case", nargs=3, metavar=("N", "DTYPE", "TRAINING"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_case:
-        impl, n, dtype_name = args.memory_case
-        print(measure_memory_in_this_process(impl, int(n), getattr(torch, dtype_name)))
+        n, dtype_name, training = args.memory_case
+        print(measure_memory_in_this_process(int(n), getattr(torch, dtype_name),
+                                             bool(int(training))))
         return
     dtype = getattr(torch, args.dtype)
     rows = []
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}, "
-          f"h={HEADS} d={HEAD_DIM} segments={list(SEGMENTS)} rates={list(RATES)} batch 1",
-          flush=True)
-    header = ("n", "pass", "dilated s", "floor s", "dilated/floor", "dense s", "tokens/s",
-              "fwd mem (x input)", "floor mem (x input)")
+          f"h={HEADS} d={HEAD_DIM} segments={list(SEGMENTS)} rates={list(RATES)} batch 1, "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    header = ("n", "pass", "dilated s (min/med/max)", "floor s (min/med/max)",
+              "dilated/floor (median)", "dense s", "tokens/s", "working memory (x input)")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for n in args.seq_lens:
         input_bytes = n * HEADS * HEAD_DIM * torch.tensor([], dtype=dtype).element_size()
-        mem = {impl: measure_memory(impl, n, args.dtype) / input_bytes for impl in ("dilated", "floor")}
         for backward in (False, True):
-            t = {impl: time_case(run_case(impl, n, dtype, backward), args.repeats)
-                 for impl in ("dilated", "floor")}
-            dense = None
-            if n <= args.dense_max:
-                dense = time_case(run_case("dense_sdpa", n, dtype, backward), args.repeats)
-            row = dict(n=n, backward=backward, dilated_s=t["dilated"], floor_s=t["floor"],
-                       ratio=t["dilated"] / t["floor"], dense_sdpa_s=dense,
-                       tokens_per_s=n / t["dilated"], fwd_mem_inputs=mem["dilated"],
-                       floor_mem_inputs=mem["floor"], dtype=args.dtype)
+            mem = measure_memory(n, args.dtype, backward) / input_bytes
+            row = dict(n=n, backward=backward, dtype=args.dtype, memory_inputs=mem)
+            cells = ["-"] * 5
+            if not args.memory_only:
+                t = {impl: time_case(run_case(impl, n, dtype, backward), args.repeats)
+                     for impl in ("dilated", "floor")}
+                dense = None
+                if n <= args.dense_max:
+                    dense = statistics.median(
+                        time_case(run_case("dense_sdpa", n, dtype, backward), args.repeats))
+                med = {impl: statistics.median(ts) for impl, ts in t.items()}
+                row.update(dilated_s=t["dilated"], floor_s=t["floor"],
+                           ratio=med["dilated"] / med["floor"], dense_sdpa_s=dense,
+                           tokens_per_s=n / med["dilated"])
+                cells = ["/".join(f"{x:.3f}" for x in (ts[0], med[i], ts[-1]))
+                         for i, ts in t.items()]
+                cells += [f"{row['ratio']:.3f}", "-" if dense is None else f"{dense:.3f}",
+                          f"{row['tokens_per_s']:.0f}"]
             rows.append(row)
-            print(f"| {n} | {'fwd+bwd' if backward else 'fwd'} | {t['dilated']:.3f} | "
-                  f"{t['floor']:.3f} | {row['ratio']:.3f} | "
-                  f"{'-' if dense is None else f'{dense:.3f}'} | {row['tokens_per_s']:.0f} | "
-                  f"{mem['dilated']:.2f} | {mem['floor']:.2f} |", flush=True)
+            print(f"| {n} | {'fwd+bwd' if backward else 'fwd'} | " + " | ".join(cells) +
+                  f" | {mem:.2f} |", flush=True)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)

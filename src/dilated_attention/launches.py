@@ -161,14 +161,17 @@ def count_writers(plan: Plan, backward: bool) -> Dict[Tuple[int, int], int]:
 
     for block in plan.blocks:
         for launch in block.forward:
-            add(launch.q_block, 0)
+            for index in launch.q_blocks:
+                add(index, 0)
             if backward:
-                add(launch.k_block, 1)
-                add(launch.k_block, 2)
+                for index in launch.k_blocks:
+                    add(index, 1)
+                    add(index, 2)
     for rnd in plan.rounds:
         for t in rnd.recvs:
             for launch in t.launches:
-                add(launch.q_block, 0)
+                for index in launch.q_blocks:
+                    add(index, 0)
         if backward:
             for t in rnd.sends:
                 for index, _, _, _ in t.homes:
@@ -269,22 +272,35 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, *,
                 key_mask=_key_mask(key_mask, launch.keys, g),
             )
             del q_g, k_g, v_g
-            _merge_into(blocks, launch.q_block, launch.queries, g, out_g, lse_g)
+            _merge_into(blocks, launch, out_g, lse_g)
             del out_g, lse_g  # free before the next launch gathers
         blocks.end_turn(block.index)
     blocks.finish_all()
     return out, lse
 
 
-def _merge_into(blocks: Blocks, index: int, queries: Segments, group: HeadGroup, out_g: Tensor,
-                lse_g: Tensor) -> None:
-    """Merge a launch's results into block `index`'s accumulators (now or pending)."""
-    rel = blocks.relative(index, queries)
+def _merge_into(blocks: Blocks, launch, out_g: Tensor, lse_g: Tensor) -> None:
+    """Merge a launch's results into its query block's accumulators (now or pending);
+    a launch split over blocks merges each block's entries there."""
+    group = launch.group
+    if not launch.q_split:
+        rel = blocks.relative(launch.q_block, launch.queries)
 
-    def apply(accs: Tuple[Tensor, Tensor]) -> None:
-        merge_rows(accs[0], accs[1], rel, group, out_g, lse_g)
+        def apply(accs: Tuple[Tensor, Tensor]) -> None:
+            merge_rows(accs[0], accs[1], rel, group, out_g, lse_g)
 
-    blocks.add(index, 0, apply, out_g.nbytes + lse_g.nbytes)
+        blocks.add(launch.q_block, 0, apply, out_g.nbytes + lse_g.nbytes)
+        return
+    # one segment: (b, rows, hq, ...) -> (b, rows * hq, ...), the entries in each block
+    flat_out, flat_lse = out_g.flatten(1, 2), lse_g.flatten(1, 2)
+    for split in launch.q_split:
+        part_out, part_lse = flat_out[:, split.index], flat_lse[:, split.index]
+
+        def apply(accs, split=split, part_out=part_out, part_lse=part_lse) -> None:
+            merge_selected_(accs[0], accs[1], (slice(None), split.rows, split.heads), part_out,
+                            part_lse)
+
+        blocks.add(split.block, 0, apply, part_out.nbytes + part_lse.nbytes)
 
 
 def _forward_remote(q: Tensor, remote: RemoteKeys, blocks: Blocks, opts: KernelOptions) -> None:
@@ -300,7 +316,7 @@ def _forward_remote(q: Tensor, remote: RemoteKeys, blocks: Blocks, opts: KernelO
                     opts.for_launch(launch.id, causal=False),
                     key_mask=None if mask is None else _remote_block(mask, launch),
                 )
-                _merge_into(blocks, launch.q_block, launch.queries, g, out_g, lse_g)
+                _merge_into(blocks, launch, out_g, lse_g)
                 del q_g, out_g, lse_g
             del buf, mask
 
@@ -352,20 +368,34 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
                 dlse=None if dlse is None else gather(dlse, *q_sel),
                 key_mask=_key_mask(key_mask, launch.keys, g),
             )
-            _scatter_into(blocks, launch.q_block, 0, q_sel, dq_g)
-            _scatter_into(blocks, launch.k_block, 1, kv_sel, dk_g)
-            _scatter_into(blocks, launch.k_block, 2, kv_sel, dv_g)
+            _scatter_into(blocks, launch.q_block, launch.q_split, 0, q_sel, dq_g)
+            _scatter_into(blocks, launch.k_block, launch.k_split, 1, kv_sel, dk_g)
+            _scatter_into(blocks, launch.k_block, launch.k_split, 2, kv_sel, dv_g)
             del dq_g, dk_g, dv_g  # free before the next launch gathers
         blocks.end_turn(block.index)
     blocks.finish_all()
     return grads
 
 
-def _scatter_into(blocks: Blocks, index: int, kind: int, sel, y: Tensor) -> None:
-    """Add a launch's gradient (b * count, rows, heads, d) into a block (now or pending)."""
+def _scatter_into(blocks: Blocks, index: int, split, kind: int, sel, y: Tensor) -> None:
+    """Add a launch's gradient (b * count, rows, heads, d) into a block (now or pending);
+    a launch split over blocks adds each block's entries there."""
     segs, heads, rows_index, identity = sel
-    rel = blocks.relative(index, segs)
-    blocks.add(index, kind, lambda a: _scatter(a, rel, heads, rows_index, identity, y), y.nbytes)
+    if not split:
+        rel = blocks.relative(index, segs)
+        blocks.add(index, kind, lambda a: _scatter(a, rel, heads, rows_index, identity, y),
+                   y.nbytes)
+        return
+    # one segment: (b, rows, heads, d) -> (b, rows * heads, d), the entries in each block
+    flat = y.flatten(1, 2)
+    for part in split:
+        entries = flat[:, part.index]
+
+        def apply(a: Tensor, part=part, entries=entries) -> None:
+            # each (row, head) once within a block: read-add-write is exact
+            a[:, part.rows, part.heads] += entries
+
+        blocks.add(part.block, kind, apply, entries.nbytes)
 
 
 def _backward_remote(saved, remote: RemoteKeys, blocks: Blocks, opts: KernelOptions) -> None:
@@ -386,7 +416,7 @@ def _backward_remote(saved, remote: RemoteKeys, blocks: Blocks, opts: KernelOpti
                     dlse=None if dlse is None else gather(dlse, *q_sel),
                     key_mask=None if mask is None else _remote_block(mask, launch),
                 )
-                _scatter_into(blocks, launch.q_block, 0, q_sel, dq_g)
+                _scatter_into(blocks, launch.q_block, launch.q_split, 0, q_sel, dq_g)
                 # (b, kv_rows, hkv, d) -> the pair-major columns of the wire format
                 for i, dx in enumerate((dk_g, dv_g)):
                     _remote_block(grad[i], launch).add_(dx)

@@ -125,15 +125,22 @@ def cross_head_groups(
     q_rows, k_rows = q_hi - q_lo, k_hi - k_lo
     if q_rows <= 0 or k_rows <= 0:
         return ()
+    if device != "cpu":
+        # index arithmetic is cheapest on the CPU (on meta it would run Python references)
+        return tuple(
+            HeadGroup(g.rows, g.q_heads.to(device), g.q_index.to(device), g.kv_heads.to(device),
+                      g.kv_index.to(device), g.identity, g.pairs)
+            for g in cross_head_groups(q_lo, q_hi, k_lo, k_hi, rate, heads, "cpu")
+        )
     if rate == 1 and heads.grouped:
         hk = max(heads.kv_of) + 1
         return (
             HeadGroup(
                 q_rows,
-                torch.arange(heads.count, device=device),
-                torch.arange(q_rows, device=device)[:, None].expand(q_rows, heads.count),
-                torch.arange(hk, device=device),
-                torch.arange(k_rows, device=device)[:, None].expand(k_rows, hk),
+                torch.arange(heads.count),
+                torch.arange(q_rows)[:, None].expand(q_rows, heads.count),
+                torch.arange(hk),
+                torch.arange(k_rows)[:, None].expand(k_rows, hk),
                 identity=True,
                 pairs=tuple((0, kv) for kv in range(hk)),
             ),
@@ -164,15 +171,15 @@ def cross_head_groups(
             q_heads.extend(members)
             q_starts.extend([q_first] * len(members))
         # (rows, heads): head i reads rows start_i, start_i + rate, ...
-        steps = torch.arange(rows, device=device)[:, None] * rate
-        kv_steps = torch.arange(kv_rows, device=device)[:, None] * rate
+        steps = torch.arange(rows)[:, None] * rate
+        kv_steps = torch.arange(kv_rows)[:, None] * rate
         groups.append(
             HeadGroup(
                 rows,
-                torch.tensor(q_heads, device=device),
-                steps + torch.tensor(q_starts, device=device),
-                torch.tensor(kv_heads, device=device),
-                kv_steps + torch.tensor(kv_starts, device=device),
+                torch.tensor(q_heads),
+                steps + torch.tensor(q_starts),
+                torch.tensor(kv_heads),
+                kv_steps + torch.tensor(kv_starts),
                 identity=False,
                 pairs=tuple(pairs),
             )

@@ -199,12 +199,27 @@ def unread_rows(n: int, patterns: Patterns, heads: int, documents: Documents) ->
 # The plan's parts
 
 
+class Split(NamedTuple):
+    """The entries of a one-segment launch's (b, rows, heads, ...) output in one block.
+
+    index (e,): positions in the output's flattened (rows * heads) entries;
+    rows (e,): their rows relative to the block; heads (e,): their heads.
+    """
+
+    block: int
+    index: Tensor
+    rows: Tensor
+    heads: Tensor
+
+
 class Launch(NamedTuple):
     """One kernel call on this rank's rows: `group` over query segments against key segments.
 
     `queries` and `keys` hold the same number of segments (local rows);
     ``causal`` applies the square causal mask (queries and keys the same
-    rows). q_block/k_block: the row blocks its dq and dK/dV rows lie in.
+    rows). q_block/k_block: the row blocks its dq and dK/dV rows lie in; a
+    launch over a sparse segment part that crosses blocks lists instead, in
+    q_split/k_split, which of its output entries go to which block.
     `id` numbers the launches of one call on one rank (dropout seeds).
     """
 
@@ -215,6 +230,16 @@ class Launch(NamedTuple):
     causal: bool
     q_block: int
     k_block: int
+    q_split: Tuple[Split, ...] = ()
+    k_split: Tuple[Split, ...] = ()
+
+    @property
+    def q_blocks(self) -> Tuple[int, ...]:
+        return tuple(x.block for x in self.q_split) or (self.q_block,)
+
+    @property
+    def k_blocks(self) -> Tuple[int, ...]:
+        return tuple(x.block for x in self.k_split) or (self.k_block,)
 
 
 class RemoteLaunch(NamedTuple):
@@ -229,6 +254,11 @@ class RemoteLaunch(NamedTuple):
     group: HeadGroup
     columns: Union[slice, Tensor]
     q_block: int
+    q_split: Tuple[Split, ...] = ()
+
+    @property
+    def q_blocks(self) -> Tuple[int, ...]:
+        return tuple(x.block for x in self.q_split) or (self.q_block,)
 
 
 class Transfer(NamedTuple):
@@ -402,10 +432,15 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
         b = grid[block_of(pos)]
         return b[2] + pos - b[0]
 
-    launches: List[Tuple[Segments, Segments, HeadGroup, bool, int, int]] = []
+    launches: List[tuple] = []
     rounds_by_step: Dict[int, Tuple[List[Transfer], List[Transfer]]] = {}
     modes: List[str] = []
     remote_blocks = set()
+    sparse_done = set()
+    blocks_local = [(local_lo, local_lo + hi - lo) for lo, hi, local_lo in grid]
+
+    def splits(start: int, index: Tensor, head_ids: Tensor) -> Tuple[Split, ...]:
+        return _splits(start, index, head_ids, blocks_local, device)
     for pattern, (w, r) in enumerate(zip(*patterns)):
         for lo, hi, local_lo in grid:
             starts, lengths = segments_between(lo, hi, w, documents, layout.total)
@@ -422,6 +457,17 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
                         launches.append((segs, segs, g, causal, b, b))
             # segments crossing the block's border: this block's part of each
             for a, length in zip(starts[~inside].tolist(), lengths[~inside].tolist()):
+                # this block's chunk's part of the segment
+                (part,) = [c for c in layout.split(a, a + length)
+                           if c.rank == rank and max(c.start, lo) < min(c.stop, hi)]
+                if _sparse(part, r, launch_rows, rows):
+                    # few rows per head: the chunk's whole part in one launch per group,
+                    # its outputs split over the blocks it crosses (once, not per block)
+                    if (pattern, a, part.start) not in sparse_done:
+                        sparse_done.add((pattern, a, part.start))
+                        launches += _sparse_launches(layout, rank, a, length, part, r, heads,
+                                                     causal, device, local, splits)
+                    continue
                 qa, qb = max(a, lo), min(a + length, hi)
                 q_segs = Segments(local(qa), 1, qb - qa)
                 for g in head_groups(qa - a, qb - a, r, heads, device):
@@ -450,7 +496,16 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
                 continue
             directory = _columns(groups)
             remote = []
-            for lo, hi, _ in grid:
+            if _sparse(dst, r, launch_rows, rows):
+                # the whole query part at once, its outputs split over its blocks
+                q_segs = Segments(local(dst.start), 1, dst.stop - dst.start)
+                cpu_groups = cross_head_groups(dst.start - a, dst.stop - a, src.start - a,
+                                               src.stop - a, r, heads, "cpu")
+                for g, cpu in zip(groups, cpu_groups):
+                    split = splits(q_segs.start, cpu.q_index, cpu.q_heads)
+                    remote_blocks.update(x.block for x in split)
+                    remote.append((q_segs, g, _cut(directory, g, device), split[0].block, split))
+            for lo, hi, _ in ([] if remote else grid):
                 qa, qb = max(lo, dst.start), min(hi, dst.stop)
                 if qb <= qa:
                     continue
@@ -461,6 +516,53 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
                                    block_of(qa)))
             recvs.append(Transfer(src, dst, pattern, a, groups, columns, tuple(remote), ()))
     return _assemble(grid, launches, rounds_by_step, modes, remote_blocks, n)
+
+
+def _sparse(part: Chunk, rate: int, launch_rows: int, block_rows: int) -> bool:
+    """A segment part that crosses blocks but whose heads each read at most a launch's rows:
+    one launch (per head group) covers it, instead of one per pair of blocks."""
+    length = part.stop - part.start
+    crosses = part.start // block_rows != (part.stop - 1) // block_rows
+    return crosses and -(-length // rate) <= launch_rows
+
+
+def _splits(start: int, index: Tensor, head_ids: Tensor, blocks: List[Tuple[int, int]],
+            device: str) -> Tuple[Split, ...]:
+    """Split a one-segment launch's output entries (rows start + index (R, H), heads
+    head_ids (H,); CPU tensors) over the blocks ((local lo, hi) by index) they land in."""
+    rows = start + index
+    lo_row, hi_row = int(rows.min()), int(rows.max()) + 1
+    out = []
+    for block, (lo, hi) in enumerate(blocks):
+        if hi <= lo_row or lo >= hi_row:
+            continue
+        t, c = ((rows >= lo) & (rows < hi)).nonzero(as_tuple=True)
+        if t.numel():
+            out.append(Split(block, (t * index.shape[1] + c).to(device),
+                             (rows[t, c] - lo).to(device), head_ids[c].to(device)))
+    return tuple(out)
+
+
+def _sparse_launches(layout: Layout, rank: int, a: int, length: int, part: Chunk, r: int,
+                     heads: Heads, causal: bool, device: str, local, splits) -> List[tuple]:
+    """The launches of a sparse part's queries: against itself, and against the segment's
+    other parts on this rank (zigzag chunks), each output split over its blocks."""
+    out = []
+    qa, qb = part.start, part.stop
+    q_segs = Segments(local(qa), 1, qb - qa)
+    for other in layout.split(a, a + length):
+        if other.rank != rank or (causal and other.start > qa):
+            continue
+        k_segs = Segments(local(other.start), 1, other.stop - other.start)
+        own = other.start == qa
+        span = (qa - a, qb - a, other.start - a, other.stop - a)
+        for g, cpu in zip(cross_head_groups(*span, r, heads, device),
+                          cross_head_groups(*span, r, heads, "cpu")):
+            q_split = splits(q_segs.start, cpu.q_index, cpu.q_heads)
+            k_split = splits(k_segs.start, cpu.kv_index, cpu.kv_heads)
+            out.append((q_segs, k_segs, g, causal and own, q_split[0].block, k_split[0].block,
+                        q_split, k_split))
+    return out
 
 
 def _homes(src: Chunk, a: int, rate: int, groups: Tuple[HeadGroup, ...], grid, block_of,
@@ -530,13 +632,13 @@ def _assemble(grid, launches, rounds_by_step, modes, remote_blocks, n) -> Plan:
     forward: Dict[int, List[Launch]] = {}
     backward: Dict[int, List[Launch]] = {}
     for launch in numbered:
-        forward.setdefault(launch.q_block, []).append(launch)
-        first = min((launch.q_block, launch.k_block), key=position.__getitem__)
+        forward.setdefault(min(launch.q_blocks, key=position.__getitem__), []).append(launch)
+        first = min(launch.q_blocks + launch.k_blocks, key=position.__getitem__)
         backward.setdefault(first, []).append(launch)
     for here, todo in backward.items():
         # within a block: launches of its own rows, then those whose keys are here (they
         # complete its dK/dV), then those whose queries are here: accumulators end early
-        todo.sort(key=lambda l: (l.q_block != l.k_block, l.k_block != here))
+        todo.sort(key=lambda l: (l.q_blocks + l.k_blocks != (here, here), here not in l.k_blocks))
     next_id = len(numbered)
     rounds = []
     for step in sorted(rounds_by_step):

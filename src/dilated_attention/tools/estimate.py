@@ -288,6 +288,13 @@ def plan_for(config: EstimateConfig, lengths: Tuple[int, ...], rank: int):
     return make_plan(layout, config.patterns, config.causal, heads, rank, "meta")
 
 
+def _writes(split, block: int, nbytes: int, per_entry: int) -> List[Tuple[int, int]]:
+    """(block, bytes) a launch output writes: all to `block`, or `per_entry` per split entry."""
+    if not split:
+        return [(block, nbytes)]
+    return [(x.block, x.index.numel() * per_entry) for x in split]
+
+
 def _alive(blocks: Blocks) -> int:
     """Bytes of a Blocks' live accumulators and pending outputs (sizes, in the formula)."""
     return (sum(blocks.nbytes(*blocks.spans[i], kind) for i, kind in blocks.live)
@@ -348,7 +355,8 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
                     for l in t.launches:
                         size = _launch_size(l)
                         peak = max(peak, _alive(sim) + _launch_fwd(sh, *size[:4], False, False))
-                        sim.add(l.q_block, 0, lambda acc: None, out_size(l))
+                        for index, nbytes in _writes(l.q_split, l.q_block, out_size(l), b * (d * s + a)):
+                            sim.add(index, 0, lambda acc: None, nbytes)
                 phases[f"forward, exchange round {i}"] = {
                     **shards, OUTPUT: output, WORKSPACE: max(peak, _alive(sim)),
                     COMM: wire(rnd.sends) + wire(rnd.recvs) + (pack_temp(rnd.sends) if i else 0)}
@@ -356,9 +364,10 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
         sim.turn(block.index)
         peak = 0
         for l in block.forward:
-            sim.acc(l.q_block, 0)
+            sim.acc(block.index, 0)
             peak = max(peak, _alive(sim) + _launch_fwd(sh, *_launch_size(l)))
-            sim.add(l.q_block, 0, lambda acc: None, out_size(l))
+            for index, nbytes in _writes(l.q_split, l.q_block, out_size(l), b * (d * s + a)):
+                sim.add(index, 0, lambda acc: None, nbytes)
         phases[f"forward, block {block.index}"] = {
             **shards, OUTPUT: output, WORKSPACE: peak,
             COMM: 0 if remote_done else posted + pack_temp(rounds[0].sends)}
@@ -384,7 +393,9 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
                         for l in t.launches:
                             size = _launch_size(l)
                             peak = max(peak, _alive(sim) + _launch_bwd(sh, *size[:4], False, False))
-                            sim.add(l.q_block, 0, lambda acc: None, sh.rows(size[0], size[2], s))
+                            for index, nbytes in _writes(l.q_split, l.q_block,
+                                                         sh.rows(size[0], size[2], s), b * d * s):
+                                sim.add(index, 0, lambda acc: None, nbytes)
                     homes = wire(rnd.sends) * a // s
                     # the sends are done once the keys arrive; the keys stay until the
                     # dK/dV of the round have gone home and ours came back
@@ -403,13 +414,16 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
             peak = 0
             for l in block.backward:
                 nq, nk, hq, hkv, _ = size = _launch_size(l)
-                for index, kind in ((l.q_block, 0), (l.k_block, 1), (l.k_block, 2)):
-                    if index == block.index:
-                        sim.acc(index, kind)
+                for kind, blocks in ((0, l.q_blocks), (1, l.k_blocks), (2, l.k_blocks)):
+                    if block.index in blocks:
+                        sim.acc(block.index, kind)
                 peak = max(peak, _alive(sim) + _launch_bwd(sh, *size))
-                sim.add(l.q_block, 0, lambda acc: None, sh.rows(nq, hq, s))
-                sim.add(l.k_block, 1, lambda acc: None, sh.rows(nk, hkv, s))
-                sim.add(l.k_block, 2, lambda acc: None, sh.rows(nk, hkv, s))
+                for kind, split, index, nbytes in (
+                        (0, l.q_split, l.q_block, sh.rows(nq, hq, s)),
+                        (1, l.k_split, l.k_block, sh.rows(nk, hkv, s)),
+                        (2, l.k_split, l.k_block, sh.rows(nk, hkv, s))):
+                    for target, part in _writes(split, index, nbytes, b * d * s):
+                        sim.add(target, kind, lambda acc: None, part)
             phases[f"backward, block {block.index}"] = {
                 **base, WORKSPACE: peak,
                 COMM: 0 if remote_done else posted + pack_temp(rounds[0].sends)}

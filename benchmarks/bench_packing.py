@@ -1,0 +1,100 @@
+"""Packed documents: one call over many documents against one document and separate calls.
+
+    python benchmarks/bench_packing.py                       # 2^20 tokens, 10,000 documents
+    python benchmarks/bench_packing.py --tokens 65536 --documents 500 --repeats 3
+
+Three forward passes over the same N tokens (batch 1, fp32, LongNet's
+segments [2048, 4096] with rates [1, 2], --heads x 64):
+
+- one document: the N tokens as one sequence (no cu_seqlens);
+- packed: the N tokens cut into --documents documents of random lengths,
+  one call with cu_seqlens;
+- separate: the same documents, one call each.
+
+Packed and separate compute the same attention (each document alone), so
+their ratio is the cost of packing; packed against one document shows what
+many short documents cost next to one long one (less attention, more
+launches). Times are min/median/max of --repeats runs, taken in one process,
+alternating the cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from dilated_attention import dilated_attention
+from dilated_attention.dilated import local_plan
+
+SEGMENTS, RATES = (2048, 4096), (1, 2)
+
+
+def documents(n: int, count: int, seed: int) -> list:
+    """cu_seqlens of `count` documents of random lengths (at least 1 token) summing to n."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(n - 1, generator=g)[: count - 1] + 1
+    return [0] + sorted(cuts.tolist()) + [n]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=2**20)
+    p.add_argument("--documents", type=int, default=10_000)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    n = args.tokens
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, args.heads, 64, generator=g) for _ in range(3))
+    cu = documents(n, args.documents, seed=1)
+    lengths = [e - s for s, e in zip(cu[:-1], cu[1:])]
+
+    def one():
+        return dilated_attention(q, k, v, SEGMENTS, RATES)
+
+    def packed():
+        return dilated_attention(q, k, v, SEGMENTS, RATES, cu_seqlens=cu)
+
+    def separate():
+        for s, e in zip(cu[:-1], cu[1:]):
+            dilated_attention(q[:, s:e], k[:, s:e], v[:, s:e], SEGMENTS, RATES)
+
+    cases = {"one document": one, "packed": packed, "separate calls": separate}
+    times = {name: [] for name in cases}
+    with torch.no_grad():
+        torch.testing.assert_close(  # the packed call is the separate calls, concatenated
+            packed()[:, cu[1]:cu[2]],
+            dilated_attention(q[:, cu[1]:cu[2]], k[:, cu[1]:cu[2]], v[:, cu[1]:cu[2]],
+                              SEGMENTS, RATES))
+        for _ in range(args.repeats):
+            for name, fn in cases.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+
+    def launches(docs):
+        plan = local_plan(q, k, (SEGMENTS, RATES), False, None, docs)
+        return sum(len(b.forward) for b in plan.blocks)
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
+          f"{os.getloadavg()[0]:.2f}; N = {n:,} tokens, {args.heads} heads x 64, fp32, forward; "
+          f"{args.documents:,} documents of {min(lengths)} to {max(lengths)} tokens "
+          f"(median {int(statistics.median(lengths))})")
+    print("| case | launches | seconds (min/median/max) |")
+    print("|---|---|---|")
+    for name, ts in times.items():
+        count = {"one document": launches(None), "packed": launches(tuple(cu)),
+                 "separate calls": "-"}[name]
+        ts = sorted(ts)
+        print(f"| {name} | {count} | {ts[0]:.2f} / {statistics.median(ts):.2f} / {ts[-1]:.2f} |")
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    print(f"packed / separate calls: {med['packed'] / med['separate calls']:.3f}; "
+          f"packed / one document: {med['packed'] / med['one document']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
