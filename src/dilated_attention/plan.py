@@ -28,6 +28,13 @@ rows whatever n is:
   no mask; with causal only parts before it), and against its parts on
   other ranks (*transfers*: the selected key/value rows, fetched).
 
+A *sparse* part, whose heads read fewer than MIN_ROWS_PER_BLOCK_PART rows in
+a block's share but at most a launch's rows in all (LongNet's long patterns,
+w / r = 2048, over blocks of a large rank), is not cut by blocks: one launch
+per head group covers it, and its outputs are split over the blocks they
+land in (``Split``). Cutting it would make launches of a few rows each, one
+per pair of blocks.
+
 Blocks run in an order that puts the blocks touched by transfers last, so
 the exchange (posted first) overlaps the other blocks' work. A launch that
 writes rows of two blocks (a cross launch: dq of its query block, dK/dV of
