@@ -188,6 +188,19 @@ def test_dilated_pattern_equals_direct_calls(case):
     assert_grads_equal(our_grads, ref_grads)
 
 
+def test_right_padded_rows_equal_rows_alone():
+    """Key padding keeps positions and segments in place: right-padded rows are the rows alone."""
+    b, n = 3, 30
+    ids, mask = tokens(b, n, seed=4), padding("right", b, n)
+    model = build(DILATED)
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask).logits
+        for i in range(b):
+            length = int(mask[i].sum())
+            alone = model(ids[i:i + 1, :length]).logits[0]
+            torch.testing.assert_close(padded[i, :length], alone, **TOL)
+
+
 def test_dropout_only_in_training():
     model = build(DILATED)
     for layer in model.model.layers:
@@ -336,6 +349,11 @@ def test_shard_inputs_masks_document_ends():
                                  ids[0, 6].item(), ids[0, 7].item(), -100]]
     assert inputs["cu_seq_lens_q"].tolist() == [0, 3, 5, 8]
     assert inputs["use_cache"] is False
+    # an all-ones mask pads nothing: still documents; with padding, restarts are not documents
+    ones = torch.ones(1, 8, dtype=torch.long)
+    assert "cu_seq_lens_q" in shard_inputs(ids, None, position_ids=pos, attention_mask=ones)[0]
+    ones[0, :2] = 0
+    assert "cu_seq_lens_q" not in shard_inputs(ids, None, position_ids=pos, attention_mask=ones)[0]
 
 
 # --------------------------------------------------------------------------

@@ -591,7 +591,7 @@ def shard_inputs(input_ids: Tensor, group, *, labels: Optional[Tensor] = None,
         whole sequence, with -100 where the next token starts a new document
         (the position_ids restart) and at the last position, for
         ``causal_lm_loss``; None without labels. Packed documents (restarting
-        position_ids, no attention_mask) also give ``cu_seq_lens_q`` and
+        position_ids, nothing padded) also give ``cu_seq_lens_q`` and
         ``cu_seq_lens_k``, the global document boundaries.
     """
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
@@ -613,7 +613,9 @@ def shard_inputs(input_ids: Tensor, group, *, labels: Optional[Tensor] = None,
     if attention_mask is not None:
         inputs["attention_mask"] = shard_sequence(attention_mask, group)
     restart = restarts(position_ids)
-    if attention_mask is None and bool(restart.any()):
+    # the attention function's rule: with padding, restarting positions are not documents
+    padded = attention_mask is not None and not bool(attention_mask.bool().all())
+    if not padded and bool(restart.any()):
         if bool((restart != restart[:1]).any()):
             raise ValueError("position_ids restart (packed documents) differently in different "
                              "batch rows; documents are shared by the batch")
