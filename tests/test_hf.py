@@ -12,7 +12,9 @@ and what reaches the function from a Llama model in every mode used here.
 from __future__ import annotations
 
 import copy
+import importlib
 import inspect
+import pathlib
 import subprocess
 import sys
 
@@ -313,13 +315,27 @@ def _sp_rank(group):
         error = None
     except ValueError as exc:
         error = str(exc)
-    return results, error
+    # examples/finetune_hf.py, packed: its loss curve on these ranks and on one process
+    example = _example()
+    args = example.parse_args(["--seq-len", "96", "--batch-size", "2", "--steps", "3",
+                               "--packed", "2", "--dtype", "float64", "--eval-batches", "1"])
+    curves = (example.train(args, group)["losses"], example.train(args, None)["losses"])
+    return results, error, curves
+
+
+def _example():
+    """examples/finetune_hf.py as a module (it imports train_long_context from its folder)."""
+    folder = pathlib.Path(__file__).resolve().parents[1] / "examples"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    return importlib.import_module("finetune_hf")
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
 def test_sequence_parallel_equals_one_process(world):
-    for results, error in run_distributed(_sp_rank, world, timeout=300.0):
+    for results, error, (sharded, single) in run_distributed(_sp_rank, world, timeout=300.0):
+        torch.testing.assert_close(torch.tensor(sharded), torch.tensor(single), **TOL)
         for case, logits, ref_logits, loss, ref_loss, grads_sp, grads_one in results:
             torch.testing.assert_close(logits, ref_logits, **TOL, msg=lambda m: f"{case}: {m}")
             torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{case}: {m}")
