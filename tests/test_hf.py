@@ -120,6 +120,23 @@ def test_bidirectional_dense_pattern_equals_sdpa(pad):
     assert not torch.allclose(causal[:, :-1], ours[:, :-1])
 
 
+@pytest.mark.parametrize("family", ["Qwen2Config", "MistralConfig"])
+def test_other_model_families_equal_sdpa(family):
+    """Decoders with their own attention classes (Mistral's window switched off) take the same path."""
+    config = getattr(transformers, family)(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=None)
+    ids, mask = tokens(2, 19), padding("left", 2, 19)
+    results = []
+    for impl in ("sdpa", DENSE):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl,
+                                                 dtype=torch.float64).eval()
+        with torch.no_grad():
+            results.append(model(ids, attention_mask=mask).logits)
+    torch.testing.assert_close(results[1][mask.bool()], results[0][mask.bool()], **TOL)
+
+
 def test_dense_pattern_generates_like_sdpa():
     ids = tokens(2, 9)
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
@@ -430,12 +447,6 @@ def test_what_reaches_the_attention_function():
     assert {kind for _, kind in seen} == {"NoneType", "Tensor", "_Documents"}
     assert set().union(*(keys for keys, _ in seen)) <= hf.ACCEPTED_KWARGS
     assert all({"position_ids", "use_cache"} <= keys for keys, _ in seen)
-
-
-def _errors(fn):
-    with pytest.raises(Exception) as info:
-        fn()
-    return info
 
 
 def test_refuses_what_it_cannot_honour():

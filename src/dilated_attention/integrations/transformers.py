@@ -25,7 +25,7 @@ the argument, never a silent fallback):
 | ``dropout`` | attention dropout while ``module.training``; 0 in evaluation |
 | ``is_causal`` (or ``module.is_causal``) | causal or not |
 | 2-D padding ``attention_mask`` | ``key_padding_mask`` (left or right padding) |
-| ``position_ids`` that restart (no padding) | packed documents -> ``cu_seqlens`` |
+| ``position_ids`` that restart (no padding; one process) | packed documents -> ``cu_seqlens`` |
 | ``cu_seq_lens_q`` = ``cu_seq_lens_k`` | packed documents -> ``cu_seqlens`` (global ones under sequence parallelism) |
 | one new token against a KV cache | exact decoding (Note [generation]) |
 | ``use_cache``, ``max_length_q/k``, ``num_items_in_batch``, ``output_hidden_states``, ``output_router_logits`` | no effect on attention |
@@ -36,13 +36,15 @@ Note [what the mask function returns]
     None when no key is padded and the mask is plain causal (or
     bidirectional); the (b, k_len) bool keep-mask when some key is padded
     (the form transformers' flash-attention mask takes, so model code
-    treats it as it treats that one); ``_Documents`` when transformers
+    treats it as it treats that one); ``_Documents`` when transformers'
     packed-sequence detection (use_cache=False, restarting position_ids)
     wrapped the causal mask, holding the document starts read from that
     mask; ``_Refused`` for anything dilated attention cannot express. The
-    mask function never raises on data: under sequence parallelism one rank
-    raising while the others wait in a collective would hang them, so the
-    attention function raises instead, inside its cross-rank agreement.
+    mask function does not raise on what may differ between ranks (the
+    data): under sequence parallelism one rank raising while the others
+    wait in a collective would hang them, so the attention function raises
+    instead, inside its cross-rank agreement. A cache it cannot use is the
+    same on every rank and raises at once.
 
     transformers describes a mask as a function of (batch, head, q, kv)
     indices. Plain causal and bidirectional are recognised by identity;
@@ -65,9 +67,14 @@ Note [generation]
 Sequence-parallel fine-tuning (``register(..., group=pg)``): every rank
 feeds its own contiguous slice of ``input_ids`` with the GLOBAL
 ``position_ids``; its logits are its rows of the single-process logits.
-``shard_inputs`` builds a rank's inputs and targets, ``causal_lm_loss`` the
-token-weighted loss over all ranks; after ``backward`` sum the parameter
-gradients with ``dilated_attention.all_reduce_gradients(model, pg)``.
+``shard_inputs`` builds a rank's inputs and targets (packed documents as
+global ``cu_seq_lens_q/k``: a rank cannot tell a document starting at its
+first row from transformers' default positions 0 .. n-1, so restarting
+position_ids alone are an error there), ``causal_lm_loss`` the token-weighted
+loss over all ranks; after ``backward`` sum the parameter gradients with
+``dilated_attention.all_reduce_gradients(model, pg)``. Each call costs one
+small agreement collective (validation, padding and document facts of every
+rank) besides the op's own.
 
 Notation: b batch, n rows (this rank's under sequence parallelism), N the
 whole sequence, h heads, hk key/value heads, d head dim.
