@@ -96,7 +96,14 @@ def model_config() -> LongNetConfig:
 
 def make_batch(args: argparse.Namespace, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The full (b, n) tokens and targets of one step, the same on every rank."""
-    tokens, targets, _ = make_packed_batch(args, step)
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    b, n = args.batch_size, args.seq_len
+    keys = torch.randint(0, args.keys, (b,), generator=g)
+    tokens = torch.randint(args.keys, QUERY, (b, n), generator=g)
+    tokens[:, : args.key_len] = keys[:, None]
+    tokens[:, -1] = QUERY
+    targets = torch.full((b, n), IGNORE_INDEX)
+    targets[:, -1] = keys
     return tokens, targets
 
 
@@ -105,9 +112,11 @@ def make_packed_batch(args: argparse.Namespace, step: int):
 
     Each document is one recall task: its key at its start, its query at its end.
     """
+    if not args.packed:
+        return make_batch(args, step) + (None,)
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
     b, n = args.batch_size, args.seq_len
-    count = max(args.packed, 1)
+    count = args.packed
     shortest = args.key_len + 2
     # document lengths: the shortest each, the rest of the sequence spread at random
     cuts = sorted(torch.randint(0, n - count * shortest + 1, (count - 1,), generator=g).tolist())
@@ -122,7 +131,7 @@ def make_packed_batch(args: argparse.Namespace, step: int):
         tokens[:, s : s + args.key_len] = keys[:, None]
         tokens[:, e - 1] = QUERY
         targets[:, e - 1] = keys
-    return tokens, targets, (cu if args.packed else None)
+    return tokens, targets, cu
 
 
 def evaluate(model: LongNetLM, args: argparse.Namespace, group) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence
 
 import pytest
 import torch
@@ -346,7 +346,6 @@ def _single(pieces, cu, segs, rates, causal, h, hk, masked, seed, ring=False):
     mask = _mask(2, n, seed) if masked else None
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     if ring:
-        refs = [x.clone().requires_grad_() for x in (q, k, v)]
         out, lse = ring_attention(*leaves, is_causal=causal, return_lse=True, cu_seqlens=cu,
                                   key_padding_mask=mask)
     else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Dict, List, Tuple
+from typing import Dict
 from unittest import mock
 
 import pytest

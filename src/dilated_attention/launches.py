@@ -297,8 +297,9 @@ def _merge_into(blocks: Blocks, launch, out_g: Tensor, lse_g: Tensor) -> None:
         part_out, part_lse = flat_out[:, split.index], flat_lse[:, split.index]
 
         def apply(accs, split=split, part_out=part_out, part_lse=part_lse) -> None:
-            merge_selected_(accs[0], accs[1], (slice(None), split.rows, split.heads), part_out,
-                            part_lse)
+            for e in _row_slices(split.index.numel(), part_out[:, :1].numel()):
+                merge_selected_(accs[0], accs[1], (slice(None), split.rows[e], split.heads[e]),
+                                part_out[:, e], part_lse[:, e])
 
         blocks.add(split.block, 0, apply, part_out.nbytes + part_lse.nbytes)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence, Tuple
 
-import torch
 from torch import Tensor, nn
 
 from . import validation as check

@@ -518,12 +518,19 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
     return _assemble(grid, launches, rounds_by_step, modes, remote_blocks, n)
 
 
+# Below this many rows per head in a block's share of a segment, launches per pair of
+# blocks would be tiny: such a segment part runs whole (Note [plan], sparse parts).
+MIN_ROWS_PER_BLOCK_PART = 256
+
+
 def _sparse(part: Chunk, rate: int, launch_rows: int, block_rows: int) -> bool:
-    """A segment part that crosses blocks but whose heads each read at most a launch's rows:
-    one launch (per head group) covers it, instead of one per pair of blocks."""
+    """A segment part that crosses blocks, whose heads read few rows per block but at most a
+    launch's rows in all: one launch (per head group) covers it, instead of one per pair of
+    blocks (LongNet's long patterns, w / r = 2048)."""
     length = part.stop - part.start
     crosses = part.start // block_rows != (part.stop - 1) // block_rows
-    return crosses and -(-length // rate) <= launch_rows
+    return (crosses and block_rows // rate < MIN_ROWS_PER_BLOCK_PART
+            and -(-length // rate) <= launch_rows)
 
 
 def _splits(start: int, index: Tensor, head_ids: Tensor, blocks: List[Tuple[int, int]],

@@ -16,7 +16,9 @@ Counting (per calling process, inside ``count_communication()`` blocks):
 - ``agreements``: calls of ``agree``, the small control collective before
   an op; it is kept out of ``messages``/``bytes_sent`` so that "a local
   pattern set sends nothing" reads ``stats.messages == 0``;
-- ``by_kind``: the same numbers per kind ("send", "all_gather", ...).
+- ``by_kind``: the same numbers per kind ("send", "all_gather", ...);
+- ``wait_seconds``: time this process spent blocked waiting for
+  point-to-point transfers to complete (what overlap did not hide).
 
 Zero-element tensors are never sent (both peers know the sizes, so both
 skip them) and are not counted.
@@ -35,6 +37,7 @@ import contextvars
 import dataclasses
 import datetime
 import pickle
+import time
 from typing import (Any, Callable, Dict, Iterator, List, Mapping, NoReturn, Optional, Sequence,
                     Tuple, Union)
 
@@ -58,6 +61,7 @@ class CommStats:
     bytes_sent: int = 0
     agreements: int = 0
     by_kind: Dict[str, Tuple[int, int]] = dataclasses.field(default_factory=dict)
+    wait_seconds: float = 0.0
 
     def _add(self, kind: str, messages: int, nbytes: int) -> None:
         if kind == "agree":
@@ -313,8 +317,14 @@ def _post(ops: List[Tuple[str, Tensor, int, int]], group: ProcessGroup) -> List[
 
 
 def _wait(reqs: List[Any]) -> None:
+    if not reqs:
+        return
+    start = time.perf_counter()
     for req in reqs:
         req.wait()
+    waited = time.perf_counter() - start
+    for stats in _ACTIVE.get():
+        stats.wait_seconds += waited
 
 
 class RingComm:

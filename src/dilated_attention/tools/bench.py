@@ -52,6 +52,7 @@ COLUMNS = (
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
     ("speedup", "speedup vs 1 rank", "{:.2f}"),
     ("comm_mb", "comm/rank (MB)", "{:.2f}"),
+    ("comm_wait", "comm wait", "{:.0%}"),
 )
 
 
@@ -326,7 +327,7 @@ def run_case(impl: str, n: int, group, config: BenchConfig, device: str) -> Dict
     comm.barrier(group)
     memory.start()
     inputs = _build_inputs(impl, n, world_size, rank, config, device)
-    times, comm_bytes, comm_messages = [], 0, 0
+    times, waits, comm_bytes, comm_messages = [], [], 0, 0
     for i in range(config.repeats):
         comm.barrier(group)
         _sync(device)
@@ -335,18 +336,23 @@ def run_case(impl: str, n: int, group, config: BenchConfig, device: str) -> Dict
             _one_pass(fn, inputs, config, group)
         _sync(device)
         times.append(time.perf_counter() - start)
+        waits.append(stats.wait_seconds / times[-1])
         if i == 0:
             comm_bytes, comm_messages = stats.bytes_sent, stats.messages
     peak = memory.peak_bytes()
     del inputs
     # per pass the slowest rank; peak and traffic of the largest rank (-1: not measurable)
+    # the share of a pass this rank spent waiting on transfers overlap did not hide
+    wait_share = statistics.median(waits)
     summary = torch.tensor(
-        times + [float(-1 if peak is None else peak), float(comm_bytes), float(comm_messages)],
+        times + [float(-1 if peak is None else peak), float(comm_bytes), float(comm_messages),
+                 wait_share],
         dtype=torch.float64, device=device,
     )
     comm.all_reduce_(summary, group, op="max")
     summary = summary.tolist()
-    times, (peak_max, bytes_max, messages_max) = summary[: config.repeats], summary[config.repeats:]
+    times = summary[: config.repeats]
+    peak_max, bytes_max, messages_max, wait_max = summary[config.repeats:]
     seconds = statistics.median(times)
     return {
         "impl": impl,
@@ -358,6 +364,7 @@ def run_case(impl: str, n: int, group, config: BenchConfig, device: str) -> Dict
         "speedup": None,
         "comm_mb": bytes_max / MB,
         "comm_messages": int(messages_max),
+        "comm_wait": wait_max,
         "rows_per_rank": max(hi - lo for p in range(world_size)
                              for lo, hi in rank_ranges(impl, n, world_size, p, config)),
         "times_ms": [t * 1e3 for t in times],
@@ -423,7 +430,8 @@ def describe(config: BenchConfig, rows: List[Dict[str, object]]) -> str:
         f"{', causal' if config.causal else ''}); batch {config.batch}, {config.heads} heads x "
         f"{config.head_dim} (kv heads {config.kv_heads}); dilated: {pattern}; torch threads per "
         f"rank {threads}. time: median of {config.repeats} passes of the slowest rank; memory: "
-        f"peak above the rank's baseline, largest rank; comm: bytes sent per pass, largest rank."
+        f"peak above the rank's baseline, largest rank; comm: bytes sent per pass, largest rank; "
+        f"comm wait: share of a pass a rank waited on transfers (median), largest rank."
     )
 
 

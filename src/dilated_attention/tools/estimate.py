@@ -40,7 +40,7 @@ from ..dilated import IMPLEMENTATIONS
 from ..distributed import comm
 from ..launches import CHUNK_ELEMENTS, Blocks, count_writers
 from ..patterns import Heads
-from ..plan import Layout, make_plan
+from ..plan import Layout, make_plan, work
 from ..distributed.sharding import piece_lengths
 from ..functional import dilated_attention, ring_attention
 from .settings import MB, check_setting, check_zigzag, default_threads, ring_layout
@@ -653,8 +653,22 @@ def report(config: EstimateConfig, *, trace: bool, as_json: bool) -> int:
               f"{_mb(e.forward_bytes)} in {e.forward_messages} messages"
               + (f", backward {_mb(e.backward_bytes)} in {e.backward_messages} messages"
                  if config.training else ""))
+    if config.impl == "dilated" and config.world_size > 1:
+        ranks, loads = work_per_rank(config)
+        mean = sum(loads) / len(loads)
+        which = "every rank" if len(ranks) == config.world_size else f"ranks {ranks}"
+        print(f"\nattention work per rank (score entries, forward; {which}): busiest "
+              f"{max(loads):,.0f} = {max(loads) / mean:.3f} x the mean")
     if trace:
         f, d = estimates
         print(f"\nformula vs dry run: peak {100 * (f.peak_bytes / d.peak_bytes - 1):+.1f}%, "
               f"forward traffic {_mb(f.forward_bytes)} vs {_mb(d.forward_bytes)}")
     return 0
+
+
+def work_per_rank(config: EstimateConfig) -> Tuple[List[int], List[int]]:
+    """(ranks, each one's attention work) from the plans: every rank up to 16, else a sample."""
+    p = config.world_size
+    ranks = list(range(p)) if p <= 16 else _ranks_to_check(config)
+    lengths = config.lengths()
+    return ranks, [work(plan_for(config, lengths, r)) for r in ranks]
