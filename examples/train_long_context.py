@@ -30,7 +30,7 @@ import argparse
 import math
 import sys
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -42,8 +42,9 @@ from dilated_attention.tools.cli import Progress
 from dilated_attention.tools.settings import default_threads
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: Optional[List[str]] = None,
+               description: Optional[str] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=200)
@@ -135,16 +136,26 @@ def make_packed_batch(args: argparse.Namespace, step: int):
 
 def evaluate(model: LongNetLM, args: argparse.Namespace, group) -> float:
     """Recall accuracy at the query positions on held-out batches."""
+
+    def predict(batch: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        tokens, targets, cu = make_packed_batch(args, batch)
+        logits, _ = model(shard_sequence(tokens, group), cu_seqlens=cu)
+        return logits, shard_sequence(targets, group)
+
+    return accuracy(model, args, group, predict)
+
+
+def accuracy(model: torch.nn.Module, args: argparse.Namespace, group,
+             predict: Callable[[int], Tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The share of targets (over all ranks) that ``predict(batch)``'s logits get right, over
+    args.eval_batches held-out batches (negative batch numbers: never trained on)."""
     correct = total = 0
     model.eval()
     with torch.no_grad():
         for i in range(args.eval_batches):
-            # negative steps: never trained on
-            tokens, targets, cu = make_packed_batch(args, -1 - i)
-            logits, _ = model(shard_sequence(tokens, group), cu_seqlens=cu)
-            mine = shard_sequence(targets, group)
-            asked = mine != IGNORE_INDEX  # the query positions this rank holds
-            correct += int((logits.argmax(-1)[asked] == mine[asked]).sum())
+            logits, targets = predict(-1 - i)
+            asked = targets != IGNORE_INDEX  # the query positions this rank holds
+            correct += int((logits.argmax(-1)[asked] == targets[asked]).sum())
             total += int(asked.sum())
     model.train()
     counts = torch.tensor([correct, total], dtype=torch.float64)
@@ -171,6 +182,23 @@ def train(args: argparse.Namespace, group=None, unpacked: bool = False) -> Dict[
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
     model = LongNetLM(model_config(), dtype=dtype, process_group=group)
+
+    def batch_loss(step: int) -> torch.Tensor:
+        tokens, targets, cu = make_packed_batch(args, step)
+        if unpacked:
+            return _one_by_one(model, tokens, targets, cu)
+        _, loss = model(shard_sequence(tokens, group), shard_sequence(targets, group),
+                        cu_seqlens=cu)
+        return loss
+
+    result = fit(model, args, group, batch_loss)
+    return {**result, "accuracy": evaluate(model, args, group)}
+
+
+def fit(model: torch.nn.Module, args: argparse.Namespace, group,
+        batch_loss: Callable[[int], torch.Tensor]) -> Dict[str, object]:
+    """AdamW over args.steps steps of ``batch_loss(step)`` (this rank's part of the global
+    loss); gradients summed over `group`. Returns the loss curve and the seconds taken."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     warmup = max(1, args.steps // 10)
 
@@ -185,13 +213,8 @@ def train(args: argparse.Namespace, group=None, unpacked: bool = False) -> Dict[
     losses: List[float] = []
     start = time.perf_counter()
     for step in range(args.steps):
-        tokens, targets, cu = make_packed_batch(args, step)
         opt.zero_grad(set_to_none=True)
-        if unpacked:
-            loss = _one_by_one(model, tokens, targets, cu)
-        else:
-            _, loss = model(shard_sequence(tokens, group), shard_sequence(targets, group),
-                            cu_seqlens=cu)
+        loss = batch_loss(step)
         loss.backward()
         all_reduce_gradients(model, group)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -202,19 +225,20 @@ def train(args: argparse.Namespace, group=None, unpacked: bool = False) -> Dict[
             bar.step(f"loss {losses[-1]:.4f}")
     if bar is not None:
         bar.close()
-    seconds = time.perf_counter() - start
-    return {"losses": losses, "accuracy": evaluate(model, args, group), "seconds": seconds}
+    return {"losses": losses, "seconds": time.perf_counter() - start}
 
 
 def _train_rank(group, args: argparse.Namespace) -> Dict[str, object]:
     return train(args, group)
 
 
-def train_distributed(args: argparse.Namespace) -> Dict[str, object]:
-    """Spawn args.world_size gloo ranks on this machine and train; returns rank 0's result."""
+def train_distributed(args: argparse.Namespace,
+                      train_rank: Callable = _train_rank) -> Dict[str, object]:
+    """Spawn args.world_size gloo ranks on this machine, each running ``train_rank(group,
+    args)`` (importable by name); returns rank 0's result."""
     threads = args.threads or default_threads(args.world_size)
     results = launch.spawn(
-        _train_rank, args.world_size, (args,), timeout=3600.0, pg_timeout=300.0, threads=threads
+        train_rank, args.world_size, (args,), timeout=3600.0, pg_timeout=300.0, threads=threads
     )
     return results[0]
 
@@ -233,32 +257,37 @@ def main(argv: Optional[List[str]] = None) -> int:
         result = train(args)
     else:
         result = train_distributed(args)
-    _report(f"{args.world_size} process(es)" + (f", {args.packed} documents per sequence"
-                                                 if args.packed else ""), result, chance)
+    report(f"{args.world_size} process(es)" + (f", {args.packed} documents per sequence"
+                                                if args.packed else ""), result, chance)
     if args.check_unpacked:
         unpacked = train(args, unpacked=True)
-        _report("the same documents one by one", unpacked, chance)
+        report("the same documents one by one", unpacked, chance)
         diffs = [abs(a - b) for a, b in zip(result["losses"], unpacked["losses"])]
         print(f"max |loss difference|, packed vs one by one, over {args.steps} steps: "
               f"{max(diffs):.3e} ({args.dtype})")
     if args.compare and args.world_size > 1:
         torch.set_num_threads(args.threads or torch.get_num_threads())
-        single = train(args)
-        _report("1 process", single, chance)
-        diffs = [abs(a - b) for a, b in zip(result["losses"], single["losses"])]
-        print("step  loss(1 process)  loss(%d ranks)  |diff|" % args.world_size)
-        for i in range(0, args.steps, max(1, args.steps // 10)):
-            print(f"{i:4d}  {single['losses'][i]:.10f}  {result['losses'][i]:.10f}  {diffs[i]:.2e}")
-        early = min(10, args.steps)
-        hint = "" if args.dtype == "float64" else (
-            "; training amplifies rounding differences step by step, use --dtype float64 "
-            "for a tight check")
-        print(f"max |loss difference|: first {early} steps {max(diffs[:early]):.3e}, "
-              f"all {args.steps} steps {max(diffs):.3e} ({args.dtype}{hint})")
+        compare(result, train(args), args, chance)
     return 0
 
 
-def _report(what: str, result: Dict[str, object], chance: float) -> None:
+def compare(result: Dict[str, object], single: Dict[str, object], args: argparse.Namespace,
+            chance: float) -> None:
+    """Print the one-process run and its loss curve next to the sequence-parallel one."""
+    report("1 process", single, chance)
+    diffs = [abs(a - b) for a, b in zip(result["losses"], single["losses"])]
+    print("step  loss(1 process)  loss(%d ranks)  |diff|" % args.world_size)
+    for i in range(0, args.steps, max(1, args.steps // 10)):
+        print(f"{i:4d}  {single['losses'][i]:.10f}  {result['losses'][i]:.10f}  {diffs[i]:.2e}")
+    early = min(10, args.steps)
+    hint = "" if args.dtype == "float64" else (
+        "; training amplifies rounding differences step by step, use --dtype float64 "
+        "for a tight check")
+    print(f"max |loss difference|: first {early} steps {max(diffs[:early]):.3e}, "
+          f"all {args.steps} steps {max(diffs):.3e} ({args.dtype}{hint})")
+
+
+def report(what: str, result: Dict[str, object], chance: float) -> None:
     losses = result["losses"]
     print(
         f"{what}: {len(losses)} steps in {result['seconds']:.1f} s; loss {losses[0]:.3f} -> "

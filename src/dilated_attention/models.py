@@ -440,11 +440,13 @@ def _check_inputs(
     return comm.group_rank(group), lengths, infos
 
 
-def _token_mean_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
+def token_mean_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
     """Cross-entropy averaged over every non-ignored token of every rank.
 
-    When no rank has a target that is not ignored the loss is 0 (not 0/0 =
-    NaN), still connected to the logits, so ``backward`` gives zero gradients.
+    Targets are aligned with the logits (position t predicts targets[t]);
+    every rank of `group` calls it, a rank without targets too. When no rank
+    has a target that is not ignored the loss is 0 (not 0/0 = NaN), still
+    connected to the logits, so ``backward`` gives zero gradients.
     """
     acc = lse_dtype(logits.dtype)
     # (b, n, v) -> (b * n, v)
@@ -521,7 +523,7 @@ class _LongNetBase(nn.Module):
     def _loss(self, logits: Tensor, targets: Optional[Tensor]) -> Optional[Tensor]:
         if targets is None:
             return None
-        return _token_mean_loss(logits, targets.long(), self.process_group)
+        return token_mean_loss(logits, targets.long(), self.process_group)
 
 
 class LongNetLM(_LongNetBase):

@@ -1,0 +1,593 @@
+"""The transformers backend (integrations/transformers.py), all in float64.
+
+Checked against transformers' own sdpa backend (dense pattern), against a
+Llama forward written here that calls `dilated_attention` directly (real
+dilated patterns), against each packed document run alone, and under
+sequence parallelism against one process (spawned gloo ranks, P = 2, 3).
+The contract with transformers is pinned on its public interfaces only: the
+keywords the attention function accepts, transformers' TransformersKwargs,
+and what reaches the function from a Llama model in every mode used here.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+# CI installs the [hf] extra: without transformers this module fails to import, loudly
+import transformers
+from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.utils import TransformersKwargs
+
+from dilated_attention import all_reduce_gradients, dilated_attention
+from dilated_attention.distributed import comm
+from dilated_attention.distributed.sharding import piece_ranges
+from dilated_attention.integrations import transformers as hf
+from dilated_attention.integrations.transformers import (causal_lm_loss, build_mask, register,
+                                                          shard_inputs)
+from dist_harness import run_distributed
+
+TOL = dict(rtol=0, atol=1e-10)
+VOCAB = 61
+CONFIG = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                     pad_token_id=0, eos_token_id=None)  # generate() runs every step
+SEGMENTS, RATES = [4, 8, 16], [1, 2, 4]  # real dilated patterns: N ~ 30 crosses every segment
+DENSE = register("dilated_dense_test", segment_lengths=[4096], dilation_rates=[1])
+DILATED = register("dilated_test", segment_lengths=SEGMENTS, dilation_rates=RATES)
+
+
+def build(impl: str, seed: int = 0, **overrides):
+    """A tiny random Llama (GQA: 4 heads, 2 kv heads), float64, in eval mode."""
+    config = copy.deepcopy(CONFIG)  # from_config keeps (and edits) the config it is given
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=impl,
+                                            dtype=torch.float64).eval()
+
+
+def tokens(b: int, n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+def padding(kind: str, b: int, n: int) -> torch.Tensor:
+    """(b, n) 0/1 mask: row i has 3 i padded tokens on the left or right."""
+    mask = torch.ones(b, n, dtype=torch.long)
+    for i in range(b):
+        if kind == "left":
+            mask[i, : 3 * i] = 0
+        elif kind == "right" and i:
+            mask[i, -3 * i:] = 0
+    return mask
+
+
+def grads(model) -> dict:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and a
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], **TOL, msg=lambda m: f"{name}: {m}")
+
+
+# --------------------------------------------------------------------------
+# Dense pattern == transformers' sdpa
+
+
+@pytest.mark.parametrize("use_cache", [True, False])  # True: k, v come strided out of the cache
+@pytest.mark.parametrize("pad", ["none", "left", "right"])
+def test_dense_pattern_equals_sdpa(pad, use_cache):
+    b, n = 3, 21
+    ids, mask = tokens(b, n), padding(pad, b, n)
+    real = mask.bool()
+    # generate()'s positions for left padding; plain 0 .. n-1 otherwise
+    pos = (mask.cumsum(-1) - 1).clamp(min=0) if pad == "left" else None
+    kwargs = dict(position_ids=pos, use_cache=use_cache)
+    if pad != "none":
+        kwargs["attention_mask"] = mask
+    weight = torch.randn(b, n, VOCAB, dtype=torch.float64) * real[..., None]
+    results = []
+    for impl in ("sdpa", DENSE):
+        model = build(impl)
+        logits = model(ids, **kwargs).logits
+        (logits * weight).sum().backward()  # a loss over the real (unpadded) positions only
+        results.append((logits.detach(), grads(model)))
+    (ref, ref_grads), (ours, our_grads) = results
+    torch.testing.assert_close(ours[real], ref[real], **TOL)
+    assert_grads_equal(our_grads, ref_grads)
+
+
+@pytest.mark.parametrize("pad", ["none", "right"])
+def test_bidirectional_dense_pattern_equals_sdpa(pad):
+    """config.is_causal = False: transformers builds a bidirectional mask and passes is_causal=False."""
+    ids, mask = tokens(2, 17), padding(pad, 2, 17)
+    kwargs = {"attention_mask": mask} if pad != "none" else {}
+    with torch.no_grad():
+        ref, ours = (build(impl, is_causal=False)(ids, **kwargs).logits for impl in ("sdpa", DENSE))
+    torch.testing.assert_close(ours[mask.bool()], ref[mask.bool()], **TOL)
+    with torch.no_grad():  # and it is not the causal result
+        causal = build(DENSE)(ids, **kwargs).logits
+    assert not torch.allclose(causal[:, :-1], ours[:, :-1])
+
+
+@pytest.mark.parametrize("family", ["Qwen2Config", "MistralConfig"])
+def test_other_model_families_equal_sdpa(family):
+    """Decoders with their own attention classes (Mistral's window switched off) take the same path."""
+    config = getattr(transformers, family)(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=None)
+    ids, mask = tokens(2, 19), padding("left", 2, 19)
+    results = []
+    for impl in ("sdpa", DENSE):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl,
+                                                 dtype=torch.float64).eval()
+        with torch.no_grad():
+            results.append(model(ids, attention_mask=mask).logits)
+    torch.testing.assert_close(results[1][mask.bool()], results[0][mask.bool()], **TOL)
+
+
+def test_dense_pattern_generates_like_sdpa():
+    ids = tokens(2, 9)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                  output_scores=True)
+    ref, ours = build("sdpa").generate(ids, **kwargs), build(DENSE).generate(ids, **kwargs)
+    assert torch.equal(ours.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(ours.scores), torch.stack(ref.scores), **TOL)
+
+
+# --------------------------------------------------------------------------
+# Real dilated patterns == a Llama whose attention calls dilated_attention directly
+
+
+def reference_logits(model, ids, *, position_ids=None, key_padding_mask=None, cu_seqlens=None,
+                     dropout_p=0.0):
+    """LlamaForCausalLM.forward written out, its attention a direct dilated_attention call."""
+    inner = model.model
+    b, n = ids.shape
+    x = inner.embed_tokens(ids)
+    if position_ids is None:
+        position_ids = torch.arange(n)[None]
+    cos, sin = inner.rotary_emb(x, position_ids)
+    for layer in inner.layers:
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        # (b, n, e) -> (b, n, heads, d): our layout, so rotary unsqueezes at dim 2
+        q = attn.q_proj(h).view(b, n, -1, attn.head_dim)
+        k = attn.k_proj(h).view(b, n, -1, attn.head_dim)
+        v = attn.v_proj(h).view(b, n, -1, attn.head_dim)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        out = dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=True, scale=attn.scaling,
+                                dropout_p=dropout_p, key_padding_mask=key_padding_mask,
+                                cu_seqlens=cu_seqlens)
+        x = x + attn.o_proj(out.reshape(b, n, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(inner.norm(x))
+
+
+@pytest.mark.parametrize("case", ["plain", "left", "right", "packed", "dropout"])
+def test_dilated_pattern_equals_direct_calls(case):
+    b, n = 2, 30
+    ids = tokens(b, n, seed=3)
+    model = build(DILATED)
+    kwargs, ref_kwargs = {}, {}
+    if case in ("left", "right"):
+        mask = padding(case, b, n)
+        kwargs["attention_mask"] = mask
+        ref_kwargs["key_padding_mask"] = ~mask.bool()
+    if case == "packed":
+        pos = torch.cat([torch.arange(m) for m in (11, 7, 12)])[None]
+        kwargs["position_ids"] = ref_kwargs["position_ids"] = pos
+        ref_kwargs["cu_seqlens"] = [0, 11, 18, 30]
+    if case == "dropout":
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.3
+        model.train()
+        ref_kwargs["dropout_p"] = 0.3
+    results = []
+    for run in (lambda: reference_logits(model, ids, **ref_kwargs),
+                lambda: model(ids, **kwargs).logits):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)  # the same dropout seeds, drawn in the same order
+        logits = run()
+        logits.square().mean().backward()
+        results.append((logits.detach(), grads(model)))
+    (ref, ref_grads), (ours, our_grads) = results
+    torch.testing.assert_close(ours, ref, **TOL)
+    assert_grads_equal(our_grads, ref_grads)
+
+
+def test_right_padded_rows_equal_rows_alone():
+    """Key padding keeps positions and segments in place: right-padded rows are the rows alone."""
+    b, n = 3, 30
+    ids, mask = tokens(b, n, seed=4), padding("right", b, n)
+    model = build(DILATED)
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask).logits
+        for i in range(b):
+            length = int(mask[i].sum())
+            alone = model(ids[i:i + 1, :length]).logits[0]
+            torch.testing.assert_close(padded[i, :length], alone, **TOL)
+
+
+def test_dropout_only_in_training():
+    model = build(DILATED)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    ids = tokens(1, 20)
+    with torch.no_grad():
+        evals = [model(ids).logits for _ in range(2)]
+        model.train()
+        trains = [model(ids).logits for _ in range(2)]
+    torch.testing.assert_close(evals[0], evals[1], rtol=0, atol=0)
+    assert not torch.allclose(trains[0], trains[1])
+
+
+def test_dilated_decoding_equals_full_forward():
+    """Decoding (one token against the cache) is exact: each step's logits are the full forward's."""
+    model = build(DILATED)
+    seq = tokens(2, 13)
+    cache = DynamicCache(config=model.config)
+    steps = []
+    with torch.no_grad():
+        logits = model(seq, past_key_values=cache).logits[:, -1]
+        for _ in range(8):
+            steps.append(logits)
+            seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
+            logits = model(seq[:, -1:], past_key_values=cache).logits[:, -1]
+        full = model(seq, use_cache=False).logits
+    for i, step in enumerate(steps):
+        torch.testing.assert_close(step, full[:, 12 + i], **TOL)
+    # generate() takes the same path (its scores are float32)
+    out = model.generate(seq[:, :13], max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, seq)
+
+
+# --------------------------------------------------------------------------
+# Packed sequences == each document alone
+
+
+@pytest.mark.parametrize("how", ["position_ids", "position_ids_no_cache", "cu_seq_lens",
+                                 "batch_of_two"])
+def test_packed_documents_equal_documents_alone(how):
+    lengths = [11, 5, 14]
+    n = sum(lengths)
+    b = 2 if how == "batch_of_two" else 1
+    ids = tokens(b, n, seed=5)
+    pos = torch.cat([torch.arange(m) for m in lengths])[None]
+    kwargs = {"position_ids": pos}
+    if how == "position_ids_no_cache":
+        kwargs["use_cache"] = False  # transformers then packs the causal mask itself
+    if how == "cu_seq_lens":
+        cu = torch.tensor([0, 11, 16, n], dtype=torch.int32)
+        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=14, max_length_k=14)
+    model = build(DILATED)
+    with torch.no_grad():
+        packed = model(ids, **kwargs).logits
+        alone = torch.cat([model(doc).logits for doc in ids.split(lengths, dim=1)], dim=1)
+    torch.testing.assert_close(packed, alone, **TOL)
+
+
+# --------------------------------------------------------------------------
+# Sequence parallel == one process
+
+
+def _sp_case_inputs(case: str, n: int):
+    """(input_ids, labels, position_ids, attention_mask) of the whole batch."""
+    ids = tokens(2, n, seed=11)
+    labels = ids.clone()
+    labels[:, ::4] = -100
+    pos = mask = None
+    if case == "left_padding":
+        mask = padding("left", 2, n)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        labels[mask == 0] = -100
+    if case == "packed":
+        # documents start at 10 and 15: rank borders at P = 3 (10) and P = 2 (15)
+        pos = torch.cat([torch.arange(m) for m in (10, 5, n - 15)])[None]
+    if case == "last_token_only":
+        # one target, on the last rank: the others have none and must not hang
+        labels = torch.full_like(ids, -100)
+        labels[:, -1] = ids[:, 0]
+    return ids, labels, pos, mask
+
+
+SP_CASES = ("plain", "left_padding", "packed", "last_token_only")
+
+
+def _sp_rank(group):
+    world, rank = comm.group_size(group), comm.group_rank(group)
+    sp = register("dilated_sp_test", segment_lengths=SEGMENTS, dilation_rates=RATES, group=group)
+    n = 29
+    (start, stop), = piece_ranges(n, world, rank)
+    results = []
+    for case in SP_CASES:
+        ids, labels, pos, mask = _sp_case_inputs(case, n)
+        out = {}
+        for label, impl, g in (("one", DILATED, None), ("sp", sp, group)):
+            model = build(impl)
+            inputs, targets = shard_inputs(ids, g, labels=labels, position_ids=pos,
+                                           attention_mask=mask)
+            logits = model(**inputs).logits
+            loss = causal_lm_loss(logits, targets, g)
+            loss.backward()
+            all_reduce_gradients(model, g)
+            out[label] = (logits.detach(), loss.detach(), grads(model))
+        (logits1, loss1, grads1), (logits2, loss2, grads2) = out["one"], out["sp"]
+        results.append((case, logits2, logits1[:, start:stop], loss2, loss1, grads2, grads1))
+    # forgetting the global position_ids: transformers restarts them at 0 on every rank
+    model = build(sp)
+    try:
+        model(shard_inputs(tokens(1, n), group)[0]["input_ids"])
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    # examples/finetune_hf.py, packed: its loss curve on these ranks and on one process
+    example = _example()
+    args = example.parse_args(["--seq-len", "96", "--batch-size", "2", "--steps", "3",
+                               "--packed", "2", "--dtype", "float64", "--eval-batches", "1"])
+    curves = (example.train(args, group)["losses"], example.train(args, None)["losses"])
+    return results, error, curves
+
+
+def _example():
+    """examples/finetune_hf.py as a module (it imports train_long_context from its folder)."""
+    folder = pathlib.Path(__file__).resolve().parents[1] / "examples"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    return importlib.import_module("finetune_hf")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_sequence_parallel_equals_one_process(world):
+    for results, error, (sharded, single) in run_distributed(_sp_rank, world, timeout=300.0):
+        torch.testing.assert_close(torch.tensor(sharded), torch.tensor(single), **TOL)
+        for case, logits, ref_logits, loss, ref_loss, grads_sp, grads_one in results:
+            torch.testing.assert_close(logits, ref_logits, **TOL, msg=lambda m: f"{case}: {m}")
+            torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{case}: {m}")
+            assert_grads_equal(grads_sp, grads_one)
+        assert error is not None and "GLOBAL position_ids" in error
+
+
+def test_causal_lm_loss_equals_transformers_loss():
+    ids, labels, _, _ = _sp_case_inputs("plain", 23)
+    model = build(DILATED)
+    inputs, targets = shard_inputs(ids, None, labels=labels)
+    with torch.no_grad():
+        logits = model(**inputs).logits
+        ours = causal_lm_loss(logits, targets, None)
+        theirs = model(ids, labels=labels).loss  # computed in float32
+    shifted = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                                labels[:, 1:].flatten(), ignore_index=-100)
+    torch.testing.assert_close(ours, shifted, **TOL)
+    torch.testing.assert_close(ours, theirs.double(), rtol=1e-6, atol=0)
+
+
+def test_shard_inputs_masks_document_ends():
+    ids = tokens(1, 8)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    inputs, targets = shard_inputs(ids, None, labels=ids, position_ids=pos)
+    assert targets.tolist() == [[ids[0, 1].item(), ids[0, 2].item(), -100, ids[0, 4].item(), -100,
+                                 ids[0, 6].item(), ids[0, 7].item(), -100]]
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 3, 5, 8]
+    assert inputs["use_cache"] is False
+    # an all-ones mask pads nothing: still documents; with padding, restarts are not documents
+    ones = torch.ones(1, 8, dtype=torch.long)
+    assert "cu_seq_lens_q" in shard_inputs(ids, None, position_ids=pos, attention_mask=ones)[0]
+    ones[0, :2] = 0
+    assert "cu_seq_lens_q" not in shard_inputs(ids, None, position_ids=pos, attention_mask=ones)[0]
+
+
+# --------------------------------------------------------------------------
+# The contract with transformers: what reaches us, what we accept, what we refuse
+
+
+def test_accepted_keywords():
+    assert hf.USED_KWARGS == {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k"}
+    assert hf.IGNORED_KWARGS == {"use_cache", "max_length_q", "max_length_k",
+                                 "num_items_in_batch", "output_hidden_states",
+                                 "output_router_logits"}
+    assert set(hf.OFF_KWARGS) == {"output_attentions", "sliding_window", "softcap", "s_aux",
+                                  "seq_idx"}
+    assert hf.ACCEPTED_KWARGS == hf.USED_KWARGS | hf.IGNORED_KWARGS | set(hf.OFF_KWARGS)
+    assert hf.MASK_KWARGS == {"allow_is_causal_skip", "allow_is_bidirectional_skip", "dtype",
+                              "config", "use_vmap", "device", "local_size"}
+
+
+def test_transformers_kwargs_are_all_classified():
+    """transformers' public list of forward keywords that reach attention layers.
+
+    A new entry fails here: decide whether the backend uses, ignores or refuses it.
+    """
+    known = set(TransformersKwargs.__annotations__)
+    assert known == {"num_items_in_batch", "output_hidden_states", "output_attentions",
+                     "output_router_logits", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                     "max_length_k", "position_ids", "is_causal", "seq_idx"}
+    # is_causal is a named parameter of the attention function
+    assert known - {"is_causal"} <= hf.ACCEPTED_KWARGS
+
+
+def test_what_reaches_the_attention_function():
+    """Every mode the tests use, recorded: keywords and mask types stay within the contract."""
+    seen = []
+    ours = AttentionInterface()[DILATED]
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append((frozenset(k for k in kwargs if k not in ("dropout", "scaling", "is_causal")),
+                     type(attention_mask).__name__))
+        return ours(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("dilated_spy_test", spy)
+    AttentionMaskInterface.register("dilated_spy_test", build_mask)
+    model = build("dilated_spy_test")
+    ids = tokens(2, 20)
+    pos = torch.cat([torch.arange(10), torch.arange(10)])[None]
+    cu = torch.tensor([0, 10, 20])
+    with torch.no_grad():
+        model(ids)
+        model(ids, use_cache=False)
+        model(ids, attention_mask=padding("left", 2, 20))
+        model(ids, position_ids=pos, use_cache=False)
+        model(ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=10,
+              max_length_k=10)
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    model.train()
+    model(ids, labels=ids, num_items_in_batch=torch.tensor(38)).loss.backward()
+    assert {kind for _, kind in seen} == {"NoneType", "Tensor", "_Documents"}
+    assert set().union(*(keys for keys, _ in seen)) <= hf.ACCEPTED_KWARGS
+    assert all({"position_ids", "use_cache"} <= keys for keys, _ in seen)
+
+
+def test_refuses_what_it_cannot_honour():
+    model = build(DILATED)
+    ids = tokens(2, 20)
+    with torch.no_grad():
+        with pytest.raises(TypeError, match=r"unexpected keyword arguments \['new_feature'\]"):
+            model(ids, new_feature=1)
+        with pytest.raises(ValueError, match="4-D torch.bool tensor of shape"):
+            model(ids, attention_mask=torch.ones(2, 1, 20, 20, dtype=torch.bool))
+        with pytest.raises(NotImplementedError, match="output_attentions=True"):
+            model(ids, output_attentions=True)
+        with pytest.raises(NotImplementedError, match="seq_idx=a 2-D"):
+            model(ids, seq_idx=torch.zeros(2, 20, dtype=torch.int32))
+        with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k"):
+            model(ids, cu_seq_lens_q=torch.tensor([0, 5, 20]))
+        pos = torch.cat([torch.arange(10), torch.arange(10)])[None]
+        with pytest.raises(ValueError, match=r"restart at rows \[10\], which cu_seq_lens_q"):
+            model(ids, position_ids=pos, cu_seq_lens_q=torch.tensor([0, 5, 20]),
+                  cu_seq_lens_k=torch.tensor([0, 5, 20]))
+        with pytest.raises(ValueError, match="differ between batch rows"):
+            model(ids, position_ids=torch.stack([pos[0], torch.arange(20)]))
+        # a KV cache: more than one new token, padding while decoding, a static cache
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :14], past_key_values=cache)
+        with pytest.raises(NotImplementedError, match="query length 6 != key length 20"):
+            model(ids[:, 14:], past_key_values=cache)
+        mask = padding("left", 2, 10)
+        with pytest.raises(NotImplementedError, match="decoding .* a padding mask"):
+            model.generate(ids[:, :10], attention_mask=mask, max_new_tokens=2, do_sample=False,
+                           pad_token_id=0)
+        with pytest.raises(NotImplementedError, match="pre-allocated static cache"):
+            model.generate(ids[:1, :10], max_new_tokens=2, do_sample=False, pad_token_id=0,
+                           cache_implementation="static", disable_compile=True)
+    # decoding is inference only
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :10], past_key_values=cache)
+    with pytest.raises(NotImplementedError, match="gradients"):
+        model(ids[:, 10:11], past_key_values=cache)
+
+
+def test_refuses_sliding_windows():
+    config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, sliding_window=6)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=DILATED).eval()
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="sliding_window=6"):
+        model(tokens(1, 20))
+    config.sliding_window = None  # the documented way to replace the window
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=DILATED).eval()
+    with torch.no_grad():
+        model(tokens(1, 20))
+
+
+def test_refuses_other_arguments_of_the_attention_function():
+    ours = AttentionInterface()[DILATED]
+    module = build(DILATED).model.layers[0].self_attn
+    q, kv = torch.randn(1, 4, 6, 8, dtype=torch.float64), torch.randn(1, 2, 6, 8,
+                                                                      dtype=torch.float64)
+    for name, value in (("softcap", 30.0), ("s_aux", torch.zeros(4)), ("sliding_window", 4)):
+        with pytest.raises(NotImplementedError, match=name):
+            ours(module, q, kv, kv, None, **{name: value})
+    with pytest.raises(ValueError, match="2-D torch.float64"):
+        ours(module, q, kv, kv, torch.zeros(1, 6, dtype=torch.float64))
+    with pytest.raises(NotImplementedError, match="cross-attention"):
+        ours(module, q, kv[:, :, :4], kv[:, :, :4], None)
+    out, weights = ours(module, q, kv, kv, None, scaling=0.3)
+    assert weights is None and out.shape == (1, 6, 4, 8)
+
+
+def test_mask_function_reads_documents_and_refuses_other_masks():
+    """Mask functions written here, in transformers' (batch, head, q, kv) index form."""
+
+    def causal(b, h, q, kv):
+        return kv <= q
+
+    docs = torch.tensor([[0] * 5 + [1] * 3 + [2] * 4])
+
+    def packed(b, h, q, kv):
+        return causal(b, h, q, kv) & (docs[b, q] == docs[b, kv])
+
+    def window(b, h, q, kv):
+        return causal(b, h, q, kv) & (q - kv < 3)
+
+    def blocks(b, h, q, kv):
+        return causal(b, h, q, kv) | (docs[b, q] == docs[b, kv])
+
+    def call(fn, **kwargs):
+        return build_mask(batch_size=1, q_length=12, kv_length=12, mask_function=fn, **kwargs)
+
+    assert call(causal) is None
+    assert call(packed) == hf._Documents((5, 8))
+    assert "first key of its document" in call(window).reason
+    assert "later key" in call(blocks).reason
+    assert "own mask function" in call(causal, use_vmap=True).reason
+    assert "sliding window" in call(causal, local_size=4).reason
+    with pytest.raises(TypeError, match=r"\['new_flag'\]"):
+        call(causal, new_flag=True)
+    keep = torch.ones(1, 12, dtype=torch.bool)
+    assert call(causal, attention_mask=keep) is None
+    keep[0, :2] = False
+    assert torch.equal(call(causal, attention_mask=keep), keep)
+
+
+# --------------------------------------------------------------------------
+# Registering, and the package without transformers
+
+
+def test_register_checks_its_arguments():
+    with pytest.raises(ValueError, match="must not contain 'sdpa'"):
+        register("my_sdpa", segment_lengths=[8], dilation_rates=[1])
+    with pytest.raises(ValueError, match="must not contain 'flash'"):
+        register("flash_dilated", segment_lengths=[8], dilation_rates=[1])
+    AttentionInterface.register("someone_elses_test", lambda *a, **k: None)
+    with pytest.raises(ValueError, match="already registered"):
+        register("someone_elses_test", segment_lengths=[8], dilation_rates=[1])
+    with pytest.raises(ValueError, match=r"dilation_rates\[0\] = 9 exceeds"):
+        register("dilated_bad_test", segment_lengths=[8], dilation_rates=[9])
+    if "strategy" not in inspect.signature(dilated_attention).parameters:
+        with pytest.raises(ValueError, match="strategy must be 'auto'"):
+            register("dilated_bad_test", segment_lengths=[8], dilation_rates=[1],
+                     strategy="heads")
+    # registering a name again replaces its settings
+    name = register("dilated_again_test", segment_lengths=[8], dilation_rates=[1])
+    assert register(name, segment_lengths=[4], dilation_rates=[2]) == name
+    assert AttentionInterface()[name].segment_lengths == (4,)
+
+
+def test_package_imports_without_transformers():
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import dilated_attention\n"
+        "from dilated_attention.integrations import transformers as hf\n"
+        "try:\n"
+        "    hf.register(segment_lengths=[8], dilation_rates=[1])\n"
+        "except ImportError as exc:\n"
+        "    print('ImportError:', exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "ImportError: dilated_attention.integrations.transformers needs transformers>=5" \
+        in done.stdout
