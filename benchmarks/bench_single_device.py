@@ -7,12 +7,22 @@ both sides alike.
 
     python benchmarks/bench_single_device.py                      # LongNet setting, 8K..64K
     python benchmarks/bench_single_device.py --seq-lens 8192 --repeats 1
+    python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --seq-lens 8192 1048576
+    python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --max-tokens
 
 Working memory (peak resident memory beyond the inputs: q, k, v, and dout
 for forward + backward; what the call returns, out and in training dq, dk,
 dv, included) is measured in a fresh subprocess per case with
 /proc/self/clear_refs and VmHWM, and reported in units of one input-sized
 tensor (b * n * h * d elements of the dtype). Times: min/median/max.
+
+On CUDA (``--device cuda``) times are taken after a device synchronise,
+memory is the allocator's peak (``torch.cuda.max_memory_allocated``) beyond
+the inputs, in the same process, and the table adds the achieved TFLOP/s of
+the useful work (the score and value products the patterns select:
+4 b h d sum_i n w_i / r_i^2 forward, 2.5x that more in backward; causal
+halves it). ``--max-tokens`` searches the longest sequence whose forward,
+and whose forward + backward, fit on the device.
 """
 
 from __future__ import annotations
@@ -31,7 +41,8 @@ import torch.nn.functional as F
 
 from dilated_attention import dilated_attention
 from dilated_attention.dilated import local_plan
-from dilated_attention.kernels import KernelOptions, attention_backward, attention_forward
+from dilated_attention.kernels import BACKENDS, KernelOptions, attention_backward
+from dilated_attention.kernels import attention_forward
 from dilated_attention.patterns import gather
 from dilated_attention.tools.bench import PeakMemory
 
@@ -40,14 +51,31 @@ SEGMENTS, RATES = (2048, 4096), (1, 2)
 CAUSAL = False
 
 
+DEVICE = "cpu"  # set once by main() from --device
+BACKEND = "auto"  # and the kernel from --backend
+
+
 def make_inputs(n: int, dtype: torch.dtype, requires_grad: bool = False):
-    gen = torch.Generator().manual_seed(n)
-    # (b, n, h, d)
+    # (b, n, h, d); drawn on the device itself (a CPU copy of 1M+ rows would dominate)
+    gen = torch.Generator(device=DEVICE).manual_seed(n)
     q, k, v = (
-        torch.randn(1, n, HEADS, HEAD_DIM, generator=gen).to(dtype).requires_grad_(requires_grad)
+        torch.randn(1, n, HEADS, HEAD_DIM, generator=gen, device=DEVICE, dtype=dtype)
+        .requires_grad_(requires_grad)
         for _ in range(3)
     )
     return q, k, v
+
+
+def useful_flops(n: int, backward: bool) -> float:
+    """The score and value products the patterns select (see the module docstring)."""
+    fwd = sum(4 * HEADS * HEAD_DIM * n * min(w, n) / r**2 for w, r in zip(SEGMENTS, RATES))
+    fwd = fwd / 2 if CAUSAL else fwd
+    return fwd * 3.5 if backward else fwd
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def pregathered(q, k, v):
@@ -74,10 +102,10 @@ def run_case(impl: str, n: int, dtype: torch.dtype, backward: bool):
 
         def step():
             if backward:
-                dilated_attention(q, k, v, SEGMENTS, RATES).backward(dout)
+                dilated_attention(q, k, v, SEGMENTS, RATES, backend=BACKEND).backward(dout)
             else:
                 with torch.no_grad():
-                    dilated_attention(q, k, v, SEGMENTS, RATES)
+                    dilated_attention(q, k, v, SEGMENTS, RATES, backend=BACKEND)
 
         return step
     if impl == "floor":
@@ -85,7 +113,7 @@ def run_case(impl: str, n: int, dtype: torch.dtype, backward: bool):
 
         def step():
             for q_g, k_g, v_g, causal in blocks:
-                opts = KernelOptions(causal=causal, scale=scale)
+                opts = KernelOptions(causal=causal, scale=scale, backend=BACKEND)
                 out, lse = attention_forward(q_g, k_g, v_g, opts)
                 if backward:
                     attention_backward(out, q_g, k_g, v_g, out, lse, opts)
@@ -110,10 +138,12 @@ def run_case(impl: str, n: int, dtype: torch.dtype, backward: bool):
 def time_case(step, repeats: int) -> List[float]:
     """Seconds of `repeats` runs after one warm-up, sorted (min, ..., max)."""
     step()  # warm-up
+    synchronize()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         step()
+        synchronize()
         times.append(time.perf_counter() - t0)
     return sorted(times)
 
@@ -148,8 +178,55 @@ def measure_memory_in_this_process(n: int, dtype: torch.dtype, training: bool) -
     return float(peak)
 
 
+def measure_cuda_memory(n: int, dtype: torch.dtype, training: bool) -> float:
+    """Peak allocated bytes of one call beyond its inputs (q, k, v, and dout when training),
+    what the call returns included (out; in training dq, dk, dv)."""
+    q, k, v = make_inputs(n, dtype, requires_grad=training)
+    dout = torch.randn_like(q) if training else None
+    synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    if training:
+        out = dilated_attention(q, k, v, SEGMENTS, RATES, backend=BACKEND)
+        out.backward(dout)
+    else:
+        with torch.no_grad():
+            out = dilated_attention(q, k, v, SEGMENTS, RATES, backend=BACKEND)
+    synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out, q, k, v, dout
+    torch.cuda.empty_cache()
+    return float(peak)
+
+
+def fits(n: int, dtype: torch.dtype, training: bool) -> bool:
+    """Whether one call at length n runs on the device (inputs included)."""
+    try:
+        measure_cuda_memory(n, dtype, training)
+        return True
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return False
+
+
+def max_tokens(dtype: torch.dtype, training: bool, start: int = 1 << 20,
+               quantum: int = 1 << 18) -> int:
+    """The longest length (a multiple of `quantum`) whose call fits: doubling, then bisection."""
+    lo, hi = 0, start
+    while fits(hi, dtype, training):
+        lo, hi = hi, hi * 2
+    while hi - lo > quantum:
+        mid = (lo + hi) // 2 // quantum * quantum
+        lo, hi = (mid, hi) if fits(mid, dtype, training) else (lo, mid)
+    return lo
+
+
 def measure_memory(n: int, dtype_name: str, training: bool) -> float:
-    """`measure_memory_in_this_process` in a fresh process (no earlier allocations)."""
+    """`measure_memory_in_this_process` in a fresh process (no earlier allocations);
+    on CUDA the allocator's peak in this process."""
+    if DEVICE == "cuda":
+        return measure_cuda_memory(n, getattr(torch, dtype_name), training)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="2")
     out = subprocess.run(
         [sys.executable, __file__, "--memory-case", str(n), dtype_name, str(int(training))],
@@ -166,6 +243,12 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory-only", action="store_true", help="skip the timings")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--backend", default="auto", choices=BACKENDS,
+                        help="the kernel, for the op and its floor alike")
+    parser.add_argument("--max-tokens", action="store_true",
+                        help="CUDA: find the longest sequence whose forward, and whose forward "
+                        "+ backward, fit on the device, then exit")
     parser.add_argument("--json", default="bench-out/single_device.json")
     parser.add_argument("--memory-case", nargs=3, metavar=("N", "DTYPE", "TRAINING"),
                         help=argparse.SUPPRESS)
@@ -175,21 +258,37 @@ def main(argv=None) -> None:
         print(measure_memory_in_this_process(int(n), getattr(torch, dtype_name),
                                              bool(int(training))))
         return
+    global DEVICE, BACKEND
+    DEVICE, BACKEND = args.device, args.backend
     dtype = getattr(torch, args.dtype)
     rows = []
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}, "
+    where = (torch.cuda.get_device_name() if DEVICE == "cuda"
+             else f"{torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {where}, dtype {args.dtype}, backend {BACKEND}, "
           f"h={HEADS} d={HEAD_DIM} segments={list(SEGMENTS)} rates={list(RATES)} batch 1, "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    if args.max_tokens:
+        if DEVICE != "cuda":
+            parser.error("--max-tokens needs --device cuda")
+        for training in (False, True):
+            n = max_tokens(dtype, training)
+            print(f"longest {'forward + backward' if training else 'forward'}: {n:,} tokens "
+                  f"({n / 2**20:.2f} Mi)", flush=True)
+            rows.append(dict(max_tokens=n, backward=training, dtype=args.dtype))
+        _write_json(args.json, rows)
+        return
     header = ("n", "pass", "dilated s (min/med/max)", "floor s (min/med/max)",
-              "dilated/floor (median)", "dense s", "tokens/s", "working memory (x input)")
+              "dilated/floor (median)", "dense s", "tokens/s", "TFLOP/s",
+              "working memory (x input)", "bytes/token")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for n in args.seq_lens:
         input_bytes = n * HEADS * HEAD_DIM * torch.tensor([], dtype=dtype).element_size()
         for backward in (False, True):
             mem = measure_memory(n, args.dtype, backward) / input_bytes
-            row = dict(n=n, backward=backward, dtype=args.dtype, memory_inputs=mem)
-            cells = ["-"] * 5
+            row = dict(n=n, backward=backward, dtype=args.dtype, device=DEVICE,
+                       memory_inputs=mem, memory_bytes_per_token=mem * input_bytes / n)
+            cells = ["-"] * 6
             if not args.memory_only:
                 t = {impl: time_case(run_case(impl, n, dtype, backward), args.repeats)
                      for impl in ("dilated", "floor")}
@@ -200,16 +299,21 @@ def main(argv=None) -> None:
                 med = {impl: statistics.median(ts) for impl, ts in t.items()}
                 row.update(dilated_s=t["dilated"], floor_s=t["floor"],
                            ratio=med["dilated"] / med["floor"], dense_sdpa_s=dense,
-                           tokens_per_s=n / med["dilated"])
-                cells = ["/".join(f"{x:.3f}" for x in (ts[0], med[i], ts[-1]))
+                           tokens_per_s=n / med["dilated"],
+                           tflops=useful_flops(n, backward) / med["dilated"] / 1e12)
+                cells = ["/".join(f"{x:.4f}" for x in (ts[0], med[i], ts[-1]))
                          for i, ts in t.items()]
-                cells += [f"{row['ratio']:.3f}", "-" if dense is None else f"{dense:.3f}",
-                          f"{row['tokens_per_s']:.0f}"]
+                cells += [f"{row['ratio']:.3f}", "-" if dense is None else f"{dense:.4f}",
+                          f"{row['tokens_per_s']:.0f}", f"{row['tflops']:.1f}"]
             rows.append(row)
             print(f"| {n} | {'fwd+bwd' if backward else 'fwd'} | " + " | ".join(cells) +
-                  f" | {mem:.2f} |", flush=True)
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
+                  f" | {mem:.2f} | {row['memory_bytes_per_token']:.0f} |", flush=True)
+    _write_json(args.json, rows)
+
+
+def _write_json(path: str, rows) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
         json.dump(rows, f, indent=1)
 
 

@@ -1,7 +1,7 @@
 """CUDA kernels against the fp64 reference (skipped without a GPU).
 
-No GPU has been available to this project's sessions yet: this module has
-never run. It is the first thing to run on a GPU machine:
+Run on an H100 (torch 2.11.0+cu130): 29 passed, 4 skipped (cuDNN and flash
+take no float32). On a GPU machine:
 
     python -m pytest -q tests/test_cuda.py
 """
@@ -23,6 +23,8 @@ HALF = (torch.float16, torch.bfloat16)
 def _supported(backend: str, dtype: torch.dtype) -> bool:
     if backend == "cuda_flash":
         return dtype in HALF and torch.cuda.get_device_capability() >= (8, 0)
+    if backend == "cuda_cudnn":
+        return dtype in HALF and torch.cuda.get_device_capability() >= (9, 0)
     if dtype == torch.bfloat16:
         return torch.cuda.is_bf16_supported()
     return True
@@ -40,7 +42,9 @@ def _inputs(n: int, h: int, hk: int, dtype: torch.dtype, seed: int = 0):
     return ref, dev
 
 
-@pytest.mark.parametrize("backend", ["auto", "cuda_flash", "cuda_efficient", "blockwise"])
+@pytest.mark.parametrize(
+    "backend", ["auto", "cuda_cudnn", "cuda_flash", "cuda_efficient", "blockwise"]
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("causal", [False, True])
 def test_dilated_on_cuda_matches_reference(backend, dtype, causal) -> None:

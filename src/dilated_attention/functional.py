@@ -243,6 +243,10 @@ def _nonfinite_keys(run, q: Tensor, k: Tensor, v: Tensor,
 
 def _warn_unread(n: int, patterns: Patterns, heads: int, documents: Documents) -> None:
     """A UserWarning (once per pattern set) when some (row, head) is read by no pattern."""
+    if torch.compiler.is_compiling():
+        # the count is pure planning (no data), but Dynamo would trace its cache wrapper;
+        # an eager call of the same pattern set warns
+        return
     count = unread_rows(n, patterns, heads, documents)
     if count:
         # the text names the pattern set only, so Python shows it once per pattern set

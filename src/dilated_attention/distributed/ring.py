@@ -126,7 +126,10 @@ def ring_forward(
     size, rank = comm.group_size(group), comm.group_rank(group)
     n = q.shape[1]
     lengths = _lengths(group, n, lengths)
-    ring = comm.RingComm(group, tag=_KV_TAG) if size > 1 else None
+    if size == 1:
+        # one block: the kernel's own result, with no fp32 accumulator and no merge
+        return attention_forward(q, k, v, opts)
+    ring = comm.RingComm(group, tag=_KV_TAG)
     acc_out, acc_lse = empty_accumulators(q.shape, q.dtype, q.device)
     k_cur, v_cur = k, v
     for step in range(size):
@@ -169,9 +172,11 @@ def ring_backward(
     size, rank = comm.group_size(group), comm.group_rank(group)
     n = q.shape[1]
     lengths = _lengths(group, n, lengths)
+    if size == 1:
+        return attention_backward(dout, q, k, v, out, lse, opts, dlse=dlse)
     acc = lse_dtype(q.dtype)
-    kv_ring = comm.RingComm(group, tag=_KV_TAG) if size > 1 else None
-    dkv_ring = comm.RingComm(group, tag=_DKV_TAG) if size > 1 else None
+    kv_ring = comm.RingComm(group, tag=_KV_TAG)
+    dkv_ring = comm.RingComm(group, tag=_DKV_TAG)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     k_cur, v_cur = k, v
     dk_in = dv_in = None  # the current block's dK/dV from the ranks before this one
@@ -200,8 +205,6 @@ def ring_backward(
             keys, dk_b, dv_b = grads
             dk_acc[:, keys] += dk_b
             dv_acc[:, keys] += dv_b
-        if size == 1:
-            return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
         # this block's dK/dV go to the next rank, which holds the block at the
         # next step; after the last step that rank is the block's home, and
         # what arrives here is this rank's own complete dK/dV

@@ -248,7 +248,7 @@ def _launch_size(launch) -> Tuple[int, int, int, int, bool]:
 
 def _merge_temps(sh: "_Shapes", elements: int) -> int:
     """Temporaries of a merge or scatter: launches.CHUNK_ELEMENTS-sized slices, a few fp32."""
-    return 3 * min(elements, CHUNK_ELEMENTS) * sh.a
+    return 3 * min(elements, CHUNK_ELEMENTS["cpu"]) * sh.a
 
 
 def _launch_fwd(sh: "_Shapes", nq: int, nk: int, hq: int, hkv: int, identity: bool,
