@@ -10,9 +10,15 @@ computes it:
 
     dilated_attention --(group None or size 1)--> dilated.dilated_attention_local
                       --(group of P > 1 ranks)--> distributed.sequence_parallel
+                      --(strategy "ulysses", or a 2-D mesh)--> distributed.ulysses,
+                        then the local op or the exchange over the mesh's 2nd dim
     ring_attention    ---------------------------> distributed.ring
+                      --(a 2-D mesh)--> distributed.ulysses, then the ring
                       --(documents or a padding mask)--> the dilated ops, one
                         segment per document (dense attention is that case)
+
+``distributed.strategy`` decides which (``strategy="auto"`` compares the
+traffic of the exchange and of Ulysses for the agreed call).
 
 Notation: b batch, n rows (this rank's piece under sequence parallelism),
 h query heads, hk key/value heads, d head dim; layout (b, n, h, d).
@@ -20,6 +26,7 @@ h query heads, hk key/value heads, d head dim; layout (b, n, h, d).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -30,12 +37,18 @@ from torch import Tensor
 from . import validation as check
 from .dilated import dilated_attention_local
 from .distributed import comm
+from .distributed import strategy as strategies
 from .distributed.ring import RingAttentionFunction
 from .distributed.sequence_parallel import sequence_parallel_dilated_attention
 from .distributed.sharding import check_layout, check_piece_lengths
-from .kernels import KernelOptions, select_backend
-from .patterns import Patterns
+from .distributed.ulysses import ulysses_attention
+from .kernels import KernelOptions, lse_dtype, select_backend
+from .patterns import Heads, Patterns
 from .plan import Documents, Layout, unread_rows
+
+# Dropout seeds of the head-parallel ranks of a 2-D mesh or Ulysses call: each rank's
+# launches draw their own masks (they compute different heads with equal launch ids).
+_HEAD_RANK_SEED_STRIDE = 1 << 48
 
 
 def dropout_seed(dropout_p: float) -> int:
@@ -92,6 +105,57 @@ def _layout(layout: str, lengths: Tuple[int, ...]) -> Layout:
     return Layout.zigzag(lengths) if layout == "zigzag" else Layout.contiguous(lengths)
 
 
+def _shape(call: Dict[str, Any], lengths: Tuple[int, ...], patterns: Patterns, causal: bool,
+           documents: Documents) -> strategies.Shape:
+    """What the strategy choice depends on, from the agreed call."""
+    return strategies.Shape(
+        lengths, patterns, causal, call["heads"], call["kv_heads"], call["head_dim"],
+        call["batch"], call["dtype"].itemsize, lse_dtype(call["dtype"]).itemsize, documents)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Route:
+    """How the agreed call runs over its ranks (``distributed.strategy.choose``).
+
+    kind "local" or "exchange": the op over `sequence` (None: locally) on every
+    head; "ulysses": an all-to-all over `heads` to all rows of the head group's
+    block for heads / U heads, then the op over `sequence` (the second dimension
+    of a 2-D mesh; None: locally), then back.
+    """
+
+    kind: str
+    heads: Any
+    sequence: Any
+
+    @classmethod
+    def of(cls, strategy: str, group, layout: str, shape: strategies.Shape) -> "_Route":
+        kind = strategies.choose(strategy, group, shape, layout)
+        if kind != "ulysses":
+            return cls(kind, None, group)
+        if isinstance(group, comm.Grid):
+            return cls(kind, group.heads, group.sequence)
+        return cls(kind, group, None)
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+            lengths: Tuple[int, ...], opts: KernelOptions, sequence) -> Tuple[Tensor, Tensor]:
+        """``sequence(q, k, v, heads, mask, opts, group, lengths)`` computes the attention of
+        the rows over `group` (None: locally) for `heads` (None: all of them)."""
+        if self.kind != "ulysses":
+            return sequence(q, k, v, None, mask, opts, self.sequence, lengths)
+        size, u = comm.group_size(self.heads), comm.group_rank(self.heads)
+        blocks = [lengths[t * size:(t + 1) * size]
+                  for t in range(comm.group_size(self.sequence))]
+        block_lengths = tuple(sum(block) for block in blocks)
+        head_opts = dataclasses.replace(opts, seed=opts.seed + u * _HEAD_RANK_SEED_STRIDE)
+
+        def attend(q_u, k_u, v_u, heads: Heads, mask_u):
+            return sequence(q_u, k_u, v_u, heads, mask_u, head_opts, self.sequence,
+                            block_lengths)
+
+        return ulysses_attention(q, k, v, mask, self.heads,
+                                 blocks[comm.group_rank(self.sequence)], attend)
+
+
 def _documents(cu_seqlens: Optional[Tuple[int, ...]], total: int) -> Documents:
     """The agreed boundaries, checked against the sequence length; None for one document."""
     if cu_seqlens is None:
@@ -120,6 +184,7 @@ def dilated_attention(
     cu_seqlens=None,
     key_padding_mask: Optional[Tensor] = None,
     layout: str = "contiguous",
+    strategy: str = "auto",
 ):
     """Exact LongNet dilated attention (see docs/spec.md).
 
@@ -130,9 +195,11 @@ def dilated_attention(
         is_causal: queries see only keys at or before their position.
         scale: softmax scale, default 1/sqrt(head_dim).
         dropout_p: attention dropout probability (pass 0.0 in evaluation).
-        group: a torch.distributed process group for sequence parallelism;
-            each rank passes its own contiguous piece of the sequence. None
-            (or a group of size 1) runs locally.
+        group: sequence parallelism: a torch.distributed ProcessGroup or a
+            1-D DeviceMesh (each rank passes its own contiguous piece of the
+            sequence, in rank order), or a 2-D DeviceMesh (head-parallel x
+            sequence-parallel: the rank at mesh coordinate (u, s) passes
+            piece s * U + u). None (or one rank) runs locally.
         return_lse: also return the log-sum-exp (batch, heads, seq_len).
         backend: kernel override: "auto", "cpu_flash", "cuda_flash",
             "cuda_efficient", "flash_attn" or "blockwise".
@@ -147,7 +214,15 @@ def dilated_attention(
             the p-th piece; pieces may differ in length and be empty) or
             "zigzag" (2P equal chunks, rank p holds chunks p and 2P-1-p:
             balances causal work when segments span ranks; see
-            ``shard_sequence``).
+            ``shard_sequence``; exchange strategy only).
+        strategy: with a one-dimensional `group`, "exchange" (each rank keeps
+            its rows; spanning segments fetch selected key/value rows),
+            "ulysses" (all-to-all to all rows of heads / P, local attention,
+            all-to-all back; needs P to divide the heads) or "auto" (the one
+            whose busiest rank sends fewer bytes, see
+            ``distributed.strategy``). A 2-D mesh always runs Ulysses over its
+            first dimension and the exchange over its second ("auto" or
+            "ulysses").
 
     Returns:
         out (batch, seq_len, heads, head_dim), or (out, lse) with lse float32
@@ -156,6 +231,7 @@ def dilated_attention(
         that attends a key whose k or v row is not finite, gets NaN, on one
         device and sequence-parallel alike; every other query is exact.
     """
+    group = comm.resolve_group(group)
     distributed = comm.is_distributed(group)
 
     def config() -> Dict[str, Any]:
@@ -172,6 +248,7 @@ def dilated_attention(
             "dropout_p": p,
             "cu_seqlens": check.check_cu_seqlens(cu_seqlens),
             "layout": check_layout(layout),
+            "strategy": strategies.check_strategy(strategy),
             "backend": select_backend(q.device, q.dtype, dropout_p=p, backend=backend,
                                       masked=tensors["key_padding_mask"]),
             "seed": dropout_seed(p),
@@ -185,16 +262,23 @@ def dilated_attention(
     patterns = (call["segment_lengths"], call["dilation_rates"])
     opts = KernelOptions(call["causal"], call["scale"], call["backend"], call["dropout_p"],
                          call["seed"])
+    route = _Route.of(call["strategy"], group, layout,
+                      _shape(call, lengths, patterns, call["causal"], documents))
     if comm.group_rank(group) == 0:
         _warn_unread(sum(lengths), patterns, call["heads"], documents)
 
-    def run(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-        if distributed:
+    def sequence(q: Tensor, k: Tensor, v: Tensor, heads: Optional[Heads], mask: Optional[Tensor],
+                 opts: KernelOptions, group, lengths) -> Tuple[Tensor, Tensor]:
+        """The attention of these rows over `group` (the exchange), or locally."""
+        if comm.is_distributed(group):
             return sequence_parallel_dilated_attention(
-                q, k, v, patterns, opts, group, lengths, documents=documents, key_mask=mask,
-                layout=_layout(layout, lengths))
-        return dilated_attention_local(q, k, v, patterns, opts, documents=documents,
-                                       key_mask=mask)
+                q, k, v, patterns, opts, group, lengths, heads=heads, documents=documents,
+                key_mask=mask, layout=_layout(layout, lengths))
+        return dilated_attention_local(q, k, v, patterns, opts, heads=heads,
+                                       documents=documents, key_mask=mask)
+
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        return route.run(q, k, v, mask, lengths, opts, sequence)
 
     out, lse = _attend(run, q, k, v, key_padding_mask, infos)
     if return_lse:
@@ -280,8 +364,11 @@ def ring_attention(
         k, v: (batch, seq_len, kv_heads, head_dim); kv_heads divides heads.
         is_causal: queries see only keys at or before their global position.
         scale: softmax scale, default 1/sqrt(head_dim).
-        group: the process group the sequence is spread over; None (or one
-            rank) is plain local attention.
+        group: the process group (or 1-D DeviceMesh) the sequence is spread
+            over, or a 2-D DeviceMesh: head-parallel (Ulysses) over its first
+            dimension, the ring over its second; the rank at mesh coordinate
+            (u, s) passes piece s * U + u. None (or one rank) is plain local
+            attention.
         return_lse: also return the log-sum-exp (batch, heads, seq_len).
         layout: "contiguous" (rank p holds the p-th piece; pieces may differ
             in length and be empty) or "zigzag" (2P equal chunks, rank p
@@ -300,6 +387,7 @@ def ring_attention(
         must call this (and its backward) with the same configuration; a
         mismatch or a bad argument on any rank raises on every rank.
     """
+    group = comm.resolve_group(group)
     distributed = comm.is_distributed(group)
 
     def config() -> Dict[str, Any]:
@@ -322,16 +410,28 @@ def ring_attention(
     documents = _documents(call["cu_seqlens"], sum(lengths))
     opts = KernelOptions(call["is_causal"], call["scale"], call["backend"])
     dense_patterns = ((sum(lengths),), (1,))
+    # a 2-D mesh: Ulysses over its heads dimension, the ring over its sequence dimension
+    route = _Route.of("ulysses" if isinstance(group, comm.Grid) else "exchange", group, layout,
+                      _shape(call, lengths, dense_patterns, call["is_causal"], documents))
+
+    def dense(q: Tensor, k: Tensor, v: Tensor, heads: Optional[Heads], mask: Optional[Tensor],
+              opts: KernelOptions, group, lengths) -> Tuple[Tensor, Tensor]:
+        """Dense attention of these rows over `group` (the ring), or locally."""
+        if mask is None and documents is None:
+            if heads is not None and not heads.grouped:
+                # a head-parallel rank's query heads read its kv heads unevenly: give each
+                # query head its own copy (the kernels broadcast only j -> j // g)
+                k, v = k[:, :, list(heads.kv_of)], v[:, :, list(heads.kv_of)]
+            return RingAttentionFunction.apply(q, k, v, opts, group, layout, lengths)
+        if not comm.is_distributed(group):
+            return dilated_attention_local(q, k, v, dense_patterns, opts, heads=heads,
+                                           documents=documents, key_mask=mask)
+        return sequence_parallel_dilated_attention(
+            q, k, v, dense_patterns, opts, group, lengths, heads=heads, documents=documents,
+            key_mask=mask, layout=_layout(layout, lengths))
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-        if mask is None and documents is None:
-            return RingAttentionFunction.apply(q, k, v, opts, group, layout, lengths)
-        if not distributed:
-            return dilated_attention_local(q, k, v, dense_patterns, opts, documents=documents,
-                                           key_mask=mask)
-        return sequence_parallel_dilated_attention(
-            q, k, v, dense_patterns, opts, group, lengths, documents=documents, key_mask=mask,
-            layout=_layout(layout, lengths))
+        return route.run(q, k, v, mask, lengths, opts, dense)
 
     out, lse = _attend(run, q, k, v, key_padding_mask, infos)
     if return_lse:

@@ -351,14 +351,15 @@ def _blocks_of(chunks: List[Chunk], rows: int) -> List[Tuple[int, int, int]]:
 
 
 @functools.lru_cache(maxsize=256)
-def _schedule(layout: Layout, w: int, r: int, causal: bool, heads: Heads,
-              documents: Documents) -> Tuple[str, Tuple[Tuple[int, int, Chunk, Chunk], ...]]:
-    """Every transfer of one pattern on every rank: (mode, ((round, segment start, keys, queries))).
+def _schedule(layout: Layout, w: int, r: int, causal: bool, heads: Heads, documents: Documents
+              ) -> Tuple[str, Tuple[Tuple[int, int, Chunk, Chunk, int], ...]]:
+    """Every transfer of one pattern on every rank:
+    (mode, ((round, segment start, keys, queries, (row, kv head) pairs), ...)).
 
     Pure arithmetic on the layout (no tensors), shared by all ranks' plans.
     """
     starts = [c.start for c in layout.chunks]
-    moves: List[Tuple[int, int, Chunk, Chunk]] = []
+    moves: List[Tuple[int, int, Chunk, Chunk, int]] = []
     sent: Counter = Counter()
     received: Counter = Counter()
     seen = set()
@@ -376,7 +377,7 @@ def _schedule(layout: Layout, w: int, r: int, causal: bool, heads: Heads,
                     pairs = selected_pairs(dst.start - a, dst.stop - a, src.start - a,
                                            src.stop - a, r, heads)
                     if pairs:
-                        moves.append(((j - i) % len(parts), a, src, dst))
+                        moves.append(((j - i) % len(parts), a, src, dst, pairs))
                         sent[src.rank] += pairs
                         received[dst.rank] += pairs
     if not moves:
@@ -384,8 +385,22 @@ def _schedule(layout: Layout, w: int, r: int, causal: bool, heads: Heads,
     budget = max(heads.kv_of, default=0) + 1
     budget *= max(layout.rows_of(p) for p in range(layout.ranks))
     if max(list(sent.values()) + list(received.values())) <= budget:
-        return "gather", tuple((0, a, src, dst) for _, a, src, dst in moves)
+        return "gather", tuple((0,) + move[1:] for move in moves)
     return "rotate", tuple(moves)
+
+
+def transfer_pairs(layout: Layout, patterns: Patterns, causal: bool, heads: Heads,
+                   documents: Documents) -> List[int]:
+    """Per rank, the (key row, kv head) pairs its forward sends (k and v each), all patterns.
+
+    Arithmetic on the layout only: what a strategy choice or an estimate needs
+    to know of the exchange's traffic without building any rank's plan.
+    """
+    sent = [0] * layout.ranks
+    for w, r in zip(*patterns):
+        for _, _, src, _, pairs in _schedule(layout, w, r, causal, heads, documents)[1]:
+            sent[src.rank] += pairs
+    return sent
 
 
 def _columns(groups: Tuple[HeadGroup, ...]) -> Dict[Tuple[int, int], Tuple[int, int]]:
@@ -489,7 +504,7 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
                             launches.append((q_segs, k_segs, g, False, b, block_of(ka)))
         mode, moves = _schedule(layout, w, r, causal, heads, documents)
         modes.append(mode)
-        for step, a, src, dst in moves:
+        for step, a, src, dst, _ in moves:
             if rank not in (src.rank, dst.rank):
                 continue
             groups = cross_head_groups(dst.start - a, dst.stop - a, src.start - a, src.stop - a,

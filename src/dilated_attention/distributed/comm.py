@@ -23,6 +23,15 @@ Counting (per calling process, inside ``count_communication()`` blocks):
 Zero-element tensors are never sent (both peers know the sizes, so both
 skip them) and are not counted.
 
+Groups: a ``ProcessGroup``, a ``DeviceMesh`` of one or two dimensions, or
+None (local). A 2-D mesh is a ``Grid``: its first dimension head-parallel
+(U ranks), its second sequence-parallel (S ranks), and the rank at mesh
+coordinate (u, s) holds sequence piece ``s * U + u`` (USP's order). The
+collectives here (``agree``, ``all_gather``, ``all_reduce_``,
+``reduce_scatter``) take a Grid like a group of U * S ranks whose rank is
+the piece index, so callers that only sum or gather over "all ranks" need
+not know the shape; point-to-point traffic takes one dimension's group.
+
 Fake process groups (``init_process_group("fake", ...)``) on ``meta``
 tensors run the real code paths for estimates: ``agree`` then skips the
 exchange (a fake collective moves no data) and point-to-point batches are
@@ -36,6 +45,7 @@ import contextlib
 import contextvars
 import dataclasses
 import datetime
+import math
 import pickle
 import time
 from typing import (Any, Callable, Dict, Iterator, List, Mapping, NoReturn, Optional, Sequence,
@@ -44,8 +54,9 @@ from typing import (Any, Callable, Dict, Iterator, List, Mapping, NoReturn, Opti
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
-ProcessGroup = Any  # torch.distributed.ProcessGroup or None (local)
+ProcessGroup = Any  # torch.distributed.ProcessGroup, a Grid, or None (local)
 Tensors = Union[Tensor, Sequence[Tensor]]
 
 
@@ -116,19 +127,94 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # Groups
 
 
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """Ranks in a grid of U head-parallel x S sequence-parallel ranks (a 2-D DeviceMesh).
+
+    heads: the U ranks that hold one contiguous block of the sequence (None when
+    U == 1); sequence: the S ranks that hold the same heads after a head
+    all-to-all (None when S == 1). The rank at (u, s) holds sequence piece
+    s * U + u: ``group_rank(grid)`` is that piece index, ``group_size(grid)`` U * S.
+    """
+
+    heads: ProcessGroup
+    sequence: ProcessGroup
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        return group_size(self.heads), group_size(self.sequence)
+
+    @property
+    def coordinate(self) -> Tuple[int, int]:
+        return group_rank(self.heads), group_rank(self.sequence)
+
+
+def resolve_group(group: Any, name: str = "group") -> ProcessGroup:
+    """The group an op runs over: a ProcessGroup, a Grid (2-D mesh) or None (local).
+
+    Accepts None, a ``torch.distributed.ProcessGroup``, a 1-D ``DeviceMesh``
+    (its group) or a 2-D one (a Grid: head-parallel x sequence-parallel).
+    Anything else is a TypeError naming `name`; a group or mesh this rank is
+    not a member of is a ValueError (it would otherwise compute alone).
+    """
+    if group is None or isinstance(group, Grid):
+        return group
+    if isinstance(group, DeviceMesh):
+        if group.get_coordinate() is None:
+            raise ValueError(f"{name}: this rank (global rank {dist.get_rank()}) is not in the "
+                             f"device mesh {group}")
+        if group.ndim == 1:
+            return resolve_group(group.get_group(0), name)
+        if group.ndim != 2:
+            raise ValueError(f"{name} must be a 1-D or 2-D DeviceMesh (head-parallel x "
+                             f"sequence-parallel), got a {group.ndim}-D mesh {group}")
+        heads, sequence = (_one_or_none(group.get_group(dim)) for dim in (0, 1))
+        return Grid(heads, sequence) if heads is not None else sequence
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{name}: this rank (global rank {dist.get_rank()}) is not a member of the process "
+            f"group (torch.distributed.new_group returned NON_GROUP_MEMBER here); call the op "
+            f"only on the group's ranks"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{name} must be None, a torch.distributed.ProcessGroup or a 1-D/2-D DeviceMesh, "
+            f"got {type(group).__name__} {group!r}"
+        )
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"{name}: this rank (global rank {dist.get_rank()}) is not a member "
+                         f"of the process group {group!r}")
+    return group
+
+
+def _one_or_none(group: ProcessGroup) -> ProcessGroup:
+    """None for a group of one rank: a mesh dimension of size 1 does nothing."""
+    return None if dist.get_world_size(group) == 1 else group
+
+
 def is_distributed(group: ProcessGroup) -> bool:
-    """True when `group` is a process group of more than one rank."""
+    """True when `group` is a process group (or grid) of more than one rank."""
     return group is not None and group_size(group) > 1
 
 
 def group_size(group: ProcessGroup) -> int:
-    """Ranks in `group`; None (local) is 1."""
-    return 1 if group is None else dist.get_world_size(group)
+    """Ranks in `group`; None (local) is 1; a Grid U * S."""
+    if group is None:
+        return 1
+    if isinstance(group, Grid):
+        heads, sequence = group.shape
+        return heads * sequence
+    return dist.get_world_size(group)
 
 
 def group_rank(group: ProcessGroup) -> int:
-    """This process's rank inside `group`; None (local) is 0."""
-    return 0 if group is None else dist.get_rank(group)
+    """This process's rank inside `group`; None (local) is 0; in a Grid its piece index."""
+    if group is None:
+        return 0
+    if isinstance(group, Grid):
+        (u, s), (heads, _) = group.coordinate, group.shape
+        return s * heads + u
+    return dist.get_rank(group)
 
 
 def global_rank(group: ProcessGroup, rank: int) -> int:
@@ -138,6 +224,8 @@ def global_rank(group: ProcessGroup, rank: int) -> int:
 
 def is_fake(group: ProcessGroup) -> bool:
     """True for a fake process group, whose collectives move no data."""
+    if isinstance(group, Grid):
+        return is_fake(group.heads) or is_fake(group.sequence)
     return group is not None and dist.get_backend(group) == "fake"
 
 
@@ -160,6 +248,18 @@ def new_group(ranks: Sequence[int], **kwargs: Any) -> ProcessGroup:
     """
     group = dist.new_group(list(ranks), **kwargs)
     return None if group == dist.GroupMember.NON_GROUP_MEMBER else group
+
+
+def init_device_mesh(shape: Sequence[int], *, device_type: str = "cpu",
+                     names: Optional[Sequence[str]] = None) -> DeviceMesh:
+    """A DeviceMesh of `shape` over the initialised world (every rank must call this).
+
+    For a 2-D mesh passed as an op's `group`: dimension 0 head-parallel,
+    dimension 1 sequence-parallel.
+    """
+    from torch.distributed.device_mesh import init_device_mesh as init
+
+    return init(device_type, tuple(shape), mesh_dim_names=None if names is None else tuple(names))
 
 
 def destroy_process_group() -> None:
@@ -220,9 +320,7 @@ def agree(
         "config": mine,
         "error": None if error is None else f"{type(error).__name__}: {error}",
     }
-    data = pickle.dumps(payload)
-    _record("agree", 1, len(data) * (size - 1))
-    gathered = _all_gather_bytes(data, group)
+    gathered = _gather_objects(payload, group)
     failures = [(r, p["error"]) for r, p in enumerate(gathered) if p["error"] is not None]
     if failures:
         if error is not None:
@@ -247,6 +345,23 @@ def fail_on_all_ranks(group: ProcessGroup, error: Exception) -> NoReturn:
 
     agree(group, failing_config)
     raise error  # only reached when `group` is local
+
+
+def _gather_objects(obj: Any, group: ProcessGroup) -> List[Any]:
+    """Every rank's picklable `obj`, by group rank (a Grid: by piece index).
+
+    A Grid gathers in two steps, so that every rank of it sees every rank's
+    object (an error anywhere reaches everyone): first within the heads group,
+    then the heads groups' lists within the sequence group.
+    """
+    if not isinstance(group, Grid):
+        data = pickle.dumps(obj)
+        _record("agree", 1, len(data) * (group_size(group) - 1))
+        return _all_gather_bytes(data, group)
+    row = [obj] if group.heads is None else _gather_objects(obj, group.heads)
+    rows = [row] if group.sequence is None else _gather_objects(row, group.sequence)
+    # rows[s][u] -> piece order s * U + u
+    return [x for row in rows for x in row]
 
 
 def _all_gather_bytes(data: bytes, group: ProcessGroup) -> List[Any]:
@@ -434,10 +549,20 @@ def all_gather(
     """Every rank's `x` concatenated along `dim`, in group-rank order.
 
     `sizes` (every rank's length along `dim`, e.g. from ``agree``) allows
-    uneven pieces; without it all pieces must have x's shape.
+    uneven pieces; without it all pieces must have x's shape. A Grid gathers
+    in piece order (within the heads group, then those blocks in the sequence
+    group).
     """
     if not is_distributed(group):
         return x
+    if isinstance(group, Grid):
+        heads, sequence = group.shape
+        sizes = [x.shape[dim]] * heads * sequence if sizes is None else list(sizes)
+        # sizes by piece s * U + u -> the heads group's pieces, then the blocks' lengths
+        s = group.coordinate[1]
+        block = all_gather(x, group.heads, dim=dim, sizes=sizes[s * heads:(s + 1) * heads])
+        blocks = [sum(sizes[t * heads:(t + 1) * heads]) for t in range(sequence)]
+        return all_gather(block, group.sequence, dim=dim, sizes=blocks)
     size, rank = group_size(group), group_rank(group)
     sizes = [x.shape[dim]] * size if sizes is None else list(sizes)
     if len(sizes) != size or sizes[rank] != x.shape[dim]:
@@ -468,6 +593,10 @@ def all_reduce_(x: Tensor, group: ProcessGroup, *, op: str = "sum") -> Tensor:
         raise ValueError(f"op must be one of 'sum', 'max', 'min', 'avg', got {op!r}")
     if not is_distributed(group) or x.numel() == 0:
         return x
+    if isinstance(group, Grid):
+        for dim_group in (group.heads, group.sequence):
+            all_reduce_(x, dim_group, op="sum" if op == "avg" else op)
+        return x.div_(group_size(group)) if op == "avg" else x
     size = group_size(group)
     _record("all_reduce", 1, 2 * (size - 1) * _nbytes(x) // size)
     # gloo has no AVG: sum, then divide
@@ -483,12 +612,24 @@ def reduce_scatter(
     """Sum `x` over ranks and return this rank's piece along `dim`.
 
     `sizes` (every rank's piece length, summing to x.shape[dim]) allows
-    uneven pieces; without it x.shape[dim] must divide evenly.
+    uneven pieces; without it x.shape[dim] must divide evenly. A Grid sums
+    over the sequence group into blocks, then over the heads group into pieces.
     """
     if not is_distributed(group):
         return x
-    size, rank = group_size(group), group_rank(group)
     total = x.shape[dim]
+    if isinstance(group, Grid):
+        heads, sequence = group.shape
+        if sizes is None:
+            if total % (heads * sequence):
+                raise ValueError(f"reduce_scatter: length {total} does not divide over "
+                                 f"{heads * sequence} ranks")
+            sizes = [total // (heads * sequence)] * heads * sequence
+        sizes, s = list(sizes), group.coordinate[1]
+        blocks = [sum(sizes[t * heads:(t + 1) * heads]) for t in range(sequence)]
+        block = reduce_scatter(x, group.sequence, dim=dim, sizes=blocks)
+        return reduce_scatter(block, group.heads, dim=dim, sizes=sizes[s * heads:(s + 1) * heads])
+    size, rank = group_size(group), group_rank(group)
     if sizes is None:
         if total % size:
             raise ValueError(f"reduce_scatter: length {total} does not divide over {size} ranks")
@@ -518,6 +659,8 @@ def broadcast_(x: Tensor, src: int, group: ProcessGroup) -> Tensor:
     """In place: every rank's `x` becomes group rank `src`'s; returns x."""
     if not is_distributed(group) or x.numel() == 0:
         return x
+    if isinstance(group, Grid):
+        raise ValueError("broadcast_ takes a process group, not a grid of two")
     size = group_size(group)
     if group_rank(group) == src:
         _record("broadcast", 1, (size - 1) * _nbytes(x))
@@ -526,5 +669,34 @@ def broadcast_(x: Tensor, src: int, group: ProcessGroup) -> Tensor:
 
 
 def barrier(group: ProcessGroup) -> None:
-    if is_distributed(group):
+    if isinstance(group, Grid):
+        for dim_group in (group.heads, group.sequence):
+            barrier(dim_group)
+    elif is_distributed(group):
         dist.barrier(group=group)
+
+
+def all_to_all(sends: Sequence[Tensor], recv_shapes: Sequence[Sequence[int]],
+               group: ProcessGroup) -> Tensor:
+    """Send ``sends[p]`` to group rank p; return what every rank sent here, as one buffer.
+
+    One ``all_to_all_single`` over flat buffers with split sizes, so pieces
+    may differ in size (or be empty). ``recv_shapes[p]`` is the shape rank p
+    sends here (both sides derive every size from the agreed call). Returns
+    the flat receive buffer: rank p's piece follows rank p - 1's, so pieces
+    laid out rows-first are one (rows, ...) tensor by a plain view.
+    Counted as one message; bytes are what this rank sends to the others.
+    """
+    size, rank = group_size(group), group_rank(group)
+    if len(sends) != size or len(recv_shapes) != size:
+        raise ValueError(f"all_to_all: {len(sends)} sends and {len(recv_shapes)} receive "
+                         f"shapes for a group of {size} ranks")
+    numels = [math.prod(shape) for shape in recv_shapes]
+    recv = torch.empty(sum(numels), dtype=sends[0].dtype, device=sends[0].device)
+    if not is_distributed(group):
+        return recv.copy_(sends[0].reshape(-1))
+    send = torch.cat([x.reshape(-1) for x in sends])
+    _record("all_to_all", 1, sum(_nbytes(x) for p, x in enumerate(sends) if p != rank))
+    dist.all_to_all_single(recv, send, output_split_sizes=numels,
+                           input_split_sizes=[x.numel() for x in sends], group=group)
+    return recv

@@ -1,0 +1,230 @@
+"""Head-parallel (Ulysses) and 2-D mesh sequence parallelism on real spawned gloo ranks.
+
+Every case runs `dilated_attention` (or `ring_attention`) on each rank's piece with
+strategy="ulysses" on a one-dimensional group, or over a 2-D DeviceMesh (head-parallel x
+sequence-parallel: the rank at (u, s) holds piece s * U + u), and compares out, lse, dq,
+dk, dv with the single-process op on the whole sequence in float64; the all-to-alls are
+counted exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dilated_attention import dilated_attention, ring_attention
+from dilated_attention.distributed import comm
+from dilated_attention.distributed import strategy as strategies
+from dilated_attention.distributed.ulysses import HeadSplit
+from dilated_attention.plan import Layout
+from dist_harness import run_distributed
+
+B, D = 2, 4
+
+# (lengths, segment_lengths, dilation_rates, causal, h, hk); the lengths set P
+ULYSSES_CASES = {
+    2: [
+        ((7, 10), (4, 8, 32), (1, 2, 3), True, 4, 2),
+        ((0, 9), (4, 2), (2, 1), False, 2, 1),  # an empty piece; MQA
+        ((5, 6), (11,), (1,), True, 4, 4),  # dense
+    ],
+    3: [
+        ((5, 6, 7), (4, 8), (1, 2), True, 6, 2),  # kv head 0 and 1 both read by rank 1
+        ((3, 0, 11), (32, 5), (3, 1), False, 3, 3),
+        ((9, 2, 4), (6, 3), (2, 3), True, 6, 6),
+    ],
+    4: [
+        ((6, 1, 2, 9), (7, 3, 20), (2, 3, 4), True, 4, 2),  # 1 query head per rank, kv x2
+        ((4, 4, 4, 4), (16,), (1,), False, 8, 2),
+        ((3, 0, 7, 4), (32, 5, 2), (3, 1, 2), False, 4, 4),
+    ],
+}
+
+# cases on a 2 x 2 mesh (U = 2 head-parallel, S = 2 sequence-parallel); lengths by piece
+MESH_CASES = [
+    ((5, 3, 6, 4), (4, 8, 32), (1, 2, 3), True, 4, 2),
+    ((0, 7, 2, 9), (6, 3), (2, 3), False, 6, 3),  # kv heads split unevenly over U
+    ((4, 4, 4, 4), (16,), (1,), True, 2, 1),  # dense: the exchange over S rotates
+]
+
+
+def _inputs(lengths, h, hk, seed):
+    """Full-sequence q, k, v, dout, dlse (b, h, n), float64, deterministic."""
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    return (randn(B, n, h, D), randn(B, n, hk, D), randn(B, n, hk, D), randn(B, n, h, D),
+            randn(B, h, n))
+
+
+def _loss(out, lse, dout, dlse):
+    return (out * dout).sum() + (lse.masked_fill(torch.isinf(lse), 0.0) * dlse).sum()
+
+
+def _attend(op, q, k, v, case, **kwargs):
+    _, segs, rates, causal, _, _ = case
+    if op == "ring":
+        return ring_attention(q, k, v, is_causal=causal, return_lse=True, **kwargs)
+    return dilated_attention(q, k, v, segs, rates, is_causal=causal, return_lse=True, **kwargs)
+
+
+def _single(op, case, seed, **kwargs):
+    lengths, _, _, _, h, hk = case
+    q, k, v, dout, dlse = _inputs(lengths, h, hk, seed)
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    out, lse = _attend(op, q, k, v, case, **kwargs)
+    _loss(out, lse, dout, dlse).backward()
+    return {"out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _sharded(op, group, piece, case, seed, **kwargs):
+    """This rank's piece (number `piece`) through the op, its gradients and its traffic."""
+    lengths, _, _, _, h, hk = case
+    lo = sum(lengths[:piece])
+    hi = lo + lengths[piece]
+    q, k, v, dout, dlse = _inputs(lengths, h, hk, seed)
+    q, k, v = (x[:, lo:hi].clone().requires_grad_() for x in (q, k, v))
+    local = {key: val[:, lo:hi] for key, val in kwargs.items() if key == "key_padding_mask"}
+    rest = {key: val for key, val in kwargs.items() if key != "key_padding_mask"}
+    with comm.count_communication() as fwd:
+        out, lse = _attend(op, q, k, v, case, group=group, **local, **rest)
+    with comm.count_communication() as bwd:
+        _loss(out, lse, dout[:, lo:hi], dlse[:, :, lo:hi]).backward()
+    counts = {name: (s.messages_of("all_to_all"), s.messages_of("all_gather"), s.agreements,
+                     s.messages)
+              for name, s in (("fwd", fwd), ("bwd", bwd))}
+    return {"out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad, **counts}
+
+
+def _extras(case):
+    """Documents crossing pieces and a padding mask, for the same case."""
+    lengths = case[0]
+    n = sum(lengths)
+    mask = torch.zeros(B, n, dtype=torch.bool)
+    mask[0, n // 3] = mask[1, -2:] = True
+    return {"cu_seqlens": [0, n // 2 + 1, n], "key_padding_mask": mask}
+
+
+def _ulysses_ranks(group, world):
+    results = []
+    for i, case in enumerate(ULYSSES_CASES[world]):
+        for j, extra in enumerate(({}, _extras(case))):
+            results.append(_sharded("dilated", group, comm.group_rank(group), case, 10 * i + j,
+                                    strategy="ulysses", **extra))
+    # a configuration that differs across ranks, heads that do not split: errors everywhere
+    errors = []
+    case = ULYSSES_CASES[world][0]
+    mine = "ulysses" if comm.group_rank(group) == 0 else "exchange"
+    for bad, strategy in ((case, mine), (case[:4] + (world + 1, 1), "ulysses")):
+        try:
+            _sharded("dilated", group, comm.group_rank(group), bad, 0, strategy=strategy)
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return results, errors
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ulysses_equals_one_process(world: int) -> None:
+    outputs = run_distributed(_ulysses_ranks, world, world, timeout=240)
+    cases = [(case, extra) for case in ULYSSES_CASES[world]
+             for extra in ({}, _extras(case))]
+    for index, (case, extra) in enumerate(cases):
+        want = _single("dilated", case, 10 * (index // 2) + index % 2, **extra)
+        lengths = case[0]
+        for rank, (results, _) in enumerate(outputs):
+            got = results[index]
+            lo, hi = sum(lengths[:rank]), sum(lengths[:rank + 1])
+            for name in ("out", "dq", "dk", "dv"):
+                torch.testing.assert_close(got[name], want[name][:, lo:hi], rtol=1e-10,
+                                           atol=1e-10, msg=f"{case} {extra.keys()} {name}")
+            torch.testing.assert_close(got["lse"], want["lse"][..., lo:hi], rtol=1e-10,
+                                       atol=1e-10)
+            masked = "key_padding_mask" in extra
+            # forward: q, k+v, out, lse all-to-alls (+ the mask's all-gather); backward the
+            # same four in reverse; one agreement each way at most, nothing else
+            assert got["fwd"] == (4, int(masked), 1, 4 + int(masked)), (case, got["fwd"])
+            assert got["bwd"] == (4, 0, 0, 4), (case, got["bwd"])
+    for _, errors in outputs:
+        assert "ranks disagree on 'strategy'" in errors[0]
+        assert f"cannot be split over {world} head-parallel ranks" in errors[1]
+
+
+def _mesh_ranks(group):
+    mesh = comm.init_device_mesh((2, 2))
+    u, s = mesh.get_coordinate()
+    piece = s * 2 + u
+    results = []
+    for i, case in enumerate(MESH_CASES):
+        for op in ("dilated", "ring"):
+            for j, extra in enumerate(({}, _extras(case))):
+                results.append(_sharded(op, mesh, piece, case, 10 * i + j, **extra))
+    return piece, results
+
+
+@pytest.mark.distributed
+def test_two_dimensional_mesh_equals_one_process() -> None:
+    outputs = run_distributed(_mesh_ranks, 4, timeout=240)
+    index = 0
+    for i, case in enumerate(MESH_CASES):
+        for op in ("dilated", "ring"):
+            for j, extra in enumerate(({}, _extras(case))):
+                want = _single(op, case, 10 * i + j, **extra)
+                lengths = case[0]
+                for piece, results in outputs:
+                    got = results[index]
+                    lo, hi = sum(lengths[:piece]), sum(lengths[:piece + 1])
+                    for name in ("out", "dq", "dk", "dv"):
+                        torch.testing.assert_close(got[name], want[name][:, lo:hi], rtol=1e-10,
+                                                   atol=1e-10, msg=f"{op} {case} {name}")
+                    torch.testing.assert_close(got["lse"], want["lse"][..., lo:hi],
+                                               rtol=1e-10, atol=1e-10)
+                    # four all-to-alls over the heads dimension each way; two agreements
+                    # (heads, then sequence dimension) before the forward
+                    assert got["fwd"][:3] == (4, int("key_padding_mask" in extra), 2)
+                    assert got["bwd"][:3] == (4, 0, 0)
+                index += 1
+
+
+def test_head_split_replicates_only_the_kv_heads_a_rank_reads() -> None:
+    split = HeadSplit.of(3, 6, 2)  # query heads 2u, 2u + 1; g = 3
+    assert [list(split.kv(u)) for u in range(3)] == [[0], [0, 1], [1]]
+    assert split.local_heads(1).first == 2 and split.local_heads(1).kv_of == (0, 1)
+    split = HeadSplit.of(4, 8, 2)
+    assert [list(split.kv(u)) for u in range(4)] == [[0], [0], [1], [1]]
+    with pytest.raises(ValueError, match="6 query heads cannot be split over 4"):
+        HeadSplit.of(4, 6, 2)
+
+
+def _shape(lengths, segs, rates, h=8, hk=8):
+    return strategies.Shape(tuple(lengths), (tuple(segs), tuple(rates)), False, h, hk, 64, 1,
+                            2, 4, None)
+
+
+def test_auto_picks_the_strategy_with_less_traffic() -> None:
+    # LongNet's segments inside 16K-row pieces: the exchange sends nothing
+    local = _shape([16384] * 4, [2048, 4096], [1, 2])
+    assert max(strategies.traffic("exchange", local, (1, 4))) == 0
+    assert strategies.auto_choice(local) == "exchange"
+    # dense attention over 4 ranks: the exchange moves every rank's k and v to every
+    # other, Ulysses q, k, v and out once
+    dense = _shape([4096] * 4, [16384], [1])
+    exchange = max(strategies.traffic("exchange", dense, (1, 4)))
+    ulysses = max(strategies.traffic("ulysses", dense, (4, 1)))
+    assert exchange == 3 * 4096 * 2 * 8 * 64 * 2  # three other ranks' k and v
+    # q, k, v of 3/4 of the heads out; out (+ fp32 lse) of the others' rows in
+    assert ulysses == 4096 * 64 * 2 * 3 * (2 + 2 + 2) + 3 * 4096 * 2 * (64 * 2 + 4)
+    assert strategies.auto_choice(dense) == "ulysses"
+    # the LongNet geometric schedule whose last segment spans all ranks: w / r rows per
+    # pattern cross each border, far less than Ulysses' whole q, k, v, out
+    geometric = _shape([1 << 16] * 4, [2048, 16384, 131072, 1 << 18], [1, 8, 64, 128])
+    assert strategies.auto_choice(geometric) == "exchange"
+    # a 2 x 2 grid: the heads' all-to-all and the sequence exchange of the halved heads
+    grid = strategies.traffic("ulysses", dense, (2, 2))
+    half = _shape([8192] * 2, [16384], [1], h=4, hk=4)
+    assert grid[0] == (strategies.ulysses_bytes(dense, [4096, 4096])[0]
+                       + strategies.exchange_bytes(half, Layout.contiguous([8192] * 2))[0])
