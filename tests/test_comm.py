@@ -223,3 +223,35 @@ def test_fake_group_on_meta_tensors():
     proc = subprocess.run([sys.executable, "-c", _FAKE_SCRIPT], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("bad", ["world", 0, 1.5, object()])
+def test_a_group_of_the_wrong_type_is_a_type_error_naming_group(bad):
+    from dilated_attention import dilated_attention, ring_attention
+
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(TypeError, match=r"group must be None, a torch.distributed.ProcessGroup"):
+        dilated_attention(q, q, q, [4], [1], group=bad)
+    with pytest.raises(TypeError, match=r"group must be None"):
+        ring_attention(q, q, q, group=bad)
+
+
+def _outside_the_group(group):
+    """Rank 1 passes the handle torch.distributed.new_group([0]) returned to it."""
+    import torch.distributed as dist
+
+    from dilated_attention import dilated_attention, ring_attention
+
+    handle = dist.new_group([0])
+    if comm.group_rank(group) == 0:
+        return None
+    q = torch.randn(1, 8, 2, 4)
+    return [_raises(op, q, q, q, *args, group=handle)
+            for op, args in ((dilated_attention, ([4], [1])), (ring_attention, ()))]
+
+
+@pytest.mark.distributed
+def test_a_rank_outside_the_group_raises_naming_group():
+    _, errors = run_distributed(_outside_the_group, 2)
+    for error in errors:
+        assert error.startswith("ValueError: group: this rank (global rank 1) is not a member")
