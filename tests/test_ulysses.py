@@ -228,3 +228,46 @@ def test_auto_picks_the_strategy_with_less_traffic() -> None:
     half = _shape([8192] * 2, [16384], [1], h=4, hk=4)
     assert grid[0] == (strategies.ulysses_bytes(dense, [4096, 4096])[0]
                        + strategies.exchange_bytes(half, Layout.contiguous([8192] * 2))[0])
+
+
+def _models_on_a_mesh(group, shape):
+    """LongNetLM / LongNet training steps with process_group a DeviceMesh == one process."""
+    from test_models import PACKED, _data, _perturb, _step, small_config
+
+    from dilated_attention import LongNet, LongNetLM
+
+    mesh = comm.init_device_mesh(shape)
+    # heads that split over the mesh's head dimension: 6 over 2, or 4 over 4 (with one kv
+    # head read by two ranks)
+    heads = dict(num_heads=6) if shape[0] == 2 else dict(num_heads=4)
+    done = []
+    for kind, strategy, overrides, n in (
+        ("lm", "auto", dict(num_kv_heads=heads["num_heads"] // 2), 37),  # uneven pieces
+        ("lm", "ulysses", dict(), 37),
+        ("encdec", "auto", dict(num_kv_heads=2), 26),
+        ("packed", "auto", dict(), 37),
+    ):
+        config = small_config(**heads, **overrides)
+        models = []
+        for g in (None, mesh):
+            torch.manual_seed(0)
+            cls = LongNet if kind == "encdec" else LongNetLM
+            models.append(cls(config, dtype=torch.float64, process_group=g, strategy=strategy))
+            _perturb(models[-1])
+        tokens, targets = _data(2, n, config.vocab_size, seed=n)
+        extra = () if kind != "encdec" else (_data(2, n + 5, config.vocab_size, seed=1)[0],)
+        docs = dict(cu_seqlens=PACKED) if kind == "packed" else {}
+        ref_loss, ref_grads = _step(models[0], None, tokens, targets, *extra, **docs)
+        loss, grads = _step(models[1], mesh, tokens, targets, *extra, **docs)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-9, atol=1e-12, msg=f"{kind} {name}")
+        done.append(kind)
+    return done
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("shape", [(2, 2), (4, 1)])
+def test_models_on_a_device_mesh_equal_one_process(shape) -> None:
+    results = run_distributed(_models_on_a_mesh, 4, shape, timeout=240)
+    assert all(r == ["lm", "lm", "encdec", "packed"] for r in results)

@@ -45,6 +45,7 @@ from . import validation as check
 from .dilated import cached_dilated_attention
 from .distributed import comm
 from .distributed.sharding import gather_pieces, sum_across_ranks
+from .distributed.strategy import check_strategy
 from .kernels import lse_dtype
 from .modules import MultiheadDilatedAttention
 
@@ -228,6 +229,7 @@ class Block(nn.Module):
         cross_attention: bool,
         factory: dict,
         process_group,
+        strategy: str = "auto",
     ) -> None:
         super().__init__()
         e, eps = config.embed_dim, config.layer_norm_eps
@@ -245,6 +247,7 @@ class Block(nn.Module):
             layer_norm_eps=eps,
             gamma_init=gamma,
             process_group=process_group,
+            strategy=strategy,
             **factory,
         )
         self.cross_norm = nn.LayerNorm(e, eps=eps, **factory) if cross_attention else None
@@ -464,12 +467,13 @@ def token_mean_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
 
 
 class _LongNetBase(nn.Module):
-    def __init__(self, config: LongNetConfig, device, dtype, process_group) -> None:
+    def __init__(self, config: LongNetConfig, device, dtype, process_group, strategy) -> None:
         super().__init__()
         if not isinstance(config, LongNetConfig):
             raise TypeError(f"config must be a LongNetConfig, got {type(config).__name__}")
         self.config = config
         self.process_group = process_group
+        self.strategy = check_strategy(strategy)
         self._factory = {"device": device, "dtype": dtype}
         e = config.embed_dim
         self.embed = nn.Embedding(config.vocab_size, e, **self._factory)
@@ -483,7 +487,8 @@ class _LongNetBase(nn.Module):
     def _blocks(self, n: int, *, gamma: float, causal: bool, cross: bool) -> nn.ModuleList:
         return nn.ModuleList(
             Block(self.config, gamma=gamma, causal=causal, cross_attention=cross,
-                  factory=self._factory, process_group=self.process_group)
+                  factory=self._factory, process_group=self.process_group,
+                  strategy=self.strategy)
             for _ in range(n)
         )
 
@@ -542,9 +547,10 @@ class LongNetLM(_LongNetBase):
     """
 
     def __init__(
-        self, config: LongNetConfig, *, device=None, dtype=None, process_group=None
+        self, config: LongNetConfig, *, device=None, dtype=None, process_group=None,
+        strategy: str = "auto",
     ) -> None:
-        super().__init__(config, device, dtype, process_group)
+        super().__init__(config, device, dtype, process_group, strategy)
         _, gamma = _magneto_gamma(config.num_layers)
         self.layers = self._blocks(config.num_layers, gamma=gamma, causal=True, cross=False)
         self.norm = self._norm()
@@ -695,9 +701,10 @@ class LongNet(_LongNetBase):
     """
 
     def __init__(
-        self, config: LongNetConfig, *, device=None, dtype=None, process_group=None
+        self, config: LongNetConfig, *, device=None, dtype=None, process_group=None,
+        strategy: str = "auto",
     ) -> None:
-        super().__init__(config, device, dtype, process_group)
+        super().__init__(config, device, dtype, process_group, strategy)
         enc_gamma, dec_gamma = _magneto_gamma(config.num_layers, config.num_encoder_layers)
         self.encoder = self._blocks(
             config.num_encoder_layers, gamma=enc_gamma, causal=False, cross=False

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from . import validation as check
 from .distributed.comm import fail_on_all_ranks
+from .distributed.strategy import check_strategy
 from .functional import dilated_attention
 
 
@@ -29,9 +30,11 @@ class DilatedAttention(nn.Module):
         segment_lengths, dilation_rates: one (w, r) pair per pattern, r <= w.
         dropout: attention dropout probability, applied in training mode only.
         scale: softmax scale, default 1/sqrt(head_dim).
-        process_group: a torch.distributed group for sequence parallelism:
-            each rank passes its own contiguous piece of the sequence. None
-            runs locally.
+        process_group: sequence parallelism: a torch.distributed group or 1-D
+            DeviceMesh (each rank passes its own contiguous piece of the
+            sequence), or a 2-D DeviceMesh (head-parallel x sequence-parallel,
+            see ``dilated_attention``). None runs locally.
+        strategy: "auto", "exchange" or "ulysses" (see ``dilated_attention``).
     """
 
     def __init__(
@@ -42,6 +45,7 @@ class DilatedAttention(nn.Module):
         dropout: float = 0.0,
         scale: Optional[float] = None,
         process_group=None,
+        strategy: str = "auto",
     ) -> None:
         super().__init__()
         self.segment_lengths, self.dilation_rates = check.check_patterns(
@@ -53,6 +57,7 @@ class DilatedAttention(nn.Module):
             check.check_scale(scale, 1)
         self.scale = None if scale is None else float(scale)
         self.process_group = process_group
+        self.strategy = check_strategy(strategy)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, *,
                 key_padding_mask: Optional[Tensor] = None, cu_seqlens=None) -> Tensor:
@@ -73,6 +78,7 @@ class DilatedAttention(nn.Module):
             group=self.process_group,
             key_padding_mask=key_padding_mask,
             cu_seqlens=cu_seqlens,
+            strategy=self.strategy,
         )
 
     def extra_repr(self) -> str:
@@ -86,6 +92,8 @@ class DilatedAttention(nn.Module):
             parts.append(f"scale={self.scale}")
         if self.process_group is not None:
             parts.append("process_group=<set>")
+        if self.strategy != "auto":
+            parts.append(f"strategy={self.strategy!r}")
         return ", ".join(parts)
 
 
@@ -115,7 +123,7 @@ class MultiheadDilatedAttention(nn.Module):
         layer_norm_eps: its epsilon.
         gamma_init: MAGNETO gain for v_proj and out_proj.
         device, dtype: for every parameter, like torch.nn.
-        process_group: sequence parallelism (see DilatedAttention).
+        process_group, strategy: sequence parallelism (see DilatedAttention).
     """
 
     def __init__(
@@ -134,6 +142,7 @@ class MultiheadDilatedAttention(nn.Module):
         device=None,
         dtype=None,
         process_group=None,
+        strategy: str = "auto",
     ) -> None:
         super().__init__()
         embed_dim = check.check_optional_positive_int("embed_dim", embed_dim)
@@ -170,7 +179,8 @@ class MultiheadDilatedAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.attention = DilatedAttention(
-            segment_lengths, dilation_rates, dropout=dropout, process_group=process_group
+            segment_lengths, dilation_rates, dropout=dropout, process_group=process_group,
+            strategy=strategy,
         )
         self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory) if layer_norm else None
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)

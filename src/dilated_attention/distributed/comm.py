@@ -192,6 +192,11 @@ def _one_or_none(group: ProcessGroup) -> ProcessGroup:
     return None if dist.get_world_size(group) == 1 else group
 
 
+def _plain(group: Any) -> ProcessGroup:
+    """A DeviceMesh as the group or Grid it stands for; anything else as it is."""
+    return resolve_group(group) if isinstance(group, DeviceMesh) else group
+
+
 def is_distributed(group: ProcessGroup) -> bool:
     """True when `group` is a process group (or grid) of more than one rank."""
     return group is not None and group_size(group) > 1
@@ -199,6 +204,7 @@ def is_distributed(group: ProcessGroup) -> bool:
 
 def group_size(group: ProcessGroup) -> int:
     """Ranks in `group`; None (local) is 1; a Grid U * S."""
+    group = _plain(group)
     if group is None:
         return 1
     if isinstance(group, Grid):
@@ -209,6 +215,7 @@ def group_size(group: ProcessGroup) -> int:
 
 def group_rank(group: ProcessGroup) -> int:
     """This process's rank inside `group`; None (local) is 0; in a Grid its piece index."""
+    group = _plain(group)
     if group is None:
         return 0
     if isinstance(group, Grid):
@@ -301,6 +308,7 @@ def agree(
 
     With a local group (None or one rank) this is just the callable.
     """
+    group = _plain(group)
     error: Optional[Exception] = None
     mine: Dict[str, Any] = {}
     try:
@@ -553,6 +561,7 @@ def all_gather(
     in piece order (within the heads group, then those blocks in the sequence
     group).
     """
+    group = _plain(group)
     if not is_distributed(group):
         return x
     if isinstance(group, Grid):
@@ -591,6 +600,7 @@ def all_reduce_(x: Tensor, group: ProcessGroup, *, op: str = "sum") -> Tensor:
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     if op not in ops and op != "avg":
         raise ValueError(f"op must be one of 'sum', 'max', 'min', 'avg', got {op!r}")
+    group = _plain(group)
     if not is_distributed(group) or x.numel() == 0:
         return x
     if isinstance(group, Grid):
@@ -615,6 +625,7 @@ def reduce_scatter(
     uneven pieces; without it x.shape[dim] must divide evenly. A Grid sums
     over the sequence group into blocks, then over the heads group into pieces.
     """
+    group = _plain(group)
     if not is_distributed(group):
         return x
     total = x.shape[dim]
