@@ -308,13 +308,17 @@ SP_CASES = ("plain", "left_padding", "packed", "last_token_only")
 def _sp_rank(group):
     world, rank = comm.group_size(group), comm.group_rank(group)
     sp = register("dilated_sp_test", segment_lengths=SEGMENTS, dilation_rates=RATES, group=group)
+    # head-parallel too where the 4 query heads split over the ranks
+    ulysses = register("dilated_sp_ulysses_test", segment_lengths=SEGMENTS,
+                       dilation_rates=RATES, group=group, strategy="ulysses")
     n = 29
     (start, stop), = piece_ranges(n, world, rank)
     results = []
-    for case in SP_CASES:
+    for case, impl in [(case, sp) for case in SP_CASES] + \
+            [(case, ulysses) for case in SP_CASES if world == 2]:
         ids, labels, pos, mask = _sp_case_inputs(case, n)
         out = {}
-        for label, impl, g in (("one", DILATED, None), ("sp", sp, group)):
+        for label, impl, g in (("one", DILATED, None), ("sp", impl, group)):
             model = build(impl)
             inputs, targets = shard_inputs(ids, g, labels=labels, position_ids=pos,
                                            attention_mask=mask)
@@ -566,10 +570,9 @@ def test_register_checks_its_arguments():
         register("someone_elses_test", segment_lengths=[8], dilation_rates=[1])
     with pytest.raises(ValueError, match=r"dilation_rates\[0\] = 9 exceeds"):
         register("dilated_bad_test", segment_lengths=[8], dilation_rates=[9])
-    if "strategy" not in inspect.signature(dilated_attention).parameters:
-        with pytest.raises(ValueError, match="strategy must be 'auto'"):
-            register("dilated_bad_test", segment_lengths=[8], dilation_rates=[1],
-                     strategy="heads")
+    with pytest.raises(ValueError, match=r"strategy must be one of \('auto', 'exchange', "
+                                         r"'ulysses'\), got 'heads'"):
+        register("dilated_bad_test", segment_lengths=[8], dilation_rates=[1], strategy="heads")
     # registering a name again replaces its settings
     name = register("dilated_again_test", segment_lengths=[8], dilation_rates=[1])
     assert register(name, segment_lengths=[4], dilation_rates=[2]) == name

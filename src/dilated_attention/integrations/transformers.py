@@ -83,7 +83,6 @@ whole sequence, h heads, hk key/value heads, d head dim.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -93,6 +92,7 @@ from .. import validation as check
 from ..dilated import cached_dilated_attention
 from ..distributed import comm
 from ..distributed.sharding import shard_sequence
+from ..distributed.strategy import check_strategy
 from ..functional import dilated_attention
 from ..models import IGNORE_INDEX, token_mean_loss
 
@@ -145,10 +145,6 @@ def _transformers():
     return transformers
 
 
-def _takes_strategy() -> bool:
-    return "strategy" in inspect.signature(dilated_attention).parameters
-
-
 # --------------------------------------------------------------------------
 # Registering
 
@@ -183,12 +179,7 @@ def register(name: str = "dilated_attention", *, segment_lengths: Sequence[int],
             raise ValueError(f"name {name!r} is already registered in transformers' "
                              f"{type(registry).__name__} by someone else: pick another name")
     segs, rates = check.check_patterns(segment_lengths, dilation_rates)
-    if not isinstance(strategy, str):
-        raise TypeError(f"strategy must be a str, got {strategy!r}")
-    if strategy != "auto" and not _takes_strategy():
-        raise ValueError(f"strategy must be 'auto' with this version of dilated_attention, got "
-                         f"{strategy!r}")
-    options = (("strategy", strategy),) if _takes_strategy() else ()
+    options = (("strategy", check_strategy(strategy)),)
     tf.AttentionInterface.register(name, _Backend(segs, rates, group, options))
     AttentionMaskInterface.register(name, build_mask)
     return name
@@ -344,7 +335,7 @@ class _Backend:
     segment_lengths: Tuple[int, ...]
     dilation_rates: Tuple[int, ...]
     group: Any
-    options: Tuple[Tuple[str, Any], ...]  # passed on to dilated_attention (strategy, if it takes one)
+    options: Tuple[Tuple[str, Any], ...]  # passed on to dilated_attention (strategy)
 
     def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
                  dropout: float = 0.0, scaling: Optional[float] = None,
