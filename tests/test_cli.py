@@ -176,12 +176,12 @@ def test_tiny_bench_table_and_json(tmp_path, capsys):
 @pytest.mark.distributed
 def test_verify_tiny_passes(capsys):
     argv = ["verify", "--world-size", "2", "--cases", "span-two", "uneven-causal", "gqa",
-            "ring-zigzag-causal"]
+            "ring-zigzag-causal", "ulysses", "mesh-ring"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
-    assert len(lines) == 4 and all(line.startswith("PASS") for line in lines), out
-    assert "4 passed, 0 failed" in out
+    assert len(lines) == 6 and all(line.startswith("PASS") for line in lines), out
+    assert "6 passed, 0 failed" in out
 
 
 def _verify_after_a_failure(group, out_dir):

@@ -69,6 +69,20 @@ class Case:
     layout: str = "contiguous"
     documents: Optional[Callable[[int], List[int]]] = None  # N -> cu_seqlens
     masked: bool = False  # a key padding mask (about a third of the keys)
+    strategy: str = "exchange"  # dilated_attention's strategy on a one-dimensional group
+    mesh: bool = False  # a 2-D mesh (heads x sequence): (2, P / 2) for even P, else (P, 1)
+
+    def head_counts(self, p: int) -> Tuple[int, int]:
+        """(heads, kv heads) at P ranks: head-parallel cases take 2 P heads (they must split
+        over the ranks) and 2 kv heads (so some kv heads are read by two ranks)."""
+        if self.strategy == "ulysses" or self.mesh:
+            return 2 * p, 2
+        return self.heads, self.kv_heads
+
+
+def mesh_shape(p: int) -> Tuple[int, int]:
+    """The 2-D mesh of the mesh cases: 2 head-parallel ranks when P is even."""
+    return (2, p // 2) if p % 2 == 0 else (p, 1)
 
 
 CASES: Tuple[Case, ...] = (
@@ -110,6 +124,19 @@ CASES: Tuple[Case, ...] = (
          layout="zigzag", documents=_documents, masked=True),
     Case("ring-documents", "dense ring over packed documents with padding, causal",
          "ring", _uneven, lambda n: ([n], [1]), causal=True, documents=_documents, masked=True),
+    Case("ulysses", "head-parallel (Ulysses), uneven pieces, causal, kv heads read by two ranks",
+         "dilated", _uneven, lambda n: ([4, 12, 64], [1, 3, 2]), causal=True,
+         strategy="ulysses"),
+    Case("ulysses-documents-padding", "Ulysses over packed documents with padding",
+         "dilated", _with_empty, lambda n: ([4, 16], [1, 2]), documents=_documents, masked=True,
+         strategy="ulysses"),
+    Case("auto-dense", "dense dilated with strategy 'auto' (Ulysses sends less here)",
+         "dilated", lambda p: _even(p, 16), lambda n: ([n], [1]), causal=True, strategy="auto"),
+    Case("mesh", "a 2-D mesh (Ulysses x the exchange), uneven pieces with an empty one, causal",
+         "dilated", _with_empty, lambda n: ([4, 12, 64], [1, 3, 2]), causal=True, mesh=True,
+         strategy="auto"),
+    Case("mesh-ring", "a 2-D mesh (Ulysses x the ring), uneven pieces, causal",
+         "ring", _uneven, lambda n: ([n], [1]), causal=True, mesh=True),
 )
 CASE_NAMES = tuple(c.name for c in CASES)
 
@@ -166,7 +193,8 @@ def _attention(case: Case, q, k, v, n: int, group, mask=None):
                               layout=layout, cu_seqlens=documents, key_padding_mask=mask)
     return dilated_attention(q, k, v, segments, rates, is_causal=case.causal, group=group,
                              return_lse=True, cu_seqlens=documents, key_padding_mask=mask,
-                             layout=layout)
+                             layout=layout, strategy=case.strategy if group is not None
+                             else "auto")
 
 
 def _max_error(got: Tensor, want: Tensor) -> Tuple[float, float]:
@@ -184,17 +212,22 @@ def _max_error(got: Tensor, want: Tensor) -> Tuple[float, float]:
 def run_case(case: Case, group, config: VerifyConfig, device: str, seed: int) -> Dict[str, float]:
     """This rank's largest error (relative to the tolerance's scale) for one case."""
     dtype = getattr(torch, config.dtype)
-    p, rank = comm.group_size(group), comm.group_rank(group)
+    p = comm.group_size(group)
+    if case.mesh:
+        # every rank builds the mesh (new groups); rank (u, s) holds piece s * U + u
+        group = comm.init_device_mesh(mesh_shape(p), device_type=device)
+    rank = comm.group_rank(group)
     lengths = case.lengths(p)
     n = sum(lengths)
+    heads, kv_heads = case.head_counts(p)
     gen = torch.Generator().manual_seed(seed)
 
     def full(heads: int) -> Tensor:  # (b, N, heads, d)
         return torch.randn(2, n, heads, case.head_dim, generator=gen).to(device, dtype)
 
-    q, k, v, dout = full(case.heads), full(case.kv_heads), full(case.kv_heads), full(case.heads)
+    q, k, v, dout = full(heads), full(kv_heads), full(kv_heads), full(heads)
     # (b, h, N): an lse gradient too, so the lse path of the backward is checked
-    dlse = torch.randn(2, case.heads, n, generator=gen).to(device, torch.float64 if
+    dlse = torch.randn(2, heads, n, generator=gen).to(device, torch.float64 if
                                                           dtype == torch.float64 else
                                                           torch.float32)
     mask = (torch.rand(2, n, generator=gen) < 0.3).to(device) if case.masked else None
