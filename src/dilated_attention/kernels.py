@@ -112,13 +112,20 @@ _NEEDS = {
 
 def select_backend(
     device: torch.device, dtype: torch.dtype, *, dropout_p: float = 0.0, backend: str = "auto",
-    masked: bool = False,
+    masked: bool = False, differentiable: bool = False,
 ) -> str:
     """Pick the fastest kernel that supports `device`, `dtype`, dropout and key masks.
 
     A kernel named by `backend` is checked here, before any launch, so that a
     call it cannot run is a ValueError saying what it needs (inside the
     cross-rank agreement: on every rank), not an error from deep inside aten.
+
+    differentiable: the caller's own computation will be differentiated (a
+    backward run under ``create_graph=True``, for double backward). Only the
+    pure-PyTorch kernel is built from ops autograd can differentiate; the
+    fused kernels' backward ops have no derivative. Any kernel's backward
+    computes the same gradients from the final out and lse, so the blockwise
+    kernel stands in for whichever kernel ran the forward.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -140,6 +147,8 @@ def select_backend(
             f"backend {backend!r} needs {'; '.join(unmet)}; backend='auto' picks a kernel "
             f"that runs here, backend='blockwise' runs on any device and dtype"
         )
+    if differentiable:
+        return "blockwise"
     if backend != "auto":
         return backend
     if dropout_p > 0.0:
@@ -289,8 +298,11 @@ def attention_backward(
     ``key_mask`` as for `attention_forward`.
     """
     causal, scale, dropout_p, seed = opts.causal, opts.scale, opts.dropout_p, opts.seed
+    # grad mode is on inside a backward only under create_graph=True (double backward)
+    recorded = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (dout, q, k, v, out, lse, dlse))
     backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=opts.backend,
-                             masked=key_mask is not None)
+                             masked=key_mask is not None, differentiable=recorded)
     dout, q, k, v, out = _unit_last_stride(dout, q, k, v, out)
     if key_mask is not None:
         # a query that sees no key anywhere (lse -inf) has probabilities exp(s - inf) = 0

@@ -192,3 +192,23 @@ def check_key_padding_mask(mask, q: Tensor) -> Optional[Tensor]:
     if mask.device != q.device:
         raise ValueError(f"key_padding_mask must be on q's device {q.device}, got {mask.device}")
     return mask
+
+
+def check_first_order(what: str) -> None:
+    """In the backward of an op whose gradients cross ranks: refuse create_graph=True.
+
+    Grad mode is on inside a backward only when the caller asked for a graph
+    of it (``create_graph=True``: double backward, gradient penalties,
+    Hessian-vector products). The tensors a sequence-parallel backward
+    receives from other ranks carry no autograd graph, so a second
+    derivative would silently miss every term that crossed ranks (2 ranks,
+    ring, fp64: off by 10^3). Every rank calling backward the same way
+    raises here, before its first collective; none waits.
+    """
+    if torch.is_grad_enabled():
+        raise ValueError(
+            f"{what} has first-order gradients only: backward with create_graph=True (double "
+            f"backward) would lose the terms exchanged between ranks. Double backward is "
+            f"supported on one device (group=None or a group of one rank): dilated_attention "
+            f"and ring_attention, any backend (the recorded backward runs the blockwise kernel)"
+        )
