@@ -287,3 +287,65 @@ def test_inputs_are_checked_once_per_call() -> None:
             fn().sum().backward()
         assert spy.call_count == 1, (name, spy.call_count)
 
+
+# ---------------------------------------------------------------- across ranks
+
+
+def _outcome(fn) -> str:
+    """'ok', or the error's type and message."""
+    try:
+        fn()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def _errors_across_ranks(group) -> dict:
+    """Each case's outcome on this rank (rank 1 is the odd one where ranks differ)."""
+    from dilated_attention.distributed import comm
+
+    rank = comm.group_rank(group)
+    q, k, v = qkv(b=1, n=6)
+    results = {
+        # a kernel this rank cannot run: an error on every rank, not a hang
+        "cuda_backend": _outcome(lambda: call(q, k, v, group=group,
+                                              backend="cuda_flash" if rank == 1 else "auto")),
+        # ranks disagree on an argument from which the kernel is derived
+        "dropout_p": _outcome(lambda: call(q, k, v, group=group,
+                                           dropout_p=0.1 if rank == 1 else 0.0)),
+        "is_causal": _outcome(lambda: call(q, k, v, group=group, is_causal=rank == 1)),
+    }
+    # double backward: refused on every rank, before the backward's first collective
+    for name, attend in (
+        ("double_backward_dilated",
+         lambda q, k, v: dilated_attention(q, k, v, [4, 8], [1, 2], group=group,
+                                           is_causal=True)),
+        ("double_backward_ring",
+         lambda q, k, v: ring_attention(q, k, v, group=group, is_causal=True)),
+    ):
+        leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+
+        def twice():
+            out = attend(*leaves)
+            torch.autograd.grad(out.square().sum(), leaves, create_graph=True)
+
+        results[name] = _outcome(twice)
+    return results
+
+
+@pytest.mark.distributed
+def test_errors_reach_every_rank_and_name_the_argument() -> None:
+    from dist_harness import run_distributed
+
+    results = run_distributed(_errors_across_ranks, 2, timeout=120, pg_timeout=60.0)
+    own, other = results[1]["cuda_backend"], results[0]["cuda_backend"]
+    assert re.search(names("ValueError", "'cuda_flash'", "CUDA", "got cpu"), own), own
+    assert re.search(names("ValueError", "rank 1", "'cuda_flash'", "CUDA"), other), other
+    for rank in (0, 1):
+        for arg in ("dropout_p", "is_causal"):
+            message = results[rank][arg]
+            assert re.search(names("ValueError", "disagree", f"'{arg}'"), message), message
+        for path in ("dilated", "ring"):
+            message = results[rank][f"double_backward_{path}"]
+            assert re.search(names("ValueError", "create_graph=True", "double backward",
+                                   "one device"), message), message
