@@ -92,8 +92,9 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, allow_empty: bool = False) -> 
             f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}"
         )
     for dim, what in ((0, "batch"), (1, "seq_len"), (3, "head_dim")):
-        sizes = (q.shape[dim], k.shape[dim], v.shape[dim])
-        if len(set(sizes)) != 1:
+        # compared, not put in a set: hashing a size that torch.compile traces as dynamic
+        # specialises it to its value (one graph per sequence length)
+        if not q.shape[dim] == k.shape[dim] == v.shape[dim]:
             raise ValueError(
                 f"q, k, v must share {what} (dim {dim}), got q {tuple(q.shape)}, "
                 f"k {tuple(k.shape)}, v {tuple(v.shape)}"
