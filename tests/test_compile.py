@@ -1,9 +1,11 @@
 """The single-device op under torch.compile: one graph, no breaks, same results."""
 
+import warnings
+
 import pytest
 import torch
 
-from dilated_attention import dilated_attention, recommended_dtype
+from dilated_attention import MultiheadDilatedAttention, dilated_attention, recommended_dtype
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -34,3 +36,68 @@ def test_fullgraph_compile_matches_eager(causal: bool) -> None:
 def test_recommended_dtype_off_cuda_is_float32() -> None:
     assert recommended_dtype("cpu") == torch.float32
     assert recommended_dtype(torch.device("meta")) == torch.float32
+
+
+def _compiled_runs(fn, calls, backend="aot_eager"):
+    """Compile `fn` once (fullgraph) and run it on each call's args (inputs whose dim 1 is
+    marked dynamic), forward and backward; return (compiled results, warnings raised).
+
+    The first call compiles; every later one must reuse its graph: a recompile is an error.
+    aot_eager traces the backward too (AOTAutograd), as inductor does, without generating
+    code.
+    """
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    results = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for i, (args, kwargs) in enumerate(calls):
+            for x in args:
+                if isinstance(x, torch.Tensor):
+                    torch._dynamo.mark_dynamic(x, 1)
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                out = compiled(*args, **kwargs)
+            leaves = [x for x in args if isinstance(x, torch.Tensor) and x.requires_grad]
+            results.append((out, torch.autograd.grad(out[0].square().sum(), leaves)))
+    return results, [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})"
+                     for w in seen]
+
+
+def test_dynamic_sequence_length_compiles_once() -> None:
+    """mark_dynamic on the sequence length: one graph serves every length (no
+    ConstraintViolationError, no recompile), equal to eager, and no warning while compiling."""
+    torch.manual_seed(0)
+
+    def attend(q, k, v, mask):
+        return dilated_attention(q, k, v, [64, 128], [1, 4], is_causal=True, return_lse=True,
+                                 key_padding_mask=mask)
+
+    calls = []
+    for n in (300, 301, 517):
+        # (b, n, h, d) with GQA; the mask ignores the last 5 keys of row 1
+        q = torch.randn(2, n, 6, 16, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(2, n, 2, 16, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(2, n, 2, 16, dtype=torch.float64, requires_grad=True)
+        mask = torch.zeros(2, n, dtype=torch.bool)
+        mask[1, -5:] = True
+        calls.append(((q, k, v, mask), {}))
+    results, seen = _compiled_runs(attend, calls)
+    assert seen == []
+    for (args, _), ((out, lse), grads) in zip(calls, results):
+        want_out, want_lse = attend(*args)
+        torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+        torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+        want = torch.autograd.grad(want_out.square().sum(), args[:3])
+        for got, w in zip(grads, want):
+            torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
+
+
+def test_module_with_dynamic_length_compiles_once() -> None:
+    """MultiheadDilatedAttention as bench_compile.py compiles it: one graph for all lengths."""
+    torch.manual_seed(0)
+    attn = MultiheadDilatedAttention(32, 4, [64, 128], [1, 2], num_kv_heads=2)
+    xs = [torch.randn(1, n, 32, requires_grad=True) for n in (200, 333)]
+    results, seen = _compiled_runs(attn, [((x, x, x), {"is_causal": True}) for x in xs])
+    assert seen == []
+    for x, ((out, _), _) in zip(xs, results):
+        torch.testing.assert_close(out, attn(x, x, x, is_causal=True)[0])

@@ -376,3 +376,75 @@ def test_noncontiguous_inputs(backend: str) -> None:
     t_out, t_lse = run_op(cfg, *transposed, backend)
     assert_close(t_out, ref_out.detach(), rtol=1e-12, atol=1e-12)
     assert_close(t_lse, ref_lse.detach(), rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------
+# double backward (create_graph=True)
+
+
+def _second_order(attend, inputs, dout, dlse, weights):
+    """First gradients of <out, dout> + <lse, dlse> with their graph, and the gradient of
+    <first gradients, weights> (a Hessian-vector product) w.r.t. the inputs."""
+    out, lse = attend(*inputs)
+    first = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), inputs,
+                                create_graph=True)
+    second = torch.autograd.grad(sum((g * w).sum() for g, w in zip(first, weights)), inputs)
+    return [g.detach() for g in first], second
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_double_backward_matches_reference(backend: str, causal: bool) -> None:
+    """create_graph=True on one device, any backend: first gradients carry a graph and its
+    derivative equals the fp64 reference's (GQA, documents, a padding mask, out and lse)."""
+    cfg = Config(2, 13, 4, 2, 5, (4, 8), (1, 2), causal, 0.7, 81)
+    q, k, v, dout, dlse = make_inputs(cfg, torch.float64)
+    mask = torch.zeros(cfg.b, cfg.n, dtype=torch.bool)
+    mask[1, 10:] = True
+    docs = [0, 5, 13]
+    gen = torch.Generator().manual_seed(3)
+    weights = [torch.randn(x.shape, generator=gen, dtype=torch.float64) for x in (q, k, v)]
+
+    def attend(q, k, v):
+        return run_op(cfg, q, k, v, backend, cu_seqlens=docs, key_padding_mask=mask)
+
+    def reference(q, k, v):
+        return reference_dilated_attention(q, k, v, cfg.segment_lengths, cfg.dilation_rates,
+                                           causal=causal, scale=cfg.scale, cu_seqlens=docs,
+                                           key_padding_mask=mask)
+
+    got = _second_order(attend, (q, k, v), dout, dlse, weights)
+    ref_inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    want = _second_order(reference, ref_inputs, dout, dlse, weights)
+    for order, g_list, w_list in zip(("first", "second"), got, want):
+        for name, g, w in zip("qkv", g_list, w_list):
+            close(g, w, torch.float64, f"{order} d{name}")
+
+
+def test_double_backward_gradgradcheck() -> None:
+    """torch's own finite-difference check of the second derivative (fp64, auto backend)."""
+    cfg = Config(1, 6, 2, 1, 2, (3, 6), (1, 2), True, None, 82)
+    q, k, v, _, _ = make_inputs(cfg, torch.float64)
+    assert torch.autograd.gradgradcheck(lambda q, k, v: run_op(cfg, q, k, v, "auto"), (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_double_backward_on_one_process(causal: bool) -> None:
+    """ring_attention without a group (one kernel call, CPU flash by default) differentiates
+    twice too: its recorded backward runs the blockwise kernel."""
+    from dilated_attention import ring_attention
+    from reference import reference_attention
+
+    cfg = Config(1, 9, 4, 2, 3, (9,), (1,), causal, None, 83)
+    q, k, v, dout, dlse = make_inputs(cfg, torch.float64)
+    gen = torch.Generator().manual_seed(4)
+    weights = [torch.randn(x.shape, generator=gen, dtype=torch.float64) for x in (q, k, v)]
+    got = _second_order(lambda q, k, v: ring_attention(q, k, v, is_causal=causal,
+                                                       return_lse=True),
+                        (q, k, v), dout, dlse, weights)
+    ref_inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    want = _second_order(lambda q, k, v: reference_attention(q, k, v, causal=causal),
+                         ref_inputs, dout, dlse, weights)
+    for order, g_list, w_list in zip(("first", "second"), got, want):
+        for name, g, w in zip("qkv", g_list, w_list):
+            close(g, w, torch.float64, f"{order} d{name}")

@@ -3,13 +3,14 @@ names the argument and the offending value."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 
 import pytest
 import torch
 
-from dilated_attention import dilated_attention
+from dilated_attention import dilated_attention, ring_attention
 
 
 def names(*parts: str) -> str:
@@ -225,6 +226,46 @@ def test_backend_without_dropout_support(backend: str) -> None:
         call(backend=backend, dropout_p=0.1)
 
 
+# what each kernel named by `backend` needs, on CPU float32 tensors
+CUDA_ONLY = {
+    "cuda_flash": ("CUDA", "got cpu", "float16 or bfloat16", "got torch.float32"),
+    "cuda_cudnn": ("CUDA", "got cpu", "float16 or bfloat16", "got torch.float32"),
+    "cuda_efficient": ("CUDA", "got cpu"),
+    "flash_attn": ("CUDA", "got cpu", "float16 or bfloat16", "got torch.float32"),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(CUDA_ONLY))
+def test_backend_needs_what_it_needs(backend: str) -> None:
+    """A CUDA kernel on CPU tensors says what it needs, not a raw aten/import error."""
+    expected = names("backend", repr(backend), *CUDA_ONLY[backend])
+    with pytest.raises(ValueError, match=expected):
+        call(backend=backend)
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=expected):
+        ring_attention(q, k, v, backend=backend)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None,
+                    reason="flash-attn is installed")
+def test_flash_attn_backend_names_the_missing_package() -> None:
+    with pytest.raises(ValueError, match=names("'flash_attn'", "flash-attn", "installed")):
+        call(backend="flash_attn")
+
+
+def test_cuda_efficient_names_the_dtype() -> None:
+    q, k, v = qkv(dtype=torch.float64)
+    with pytest.raises(ValueError, match=names("'cuda_efficient'", "float32", "torch.float64")):
+        call(q, k, v, backend="cuda_efficient")
+
+
+def test_named_kernels_run_on_meta_tensors() -> None:
+    """Meta tensors (shape-only runs) stand in for any device: the CPU kernels take them."""
+    q, k, v = (x.to("meta") for x in qkv())
+    assert call(q, k, v, backend="cpu_flash").device.type == "meta"
+    assert call(q, k, v, backend="blockwise").device.type == "meta"
+
+
 def test_inputs_are_checked_once_per_call() -> None:
     """One validation pass per call: the op, the ring, the modules, forward and backward."""
     from unittest import mock
@@ -245,3 +286,66 @@ def test_inputs_are_checked_once_per_call() -> None:
         with mock.patch.object(validation, "check_qkv", wraps=validation.check_qkv) as spy:
             fn().sum().backward()
         assert spy.call_count == 1, (name, spy.call_count)
+
+
+# ---------------------------------------------------------------- across ranks
+
+
+def _outcome(fn) -> str:
+    """'ok', or the error's type and message."""
+    try:
+        fn()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def _errors_across_ranks(group) -> dict:
+    """Each case's outcome on this rank (rank 1 is the odd one where ranks differ)."""
+    from dilated_attention.distributed import comm
+
+    rank = comm.group_rank(group)
+    q, k, v = qkv(b=1, n=6)
+    results = {
+        # a kernel this rank cannot run: an error on every rank, not a hang
+        "cuda_backend": _outcome(lambda: call(q, k, v, group=group,
+                                              backend="cuda_flash" if rank == 1 else "auto")),
+        # ranks disagree on an argument from which the kernel is derived
+        "dropout_p": _outcome(lambda: call(q, k, v, group=group,
+                                           dropout_p=0.1 if rank == 1 else 0.0)),
+        "is_causal": _outcome(lambda: call(q, k, v, group=group, is_causal=rank == 1)),
+    }
+    # double backward: refused on every rank, before the backward's first collective
+    for name, attend in (
+        ("double_backward_dilated",
+         lambda q, k, v: dilated_attention(q, k, v, [4, 8], [1, 2], group=group,
+                                           is_causal=True)),
+        ("double_backward_ring",
+         lambda q, k, v: ring_attention(q, k, v, group=group, is_causal=True)),
+    ):
+        leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+
+        def twice():
+            out = attend(*leaves)
+            torch.autograd.grad(out.square().sum(), leaves, create_graph=True)
+
+        results[name] = _outcome(twice)
+    return results
+
+
+@pytest.mark.distributed
+def test_errors_reach_every_rank_and_name_the_argument() -> None:
+    from dist_harness import run_distributed
+
+    results = run_distributed(_errors_across_ranks, 2, timeout=120, pg_timeout=60.0)
+    own, other = results[1]["cuda_backend"], results[0]["cuda_backend"]
+    assert re.search(names("ValueError", "'cuda_flash'", "CUDA", "got cpu"), own), own
+    assert re.search(names("ValueError", "rank 1", "'cuda_flash'", "CUDA"), other), other
+    for rank in (0, 1):
+        for arg in ("dropout_p", "is_causal"):
+            message = results[rank][arg]
+            assert re.search(names("ValueError", "disagree", f"'{arg}'"), message), message
+        for path in ("dilated", "ring"):
+            message = results[rank][f"double_backward_{path}"]
+            assert re.search(names("ValueError", "create_graph=True", "double backward",
+                                   "one device"), message), message

@@ -142,7 +142,14 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, *ctx.args)
+    if torch.is_grad_enabled():
+        # create_graph=True (double backward): the backward op has no derivative, so run
+        # its Python code, which autograd records (its launches then use the blockwise
+        # kernel, built from differentiable ops; kernels.select_backend). out and lse keep
+        # their own graph through this op, so the second derivative is exact.
+        dq, dk, dv = backward_flat(dout, q, k, v, out, lse, dlse, *ctx.args)
+    else:
+        dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, *ctx.args)
     return (dq, dk, dv) + (None,) * len(ctx.args)
 
 

@@ -242,13 +242,16 @@ def dilated_attention(
             **tensors,
             "segment_lengths": segs,
             "dilation_rates": rates,
-            "causal": check.check_bool("is_causal", is_causal),
+            # keys named as the arguments: a rank mismatch names what the user passed
+            "is_causal": check.check_bool("is_causal", is_causal),
             "return_lse": check.check_bool("return_lse", return_lse),
             "scale": check.check_scale(scale, q.shape[-1]),
             "dropout_p": p,
             "cu_seqlens": check.check_cu_seqlens(cu_seqlens),
             "layout": check_layout(layout),
             "strategy": strategies.check_strategy(strategy),
+            # derived from the arguments above (the comm check names the first key that
+            # differs, in this order): the kernel, this rank's dropout seed
             "backend": select_backend(q.device, q.dtype, dropout_p=p, backend=backend,
                                       masked=tensors["key_padding_mask"]),
             "seed": dropout_seed(p),
@@ -260,10 +263,10 @@ def dilated_attention(
     check_piece_lengths(lengths, layout)
     documents = _documents(call["cu_seqlens"], sum(lengths))
     patterns = (call["segment_lengths"], call["dilation_rates"])
-    opts = KernelOptions(call["causal"], call["scale"], call["backend"], call["dropout_p"],
+    opts = KernelOptions(call["is_causal"], call["scale"], call["backend"], call["dropout_p"],
                          call["seed"])
     route = _Route.of(call["strategy"], group, layout,
-                      _shape(call, lengths, patterns, call["causal"], documents))
+                      _shape(call, lengths, patterns, call["is_causal"], documents))
     if comm.group_rank(group) == 0:
         _warn_unread(sum(lengths), patterns, call["heads"], documents)
 

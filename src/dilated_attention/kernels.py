@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -68,11 +68,65 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+@dataclasses.dataclass(frozen=True)
+class _Needs:
+    """What a kernel chosen by name needs to run (checked before any launch)."""
+
+    devices: Tuple[str, ...]
+    dtypes: Tuple[torch.dtype, ...]
+    capability: Optional[Tuple[int, int]] = None  # minimum CUDA compute capability
+    package: Optional[str] = None  # an optional dependency, by its pip name
+
+    def unmet(self, device: torch.device, dtype: torch.dtype) -> List[str]:
+        """Each requirement `device` and `dtype` miss, in words (empty when all are met)."""
+        unmet = []
+        if device.type not in self.devices:
+            unmet.append(f"a {_DEVICE_NAMES[self.devices[0]]} device (got {device.type})")
+        if dtype not in self.dtypes:
+            names = " or ".join(str(t).replace("torch.", "") for t in self.dtypes)
+            unmet.append(f"{names} (got {dtype})")
+        if self.capability is not None and device.type == "cuda":
+            have = torch.cuda.get_device_capability(device)
+            if have < self.capability:
+                unmet.append(f"a GPU of compute capability {self.capability[0]}."
+                             f"{self.capability[1]} or newer (got {have[0]}.{have[1]})")
+        if self.package is not None and not _INSTALLED[self.package]:
+            unmet.append(f"the {self.package} package installed (pip install {self.package}; "
+                         f"not found)")
+        return unmet
+
+
+_HALF = (torch.float16, torch.bfloat16)
+_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_DEVICE_NAMES = {"cpu": "CPU", "cuda": "CUDA"}
+_INSTALLED = {"flash-attn": _HAS_FLASH_ATTN}
+# meta tensors (shape-only runs: estimate --dry-run) stand in for any device
+_NEEDS = {
+    "cpu_flash": _Needs(("cpu", "meta"), _FLOATS),
+    "cuda_cudnn": _Needs(("cuda", "meta"), _HALF, capability=(9, 0)),
+    "cuda_flash": _Needs(("cuda", "meta"), _HALF, capability=(8, 0)),
+    "cuda_efficient": _Needs(("cuda", "meta"), _HALF + (torch.float32,)),
+    "flash_attn": _Needs(("cuda",), _HALF, capability=(8, 0), package="flash-attn"),
+}
+
+
 def select_backend(
     device: torch.device, dtype: torch.dtype, *, dropout_p: float = 0.0, backend: str = "auto",
-    masked: bool = False,
+    masked: bool = False, differentiable: bool = False,
 ) -> str:
-    """Pick the fastest kernel that supports `device`, `dtype`, dropout and key masks."""
+    """Pick the fastest kernel that supports `device`, `dtype`, dropout and key masks.
+
+    A kernel named by `backend` is checked here, before any launch, so that a
+    call it cannot run is a ValueError saying what it needs (inside the
+    cross-rank agreement: on every rank), not an error from deep inside aten.
+
+    differentiable: the caller's own computation will be differentiated (a
+    backward run under ``create_graph=True``, for double backward). Only the
+    pure-PyTorch kernel is built from ops autograd can differentiate; the
+    fused kernels' backward ops have no derivative. Any kernel's backward
+    computes the same gradients from the final out and lse, so the blockwise
+    kernel stands in for whichever kernel ran the forward.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if dropout_p > 0.0 and backend not in ("auto", "blockwise"):
@@ -86,6 +140,15 @@ def select_backend(
             f"backend {backend!r} does not take a key padding mask; use one of "
             f"{MASKED_BACKENDS}"
         )
+    needs = _NEEDS.get(backend)
+    unmet = [] if needs is None else needs.unmet(torch.device(device), dtype)
+    if unmet:
+        raise ValueError(
+            f"backend {backend!r} needs {'; '.join(unmet)}; backend='auto' picks a kernel "
+            f"that runs here, backend='blockwise' runs on any device and dtype"
+        )
+    if differentiable:
+        return "blockwise"
     if backend != "auto":
         return backend
     if dropout_p > 0.0:
@@ -104,7 +167,7 @@ def select_backend(
             if capability >= (9, 0):
                 # cuDNN's kernel: measured on an H100 (bf16, d 64) 1.4x the flash op's speed
                 return "cuda_cudnn"
-            if _HAS_FLASH_ATTN:
+            if _HAS_FLASH_ATTN and capability >= (8, 0):
                 return "flash_attn"
             if capability >= (8, 0):
                 return "cuda_flash"
@@ -235,8 +298,11 @@ def attention_backward(
     ``key_mask`` as for `attention_forward`.
     """
     causal, scale, dropout_p, seed = opts.causal, opts.scale, opts.dropout_p, opts.seed
+    # grad mode is on inside a backward only under create_graph=True (double backward)
+    recorded = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (dout, q, k, v, out, lse, dlse))
     backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=opts.backend,
-                             masked=key_mask is not None)
+                             masked=key_mask is not None, differentiable=recorded)
     dout, q, k, v, out = _unit_last_stride(dout, q, k, v, out)
     if key_mask is not None:
         # a query that sees no key anywhere (lse -inf) has probabilities exp(s - inf) = 0

@@ -92,8 +92,9 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, allow_empty: bool = False) -> 
             f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}"
         )
     for dim, what in ((0, "batch"), (1, "seq_len"), (3, "head_dim")):
-        sizes = (q.shape[dim], k.shape[dim], v.shape[dim])
-        if len(set(sizes)) != 1:
+        # compared, not put in a set: hashing a size that torch.compile traces as dynamic
+        # specialises it to its value (one graph per sequence length)
+        if not q.shape[dim] == k.shape[dim] == v.shape[dim]:
             raise ValueError(
                 f"q, k, v must share {what} (dim {dim}), got q {tuple(q.shape)}, "
                 f"k {tuple(k.shape)}, v {tuple(v.shape)}"
@@ -192,3 +193,23 @@ def check_key_padding_mask(mask, q: Tensor) -> Optional[Tensor]:
     if mask.device != q.device:
         raise ValueError(f"key_padding_mask must be on q's device {q.device}, got {mask.device}")
     return mask
+
+
+def check_first_order(what: str) -> None:
+    """In the backward of an op whose gradients cross ranks: refuse create_graph=True.
+
+    Grad mode is on inside a backward only when the caller asked for a graph
+    of it (``create_graph=True``: double backward, gradient penalties,
+    Hessian-vector products). The tensors a sequence-parallel backward
+    receives from other ranks carry no autograd graph, so a second
+    derivative would silently miss every term that crossed ranks (2 ranks,
+    ring, fp64: off by 10^3). Every rank calling backward the same way
+    raises here, before its first collective; none waits.
+    """
+    if torch.is_grad_enabled():
+        raise ValueError(
+            f"{what} has first-order gradients only: backward with create_graph=True (double "
+            f"backward) would lose the terms exchanged between ranks. Double backward is "
+            f"supported on one device (group=None or a group of one rank): dilated_attention "
+            f"and ring_attention, any backend (the recorded backward runs the blockwise kernel)"
+        )

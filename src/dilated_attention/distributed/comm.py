@@ -294,8 +294,9 @@ def agree(
     values: ints, floats, strings, tuples, dtypes). Keys in `per_rank` may
     differ between ranks (e.g. this rank's sequence length) and arrive in
     the returned list, indexed by group rank; every other key must be equal
-    on all ranks, else every rank raises ``ValueError`` naming the key and
-    each rank's value.
+    on all ranks, else every rank raises ``ValueError`` naming the first
+    differing key in the dict's order (put the user's arguments before
+    values derived from them) and each rank's value.
 
     A rank must reach this collective even when its own input is bad, or
     the others would wait for it until the group's timeout. So pass
@@ -398,8 +399,15 @@ def _all_gather_bytes(data: bytes, group: ProcessGroup) -> List[Any]:
 
 
 def _check_equal(configs: List[Dict[str, Any]], exempt: set) -> None:
-    keys = set().union(*configs) - exempt
-    for key in sorted(keys):
+    """Name the first key, in the configs' own order, on which ranks differ.
+
+    Callers list what the user passed before what they derive from it (a
+    kernel chosen from the dtype and dropout_p, say), so a difference in an
+    argument is reported as that argument, not as a value derived from it.
+    """
+    # rank 0's order, then keys only other ranks have
+    keys = [key for key in dict.fromkeys(k for c in configs for k in c) if key not in exempt]
+    for key in keys:
         values = [c.get(key, "<missing>") for c in configs]
         if any(not _same(values[0], v) for v in values[1:]):
             listing = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))

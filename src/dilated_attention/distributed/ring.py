@@ -57,6 +57,7 @@ from torch import Tensor
 from ..kernels import KernelOptions, attention_backward, attention_forward, lse_dtype
 from ..kernels import save_for_backward, saved_for_backward
 from ..merge import empty_accumulators, merge_
+from ..validation import check_first_order
 from . import comm
 
 _ALL = slice(None)
@@ -228,6 +229,8 @@ class RingAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         dout, q, k, v, out, lse = saved_for_backward(ctx, dout)
         opts, group, layout, lengths = ctx.args
+        if comm.is_distributed(group):
+            check_first_order("ring_attention with a group of several ranks")
         dq, dk, dv = ring_backward(group, dout, q, k, v, out, lse, opts, layout=layout,
                                    lengths=lengths, dlse=dlse)
         return dq, dk, dv, None, None, None, None

@@ -42,6 +42,7 @@ from .. import launches
 from ..kernels import KernelOptions, lse_dtype, save_for_backward, saved_for_backward
 from ..patterns import Heads, Patterns, Segments, gather
 from ..plan import Documents, Layout, Plan, Transfer, make_plan
+from ..validation import check_first_order
 from . import comm
 
 # Dropout seeds of different ranks' launches must differ (their launch ids
@@ -154,6 +155,7 @@ class SequenceParallelDilatedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        check_first_order("sequence-parallel dilated attention")
         dout, q, k, v, out, lse = saved_for_backward(ctx, dout)
         plan, opts, group, key_mask = ctx.args
         dq, dk, dv = sp_backward(dout, q, k, v, out, lse, plan, opts, group, dlse, key_mask)

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..patterns import Heads
+from ..validation import check_first_order
 from . import comm
 
 
@@ -121,6 +122,7 @@ class _RowsToHeads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         heads, lengths, group, total = ctx.args
+        check_first_order("Ulysses (head-parallel) attention")
         return _heads_to_rows(grad, heads, lengths, group, total), None, None, None
 
 
@@ -135,6 +137,7 @@ class _HeadsToRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         heads, lengths, group = ctx.args
+        check_first_order("Ulysses (head-parallel) attention")
         return _rows_to_heads(grad, heads, lengths, group), None, None, None, None
 
 
