@@ -11,6 +11,9 @@ sequence group used to halve every gradient, silently).
 from __future__ import annotations
 
 import functools
+import importlib
+import pathlib
+import sys
 from typing import Dict, List, Optional
 
 import pytest
@@ -165,12 +168,28 @@ def _mesh_cases(group):
     return out
 
 
+def _example():
+    """examples/train_long_context.py as a module (its folder on sys.path, as for a script)."""
+    folder = str(pathlib.Path(__file__).resolve().parents[1] / "examples")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module("train_long_context")
+
+
+EXAMPLE_ARGS = ["--seq-len", "64", "--key-len", "4", "--batch-size", "4", "--steps", "3",
+                "--dtype", "float64", "--eval-batches", "1"]
+
+
 def _rank_main(group):
     out = {}
     for world in SEQUENCE_WORLDS:
         sub = comm.new_group(range(world))  # every rank calls; None outside
         out[world] = _sequence_cases(sub) if sub is not None else None
     out["mesh"] = _mesh_cases(group)
+    # examples/train_long_context.py --mesh 2x2: what its spawned ranks run
+    example = _example()
+    out["example"] = example._train_rank(group, example.parse_args(EXAMPLE_ARGS + ["--mesh",
+                                                                                 "2x2"]))
     return out
 
 
@@ -228,3 +247,15 @@ def test_data_x_sequence_mistakes_raise_on_every_rank():
         msg = mesh["fully_shard flattened + all_reduce_gradients"]
         assert msg is not None and "sharded (FSDP2) over ranks of process_group" in msg
 
+
+@pytest.mark.distributed
+def test_example_mesh_2x2_equals_one_process():
+    """examples/train_long_context.py --mesh 2x2 (FSDP2 over dp, sequence over sp) trains
+    like one process on the whole batch: losses and recall accuracy."""
+    example = _example()
+    single = example.train(example.parse_args(EXAMPLE_ARGS))
+    for result in _spawn():
+        got = result["example"]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(single["losses"]),
+                                   rtol=0, atol=1e-12)
+        assert got["accuracy"] == single["accuracy"]
