@@ -20,7 +20,8 @@ With --world-size P every rank registers the backend with the process group,
 feeds its own contiguous slice of each sequence with the GLOBAL position_ids
 (``shard_inputs``), computes the token-weighted loss over all ranks
 (``causal_lm_loss``; ranks without a query position have no target) and
-sums the gradients (``all_reduce_gradients``). With --packed K the
+averages the gradients (``all_reduce_gradients``: each rank's backward
+yields P times its own tokens' part, Note [gradients across ranks]). With --packed K the
 documents' position_ids restart at 0, which makes them independent
 sequences (``shard_inputs`` passes their boundaries as cu_seq_lens_q/k).
 """
@@ -110,6 +111,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.check_unpacked:
         sys.exit("finetune_hf.py: --check-unpacked is train_long_context.py's; "
                  "tests/test_hf.py checks packed documents against documents alone")
+    if args.mesh:
+        sys.exit("finetune_hf.py: --mesh is train_long_context.py's (docs/guide.md shows "
+                 "DDP and FSDP2 with a transformers model)")
     chance = 1.0 / args.keys
     documents = max(args.packed, 1)
     print(f"task: {documents} document(s) per sequence, each recalls the key written at its "

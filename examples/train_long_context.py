@@ -13,6 +13,7 @@ information across the whole sequence.
     python examples/train_long_context.py                 # one process
     python examples/train_long_context.py --world-size 2  # sequence split over 2 gloo ranks
     python examples/train_long_context.py --world-size 2 --compare  # and diff against 1 process
+    python examples/train_long_context.py --mesh 2x2 --compare  # data x sequence on 4 ranks
     python examples/train_long_context.py --packed 4 --check-unpacked  # 4 documents a sequence
 
 With --world-size P every rank holds a contiguous piece of every sequence;
@@ -22,6 +23,16 @@ the single-process one up to floating-point rounding: in float32 the losses
 first agree to ~1e-7 and then drift apart as training amplifies rounding
 differences (by up to ~0.1 around the loss's sharp drop); with --dtype
 float64 they agreed to 1e-14 over 120 steps.
+
+With --mesh DPxSP the DP * SP ranks form a device mesh ("dp", "sp"): the
+model is sequence-parallel over mesh["sp"] (its process_group) and
+fully_shard (FSDP2) shards it over mesh["dp"], each block and then the
+model; data-parallel replica d trains on its own rows of every batch
+(--batch-size / DP of them). FSDP2 averages the gradients over "dp" and
+all_reduce_gradients averages them over "sp" (Note [gradients across ranks]
+in dilated_attention/distributed/sharding.py); the reported loss is the
+replicas' mean, which is the whole batch's (every row has as many targets),
+so --compare again checks against one process training on the whole batch.
 """
 
 from __future__ import annotations
@@ -56,8 +67,12 @@ def parse_args(argv: Optional[List[str]] = None,
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--world-size", type=int, default=1,
                    help="gloo ranks to split the sequence over")
+    p.add_argument("--mesh", type=_mesh_shape, default=None, metavar="DPxSP",
+                   help="DP * SP ranks: FSDP2 over DP data-parallel replicas, each sequence "
+                        "split over SP ranks (e.g. 2x2)")
     p.add_argument("--compare", action="store_true",
-                   help="with --world-size > 1: also train on one process, compare the losses")
+                   help="with --world-size > 1 or --mesh: also train on one process, compare "
+                        "the losses")
     p.add_argument("--packed", type=int, default=0, metavar="K",
                    help="pack K documents of random lengths into each sequence (each its own "
                         "recall task; attention stays inside each document)")
@@ -74,6 +89,17 @@ def parse_args(argv: Optional[List[str]] = None,
         p.error(f"--key-len must be in [1, seq-len), got {args.key_len}")
     if args.steps < 1 or args.batch_size < 1 or args.eval_batches < 1:
         p.error("--steps, --batch-size and --eval-batches must be positive")
+    if args.mesh is not None:
+        dp, sp = args.mesh
+        if args.world_size not in (1, dp * sp):
+            p.error(f"--world-size {args.world_size} and --mesh {dp}x{sp} disagree: the mesh "
+                    f"has {dp * sp} ranks (leave out --world-size)")
+        if args.batch_size % dp:
+            p.error(f"--batch-size {args.batch_size} must divide over the {dp} data-parallel "
+                    f"replicas of --mesh {dp}x{sp}")
+        if sp > args.seq_len:
+            p.error(f"--mesh {dp}x{sp}: {sp} sequence ranks exceed --seq-len {args.seq_len}")
+        args.world_size = dp * sp
     if args.world_size < 1 or args.world_size > args.seq_len:
         p.error(f"--world-size must be in [1, seq_len], got {args.world_size}")
     if args.packed < 0 or args.packed * (args.key_len + 2) > args.seq_len:
@@ -86,6 +112,15 @@ def parse_args(argv: Optional[List[str]] = None,
 
 VOCAB = 64
 QUERY = VOCAB - 1
+
+
+def _mesh_shape(text: str) -> Tuple[int, int]:
+    """"DPxSP" (e.g. "2x2") -> (DP, SP), both positive."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"expected DPxSP with positive integers, e.g. 2x2; "
+                                         f"got {text!r}")
+    return int(parts[0]), int(parts[1])
 
 
 def model_config() -> LongNetConfig:
@@ -134,21 +169,28 @@ def make_packed_batch(args: argparse.Namespace, step: int):
     return tokens, targets, cu
 
 
-def evaluate(model: LongNetLM, args: argparse.Namespace, group) -> float:
+def my_rows(x: torch.Tensor, group, dp=None) -> torch.Tensor:
+    """This rank's part of a whole (b, n) batch: its data-parallel replica's rows (`dp`, the
+    data-parallel group or None), and of those its piece of the sequence (`group`)."""
+    return shard_sequence(shard_sequence(x, dp, dim=0), group)
+
+
+def evaluate(model: LongNetLM, args: argparse.Namespace, group, dp=None) -> float:
     """Recall accuracy at the query positions on held-out batches."""
 
     def predict(batch: int) -> Tuple[torch.Tensor, torch.Tensor]:
         tokens, targets, cu = make_packed_batch(args, batch)
-        logits, _ = model(shard_sequence(tokens, group), cu_seqlens=cu)
-        return logits, shard_sequence(targets, group)
+        logits, _ = model(my_rows(tokens, group, dp), cu_seqlens=cu)
+        return logits, my_rows(targets, group, dp)
 
-    return accuracy(model, args, group, predict)
+    return accuracy(model, args, group, predict, dp)
 
 
 def accuracy(model: torch.nn.Module, args: argparse.Namespace, group,
-             predict: Callable[[int], Tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """The share of targets (over all ranks) that ``predict(batch)``'s logits get right, over
-    args.eval_batches held-out batches (negative batch numbers: never trained on)."""
+             predict: Callable[[int], Tuple[torch.Tensor, torch.Tensor]], dp=None) -> float:
+    """The share of targets (over all ranks of `group` and `dp`) that ``predict(batch)``'s
+    logits get right, over args.eval_batches held-out batches (negative batch numbers: never
+    trained on)."""
     correct = total = 0
     model.eval()
     with torch.no_grad():
@@ -159,7 +201,7 @@ def accuracy(model: torch.nn.Module, args: argparse.Namespace, group,
             total += int(asked.sum())
     model.train()
     counts = torch.tensor([correct, total], dtype=torch.float64)
-    comm.all_reduce_(counts, group)
+    comm.all_reduce_(comm.all_reduce_(counts, group), dp)
     return float(counts[0] / counts[1])
 
 
@@ -174,31 +216,43 @@ def _one_by_one(model: LongNetLM, tokens, targets, cu) -> torch.Tensor:
     return total / max(count, 1)
 
 
-def train(args: argparse.Namespace, group=None, unpacked: bool = False) -> Dict[str, object]:
+def train(args: argparse.Namespace, group=None, unpacked: bool = False,
+          mesh=None) -> Dict[str, object]:
     """Train on this process's piece of every sequence; returns the loss curve and accuracy.
 
     unpacked (with --packed): run each document of a sequence on its own instead.
+    mesh: a ("dp", "sp") device mesh whose "sp" group is `group`: FSDP2 over "dp", each
+    data-parallel replica training on its own rows of every batch.
     """
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # the same initial parameters on every rank
     dtype = getattr(torch, args.dtype)
     model = LongNetLM(model_config(), dtype=dtype, process_group=group)
+    dp = None
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        dp = mesh["dp"].get_group()
+        for block in model.layers:  # each block its own FSDP2 unit, then the rest
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
 
     def batch_loss(step: int) -> torch.Tensor:
         tokens, targets, cu = make_packed_batch(args, step)
         if unpacked:
             return _one_by_one(model, tokens, targets, cu)
-        _, loss = model(shard_sequence(tokens, group), shard_sequence(targets, group),
-                        cu_seqlens=cu)
+        _, loss = model(my_rows(tokens, group, dp), my_rows(targets, group, dp), cu_seqlens=cu)
         return loss
 
-    result = fit(model, args, group, batch_loss)
-    return {**result, "accuracy": evaluate(model, args, group)}
+    result = fit(model, args, group, batch_loss, dp)
+    return {**result, "accuracy": evaluate(model, args, group, dp)}
 
 
 def fit(model: torch.nn.Module, args: argparse.Namespace, group,
-        batch_loss: Callable[[int], torch.Tensor]) -> Dict[str, object]:
+        batch_loss: Callable[[int], torch.Tensor], dp=None) -> Dict[str, object]:
     """AdamW over args.steps steps of ``batch_loss(step)`` (this rank's part of the global
-    loss); gradients summed over `group`. Returns the loss curve and the seconds taken."""
+    loss); gradients averaged over the sequence-parallel `group` (after FSDP2 averaged them
+    over the data-parallel `dp`, if any). Returns the loss curve (the mean of the replicas'
+    losses) and the seconds taken."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     warmup = max(1, args.steps // 10)
 
@@ -208,19 +262,21 @@ def fit(model: torch.nn.Module, args: argparse.Namespace, group,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     # rank 0 reports; tqdm in a spawned rank leaks its multiprocessing lock at exit, so
     # spawned ranks print a plain line every 10 steps instead
-    bar = (Progress(args.steps, "train", use_tqdm=group is None, every=10)
-           if comm.group_rank(group) == 0 else None)
+    bar = (Progress(args.steps, "train", use_tqdm=group is None and dp is None, every=10)
+           if comm.group_rank(group) == 0 and comm.group_rank(dp) == 0 else None)
     losses: List[float] = []
     start = time.perf_counter()
     for step in range(args.steps):
         opt.zero_grad(set_to_none=True)
         loss = batch_loss(step)
         loss.backward()
+        # each rank's gradients are SP times its own tokens' part: the average over the
+        # sequence ranks is the whole gradient (Note [gradients across ranks])
         all_reduce_gradients(model, group)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(loss.item())
+        losses.append(comm.all_reduce_(loss.detach().clone(), dp, op="avg").item())
         if bar is not None:
             bar.step(f"loss {losses[-1]:.4f}")
     if bar is not None:
@@ -229,7 +285,12 @@ def fit(model: torch.nn.Module, args: argparse.Namespace, group,
 
 
 def _train_rank(group, args: argparse.Namespace) -> Dict[str, object]:
-    return train(args, group)
+    if args.mesh is None:
+        return train(args, group)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", args.mesh, mesh_dim_names=("dp", "sp"))
+    return train(args, mesh["sp"].get_group(), mesh=mesh)
 
 
 def train_distributed(args: argparse.Namespace,
@@ -257,8 +318,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         result = train(args)
     else:
         result = train_distributed(args)
-    report(f"{args.world_size} process(es)" + (f", {args.packed} documents per sequence"
-                                                if args.packed else ""), result, chance)
+    layout = (f"mesh {args.mesh[0]}x{args.mesh[1]} (FSDP2 over dp, sequence over sp), "
+              if args.mesh else "")
+    report(f"{layout}{args.world_size} process(es)" + (f", {args.packed} documents per "
+                                                       f"sequence" if args.packed else ""),
+           result, chance)
     if args.check_unpacked:
         unpacked = train(args, unpacked=True)
         report("the same documents one by one", unpacked, chance)

@@ -74,10 +74,20 @@ def grads(model) -> dict:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_grads_equal(a: dict, b: dict) -> None:
+def assert_grads_equal(a: dict, b: dict, float32_norms: bool = False) -> None:
+    """Equal to 1e-10; with float32_norms, to 1e-6 of each gradient's largest entry.
+
+    Llama's RMSNorm computes in float32 (it casts a float64 input down), so its backward
+    rounds gradients to float32. Under P sequence-parallel ranks a rank's backward starts
+    from P times its share of the loss's gradient (Note [gradients across ranks]); for P = 3
+    that product rounds differently there than one process's, so sequence-parallel gradients
+    agree to float32 precision (the 1e-10 held while P was a power of two or 1).
+    """
     assert a.keys() == b.keys() and a
     for name in a:
-        torch.testing.assert_close(a[name], b[name], **TOL, msg=lambda m: f"{name}: {m}")
+        tol = dict(rtol=0, atol=1e-6 * float(b[name].abs().max()) + 1e-10) if float32_norms \
+            else TOL
+        torch.testing.assert_close(a[name], b[name], **tol, msg=lambda m: f"{name}: {m}")
 
 
 # --------------------------------------------------------------------------
@@ -360,7 +370,7 @@ def test_sequence_parallel_equals_one_process(world):
         for case, logits, ref_logits, loss, ref_loss, grads_sp, grads_one in results:
             torch.testing.assert_close(logits, ref_logits, **TOL, msg=lambda m: f"{case}: {m}")
             torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{case}: {m}")
-            assert_grads_equal(grads_sp, grads_one)
+            assert_grads_equal(grads_sp, grads_one, float32_norms=True)
         assert error is not None and "GLOBAL position_ids" in error
 
 

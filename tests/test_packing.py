@@ -274,7 +274,13 @@ def _sharded_case(group, pieces, cu, segs, rates, causal, h, hk, masked, seed, r
         loss = (out * dout[:, lo:hi]).sum() + (lse * dlse[:, :, lo:hi]).sum()
         loss.backward()
     return {"out": out, "lse": lse, "dq": leaves[0].grad, "dk": leaves[1].grad,
-            "dv": leaves[2].grad, "messages": stats.messages}
+            "dv": leaves[2].grad, "messages": stats.messages, "bytes": stats.bytes_sent}
+
+
+# Two ranks of 12 rows; segments of 4 and 8 with rates 1 and 2. Without documents the 8-row
+# segment [8, 16) spans the border at 12 and costs traffic; with a document starting at row 4
+# (inside rank 0) the segments restart there, [4, 12) ends at the border, and nothing is sent.
+NO_TRAFFIC = ((12, 12), [0, 4, 24], (4, 8), (1, 2), False, 4, 2, False)
 
 
 def _spawned(group, world):
@@ -282,6 +288,12 @@ def _spawned(group, world):
     for i, case in enumerate(SP_CASES[world]):
         res[f"case{i}"] = _sharded_case(group, *case, seed=30 + i)
         res[f"ring{i}"] = _sharded_case(group, *case, seed=40 + i, ring=True)
+    if world == 2:
+        for causal in (False, True):
+            case = NO_TRAFFIC[:4] + (causal,) + NO_TRAFFIC[5:]
+            res[f"no_traffic_causal{causal}"] = _sharded_case(group, *case, seed=50)
+            whole = (case[0], [0, 24]) + case[2:]  # the same rows as one document
+            res[f"one_document_causal{causal}"] = _sharded_case(group, *whole, seed=50)
     # the zigzag layout (causal balance) for dilated attention: rank p holds chunks p, 2P-1-p
     res["zigzag"] = _zigzag_case(group)
     # a rank whose bad boundaries differ: every rank raises, fast
@@ -411,3 +423,23 @@ def test_zigzag_dilated_equals_one_process(world):
         rows = torch.cat([torch.arange(a, b) for a, b in piece_ranges(n, world, rank, "zigzag")])
         for key, value in want.items():
             torch.testing.assert_close(r["zigzag"][key], value[:, rows], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("causal", [False, True])
+def test_segment_ending_at_a_document_boundary_inside_a_rank_sends_nothing(causal):
+    """Issue 10: a document boundary inside a rank cuts the segments there, so none spans the
+    rank border: forward and backward send no message and no byte (the agreement aside),
+    where the same rows as one document do; results still equal one process."""
+    results = _spawn(2)
+    case = NO_TRAFFIC[:4] + (causal,) + NO_TRAFFIC[5:]
+    want = _single(*case, seed=50)
+    for r in results:
+        packed, whole = r[f"no_traffic_causal{causal}"], r[f"one_document_causal{causal}"]
+        assert (packed["messages"], packed["bytes"]) == (0, 0)
+        assert whole["messages"] > 0 and whole["bytes"] > 0  # the geometry would cost traffic
+    for key in ("out", "lse", "dq", "dk", "dv"):
+        got = torch.cat([r[f"no_traffic_causal{causal}"][key] for r in results],
+                        dim=2 if key == "lse" else 1)
+        torch.testing.assert_close(got, want[key], rtol=1e-9, atol=1e-9,
+                                   msg=lambda m: f"{key}: {m}")

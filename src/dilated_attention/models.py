@@ -22,10 +22,20 @@ contiguous piece of every sequence (pieces may differ in length or be
 empty). Embeddings, norms, feed-forwards, the head and the token losses work
 on the local piece; only the dilated attention communicates (plus one tiny
 agreement of piece lengths for the global positions and one all-reduce of
-(loss sum, token count)). Parameters are replicated: after ``backward`` call
-``dilated_attention.all_reduce_gradients(model, process_group)`` so every
-rank holds the full gradient. The encoder-decoder also gathers the encoder output on every rank
-for its cross-attention (O(N e) memory per rank).
+(loss sum, token count)). Parameters are replicated. The loss's value is
+the global one; its gradient is scaled by the group size P so that each
+rank's backward yields P times the gradient through its own tokens and an
+AVERAGE over the sequence-parallel ranks is the full gradient: after
+``backward`` call ``dilated_attention.all_reduce_gradients(model,
+process_group)``, or wrap the model in DDP over the sequence-parallel (or
+data x sequence) ranks, or FSDP2 over a mesh that includes them
+(Note [gradients across ranks] in distributed/sharding.py). While training
+(gradients enabled) every forward checks, inside its agreement, that the
+ranks hold the same parameters: a step whose gradients were not reduced
+over the sequence-parallel ranks (or models built from different seeds)
+is an error on every rank, not a silent divergence. The encoder-decoder
+also gathers the encoder output on every rank for its cross-attention
+(O(N e) memory per rank).
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ from torch.utils.checkpoint import checkpoint
 from . import validation as check
 from .dilated import cached_dilated_attention
 from .distributed import comm
-from .distributed.sharding import gather_pieces, sum_across_ranks
+from .distributed.sharding import gather_pieces, local_part, sharded_within, sum_across_ranks
 from .distributed.strategy import check_strategy
 from .kernels import lse_dtype
 from .modules import MultiheadDilatedAttention
@@ -418,7 +428,7 @@ def _document_starts(position_ids: Optional[Tensor], tokens: Tensor,
 def _check_inputs(
     group, names: Tuple[str, ...], inputs: Callable[[], Tuple[Tensor, ...]], *, has_targets: bool,
     facts: Callable[[], Dict[str, object]] = dict, fact_keys: Tuple[str, ...] = (),
-    shared: Optional[Dict[str, object]] = None,
+    shared: Optional[Dict[str, object]] = None, model: Optional[nn.Module] = None,
 ) -> Tuple[int, Dict[str, Tuple[int, ...]], List[Dict[str, object]]]:
     """Validate this rank's inputs and learn every rank's piece lengths (and `facts`).
 
@@ -429,18 +439,90 @@ def _check_inputs(
     sequence parallelism this is ONE agreement collective, entered even when
     this rank's inputs are bad (so every rank raises instead of waiting),
     which also checks that the batch sizes match and that every rank passed
-    targets or none did (only then do all ranks enter the loss all-reduce).
+    targets or none did (only then do all ranks enter the loss all-reduce),
+    and, for `model` while gradients are enabled, that every rank holds the
+    same parameters (`_replica_checksums`).
     """
 
     def local() -> dict:
         shapes = dict(zip(names, (tuple(x.shape) for x in inputs())))
         return {"targets_passed": has_targets, **(shared or {}), **facts(),
+                "replica": _replica_checksums(model, group),
                 **{f"{k}_batch": s[0] for k, s in shapes.items()},
                 **{f"{k}_len": s[1] for k, s in shapes.items()}}
 
-    infos = comm.agree(group, local, per_rank=tuple(f"{k}_len" for k in names) + fact_keys)
+    infos = comm.agree(group, local,
+                       per_rank=tuple(f"{k}_len" for k in names) + fact_keys + ("replica",))
+    _check_replicas(infos, model, group)
     lengths = {k: tuple(i[f"{k}_len"] for i in infos) for k in names}
     return comm.group_rank(group), lengths, infos
+
+
+def _replica_params(model: nn.Module, group) -> List[Tuple[str, Tensor]]:
+    """The (name, local tensor) of each parameter that every rank of `group` must hold alike.
+
+    A DTensor (FSDP2) counts by its local shard; one sharded over ranks of
+    `group` itself is left out (its shards differ by design, and FSDP2
+    keeps them consistent).
+    """
+    out = []
+    for name, p in model.named_parameters():
+        if sharded_within(p, group):
+            continue
+        p = local_part(p)
+        if p.device.type != "meta" and p.numel():
+            out.append((name, p.detach()))
+    return out
+
+
+def _replica_checksums(model: Optional[nn.Module], group) -> Optional[Tuple[int, ...]]:
+    """A checksum of each of `_replica_params`, while training under sequence parallelism.
+
+    The sum of a parameter's bits read as int32, wrapping: exact and
+    independent of the summation order, so equal parameters give equal
+    checksums on every rank (a float sum could differ with the thread
+    count). Costs one read of the parameters (110M float32 parameters,
+    LongNet's base size: 0.1 s on one CPU thread) and a host sync, so the
+    models do it on their first two training forwards only: enough for a
+    model built differently on some rank (the first) and for a gradient
+    reduction that misses the sequence ranks (the second).
+    """
+    if model is None or not comm.is_distributed(group) or not torch.is_grad_enabled():
+        return None
+    sums = []
+    for _, p in _replica_params(model, group):
+        raw = p.reshape(-1).view(torch.uint8)
+        # int32 sums run at memory speed; int64 accumulation of narrower ints is ~20x slower
+        sums.append(raw.view(torch.int32).sum(dtype=torch.int32).long() if raw.numel() % 4 == 0
+                    else raw.sum(dtype=torch.int64))
+    return tuple(torch.stack(sums).tolist()) if sums else None
+
+
+def _check_replicas(infos: List[Dict[str, object]], model: Optional[nn.Module], group) -> None:
+    """Raise if the ranks' parameters differ; every rank sees every checksum, so all raise.
+
+    Skipped when some rank has no checksums (gradients disabled there: the
+    attention op's own agreement on requires_grad reports that).
+    """
+    first = infos[0]["replica"]
+    if any(info["replica"] is None for info in infos):
+        return
+    for r, info in enumerate(infos[1:], start=1):
+        if info["replica"] == first:
+            continue
+        names = [name for (name, _), a, b in zip(_replica_params(model, group), first,
+                                                 info["replica"]) if a != b]
+        raise ValueError(
+            f"the parameters differ between the ranks of process_group (rank 0 and rank {r}, "
+            f"first {names[0] if names else 'the parameter list'!r}); sequence-parallel ranks "
+            f"must hold the same parameters. Either the ranks built the model differently "
+            f"(seed its construction alike on every rank), or the last step's gradients were "
+            f"not reduced over the sequence-parallel ranks: after backward call "
+            f"all_reduce_gradients(model, process_group), or wrap the model in DDP over the "
+            f"data x sequence ranks (not the data-parallel ranks alone), or fully_shard it on a "
+            f"mesh that includes the sequence-parallel ranks (docs/guide.md, Training: "
+            f"gradients across ranks)"
+        )
 
 
 def token_mean_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
@@ -449,7 +531,11 @@ def token_mean_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
     Targets are aligned with the logits (position t predicts targets[t]);
     every rank of `group` calls it, a rank without targets too. When no rank
     has a target that is not ignored the loss is 0 (not 0/0 = NaN), still
-    connected to the logits, so ``backward`` gives zero gradients.
+    connected to the logits, so ``backward`` gives zero gradients. Under a
+    group of P ranks the value is the global mean on every rank and the
+    gradient is P times this rank's share of it, so that averaging the
+    gradients over the group (all_reduce_gradients, DDP, FSDP2) sums the
+    shares (Note [gradients across ranks] in distributed/sharding.py).
     """
     acc = lse_dtype(logits.dtype)
     # (b, n, v) -> (b * n, v)
@@ -474,6 +560,9 @@ class _LongNetBase(nn.Module):
         self.config = config
         self.process_group = process_group
         self.strategy = check_strategy(strategy)
+        # the first training forwards compare parameter checksums across the ranks
+        # (_replica_checksums): a missed gradient reduction shows at the second
+        self._replica_checks_left = 2
         self._factory = {"device": device, "dtype": dtype}
         e = config.embed_dim
         self.embed = nn.Embedding(config.vocab_size, e, **self._factory)
@@ -483,6 +572,15 @@ class _LongNetBase(nn.Module):
         if not config.tie_embeddings:
             self.head = nn.Linear(e, config.vocab_size, bias=False, **self._factory)
             nn.init.normal_(self.head.weight, std=e**-0.5)
+
+    def _replica_check(self) -> Optional[nn.Module]:
+        """This model while it still compares its parameters across ranks (the first two
+        training forwards under a group: one read of every parameter each), else None."""
+        if self._replica_checks_left and torch.is_grad_enabled() and \
+                comm.is_distributed(self.process_group):
+            self._replica_checks_left -= 1
+            return self
+        return None
 
     def _blocks(self, n: int, *, gamma: float, causal: bool, cross: bool) -> nn.ModuleList:
         return nn.ModuleList(
@@ -543,7 +641,9 @@ class LongNetLM(_LongNetBase):
 
     With ``process_group`` set, tokens/targets are this rank's contiguous
     piece of each sequence, logits are this piece's, and the loss is the
-    global one on every rank. Every rank must pass targets, or none.
+    global one on every rank (its gradient P times this rank's share:
+    average the gradients over the group, see the module docstring). Every
+    rank must pass targets, or none.
     """
 
     def __init__(
@@ -583,7 +683,7 @@ class LongNetLM(_LongNetBase):
             self.process_group, ("tokens",), inputs, has_targets=targets is not None,
             facts=lambda: _document_starts(position_ids, tokens, self.config.max_seq_len),
             fact_keys=("doc_starts", "max_position"),
-            shared={"cu_seqlens": check.check_cu_seqlens(cu_seqlens)},
+            shared={"cu_seqlens": check.check_cu_seqlens(cu_seqlens)}, model=self._replica_check(),
         )
         pieces = lengths["tokens"]
         start, total = sum(pieces[:rank]), sum(pieces)
@@ -697,7 +797,8 @@ class LongNet(_LongNetBase):
     target share the token embedding (and the head when tied).
 
     With ``process_group`` set, src/tgt/targets are this rank's pieces; the
-    encoder output is gathered on every rank for the cross-attention.
+    encoder output is gathered on every rank for the cross-attention. The
+    loss and its gradients follow LongNetLM's convention.
     """
 
     def __init__(
@@ -735,7 +836,7 @@ class LongNet(_LongNetBase):
             return src_tokens, tgt_tokens
 
         rank, lengths, _ = _check_inputs(group, ("src", "tgt"), inputs,
-                                         has_targets=targets is not None)
+                                         has_targets=targets is not None, model=self._replica_check())
         src_start = sum(lengths["src"][:rank])
         tgt_start = sum(lengths["tgt"][:rank])
         self._check_positions(max(sum(lengths["src"]), sum(lengths["tgt"])) - 1)

@@ -9,10 +9,35 @@ Two layouts of a sequence of N rows over P ranks:
   2P-1-p, concatenated; it balances causal work for the dense ring (see
   Note [zigzag] in ring.py). Needs N divisible by 2P.
 
-Training with replicated parameters needs two sums over the ranks of the
-sequence-parallel group: the token-weighted loss (`sum_across_ranks`, whose
-gradient passes through unchanged) and the parameter gradients
-(`all_reduce_gradients`, after backward).
+Training with replicated parameters needs two reductions over the ranks of
+the sequence-parallel group: the token-weighted loss (`sum_across_ranks`)
+and the parameter gradients (`all_reduce_gradients`, after backward, or
+DDP / FSDP2 over ranks that include the group); Note [gradients across
+ranks] says why the second one averages.
+
+Note [gradients across ranks]
+    Sequence parallelism splits one sequence over P ranks: rank p's backward
+    yields g_p, the gradient of the global loss L through its own tokens,
+    and the gradient of L is the SUM g_0 + ... + g_{P-1}. Data parallelism
+    (DDP, FSDP2) reduces gradients by AVERAGING over its ranks. The two are
+    made to agree the way Megatron-LM's context parallelism and torchtitan
+    do it: every rank computes the same L from the summed (loss, count),
+    so the adjoint of that sum (the sum of every rank's incoming gradient)
+    is P times this rank's own; `sum_across_ranks` returns it without
+    communicating. Each rank's backward then yields P g_p, and any average
+    over a set of ranks that includes the sequence-parallel group gives the
+    right gradient:
+
+        DDP over the sequence group        mean_p P g_p = sum_p g_p
+        DDP / FSDP2 over data x sequence   mean_{d,p} P g_{d,p} = mean_d grad L_d
+        all_reduce_gradients(model, pg)    the same average, in place
+
+    (mean_d grad L_d: the data-parallel replicas' losses averaged, as DDP
+    does; it equals the token mean of the whole batch when every replica
+    has as many targets.) A reduction over the data-parallel ranks alone
+    (DDP or FSDP2 on the "dp" mesh dimension) leaves P g_p on each
+    sequence rank: follow it with ``all_reduce_gradients(model, sp_group)``.
+    With one process P = 1 and nothing changes.
 
 Notation: b batch, n rows, h heads, d head dim; the sequence dim is 1 in
 the (b, n, h, d) layout and is an argument here.
@@ -163,52 +188,105 @@ class _Unshard(torch.autograd.Function):
 
 
 class _SumAcrossRanks(torch.autograd.Function):
-    """Sum over ranks; the gradient passes through unchanged.
+    """Sum over ranks; the gradient is P times the incoming one (Note [gradients across ranks]).
 
-    Every rank computes the same loss from the summed tensor and runs its
-    own backward, so d(loss)/d(local term) is exactly the incoming gradient
-    (summing gradients here too would count every rank's loss P times).
+    The adjoint of an all-reduce is an all-reduce of the incoming gradients.
+    Every rank computes the same loss from the summed tensor and runs the
+    same backward, so those gradients are equal and their sum is P times
+    this rank's: no collective in backward.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.size = comm.group_size(group)
         return comm.all_reduce_(x.clone(), group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return grad, None
+        return grad * ctx.size if ctx.size > 1 else grad, None
 
 
 def sum_across_ranks(x: Tensor, group) -> Tensor:
     """The sum of every rank's `x` (same shape everywhere), on every rank; differentiable.
 
     For a loss built from per-rank partial sums (e.g. token loss and token
-    count): each rank's backward then yields the gradient of the global loss
-    through its own terms, and `all_reduce_gradients` completes it.
+    count) that every rank computes alike from the sum: each rank's
+    backward then yields P times the gradient of the global loss through
+    its own terms (P the group size), so that averaging the parameter
+    gradients over the group (`all_reduce_gradients`, DDP, FSDP2) completes
+    it (Note [gradients across ranks]).
     """
     return _SumAcrossRanks.apply(x, group)
 
 
-def all_reduce_gradients(module: nn.Module, process_group) -> None:
-    """Sum the parameter gradients over the sequence-parallel ranks, in place.
+def local_part(t: Tensor) -> Tensor:
+    """A plain tensor itself; a DTensor's (FSDP2's sharded parameters and gradients) local
+    shard, a view."""
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "device_mesh") else t
 
-    Parameters are replicated and each rank's backward yields the gradient
-    of the (global) loss through its own tokens; the sum is the full
-    gradient, identical on every rank afterwards. A parameter without a
-    gradient counts as zero (so every rank reduces the same buffer).
+
+def sharded_within(t: Tensor, group) -> bool:
+    """True for a DTensor sharded over a mesh that holds other ranks of `group` (so those
+    ranks hold other shards of it); False for a plain tensor."""
+    mesh = getattr(t, "device_mesh", None)
+    if mesh is None or not comm.is_distributed(group):
+        return False
+    me = comm.global_rank(group, comm.group_rank(group))
+    others = {comm.global_rank(group, r) for r in range(comm.group_size(group))} - {me}
+    return bool(set(mesh.mesh.flatten().tolist()) & others)
+
+
+def all_reduce_gradients(module: nn.Module, process_group) -> None:
+    """Average the parameter gradients over the ranks of `process_group`, in place.
+
+    After ``loss.backward()`` of a sequence-parallel model (a LongNetLM or
+    LongNet with ``process_group=``, or a transformers model with
+    ``causal_lm_loss``), each rank holds P times the gradient through its
+    own tokens; the average over the sequence-parallel group is the full
+    gradient, identical on every rank afterwards (Note [gradients across
+    ranks]: the same average DDP takes, so either may do it). Pass the data
+    x sequence group to reduce over both at once; after DDP or FSDP2 over
+    the data-parallel ranks alone, pass the sequence-parallel group.
+
+    FSDP2's sharded (DTensor) gradients are averaged shard by shard, which
+    is right when the ranks of `process_group` hold the same shards (FSDP2
+    over another mesh dimension); a gradient sharded over ranks of
+    `process_group` itself is an error on every rank (FSDP2 has averaged it
+    already). A parameter without a gradient counts as zero (so every rank
+    reduces the same buffer). Costs one small agreement collective (every
+    rank must hold the same gradient shapes) and one all-reduce per dtype.
     """
     if not comm.is_distributed(process_group):
         return
-    params = [p for p in module.parameters() if p.requires_grad]
-    for p in params:
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+
+    def shapes() -> dict:
+        for name, p in named:
+            if sharded_within(p, process_group):
+                raise ValueError(
+                    f"all_reduce_gradients: parameter {name!r} is sharded (FSDP2) over ranks of "
+                    f"process_group, whose gradients fully_shard has averaged already; reduce "
+                    f"only over ranks that hold the same shards (the sequence-parallel group "
+                    f"when fully_shard runs on the data-parallel mesh dimension), or not at all"
+                )
+        sizes: dict = {}
+        for _, p in named:
+            key = str(local_part(p).dtype)
+            sizes[key] = sizes.get(key, 0) + local_part(p).numel()
+        # every rank must reduce buffers of the same sizes
+        return {"gradient_elements": tuple(sorted(sizes.items()))}
+
+    comm.agree(process_group, shapes)
+    for _, p in named:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     by_dtype: dict = {}
-    for p in params:
-        by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-    for group in by_dtype.values():
+    for _, p in named:
+        g = local_part(p.grad)
+        by_dtype.setdefault((g.dtype, g.device), []).append(g)
+    for grads in by_dtype.values():
         # one flat buffer per dtype: one collective instead of one per parameter
-        flat = torch.cat([p.grad.reshape(-1) for p in group])
-        comm.all_reduce_(flat, process_group)
-        for p, g in zip(group, flat.split([p.numel() for p in group])):
-            p.grad.copy_(g.view_as(p.grad))
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce_(flat, process_group, op="avg")
+        for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(reduced.view_as(g))

@@ -71,8 +71,11 @@ feeds its own contiguous slice of ``input_ids`` with the GLOBAL
 global ``cu_seq_lens_q/k``: a rank cannot tell a document starting at its
 first row from transformers' default positions 0 .. n-1, so restarting
 position_ids alone are an error there), ``causal_lm_loss`` the token-weighted
-loss over all ranks; after ``backward`` sum the parameter gradients with
-``dilated_attention.all_reduce_gradients(model, pg)``. Each call costs one
+loss over all ranks, with LongNetLM's gradient convention; after
+``backward`` average the parameter gradients over the sequence-parallel
+ranks with ``dilated_attention.all_reduce_gradients(model, pg)`` (or wrap the
+model in DDP / FSDP2 over ranks that include them; Note [gradients across
+ranks] in distributed/sharding.py). Each call costs one
 small agreement collective (validation, padding and document facts of every
 rank) besides the op's own.
 
@@ -634,9 +637,14 @@ def causal_lm_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
     """Token-weighted mean cross-entropy over every rank's (logits, targets) of `shard_inputs`.
 
     The same value on every rank, equal to the single-process loss. Every
-    rank must call it (one whose targets are all -100 too: no hang). After
-    ``loss.backward()`` call ``all_reduce_gradients(model, group)``: each
-    rank's gradients hold only its own tokens' part.
+    rank must call it (one whose targets are all -100 too: no hang). Its
+    gradient is P times this rank's share (P ranks in `group`), as
+    LongNetLM's loss: after ``loss.backward()`` call
+    ``all_reduce_gradients(model, group)``, which averages over the group,
+    or let DDP (over the sequence-parallel or data x sequence ranks) or
+    FSDP2 (on a mesh that includes them) average. Nothing checks here that
+    the ranks' parameters stay equal (the attention backend does not see
+    the parameters): LongNetLM's forward does.
     """
     if not isinstance(logits, Tensor) or not isinstance(targets, Tensor) \
             or logits.dim() != 3 or tuple(targets.shape) != tuple(logits.shape[:2]):
