@@ -7,6 +7,7 @@ Distributed parts spawn real gloo ranks through the command's own launcher
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -164,7 +165,15 @@ def test_tiny_bench_table_and_json(tmp_path, capsys):
         assert r["time_ms"] > 0 and r["tokens_per_s"] > 0
         if sys.platform.startswith("linux"):
             assert r["peak_mem_mb"] > 0
+        assert r["time_min_ms"] <= r["time_ms"] <= r["time_max_ms"]
+        assert len(r["times_ms"]) == 1
     assert rows[0]["speedup"] == 1.0 and rows[0]["comm_mb"] == 0.0
+    # the load average before and after the runs, and any warnings drawn from it
+    load = data["environment"]["load_average"]
+    if hasattr(os, "getloadavg"):
+        assert len(load["before"]) == 3 and len(load["after"]) == 3
+    assert isinstance(data["warnings"], list)
+    assert "min, median and max over 1 pass " in out
     # segments of 256 and 512 rows lie inside the two 512-row pieces: nothing to send
     assert rows[1]["comm_mb"] == 0.0
     plotted = (out_dir / "bench.png").exists()
@@ -245,3 +254,57 @@ def test_bench_inputs_do_not_depend_on_world_size():
     parts = [bench.make_rows([(lo, hi)], (1, 2, 4), seed=7, dtype=torch.float32, device="cpu")
              for lo, hi in [(0, 1100), (1100, 2048), (2048, 3000)]]
     assert torch.equal(torch.cat(parts, dim=1), full)
+
+
+def _row(n, p, times, impl="dilated", threads=1):
+    times = sorted(times)
+    return {"impl": impl, "seq_len": n, "world_size": p, "time_ms": times[len(times) // 2],
+            "time_min_ms": times[0], "time_max_ms": times[-1], "peak_mem_mb": 1.0,
+            "comm_mb": 0.0, "threads": threads}
+
+
+def test_bench_table_shows_min_median_max():
+    table = bench.format_table([dict(_row(1024, 2, [9.0, 10.0, 14.0]), tokens_per_s=1.0,
+                                     speedup=None, comm_wait=0.0)])
+    header, _, line = table.splitlines()
+    assert "min (ms)" in header and "median (ms)" in header and "max (ms)" in header
+    assert "9.0" in line and "10.0" in line and "14.0" in line
+
+
+def test_bench_warns_on_spread_and_load():
+    quiet = [_row(1024, 1, [10.0, 10.5, 11.0]), _row(1024, 2, [10.0, 10.2, 10.4], threads=1)]
+    assert bench.time_warnings(quiet, bench.Load((0.1, 0.1, 0.1), (2.2, 1, 1)), cores=2) == []
+    noisy = quiet + [_row(2048, 2, [5.0, 10.0, 23.5])]
+    (spread,) = bench.time_warnings(noisy, bench.Load(None, None), cores=2)
+    assert "1 of 3 rows" in spread and "185%" in spread and "N=2048 P=2" in spread
+    # 1.5 on 2 cores before the run; after it, 3.5 less the 2 threads of its own ranks
+    for load in (bench.Load((1.5, 1, 1), None), bench.Load(None, (3.5, 1, 1))):
+        (busy,) = bench.time_warnings(quiet, load, cores=2)
+        assert "busy" in busy and "1.5" in busy and "2 cores" in busy
+
+
+def test_bench_plots_against_ranks_for_one_length():
+    # several lengths: against N, one line per (impl, P)
+    rows = [_row(n, p, [1.0]) for p in (1, 2) for n in (4096, 1024)]
+    axis, series = bench.plot_series(rows)
+    assert axis == "seq_len" and list(series) == ["dilated, P=1", "dilated, P=2"]
+    assert [r["seq_len"] for r in series["dilated, P=1"]] == [1024, 4096]
+    # one length over several rank counts: against P (not two dots over one x value)
+    rows = [_row(8192, p, [1.0], impl) for impl in ("ring", "dilated") for p in (4, 1, 2)]
+    axis, series = bench.plot_series(rows)
+    assert axis == "world_size" and list(series) == ["dilated, N=8,192", "ring, N=8,192"]
+    assert [r["world_size"] for r in series["ring, N=8,192"]] == [1, 2, 4]
+
+
+def test_out_help_shows_its_default(capsys):
+    assert cli.main(["bench", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "(default dilated_attention_bench)" in help_text
+
+
+def test_counts_agree_with_their_nouns():
+    assert settings.plural(1, "thread") == "1 thread"
+    assert settings.plural(2, "thread") == "2 threads"
+    assert settings.plural(1024, "message") == "1,024 messages"
+    assert settings.plural(1, "pass", "passes") == "1 pass"
+    assert settings.plural(3, "pass", "passes") == "3 passes"
