@@ -6,6 +6,7 @@ Distributed parts spawn real gloo ranks through the command's own launcher
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -94,6 +95,16 @@ ESTIMATE_CASES = [
          dilation_rates=[1], training=True, dtype="bfloat16"),
     dict(impl="ring", seq_len=8192, world_size=4, causal=True, training=True),
     dict(impl="ring", seq_len=9000, world_size=3, kv_heads=4, dtype="bfloat16"),
+    # CUDA sizes and kernels (planned and traced on meta: no GPU needed): one device; two
+    # 131072-row blocks per rank with a segment spanning both ranks; fp32 (the
+    # memory-efficient kernel) with GQA, whose K/V the CUDA kernels take repeated
+    dict(impl="dilated", seq_len=16384, training=True, dtype="bfloat16", device="cuda"),
+    dict(impl="dilated", seq_len=2**19, world_size=2, segment_lengths=[2048, 4096, 2**19],
+         dilation_rates=[1, 2, 256], training=True, dtype="bfloat16", device="cuda"),
+    dict(impl="dilated", seq_len=16384, world_size=4, segment_lengths=[1024, 8192, 16384],
+         dilation_rates=[1, 4, 8], causal=True, kv_heads=4, training=True, device="cuda"),
+    dict(impl="ring", seq_len=8192, world_size=2, causal=True, training=True, dtype="bfloat16",
+         device="cuda"),
 ]
 
 
@@ -115,6 +126,42 @@ def test_estimate_command_labels_estimates(capsys):
     assert out.startswith("ESTIMATE (not measured)")
     assert "formula: peak per rank" in out and "dry run: peak per rank" in out
     assert "communication per layer" in out
+
+
+def test_estimate_models_cuda_sizes_and_kernels(capsys):
+    # CUDA: 131072-row blocks (one block at 64K), the cuDNN kernel for bf16, no CPU scratch
+    cuda = estimate.make_config(seq_len=65536, dtype="bfloat16", device="cuda")
+    assert {b.hi - b.lo for b in estimate.plan_for(cuda, cuda.lengths(), 0).blocks} == {65536}
+    assert estimate.backend_for(cuda) == "cuda_cudnn"
+    cpu = estimate.make_config(seq_len=65536, dtype="bfloat16", threads=1)
+    assert len(estimate.plan_for(cpu, cpu.lengths(), 0).blocks) == 32
+    f = estimate.formula(cuda)
+    assert estimate.CUDA_SCRATCH in f.breakdown and estimate.SCRATCH not in f.breakdown
+    # H100 (torch 2.11, bf16, this setting): 5.05 input-sized tensors beyond q, k, v forward,
+    # 16.14 beyond q, k, v, dout in training (benchmarks/bench_single_device.py); within 25%
+    input_bytes = 65536 * 12 * 64 * 2
+    assert (f.peak_bytes - 3 * input_bytes) / input_bytes == pytest.approx(5.05, rel=0.25)
+    training = estimate.formula(dataclasses.replace(cuda, training=True))
+    assert (training.peak_bytes - 4 * input_bytes) / input_bytes == pytest.approx(16.14, rel=0.25)
+    assert cli.main(["estimate", "--seq-len", "64k", "--device", "cuda", "--dtype",
+                     "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "CUDA kernels (cuda_cudnn)" in out and "CUDA kernel workspace (modelled)" in out
+    assert "CPU kernel scratch" not in out
+
+
+def test_estimate_counts_agree_with_their_nouns(capsys):
+    argv = ["estimate", "--seq-len", "2048", "--threads", "1", "--segment-lengths", "1024",
+            "--dilation-rates", "1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "over P = 1 rank (2,048 rows each" in out and "1 thread per rank" in out
+    assert "in 0 messages" in out
+    # two ranks, one 2048-row segment across the border: each rank sends its part, once
+    assert cli.main(["estimate", "--seq-len", "2048", "--world-size", "2", "--segment-lengths",
+                     "2048", "--dilation-rates", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "over P = 2 ranks" in out and "in 1 message" in out and "1 messages" not in out
 
 
 @pytest.mark.distributed

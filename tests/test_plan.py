@@ -258,6 +258,21 @@ def test_longnet_billion_token_plan_is_fast():
     assert plan.rounds
 
 
+def test_plan_sizes_for_another_device_type():
+    """estimate --device cuda plans a CUDA run with index tensors on meta: block and launch
+    sizes follow `device_type`, not the tensors' device."""
+    layout = Layout.contiguous([2**20])
+    patterns, heads = ((2048, 4096), (1, 2)), Heads.of(4, 4)
+    cpu = make_plan(layout, patterns, False, heads, 0, "meta")
+    cuda = make_plan(layout, patterns, False, heads, 0, "meta", device_type="cuda")
+    assert {b.hi - b.lo for b in cpu.blocks} == {2**15}  # n / 32 rows (above the CPU's 2048)
+    assert {b.hi - b.lo for b in cuda.blocks} == {2**17}  # the CUDA minimum, 131072
+    # CUDA launches batch 64 segments of 2048 rows (131072 rows), the CPU one
+    assert cuda.launches < cpu.launches // 16
+    index = cuda.blocks[0].forward[-1].group.q_index
+    assert index.device.type == "meta"
+
+
 @pytest.mark.parametrize("world", [4, 8])
 def test_zigzag_balances_causal_work(world):
     """Issue 11: causal LongNet attention with segments spanning ranks: contiguous pieces give

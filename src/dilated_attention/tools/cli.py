@@ -190,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--impl", choices=("dilated", "ring"), default="dilated",
                           help="dilated attention or dense ring attention (dilated)")
     estimate.add_argument("--dtype", choices=DTYPES, default="float32")
+    estimate.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                          help="the device modelled: its row blocks, launch sizes and kernels "
+                               "(default cpu; no GPU is needed)")
     estimate.add_argument("--threads", type=positive_int, default=None,
                           help="CPU kernel threads per rank (default: cores // ranks)")
     emode = estimate.add_mutually_exclusive_group()
@@ -307,7 +310,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         segment_lengths=flatten(args.segment_lengths), dilation_rates=flatten(args.dilation_rates),
         heads=args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads, batch=args.batch,
         dtype=args.dtype, causal=args.causal, training=args.training,
-        impl=args.impl, threads=args.threads,
+        impl=args.impl, threads=args.threads, device=args.device,
     )
     return estimate.report(config, trace=args.dry_run, as_json=args.json)
 
