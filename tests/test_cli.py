@@ -164,6 +164,43 @@ def test_estimate_counts_agree_with_their_nouns(capsys):
     assert "over P = 2 ranks" in out and "in 1 message" in out and "1 messages" not in out
 
 
+@pytest.mark.parametrize("options", [
+    # 6144-row CPU blocks: runs of three 2048-row launches, cut to two
+    dict(seq_len=196608, segment_lengths=[2048], dilation_rates=[1], heads=4, head_dim=16,
+         dtype="bfloat16", training=True),
+    # segments across ranks (pending outputs, exchanges), causal, GQA
+    dict(seq_len=9000, world_size=3, causal=True, training=True, dtype="bfloat16",
+         segment_lengths=[1024, 4096], dilation_rates=[1, 2], kv_heads=4),
+], ids=["runs", "spanning"])
+def test_dry_run_shortcuts_trace_the_same_peak(options):
+    """The dry run reuses the output metadata of repeated elementwise calls instead of
+    running their (Python) meta kernels again, and runs repeated launches once
+    (compact_plan); neither may change what it traces."""
+    config = estimate.make_config(threads=1, **options)
+    for rank in estimate._distinct_ranks(config)[:2]:
+        fast = estimate._trace_rank(config, rank)
+        full = estimate._trace_rank(config, rank, reuse=False, compact=False)
+        assert fast.breakdown == full.breakdown and fast.phase == full.phase
+        assert (fast.forward_bytes, fast.backward_bytes, fast.forward_messages) == (
+            full.forward_bytes, full.backward_bytes, full.forward_messages)
+
+
+def test_compact_plan_keeps_first_and_last_of_each_run():
+    config = estimate.make_config(seq_len=196608, segment_lengths=[2048], dilation_rates=[1],
+                                  threads=1)
+    plan = estimate.plan_for(config, config.lengths(), 0)
+    compact = estimate.compact_plan(plan)
+    for full, short in zip(plan.blocks, compact.blocks):
+        assert full.index == short.index
+        ids = [l.id for l in short.forward]
+        assert set(ids) <= {l.id for l in full.forward} and ids == sorted(ids)
+        assert {l.id for l in short.backward} == set(ids)  # the same launches both ways
+        # the block's first and last launches stay: they make and finish its accumulators
+        assert (ids[0], ids[-1]) == (full.forward[0].id, full.forward[-1].id)
+    assert sum(map(len, (b.forward for b in compact.blocks))) < sum(
+        map(len, (b.forward for b in plan.blocks)))
+
+
 @pytest.mark.distributed
 def test_estimates_match_measured_peaks():
     # P = 2, training; the second pattern spans both ranks, so buffers travel
