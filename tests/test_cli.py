@@ -37,6 +37,9 @@ USAGE_ERRORS = [
     (["estimate", "--seq-len", "4", "--world-size", "8"], "larger than sequence length"),
     (["estimate", "--seq-len", "1k", "--dtype", "int8"], "invalid choice"),
     (["estimate", "--seq-len", "64", "--training", "--forward-only"], "not allowed with"),
+    (["estimate", "--seq-len", "64", "--device", "cuda", "--threads", "2"],
+     "--threads 2 sets CPU kernel threads"),
+    (["estimate", "--seq-len", "64", "--device", "tpu"], "invalid choice: 'tpu'"),
     (["verify", "--world-size", "1"], "at least 2 ranks"),
     (["verify", "--cases", "nope"], "unknown case 'nope'"),
     ([], "choose a command"),
@@ -111,7 +114,9 @@ ESTIMATE_CASES = [
 @pytest.mark.parametrize("options", ESTIMATE_CASES, ids=lambda o: ",".join(
     f"{k}={v}" for k, v in o.items()))
 def test_estimate_formula_matches_dry_run(options):
-    config = estimate.make_config(threads=1, **options)
+    # CPU kernel threads: one (their scratch is modelled per thread); none on CUDA
+    config = estimate.make_config(threads=None if options.get("device") == "cuda" else 1,
+                                  **options)
     f, d = estimate.formula(config), estimate.dry_run(config)
     assert abs(f.peak_bytes / d.peak_bytes - 1) <= 0.10, (f, d)
     # traffic: the formula's counts are the plan's, the dry run's what comm counted

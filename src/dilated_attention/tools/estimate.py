@@ -9,18 +9,23 @@ Two independent estimates of the same quantities, both labelled estimates:
   Live bytes are summed per phase of the op (local launches, exchange
   rounds, casts; forward, then backward when training) and the largest
   phase is the peak.
-- **dry run**: the real op runs on ``meta`` tensors with a fake process
-  group of world size P (``init_process_group("fake")``), under a
-  ``TorchDispatchMode`` that adds each new tensor storage's bytes when an op
-  creates it and subtracts them when the storage is freed; the highest sum
-  is the peak. Traffic is what ``comm.count_communication`` counts.
+- **dry run**: the op's executor (under its validation) runs on ``meta``
+  tensors with a fake process group of world size P
+  (``init_process_group("fake")``), under a ``TorchDispatchMode`` that adds
+  each new tensor storage's bytes when an op creates it and subtracts them
+  when the storage is freed; the highest sum is the peak. Traffic is what
+  ``comm.count_communication`` counts. Two shortcuts keep it fast and leave
+  the bytes as they are (``LiveBytes``, ``compact_plan``).
 
 ``--device`` picks what is modelled: CPU or CUDA row blocks and launch sizes
 (``plan.ROWS_PER_BLOCK``, ``plan.ROWS_PER_LAUNCH``), merge slices
 (``launches.CHUNK_ELEMENTS``) and kernels (the CPU flash op; on CUDA the
 kernel ``kernels.select_backend`` picks on a compute capability 9.0 GPU:
 cuDNN for bf16/fp16, the memory-efficient op for fp32). No GPU is needed:
-the dry run plans for the device type while its tensors stay on meta.
+the dry run plans for the device type while its tensors stay on meta. (Its
+merges run in the CPU's slices: the executor takes the slice size from the
+tensors' device. That changes only the temporaries of merges of selected
+rows, a few MB.)
 
 Neither method sees memory inside a kernel: the CPU flash kernel's
 per-thread scratch buffers (about a megabyte per thread), or the CUDA
@@ -137,6 +142,9 @@ def make_config(
     segs, rates, kv_heads = check_setting(segment_lengths, dilation_rates, heads, kv_heads)
     if device not in DEVICES:
         raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cuda" and threads is not None:
+        raise ValueError(f"--threads {threads} sets CPU kernel threads: it does not apply to "
+                         f"--device cuda")
     if world_size > seq_len:
         raise ValueError(
             f"world size {world_size} is larger than sequence length {seq_len}: every rank "
