@@ -6,7 +6,9 @@ Distributed parts spawn real gloo ranks through the command's own launcher
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -35,6 +37,9 @@ USAGE_ERRORS = [
     (["estimate", "--seq-len", "4", "--world-size", "8"], "larger than sequence length"),
     (["estimate", "--seq-len", "1k", "--dtype", "int8"], "invalid choice"),
     (["estimate", "--seq-len", "64", "--training", "--forward-only"], "not allowed with"),
+    (["estimate", "--seq-len", "64", "--device", "cuda", "--threads", "2"],
+     "--threads 2 sets CPU kernel threads"),
+    (["estimate", "--seq-len", "64", "--device", "tpu"], "invalid choice: 'tpu'"),
     (["verify", "--world-size", "1"], "at least 2 ranks"),
     (["verify", "--cases", "nope"], "unknown case 'nope'"),
     ([], "choose a command"),
@@ -93,13 +98,25 @@ ESTIMATE_CASES = [
          dilation_rates=[1], training=True, dtype="bfloat16"),
     dict(impl="ring", seq_len=8192, world_size=4, causal=True, training=True),
     dict(impl="ring", seq_len=9000, world_size=3, kv_heads=4, dtype="bfloat16"),
+    # CUDA sizes and kernels (planned and traced on meta: no GPU needed): one device; two
+    # 131072-row blocks per rank with a segment spanning both ranks; fp32 (the
+    # memory-efficient kernel) with GQA, whose K/V the CUDA kernels take repeated
+    dict(impl="dilated", seq_len=16384, training=True, dtype="bfloat16", device="cuda"),
+    dict(impl="dilated", seq_len=2**19, world_size=2, segment_lengths=[2048, 4096, 2**19],
+         dilation_rates=[1, 2, 256], training=True, dtype="bfloat16", device="cuda"),
+    dict(impl="dilated", seq_len=16384, world_size=4, segment_lengths=[1024, 8192, 16384],
+         dilation_rates=[1, 4, 8], causal=True, kv_heads=4, training=True, device="cuda"),
+    dict(impl="ring", seq_len=8192, world_size=2, causal=True, training=True, dtype="bfloat16",
+         device="cuda"),
 ]
 
 
 @pytest.mark.parametrize("options", ESTIMATE_CASES, ids=lambda o: ",".join(
     f"{k}={v}" for k, v in o.items()))
 def test_estimate_formula_matches_dry_run(options):
-    config = estimate.make_config(threads=1, **options)
+    # CPU kernel threads: one (their scratch is modelled per thread); none on CUDA
+    config = estimate.make_config(threads=None if options.get("device") == "cuda" else 1,
+                                  **options)
     f, d = estimate.formula(config), estimate.dry_run(config)
     assert abs(f.peak_bytes / d.peak_bytes - 1) <= 0.10, (f, d)
     # traffic: the formula's counts are the plan's, the dry run's what comm counted
@@ -114,6 +131,79 @@ def test_estimate_command_labels_estimates(capsys):
     assert out.startswith("ESTIMATE (not measured)")
     assert "formula: peak per rank" in out and "dry run: peak per rank" in out
     assert "communication per layer" in out
+
+
+def test_estimate_models_cuda_sizes_and_kernels(capsys):
+    # CUDA: 131072-row blocks (one block at 64K), the cuDNN kernel for bf16, no CPU scratch
+    cuda = estimate.make_config(seq_len=65536, dtype="bfloat16", device="cuda")
+    assert {b.hi - b.lo for b in estimate.plan_for(cuda, cuda.lengths(), 0).blocks} == {65536}
+    assert estimate.backend_for(cuda) == "cuda_cudnn"
+    cpu = estimate.make_config(seq_len=65536, dtype="bfloat16", threads=1)
+    assert len(estimate.plan_for(cpu, cpu.lengths(), 0).blocks) == 32
+    f = estimate.formula(cuda)
+    assert estimate.CUDA_SCRATCH in f.breakdown and estimate.SCRATCH not in f.breakdown
+    # H100 (torch 2.11, bf16, this setting): 5.05 input-sized tensors beyond q, k, v forward,
+    # 16.14 beyond q, k, v, dout in training (benchmarks/bench_single_device.py); within 25%
+    input_bytes = 65536 * 12 * 64 * 2
+    assert (f.peak_bytes - 3 * input_bytes) / input_bytes == pytest.approx(5.05, rel=0.25)
+    training = estimate.formula(dataclasses.replace(cuda, training=True))
+    assert (training.peak_bytes - 4 * input_bytes) / input_bytes == pytest.approx(16.14, rel=0.25)
+    assert cli.main(["estimate", "--seq-len", "64k", "--device", "cuda", "--dtype",
+                     "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "CUDA kernels (cuda_cudnn)" in out and "CUDA kernel workspace (modelled)" in out
+    assert "CPU kernel scratch" not in out
+
+
+def test_estimate_counts_agree_with_their_nouns(capsys):
+    argv = ["estimate", "--seq-len", "2048", "--threads", "1", "--segment-lengths", "1024",
+            "--dilation-rates", "1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "over P = 1 rank (2,048 rows each" in out and "1 thread per rank" in out
+    assert "in 0 messages" in out
+    # two ranks, one 2048-row segment across the border: each rank sends its part, once
+    assert cli.main(["estimate", "--seq-len", "2048", "--world-size", "2", "--segment-lengths",
+                     "2048", "--dilation-rates", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "over P = 2 ranks" in out and "in 1 message" in out and "1 messages" not in out
+
+
+@pytest.mark.parametrize("options", [
+    # 6144-row CPU blocks: runs of three 2048-row launches, cut to two
+    dict(seq_len=196608, segment_lengths=[2048], dilation_rates=[1], heads=4, head_dim=16,
+         dtype="bfloat16", training=True),
+    # segments across ranks (pending outputs, exchanges), causal, GQA
+    dict(seq_len=9000, world_size=3, causal=True, training=True, dtype="bfloat16",
+         segment_lengths=[1024, 4096], dilation_rates=[1, 2], kv_heads=4),
+], ids=["runs", "spanning"])
+def test_dry_run_shortcuts_trace_the_same_peak(options):
+    """The dry run reuses the output metadata of repeated elementwise calls instead of
+    running their (Python) meta kernels again, and runs repeated launches once
+    (compact_plan); neither may change what it traces."""
+    config = estimate.make_config(threads=1, **options)
+    for rank in estimate._distinct_ranks(config)[:2]:
+        fast = estimate._trace_rank(config, rank)
+        full = estimate._trace_rank(config, rank, reuse=False, compact=False)
+        assert fast.breakdown == full.breakdown and fast.phase == full.phase
+        assert (fast.forward_bytes, fast.backward_bytes, fast.forward_messages) == (
+            full.forward_bytes, full.backward_bytes, full.forward_messages)
+
+
+def test_compact_plan_keeps_first_and_last_of_each_run():
+    config = estimate.make_config(seq_len=196608, segment_lengths=[2048], dilation_rates=[1],
+                                  threads=1)
+    plan = estimate.plan_for(config, config.lengths(), 0)
+    compact = estimate.compact_plan(plan)
+    for full, short in zip(plan.blocks, compact.blocks):
+        assert full.index == short.index
+        ids = [l.id for l in short.forward]
+        assert set(ids) <= {l.id for l in full.forward} and ids == sorted(ids)
+        assert {l.id for l in short.backward} == set(ids)  # the same launches both ways
+        # the block's first and last launches stay: they make and finish its accumulators
+        assert (ids[0], ids[-1]) == (full.forward[0].id, full.forward[-1].id)
+    assert sum(map(len, (b.forward for b in compact.blocks))) < sum(
+        map(len, (b.forward for b in plan.blocks)))
 
 
 @pytest.mark.distributed
@@ -164,7 +254,15 @@ def test_tiny_bench_table_and_json(tmp_path, capsys):
         assert r["time_ms"] > 0 and r["tokens_per_s"] > 0
         if sys.platform.startswith("linux"):
             assert r["peak_mem_mb"] > 0
+        assert r["time_min_ms"] <= r["time_ms"] <= r["time_max_ms"]
+        assert len(r["times_ms"]) == 1
     assert rows[0]["speedup"] == 1.0 and rows[0]["comm_mb"] == 0.0
+    # the load average before and after the runs, and any warnings drawn from it
+    load = data["environment"]["load_average"]
+    if hasattr(os, "getloadavg"):
+        assert len(load["before"]) == 3 and len(load["after"]) == 3
+    assert isinstance(data["warnings"], list)
+    assert "min, median and max over 1 pass " in out
     # segments of 256 and 512 rows lie inside the two 512-row pieces: nothing to send
     assert rows[1]["comm_mb"] == 0.0
     plotted = (out_dir / "bench.png").exists()
@@ -245,3 +343,57 @@ def test_bench_inputs_do_not_depend_on_world_size():
     parts = [bench.make_rows([(lo, hi)], (1, 2, 4), seed=7, dtype=torch.float32, device="cpu")
              for lo, hi in [(0, 1100), (1100, 2048), (2048, 3000)]]
     assert torch.equal(torch.cat(parts, dim=1), full)
+
+
+def _row(n, p, times, impl="dilated", threads=1):
+    times = sorted(times)
+    return {"impl": impl, "seq_len": n, "world_size": p, "time_ms": times[len(times) // 2],
+            "time_min_ms": times[0], "time_max_ms": times[-1], "peak_mem_mb": 1.0,
+            "comm_mb": 0.0, "threads": threads}
+
+
+def test_bench_table_shows_min_median_max():
+    table = bench.format_table([dict(_row(1024, 2, [9.0, 10.0, 14.0]), tokens_per_s=1.0,
+                                     speedup=None, comm_wait=0.0)])
+    header, _, line = table.splitlines()
+    assert "min (ms)" in header and "median (ms)" in header and "max (ms)" in header
+    assert "9.0" in line and "10.0" in line and "14.0" in line
+
+
+def test_bench_warns_on_spread_and_load():
+    quiet = [_row(1024, 1, [10.0, 10.5, 11.0]), _row(1024, 2, [10.0, 10.2, 10.4], threads=1)]
+    assert bench.time_warnings(quiet, bench.Load((0.1, 0.1, 0.1), (2.2, 1, 1)), cores=2) == []
+    noisy = quiet + [_row(2048, 2, [5.0, 10.0, 23.5])]
+    (spread,) = bench.time_warnings(noisy, bench.Load(None, None), cores=2)
+    assert "1 of 3 rows" in spread and "185%" in spread and "N=2048 P=2" in spread
+    # 1.5 on 2 cores before the run; after it, 3.5 less the 2 threads of its own ranks
+    for load in (bench.Load((1.5, 1, 1), None), bench.Load(None, (3.5, 1, 1))):
+        (busy,) = bench.time_warnings(quiet, load, cores=2)
+        assert "busy" in busy and "1.5" in busy and "2 cores" in busy
+
+
+def test_bench_plots_against_ranks_for_one_length():
+    # several lengths: against N, one line per (impl, P)
+    rows = [_row(n, p, [1.0]) for p in (1, 2) for n in (4096, 1024)]
+    axis, series = bench.plot_series(rows)
+    assert axis == "seq_len" and list(series) == ["dilated, P=1", "dilated, P=2"]
+    assert [r["seq_len"] for r in series["dilated, P=1"]] == [1024, 4096]
+    # one length over several rank counts: against P (not two dots over one x value)
+    rows = [_row(8192, p, [1.0], impl) for impl in ("ring", "dilated") for p in (4, 1, 2)]
+    axis, series = bench.plot_series(rows)
+    assert axis == "world_size" and list(series) == ["dilated, N=8,192", "ring, N=8,192"]
+    assert [r["world_size"] for r in series["ring, N=8,192"]] == [1, 2, 4]
+
+
+def test_out_help_shows_its_default(capsys):
+    assert cli.main(["bench", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "(default dilated_attention_bench)" in help_text
+
+
+def test_counts_agree_with_their_nouns():
+    assert settings.plural(1, "thread") == "1 thread"
+    assert settings.plural(2, "thread") == "2 threads"
+    assert settings.plural(1024, "message") == "1,024 messages"
+    assert settings.plural(1, "pass", "passes") == "1 pass"
+    assert settings.plural(3, "pass", "passes") == "3 passes"

@@ -247,15 +247,37 @@ def test_plan_modes():
 
 
 def test_longnet_billion_token_plan_is_fast():
-    """LongNet's geometric schedule up to 2^30 rows over 128 ranks: one rank's plan in
-    well under a second (issue 11), on meta index tensors."""
-    segs = tuple(2048 * 2**i for i in range(0, 20, 4)) + (2**30,)
+    """Issue 11 target 2: LongNet's 1B-token schedule (segments 2048, 16384, ..., 2^29, 2^30,
+    w / r = 2048) over 128 ranks: a rank's plan in under a second (measured 0.2-0.5 s,
+    benchmarks/bench_plan.py). The bound is 5 s per rank so that a loaded CI machine passes;
+    a plan that loops over rate offsets or rows takes minutes. Rank 0 also pays the
+    transfer schedule all ranks share."""
+    segs = (2048, 16384, 131072, 2**20, 2**23, 2**26, 2**29, 2**30)
     rates = tuple(w // 2048 for w in segs)
+    assert rates == (1, 8, 64, 512, 4096, 32768, 2**18, 2**19)
     layout = Layout.contiguous([2**30 // 128] * 128)
-    start = time.perf_counter()
-    plan = make_plan(layout, (segs, rates), True, Heads.of(12, 12), 77, "meta")
-    assert time.perf_counter() - start < 5.0
-    assert plan.rounds
+    for rank in (0, 77, 127):
+        start = time.process_time()
+        plan = make_plan(layout, (segs, rates), True, Heads.of(12, 12), rank, "meta")
+        assert time.process_time() - start < 5.0, rank
+        assert plan.rows == 2**23 and plan.rounds
+        # the 2048-row segments are one launch each (CPU launch sizes); the rest is O(blocks)
+        assert 4096 < plan.launches < 6000, plan.launches
+
+
+def test_plan_sizes_for_another_device_type():
+    """estimate --device cuda plans a CUDA run with index tensors on meta: block and launch
+    sizes follow `device_type`, not the tensors' device."""
+    layout = Layout.contiguous([2**20])
+    patterns, heads = ((2048, 4096), (1, 2)), Heads.of(4, 4)
+    cpu = make_plan(layout, patterns, False, heads, 0, "meta")
+    cuda = make_plan(layout, patterns, False, heads, 0, "meta", device_type="cuda")
+    assert {b.hi - b.lo for b in cpu.blocks} == {2**15}  # n / 32 rows (above the CPU's 2048)
+    assert {b.hi - b.lo for b in cuda.blocks} == {2**17}  # the CUDA minimum, 131072
+    # CUDA launches batch 64 segments of 2048 rows (131072 rows), the CPU one
+    assert cuda.launches < cpu.launches // 16
+    index = cuda.blocks[0].forward[-1].group.q_index
+    assert index.device.type == "meta"
 
 
 @pytest.mark.parametrize("world", [4, 8])

@@ -425,12 +425,16 @@ def _cut(directory: Dict[Tuple[int, int], Tuple[int, int]], group: HeadGroup,
 
 
 def make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, rank: int,
-              device: str = "cpu", documents: Documents = None) -> Plan:
+              device: str = "cpu", documents: Documents = None, *,
+              device_type: Optional[str] = None) -> Plan:
     """The plan of `rank` (see Note [plan]); equal arguments on every rank of a call.
 
-    Plans are cached: a call with the same shapes reuses its plan.
+    Index tensors live on `device`; block and launch sizes are those of
+    `device_type` (default: `device`'s type), so that ``estimate --device
+    cuda --dry-run`` can run a CUDA plan on meta tensors. Plans are cached: a
+    call with the same shapes reuses its plan.
     """
-    kind = torch.device(device).type
+    kind = device_type or torch.device(device).type
     rows = _block_rows(layout.rows_of(rank), patterns[0], kind)
     launch_rows = ROWS_PER_LAUNCH.get(kind, ROWS_PER_LAUNCH["cpu"])
     return _make_plan(layout, patterns, causal, heads, rank, device, documents, rows, launch_rows)

@@ -5,7 +5,10 @@ the global row index only, so every world size sees the same sequence), runs
 warm-up passes, then timed passes. What is reported, per (implementation,
 sequence length, ranks):
 
-- time: per pass the slowest rank's wall time, median over passes;
+- time: per pass the slowest rank's wall time; min, median and max over the
+  passes (a spread above SPREAD_WARNING of the median, or a machine that was
+  busy before or during the run, draws a warning: other processes on the
+  cores change times, not memory or traffic);
 - peak memory per rank: CPU: resident-set high-water mark above the rank's
   baseline (``/proc/self/clear_refs`` + ``VmHWM``, taken after warm-up with
   no inputs alive), so inputs, outputs, workspace, communication buffers and
@@ -25,8 +28,9 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -35,19 +39,26 @@ from ..distributed import comm
 from ..distributed.sharding import piece_ranges
 from ..functional import dilated_attention, ring_attention
 from ..kernels import recommended_dtype
-from .settings import (DEFAULT_SEQ_LENS, DEFAULT_WORLD_SIZES, MB, check_setting, check_zigzag,
-                       default_threads, ring_layout)
+from .settings import (DEFAULT_SEQ_LENS, DEFAULT_WORLD_SIZES, MB, PROG, check_setting,
+                       check_zigzag, default_threads, plural, ring_layout)
 
 IMPLS = ("dilated", "ring", "sdpa")
 # Rows per generator block: a rank seeds each block it overlaps from the
 # global block index, so no rank materialises the rows of another.
 ROW_BLOCK = 1024
 
+# Time warnings: passes whose max - min exceeds this share of the median, and a
+# machine whose other processes kept more than this share of the cores busy.
+SPREAD_WARNING = 0.2
+BUSY_WARNING = 0.5
+
 COLUMNS = (
     ("impl", "implementation", "{}"),
     ("seq_len", "seq len", "{:d}"),
     ("world_size", "ranks", "{:d}"),
-    ("time_ms", "time (ms)", "{:.1f}"),
+    ("time_min_ms", "min (ms)", "{:.1f}"),
+    ("time_ms", "median (ms)", "{:.1f}"),
+    ("time_max_ms", "max (ms)", "{:.1f}"),
     ("peak_mem_mb", "peak mem/rank (MB)", "{:.1f}"),
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
     ("speedup", "speedup vs 1 rank", "{:.2f}"),
@@ -359,6 +370,8 @@ def run_case(impl: str, n: int, group, config: BenchConfig, device: str) -> Dict
         "seq_len": n,
         "world_size": world_size,
         "time_ms": seconds * 1e3,
+        "time_min_ms": min(times) * 1e3,
+        "time_max_ms": max(times) * 1e3,
         "peak_mem_mb": None if peak_max < 0 else peak_max / MB,
         "tokens_per_s": config.batch * n / seconds,
         "speedup": None,
@@ -429,17 +442,69 @@ def describe(config: BenchConfig, rows: List[Dict[str, object]]) -> str:
         f"{'forward + backward' if config.backward else 'forward only'}"
         f"{', causal' if config.causal else ''}); batch {config.batch}, {config.heads} heads x "
         f"{config.head_dim} (kv heads {config.kv_heads}); dilated: {pattern}; torch threads per "
-        f"rank {threads}. time: median of {config.repeats} passes of the slowest rank; memory: "
-        f"peak above the rank's baseline, largest rank; comm: bytes sent per pass, largest rank; "
-        f"comm wait: share of a pass a rank waited on transfers (median), largest rank."
+        f"rank {threads}. time: min, median and max over {plural(config.repeats, 'pass', 'passes')} "
+        f"(each the slowest rank's); memory: peak above the rank's baseline, largest rank; comm: "
+        f"bytes sent per pass, largest rank; comm wait: share of a pass a rank waited on "
+        f"transfers (median), largest rank."
     )
 
 
-def report(rows: List[Dict[str, object]], config: BenchConfig, *, out_dir: str, command: str):
-    """Print the table; write bench.json and bench.png (when matplotlib is installed)."""
+class Load(NamedTuple):
+    """The machine's load averages (1, 5, 15 minutes) before and after the runs (None: the
+    platform has none). Other processes on the cores change times, so bench records them."""
+
+    before: Optional[Tuple[float, float, float]]
+    after: Optional[Tuple[float, float, float]]
+
+
+def load_average() -> Optional[Tuple[float, float, float]]:
+    """``os.getloadavg()``, or None where the platform has none (Windows)."""
+    try:
+        return tuple(os.getloadavg())  # type: ignore[return-value]
+    except (AttributeError, OSError):
+        return None
+
+
+def time_warnings(rows: List[Dict[str, object]], load: Load, cores: int) -> List[str]:
+    """One line per reason to distrust the times: a wide spread of passes, a busy machine.
+
+    Busy: the 1-minute load average before the runs, or after them less the
+    threads the largest run itself used, exceeds BUSY_WARNING of the cores
+    (other processes then share the cores with the ranks).
+    """
+    out = []
+    wide = [(r, (r["time_max_ms"] - r["time_min_ms"]) / r["time_ms"]) for r in rows
+            if r["time_ms"] > 0]
+    wide = [(r, spread) for r, spread in wide if spread > SPREAD_WARNING]
+    if wide:
+        r, spread = max(wide, key=lambda x: x[1])
+        out.append(
+            f"the passes of {len(wide)} of {plural(len(rows), 'row')} differ by more than "
+            f"{SPREAD_WARNING:.0%} of their median (up to {spread:.0%}: {r['impl']} "
+            f"N={r['seq_len']} P={r['world_size']}): compare times with care, or raise --repeats"
+        )
+    own = max((r["world_size"] * r["threads"] for r in rows), default=0)
+    others = [x for x in (load.before and load.before[0],
+                          load.after and load.after[0] - own) if x is not None]
+    if others and max(others) > BUSY_WARNING * cores:
+        out.append(
+            f"the machine was busy (1-minute load average {max(others):.1f} from other "
+            f"processes on {plural(cores, 'core')}): times are unreliable, memory and traffic "
+            f"are not affected"
+        )
+    return out
+
+
+def report(rows: List[Dict[str, object]], config: BenchConfig, *, out_dir: str, command: str,
+           load: Load = Load(None, None)) -> None:
+    """Print the table and any time warnings (stderr); write bench.json and bench.png (when
+    matplotlib is installed)."""
     add_speedups(rows)
+    warnings = time_warnings(rows, load, os.cpu_count() or 1)
     print(describe(config, rows))
     print(format_table(rows))
+    for line in warnings:
+        print(f"{PROG}: warning: {line}", file=sys.stderr)
     os.makedirs(out_dir, exist_ok=True)
     json_path = os.path.join(out_dir, "bench.json")
     with open(json_path, "w") as f:
@@ -447,7 +512,8 @@ def report(rows: List[Dict[str, object]], config: BenchConfig, *, out_dir: str, 
             {
                 "command": command,
                 "config": dataclasses.asdict(config),
-                "environment": _environment(config),
+                "environment": _environment(config, load),
+                "warnings": warnings,
                 "rows": rows,
             },
             f,
@@ -461,41 +527,72 @@ def report(rows: List[Dict[str, object]], config: BenchConfig, *, out_dir: str, 
         print("plot skipped: matplotlib is not installed (pip install matplotlib)")
 
 
-def _environment(config: BenchConfig) -> Dict[str, object]:
+def _environment(config: BenchConfig, load: Load) -> Dict[str, object]:
     env: Dict[str, object] = {
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
+        "load_average": load._asdict(),
     }
     if config.device == "cuda":
         env["cuda_device"] = torch.cuda.get_device_name()
     return env
 
 
+# x axis of the plot -> (axis title, how a series of the other axis is labelled)
+_AXES = {"seq_len": ("sequence length N", "N={:,}"), "world_size": ("ranks P", "P={}")}
+
+
+def plot_series(rows: List[Dict[str, object]]) -> Tuple[str, Dict[str, List[Dict[str, object]]]]:
+    """(x axis, {label: rows in x order}): one line per implementation and value of the other
+    axis. The x axis is N, or P when every row has the same N (against N the ranks would
+    stack over one x value)."""
+    one_length = len({r["seq_len"] for r in rows}) == 1
+    axis = "world_size" if one_length and len({r["world_size"] for r in rows}) > 1 else "seq_len"
+    other = "seq_len" if axis == "world_size" else "world_size"
+    grouped: Dict[Tuple[str, int], List[Dict[str, object]]] = {}
+    for r in rows:
+        grouped.setdefault((r["impl"], r[other]), []).append(r)
+    label = _AXES[other][1]
+    return axis, {f"{impl}, {label.format(value)}": sorted(points, key=lambda r: r[axis])
+                  for (impl, value), points in sorted(grouped.items())}
+
+
 def plot(rows: List[Dict[str, object]], config: BenchConfig, path: str) -> bool:
-    """Time and per-rank peak memory against sequence length, one line per (impl, ranks)."""
+    """Time (median, min-max bars), per-rank peak memory and per-rank traffic against N or P
+    (``plot_series``), one line per implementation and value of the other."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    series: Dict[Tuple[str, int], List[Dict[str, object]]] = {}
-    for r in rows:
-        series.setdefault((r["impl"], r["world_size"]), []).append(r)
-    for (impl, p), points in sorted(series.items()):
-        points.sort(key=lambda r: r["seq_len"])
-        xs = [r["seq_len"] for r in points]
-        label = f"{impl}, P={p}"
-        axes[0].plot(xs, [r["time_ms"] for r in points], marker="o", label=label)
+    axis, series = plot_series(rows)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for label, points in series.items():
+        xs = [r[axis] for r in points]
+        times = [r["time_ms"] for r in points]
+        # bars from the fastest to the slowest pass
+        bars = [[t - r["time_min_ms"] for t, r in zip(times, points)],
+                [r["time_max_ms"] - t for t, r in zip(times, points)]]
+        axes[0].errorbar(xs, times, yerr=bars, marker="o", capsize=3, label=label)
         mem = [(x, r["peak_mem_mb"]) for x, r in zip(xs, points) if r["peak_mem_mb"] is not None]
         if mem:
             axes[1].plot(*zip(*mem), marker="o", label=label)
-    for ax, ylabel in zip(axes, ("time (ms)", "peak memory per rank (MB)")):
+        axes[2].plot(xs, [r["comm_mb"] for r in points], marker="o", label=label)
+    titles = ("time (ms): median, min to max", "peak memory per rank (MB)",
+              "communication per rank per pass (MB)")
+    for ax, ylabel in zip(axes, titles):
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length N")
+        if axis == "world_size":  # 1, 2, 4 rather than 2^0, 2^1, 2^2
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+                lambda x, _: f"{x:g}"))
+        if ax is not axes[2]:
+            ax.set_yscale("log")
+        else:  # traffic is often 0: a linear scale from 0 shows it
+            ax.set_ylim(bottom=0)
+        ax.set_xlabel(_AXES[axis][0])
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)

@@ -149,12 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(backward=False)
     bench.add_argument("--warmup", type=nonnegative_int, default=1, help="warm-up runs (1)")
     bench.add_argument("--repeats", type=positive_int, default=3,
-                       help="timed runs; the median is reported (3)")
+                       help="timed runs; their min, median and max are reported (3)")
     bench.add_argument("--threads", type=positive_int, default=None,
                        help="torch threads per rank (default: cores // ranks, at least 1)")
     bench.add_argument("--seed", type=nonnegative_int, default=0, help="input seed (0)")
     bench.add_argument("--out", default="dilated_attention_bench",
-                       help="output folder for bench.json and bench.png")
+                       help="output folder for bench.json and bench.png (default "
+                            "dilated_attention_bench)")
     bench.add_argument("--timeout", type=positive_float, default=3600.0,
                        help="seconds before spawned ranks are stopped (3600)")
     bench.set_defaults(run=_cmd_bench)
@@ -189,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--impl", choices=("dilated", "ring"), default="dilated",
                           help="dilated attention or dense ring attention (dilated)")
     estimate.add_argument("--dtype", choices=DTYPES, default="float32")
+    estimate.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                          help="the device modelled: its row blocks, launch sizes and kernels "
+                               "(default cpu; no GPU is needed)")
     estimate.add_argument("--threads", type=positive_int, default=None,
                           help="CPU kernel threads per rank (default: cores // ranks)")
     emode = estimate.add_mutually_exclusive_group()
@@ -250,6 +254,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         seed=args.seed, launched_world_size=launched,
     )
     command = shlex.join([PROG] + args.argv)
+    load_before = bench.load_average()  # other processes' load, before ours adds to it
     if launched is not None:
         rows = run_launched(bench.rank_main, config, device=device)
         if rows is None:  # not rank 0: rank 0 reports
@@ -264,7 +269,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                               progress=progress)[0]
         finally:
             progress.close()
-    bench.report(rows, config, out_dir=args.out, command=command)
+    bench.report(rows, config, out_dir=args.out, command=command,
+                 load=bench.Load(load_before, bench.load_average()))
     return 0
 
 
@@ -304,7 +310,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         segment_lengths=flatten(args.segment_lengths), dilation_rates=flatten(args.dilation_rates),
         heads=args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads, batch=args.batch,
         dtype=args.dtype, causal=args.causal, training=args.training,
-        impl=args.impl, threads=args.threads,
+        impl=args.impl, threads=args.threads, device=args.device,
     )
     return estimate.report(config, trace=args.dry_run, as_json=args.json)
 

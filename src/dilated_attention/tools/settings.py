@@ -24,6 +24,12 @@ DEFAULT_SEQ_LENS = (8192, 16384, 32768)
 DEFAULT_WORLD_SIZES = (1, 2, 4)
 
 
+def plural(count: int, noun: str, nouns: Optional[str] = None) -> str:
+    """"1 thread", "2 threads", "1,024 messages", "1 pass": a count with its noun in the
+    right number (`nouns`: the plural when it is not `noun` + "s")."""
+    return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"
+
+
 def default_threads(world_size: int) -> int:
     """Torch threads per rank when not given: the cores shared out over the ranks, at least one."""
     return max(1, (os.cpu_count() or 1) // world_size)

@@ -1,0 +1,66 @@
+"""Planning LongNet's billion-token schedule: seconds per rank to build one rank's plan.
+
+    python benchmarks/bench_plan.py                          # 2^30 tokens over 128 and 256 ranks
+    python benchmarks/bench_plan.py --world-sizes 128 --device cuda --causal
+
+LongNet's geometric schedule (w / r = 2048): segments [2048, 16384, 131072,
+2^20, 2^23, 2^26, 2^29, 2^30] with rates [1, 8, 64, 512, 4096, 32768, 2^18,
+2^19], 12 heads. For each world size P, the plans of ranks 0, 5, P / 2 and
+P - 1 are built in this process, in that order (``plan.make_plan`` on meta
+index tensors, with the row blocks and launch sizes of --device: what every
+rank of a real run builds for itself before its first launch, and what
+``dilated-attention estimate`` builds). Each plan is built once, cold: the
+first rank of a world size also pays the transfer schedule that all its
+ranks share, and the very first plan the one-time imports. Printed: seconds
+per rank (wall clock, and this process's CPU time, which a machine busy with
+other work inflates less), launches, row blocks and exchange rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from dilated_attention.patterns import Heads
+from dilated_attention.plan import Layout, make_plan
+
+SEGMENTS = (2048, 16384, 131072, 2**20, 2**23, 2**26, 2**29, 2**30)
+RATES = tuple(w // 2048 for w in SEGMENTS)
+
+
+def plan_times(n: int, world_size: int, ranks, *, causal: bool, device: str, heads: int):
+    """(rank, wall s, cpu s, plan) for each rank's plan, built in order."""
+    layout = Layout.contiguous([n // world_size + (p < n % world_size) for p in range(world_size)])
+    out = []
+    for rank in ranks:
+        wall, cpu = time.perf_counter(), time.process_time()
+        plan = make_plan(layout, (SEGMENTS, RATES), causal, Heads.of(heads, heads), rank, "meta",
+                         device_type=device)
+        out.append((rank, time.perf_counter() - wall, time.process_time() - cpu, plan))
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-len", type=int, default=2**30)
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[128, 256])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="whose row blocks and launch sizes to plan with (default cpu)")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--heads", type=int, default=12)
+    args = p.parse_args(argv)
+    print(f"N = {args.seq_len:,}, segments {list(SEGMENTS)}, rates {list(RATES)}, "
+          f"{args.heads} heads, {'causal, ' if args.causal else ''}{args.device} sizes")
+    print("| ranks | rank | seconds (wall) | seconds (CPU) | launches | row blocks | rounds |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for world_size in args.world_sizes:
+        ranks = list(dict.fromkeys([0, 5, world_size // 2, world_size - 1]))
+        for rank, wall, cpu, plan in plan_times(args.seq_len, world_size, ranks,
+                                                causal=args.causal, device=args.device,
+                                                heads=args.heads):
+            print(f"| {world_size} | {rank} | {wall:.2f} | {cpu:.2f} | {plan.launches:,} | "
+                  f"{len(plan.blocks)} | {len(plan.rounds)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
