@@ -95,7 +95,7 @@ ESTIMATE_CASES = [
     dict(impl="dilated", seq_len=16384, world_size=4, segment_lengths=[1024, 8192, 16384],
          dilation_rates=[1, 4, 8], causal=True, kv_heads=4, training=True),
     dict(impl="dilated", seq_len=8192, world_size=4, segment_lengths=[8192],
-         dilation_rates=[1], training=True, dtype="bfloat16"),
+         dilation_rates=[1], training=True, dtype="bfloat16", strategy="exchange"),
     dict(impl="ring", seq_len=8192, world_size=4, causal=True, training=True),
     dict(impl="ring", seq_len=9000, world_size=3, kv_heads=4, dtype="bfloat16"),
     # CUDA sizes and kernels (planned and traced on meta: no GPU needed): one device; two
@@ -108,6 +108,13 @@ ESTIMATE_CASES = [
          dilation_rates=[1, 4, 8], causal=True, kv_heads=4, training=True, device="cuda"),
     dict(impl="ring", seq_len=8192, world_size=2, causal=True, training=True, dtype="bfloat16",
          device="cuda"),
+    # head-parallel: Ulysses over 4 ranks, a 2 x 2 mesh (Ulysses x the exchange) with GQA
+    # and causal, a 4 x 1 mesh whose kv heads are read by two ranks each
+    dict(impl="dilated", seq_len=16384, world_size=4, strategy="ulysses"),
+    dict(impl="dilated", seq_len=16384, world_size=4, strategy="ulysses", training=True),
+    dict(impl="dilated", seq_len=16384, mesh=(2, 2), kv_heads=4, causal=True, training=True),
+    dict(impl="dilated", seq_len=16384, mesh=(4, 1), kv_heads=2, training=True,
+         segment_lengths=[2048, 16384], dilation_rates=[1, 8]),
 ]
 
 
@@ -397,3 +404,37 @@ def test_counts_agree_with_their_nouns():
     assert settings.plural(1024, "message") == "1,024 messages"
     assert settings.plural(1, "pass", "passes") == "1 pass"
     assert settings.plural(3, "pass", "passes") == "3 passes"
+
+
+def test_auto_strategy_is_named_by_estimate_and_bench(capsys):
+    # LongNet's segments inside the pieces: the exchange sends nothing, auto keeps it
+    local = estimate.make_config(seq_len=65536, world_size=4, threads=1)
+    assert estimate.strategy_name(local) == "exchange (auto)"
+    # dense attention over 4 ranks: Ulysses sends less
+    dense = estimate.make_config(seq_len=8192, world_size=4, segment_lengths=[8192],
+                                 dilation_rates=[1], threads=1)
+    assert estimate.split(dense) == (4, 1)
+    assert estimate.strategy_name(dense) == "4x1 (ulysses) (auto)"
+    assert estimate.strategy_name(estimate.make_config(seq_len=8192, mesh=(2, 2))) == \
+        "2x2 (ulysses x exchange)"
+    with pytest.raises(ValueError, match="12 query heads cannot be split over 5"):
+        estimate.make_config(seq_len=8192, mesh=(5, 1))
+    assert cli.main(["estimate", "--seq-len", "8192", "--mesh", "2x2", "--impl", "ring"]) == 0
+    assert "strategy 2x2 (ulysses x ring)" in capsys.readouterr().out
+    assert cli.main(["estimate", "--seq-len", "8192", "--mesh", "2x"]) == 2
+    assert "expected UxS (e.g. 2x2), got '2x'" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_bench_runs_each_strategy_and_mesh(capsys, tmp_path):
+    argv = ["bench", "--seq-lens", "2048", "--world-sizes", "2", "--strategy", "exchange",
+            "ulysses", "--mesh", "2x1", "--repeats", "1", "--warmup", "0", "--heads", "4",
+            "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("dilated ")]
+    assert [r[3] for r in rows] == ["exchange", "ulysses", "2x1"], out
+    # the 4096-row segment spans both ranks: the exchange sends its selected rows; Ulysses
+    # half of q, k, v and of the output, on a 1-D group and on a 2 x 1 mesh alike
+    exchange, ulysses, mesh = (float(r[-2]) for r in rows)
+    assert exchange > 0 and ulysses == mesh > 0, out

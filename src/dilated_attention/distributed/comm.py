@@ -688,6 +688,7 @@ def broadcast_(x: Tensor, src: int, group: ProcessGroup) -> Tensor:
 
 
 def barrier(group: ProcessGroup) -> None:
+    group = _plain(group)
     if isinstance(group, Grid):
         for dim_group in (group.heads, group.sequence):
             barrier(dim_group)

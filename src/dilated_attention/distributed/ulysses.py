@@ -126,19 +126,24 @@ class _RowsToHeads(torch.autograd.Function):
         return _heads_to_rows(grad, heads, lengths, group, total), None, None, None
 
 
-class _HeadsToRows(torch.autograd.Function):
-    """`_heads_to_rows` for disjoint heads (outputs), whose backward is `_rows_to_heads`."""
+class _OutputToRows(torch.autograd.Function):
+    """out and lse back to this rank's rows (`_heads_to_rows`, disjoint heads); backward
+    `_rows_to_heads` of both gradients. One node for both: its backward runs whenever either
+    reaches the loss (an unused lse gets a zero gradient), so every rank of the group makes
+    the same all-to-alls."""
 
     @staticmethod
-    def forward(ctx, y, heads, lengths, group, total):
+    def forward(ctx, out, lse, heads, lengths, group, total):
         ctx.args = (heads, lengths, group)
-        return _heads_to_rows(y, heads, lengths, group, total)
+        return (_heads_to_rows(out, heads, lengths, group, total),
+                _heads_to_rows(lse, heads, lengths, group, total))
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, dout, dlse):
         heads, lengths, group = ctx.args
         check_first_order("Ulysses (head-parallel) attention")
-        return _rows_to_heads(grad, heads, lengths, group), None, None, None, None
+        return (_rows_to_heads(dout, heads, lengths, group),
+                _rows_to_heads(dlse, heads, lengths, group), None, None, None, None)
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, key_mask, group: Any,
@@ -158,15 +163,14 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, key_mask, group: Any,
     kv_heads = [split.kv(u) for u in range(size)]
     lengths = tuple(lengths)
     q_u = _RowsToHeads.apply(q, tuple(q_heads), lengths, group)
-    # k and v travel together: (2, b, n, hk, d) -> (b, n, hk, 2, d)
+    # k and v travel together: (b, n, hk, d) x 2 -> (b, n, hk, 2, d)
     kv = torch.stack([k, v], dim=3)
     kv_u = _RowsToHeads.apply(kv, tuple(kv_heads), lengths, group)
+    del kv  # its copy is on the wire; do not hold it through the attention
     k_u, v_u = kv_u.unbind(3)
     mask = None
     if key_mask is not None:
         # (b, n) -> (b, N): the keys' mask rows of the whole block (as uint8: gloo sends it)
         mask = comm.all_gather(key_mask.to(torch.uint8), group, dim=1, sizes=lengths).bool()
     out_u, lse_u = attend(q_u, k_u, v_u, split.local_heads(rank), mask)
-    out = _HeadsToRows.apply(out_u, tuple(q_heads), lengths, group, q.shape[2])
-    lse = _HeadsToRows.apply(lse_u, tuple(q_heads), lengths, group, q.shape[2])
-    return out, lse
+    return _OutputToRows.apply(out_u, lse_u, tuple(q_heads), lengths, group, q.shape[2])

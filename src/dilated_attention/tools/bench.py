@@ -36,13 +36,18 @@ import torch
 from torch import Tensor
 
 from ..distributed import comm
-from ..distributed.sharding import piece_ranges
+from ..distributed.sharding import piece_lengths, piece_ranges
+from ..distributed import strategy as strategies
+from ..distributed.strategy import check_strategy
 from ..functional import dilated_attention, ring_attention
-from ..kernels import recommended_dtype
+from ..kernels import lse_dtype, recommended_dtype
 from .settings import (DEFAULT_SEQ_LENS, DEFAULT_WORLD_SIZES, MB, PROG, check_setting,
                        check_zigzag, default_threads, plural, ring_layout)
 
 IMPLS = ("dilated", "ring", "sdpa")
+# how a case's ranks split the work: ("group", strategy) on a one-dimensional group, or
+# ("mesh", (U, S)) on a 2-D mesh (head-parallel x sequence-parallel)
+Split = Tuple[str, object]
 # Rows per generator block: a rank seeds each block it overlaps from the
 # global block index, so no rank materialises the rows of another.
 ROW_BLOCK = 1024
@@ -56,6 +61,7 @@ COLUMNS = (
     ("impl", "implementation", "{}"),
     ("seq_len", "seq len", "{:d}"),
     ("world_size", "ranks", "{:d}"),
+    ("strategy", "strategy", "{}"),
     ("time_min_ms", "min (ms)", "{:.1f}"),
     ("time_ms", "median (ms)", "{:.1f}"),
     ("time_max_ms", "max (ms)", "{:.1f}"),
@@ -87,6 +93,9 @@ class BenchConfig:
     threads: Optional[int]
     seed: int
     launched_world_size: Optional[int]
+    strategies: Tuple[str, ...] = ("auto",)
+    meshes: Tuple[Tuple[int, int], ...] = ()  # (U head-parallel, S sequence-parallel) ranks
+    flat_world_sizes: Tuple[int, ...] = ()  # the world sizes run on a 1-D group
 
     def threads_for(self, world_size: int) -> int:
         """Torch threads per rank: the given number, else ``settings.default_threads``."""
@@ -94,13 +103,21 @@ class BenchConfig:
             return self.threads
         return default_threads(world_size)
 
-    def cases_for(self, world_size: int) -> List[Tuple[str, int]]:
-        """(impl, N) pairs run at this world size; SDPA is single-device only."""
+    def cases_for(self, world_size: int) -> List[Tuple[str, int, Split]]:
+        """(impl, N, how the ranks split the work) run at this world size: every --strategy
+        on a one-dimensional group (the dilated op's; other implementations run once), and
+        every --mesh of this many ranks; SDPA runs on one rank only."""
+        splits: List[Split] = []
+        if world_size in self.flat_world_sizes:
+            splits += [("group", strategy) for strategy in self.strategies]
+        splits += [("mesh", m) for m in self.meshes if m[0] * m[1] == world_size]
         return [
-            (impl, n)
+            (impl, n, split)
             for impl in self.impls
             for n in self.seq_lens
-            if not (impl == "sdpa" and world_size > 1)
+            for split in splits
+            if not (impl == "sdpa" and (world_size > 1 or split[0] == "mesh"))
+            and not (impl != "dilated" and split[0] == "group" and split != splits[0])
         ]
 
     @property
@@ -132,17 +149,37 @@ def make_config(
     threads: Optional[int] = None,
     seed: int = 0,
     launched_world_size: Optional[int] = None,
+    strategies: Optional[Sequence[str]] = None,
+    meshes: Optional[Sequence[Tuple[int, int]]] = None,
 ) -> BenchConfig:
     """Check the options; raise ValueError naming the option and value on a mistake."""
     segs, rates, kv_heads = check_setting(segment_lengths, dilation_rates, heads, kv_heads)
     seq_lens = tuple(sorted(set(seq_lens or DEFAULT_SEQ_LENS)))
-    if world_sizes is None:
+    strategies = tuple(dict.fromkeys(check_strategy(s) for s in (strategies or ("auto",))))
+    meshes = tuple(dict.fromkeys(tuple(m) for m in (meshes or ())))
+    for u, sp in meshes:
+        if heads % u:
+            raise ValueError(f"--mesh {u}x{sp}: its {u} head-parallel ranks must divide the "
+                             f"{heads} query heads")
+    if world_sizes is None and meshes:
+        world_sizes = []  # only the meshes' sizes
+    elif world_sizes is None:
         if launched_world_size is None:
             world_sizes = DEFAULT_WORLD_SIZES
         else:  # 1, 2, 4, ... and the launched size itself
             world_sizes = [p for p in (2**i for i in range(31)) if p < launched_world_size]
             world_sizes.append(launched_world_size)
-    world_sizes = tuple(sorted(set(world_sizes)))
+    flat_world_sizes = tuple(sorted(set(world_sizes)))
+    if launched_world_size is not None and any(u * sp != launched_world_size
+                                               for u, sp in meshes):
+        raise ValueError(f"--mesh needs U x S = the {launched_world_size} ranks torchrun "
+                         f"launched, got {['%dx%d' % m for m in meshes]}")
+    if "ulysses" in strategies:
+        for p in flat_world_sizes:
+            if p > 1 and heads % p:
+                raise ValueError(f"--strategy ulysses at {p} ranks: the ranks must divide the "
+                                 f"{heads} query heads (drop --world-sizes {p})")
+    world_sizes = tuple(sorted(set(flat_world_sizes) | {u * sp for u, sp in meshes}))
     if launched_world_size is not None and world_sizes[-1] > launched_world_size:
         raise ValueError(
             f"--world-sizes {world_sizes[-1]} exceeds the {launched_world_size} ranks torchrun "
@@ -175,6 +212,7 @@ def make_config(
         heads=heads, head_dim=head_dim, kv_heads=kv_heads, batch=batch, dtype=dtype,
         device=device, causal=causal, backward=backward, impls=impls, warmup=warmup,
         repeats=repeats, threads=threads, seed=seed, launched_world_size=launched_world_size,
+        strategies=strategies, meshes=meshes, flat_world_sizes=flat_world_sizes,
     )
 
 
@@ -215,19 +253,19 @@ def make_rows(
 # Implementations: q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d)
 
 
-def _dilated(q, k, v, config: BenchConfig, group) -> Tensor:
+def _dilated(q, k, v, config: BenchConfig, group, strategy: str) -> Tensor:
     return dilated_attention(
         q, k, v, config.segment_lengths, config.dilation_rates, is_causal=config.causal,
-        group=group,
+        group=group, strategy=strategy,
     )
 
 
-def _ring(q, k, v, config: BenchConfig, group) -> Tensor:
+def _ring(q, k, v, config: BenchConfig, group, strategy: str) -> Tensor:
     return ring_attention(q, k, v, is_causal=config.causal, group=group,
-                          layout=ring_layout(config.causal, comm.group_size(group)))
+                          layout=_layout("ring", config, group))
 
 
-def _sdpa(q, k, v, config: BenchConfig, group) -> Tensor:
+def _sdpa(q, k, v, config: BenchConfig, group, strategy: str) -> Tensor:
     # (b, n, h, d) -> (b, h, n, d) and back: SDPA takes heads second
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=config.causal,
@@ -239,10 +277,37 @@ def _sdpa(q, k, v, config: BenchConfig, group) -> Tensor:
 IMPL_FNS: Dict[str, Callable] = {"dilated": _dilated, "ring": _ring, "sdpa": _sdpa}
 
 
-def rank_ranges(impl: str, n: int, world_size: int, rank: int, config: BenchConfig):
-    """Global row ranges [start, stop) this rank holds for `impl`, in its local order."""
-    layout = ring_layout(config.causal, world_size) if impl == "ring" else "contiguous"
-    return piece_ranges(n, world_size, rank, layout)
+def _layout(impl: str, config: BenchConfig, group) -> str:
+    """The ring's zigzag layout balances causal work on a 1-D group; everything else, and a
+    2-D mesh, takes contiguous pieces."""
+    if impl != "ring" or isinstance(comm.resolve_group(group), comm.Grid):
+        return "contiguous"
+    return ring_layout(config.causal, comm.group_size(group))
+
+
+def rank_ranges(impl: str, n: int, group, rank: int, config: BenchConfig):
+    """Global row ranges [start, stop) group rank (a mesh's piece) `rank` holds for `impl`."""
+    return piece_ranges(n, comm.group_size(group), rank, _layout(impl, config, group))
+
+
+def strategy_label(impl: str, n: int, split: Split, group, config: BenchConfig) -> str:
+    """How the case ran: the strategy ("auto" resolved, from the same model as the op), or
+    the mesh shape with what runs over its sequence dimension."""
+    if split[0] == "mesh":
+        u, sp = split[1]
+        inner = "" if sp == 1 else f" x {'ring' if impl == 'ring' else 'exchange'}"
+        return f"{u}x{sp} mesh (ulysses{inner})"
+    group = comm.resolve_group(group)
+    if impl != "dilated":
+        return "ring" if impl == "ring" and comm.is_distributed(group) else "-"
+    p = comm.group_size(group)
+    shape = strategies.Shape(tuple(piece_lengths(n, p)), (config.segment_lengths,
+                             config.dilation_rates), config.causal, config.heads,
+                             config.kv_heads, config.head_dim, config.batch,
+                             config.torch_dtype.itemsize, lse_dtype(config.torch_dtype).itemsize,
+                             None)
+    kind = strategies.choose(split[1], group, shape, "contiguous")
+    return f"{kind} (auto)" if split[1] == "auto" and kind != "local" else kind
 
 
 # --------------------------------------------------------------------------
@@ -293,9 +358,9 @@ class PeakMemory:
         return None if hwm is None else max(0, hwm * 1024 - self.base)
 
 
-def _build_inputs(impl, n, world_size, rank, config: BenchConfig, device):
+def _build_inputs(impl, n, group, config: BenchConfig, device):
     """This rank's q, k, v (and dout when training), requiring grad when training."""
-    ranges = rank_ranges(impl, n, world_size, rank, config)
+    ranges = rank_ranges(impl, n, group, comm.group_rank(group), config)
     dtype = config.torch_dtype
     b, h, hk, d = config.batch, config.heads, config.kv_heads, config.head_dim
     # three independent streams of rows: one seed offset per tensor
@@ -308,13 +373,13 @@ def _build_inputs(impl, n, world_size, rank, config: BenchConfig, device):
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout
 
 
-def _one_pass(fn, inputs, config: BenchConfig, group) -> None:
+def _one_pass(fn, inputs, config: BenchConfig, group, strategy: str) -> None:
     q, k, v, dout = inputs
     if dout is None:
         with torch.no_grad():
-            fn(q, k, v, config, group)
+            fn(q, k, v, config, group, strategy)
         return
-    out = fn(q, k, v, config, group)
+    out = fn(q, k, v, config, group, strategy)
     out.backward(dout)
     del out
     for x in (q, k, v):
@@ -326,25 +391,28 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_case(impl: str, n: int, group, config: BenchConfig, device: str) -> Dict[str, object]:
-    """Measure one (impl, N) on the ranks of `group` (None: one rank); every rank gets the row."""
-    world_size, rank = comm.group_size(group), comm.group_rank(group)
+def run_case(impl: str, n: int, group, config: BenchConfig, device: str,
+             split: Split = ("group", "auto")) -> Dict[str, object]:
+    """Measure one (impl, N) on the ranks of `group` (None: one rank; a 2-D mesh: a piece
+    per mesh rank) split as `split` says; every rank gets the row."""
+    world_size = comm.group_size(group)
+    strategy = split[1] if split[0] == "group" else "auto"
     fn = IMPL_FNS[impl]
-    inputs = _build_inputs(impl, n, world_size, rank, config, device)
+    inputs = _build_inputs(impl, n, group, config, device)
     for _ in range(config.warmup):
-        _one_pass(fn, inputs, config, group)
+        _one_pass(fn, inputs, config, group, strategy)
     del inputs
     memory = PeakMemory(device)
     comm.barrier(group)
     memory.start()
-    inputs = _build_inputs(impl, n, world_size, rank, config, device)
+    inputs = _build_inputs(impl, n, group, config, device)
     times, waits, comm_bytes, comm_messages = [], [], 0, 0
     for i in range(config.repeats):
         comm.barrier(group)
         _sync(device)
         start = time.perf_counter()
         with comm.count_communication() as stats:
-            _one_pass(fn, inputs, config, group)
+            _one_pass(fn, inputs, config, group, strategy)
         _sync(device)
         times.append(time.perf_counter() - start)
         waits.append(stats.wait_seconds / times[-1])
@@ -369,6 +437,7 @@ def run_case(impl: str, n: int, group, config: BenchConfig, device: str) -> Dict
         "impl": impl,
         "seq_len": n,
         "world_size": world_size,
+        "strategy": strategy_label(impl, n, split, group, config),
         "time_ms": seconds * 1e3,
         "time_min_ms": min(times) * 1e3,
         "time_max_ms": max(times) * 1e3,
@@ -379,7 +448,7 @@ def run_case(impl: str, n: int, group, config: BenchConfig, device: str) -> Dict
         "comm_messages": int(messages_max),
         "comm_wait": wait_max,
         "rows_per_rank": max(hi - lo for p in range(world_size)
-                             for lo, hi in rank_ranges(impl, n, world_size, p, config)),
+                             for lo, hi in rank_ranges(impl, n, group, p, config)),
         "times_ms": [t * 1e3 for t in times],
         "threads": torch.get_num_threads(),
     }
@@ -397,11 +466,14 @@ def rank_main(world, config: BenchConfig, progress: Callable[[str], None], *, de
         else:  # every rank of the launch creates the subgroup of ranks 0..p-1
             group = comm.new_group(list(range(p)))
         if me < p:
-            for impl, n in config.cases_for(p):
-                row = run_case(impl, n, group if p > 1 else None, config, device)
+            for impl, n, split in config.cases_for(p):
+                on = group if p > 1 else None
+                if split[0] == "mesh":  # every rank of the launch (p of them) builds it
+                    on = comm.init_device_mesh(split[1], device_type=device)
+                row = run_case(impl, n, on, config, device, split)
                 if me == 0:
                     rows.append(row)
-                    progress(f"{impl} N={n} P={p}")
+                    progress(f"{impl} N={n} P={p} {row['strategy']}")
         comm.barrier(world)
     return rows
 
@@ -421,7 +493,8 @@ def add_speedups(rows: List[Dict[str, object]]) -> None:
 def format_table(rows: List[Dict[str, object]]) -> str:
     cells = [[title for _, title, _ in COLUMNS]]
     for r in rows:
-        cells.append(["-" if r[key] is None else fmt.format(r[key]) for key, _, fmt in COLUMNS])
+        cells.append(["-" if r.get(key) is None else fmt.format(r[key])
+                      for key, _, fmt in COLUMNS])
     widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
     lines = []
     for j, row in enumerate(cells):
@@ -550,8 +623,11 @@ def plot_series(rows: List[Dict[str, object]]) -> Tuple[str, Dict[str, List[Dict
     axis = "world_size" if one_length and len({r["world_size"] for r in rows}) > 1 else "seq_len"
     other = "seq_len" if axis == "world_size" else "world_size"
     grouped: Dict[Tuple[str, int], List[Dict[str, object]]] = {}
+    # strategies compared (--strategy, --mesh) get a line each
+    several = len({r.get("strategy") for r in rows if r["world_size"] > 1}) > 1
     for r in rows:
-        grouped.setdefault((r["impl"], r[other]), []).append(r)
+        name = f"{r['impl']} {r['strategy']}" if several and r["world_size"] > 1 else r["impl"]
+        grouped.setdefault((name, r[other]), []).append(r)
     label = _AXES[other][1]
     return axis, {f"{impl}, {label.format(value)}": sorted(points, key=lambda r: r[axis])
                   for (impl, value), points in sorted(grouped.items())}

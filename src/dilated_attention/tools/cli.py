@@ -14,8 +14,9 @@ import argparse
 import os
 import shlex
 import sys
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from ..distributed.strategy import STRATEGIES
 from . import launch
 from .settings import DTYPES, PROG
 
@@ -88,6 +89,31 @@ def positive_float(text: str) -> float:
     return value
 
 
+def mesh_shape(text: str) -> Tuple[int, int]:
+    """ "2x2" -> (2, 2): U head-parallel x S sequence-parallel ranks."""
+    parts = text.lower().split("x")
+    try:
+        u, s = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected UxS (e.g. 2x2), got {text!r}") from None
+    if u < 1 or s < 1:
+        raise argparse.ArgumentTypeError(f"mesh dimensions must be >= 1, got {text!r}")
+    return u, s
+
+
+def _add_parallel_options(p: argparse.ArgumentParser, *, many: bool) -> None:
+    """--strategy and --mesh: how sequence-parallel ranks split the work (issue 12)."""
+    nargs = "+" if many else None
+    p.add_argument("--strategy", choices=STRATEGIES, nargs=nargs, default=None,
+                   help="dilated attention on a one-dimensional group: the exchange of "
+                        "selected rows, Ulysses (head all-to-all), or auto (the one whose "
+                        "busiest rank sends less; the table says which ran)" +
+                        (" (default auto; several compare)" if many else " (default auto)"))
+    p.add_argument("--mesh", type=mesh_shape, nargs=nargs, default=None, metavar="UxS",
+                   help="a 2-D DeviceMesh of U head-parallel x S sequence-parallel ranks "
+                        "(Ulysses over U, the exchange or the ring over S)")
+
+
 def flatten(lists: Optional[Sequence[Sequence[int]]]) -> Optional[List[int]]:
     """`nargs="+"` of `int_list` values -> one list (``8192 16384`` or ``8192,16384``)."""
     return None if lists is None else [x for part in lists for x in part]
@@ -158,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "dilated_attention_bench)")
     bench.add_argument("--timeout", type=positive_float, default=3600.0,
                        help="seconds before spawned ranks are stopped (3600)")
+    _add_parallel_options(bench, many=True)
     bench.set_defaults(run=_cmd_bench)
 
     verify = sub.add_parser(
@@ -203,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.set_defaults(training=False)
     estimate.add_argument("--dry-run", action="store_true",
                           help="also trace the real code on meta tensors (fake process group)")
+    _add_parallel_options(estimate, many=False)
     estimate.add_argument("--json", action="store_true", help="print JSON instead of text")
     estimate.set_defaults(run=_cmd_estimate)
     return parser
@@ -251,7 +279,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         heads=args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads, batch=args.batch,
         dtype=args.dtype, device=device, causal=args.causal, backward=args.backward,
         impls=args.impl, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
-        seed=args.seed, launched_world_size=launched,
+        seed=args.seed, launched_world_size=launched, strategies=args.strategy,
+        meshes=args.mesh,
     )
     command = shlex.join([PROG] + args.argv)
     load_before = bench.load_average()  # other processes' load, before ours adds to it
@@ -310,7 +339,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         segment_lengths=flatten(args.segment_lengths), dilation_rates=flatten(args.dilation_rates),
         heads=args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads, batch=args.batch,
         dtype=args.dtype, causal=args.causal, training=args.training,
-        impl=args.impl, threads=args.threads, device=args.device,
+        impl=args.impl, threads=args.threads, device=args.device, strategy=args.strategy,
+        mesh=args.mesh,
     )
     return estimate.report(config, trace=args.dry_run, as_json=args.json)
 

@@ -59,8 +59,12 @@ from ..kernels import KernelOptions
 from ..launches import CHUNK_ELEMENTS, Blocks, count_writers
 from ..patterns import Heads
 from ..plan import Launch, Layout, Plan, make_plan, work
+from ..distributed import strategy as strategies
 from ..distributed.sharding import piece_lengths
-from ..functional import ring_attention
+from ..distributed.strategy import check_strategy
+from ..distributed.ulysses import HeadSplit
+from ..functional import dilated_attention, ring_attention
+from ..kernels import lse_dtype
 from .settings import MB, check_setting, check_zigzag, default_threads, plural, ring_layout
 
 # CPU flash kernel blocking (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp):
@@ -75,6 +79,8 @@ OUTPUT = "output shard (out, lse)"
 SAVED = "saved for backward (out, lse)"
 GRADS = "gradient shards (dq, dk, dv)"
 COMM = "communication buffers"
+OWN = "own rows, every head (q, k, v[, dout])"
+A2A = "head all-to-all buffers (send and receive)"
 WORKSPACE = "kernel workspace (gathers, launch outputs)"
 SCRATCH = "CPU kernel scratch (modelled)"
 CUDA_SCRATCH = "CUDA kernel workspace (modelled)"
@@ -102,6 +108,8 @@ class EstimateConfig:
     impl: str
     threads: int
     device: str = "cpu"
+    strategy: str = "auto"
+    mesh: Optional[Tuple[int, int]] = None  # (U head-parallel, S sequence-parallel)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -137,9 +145,26 @@ def make_config(
     impl: str = "dilated",
     threads: Optional[int] = None,
     device: str = "cpu",
+    strategy: Optional[str] = None,
+    mesh: Optional[Tuple[int, int]] = None,
 ) -> EstimateConfig:
     """Check the options; ValueError names the option and value on a mistake."""
     segs, rates, kv_heads = check_setting(segment_lengths, dilation_rates, heads, kv_heads)
+    strategy = check_strategy(strategy or "auto")
+    if mesh is not None:
+        u, sp = mesh
+        if world_size not in (1, u * sp):
+            raise ValueError(f"--mesh {u}x{sp} is {u * sp} ranks, but --world-size is "
+                             f"{world_size}")
+        world_size = u * sp
+        if strategy == "exchange":
+            raise ValueError("--strategy exchange needs a one-dimensional group: a --mesh runs "
+                             "Ulysses over its first dimension")
+        HeadSplit.of(u, heads, kv_heads)  # the heads must split over U
+    elif strategy == "ulysses":
+        if impl == "ring":
+            raise ValueError("--strategy is the dilated op's; Ulysses for the ring: --mesh Px1")
+        HeadSplit.of(world_size, heads, kv_heads)
     if device not in DEVICES:
         raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
     if device == "cuda" and threads is not None:
@@ -158,6 +183,7 @@ def make_config(
         seq_len=seq_len, world_size=world_size, segment_lengths=segs, dilation_rates=rates,
         heads=heads, head_dim=head_dim, kv_heads=kv_heads, batch=batch, dtype=dtype,
         causal=causal, training=training, impl=impl, threads=threads, device=device,
+        strategy=strategy, mesh=mesh,
     )
 
 
@@ -246,9 +272,106 @@ def _largest_launch(config: EstimateConfig, plan=None) -> int:
                 for l in blk.forward), default=0)
 
 
+# --------------------------------------------------------------------------
+# Ulysses and 2-D meshes: the head all-to-all around the op over the heads' ranks
+
+
+def _shape(config: EstimateConfig) -> strategies.Shape:
+    return strategies.Shape(config.lengths(), config.patterns, config.causal, config.heads,
+                            config.kv_heads, config.head_dim, config.batch,
+                            config.torch_dtype.itemsize, lse_dtype(config.torch_dtype).itemsize,
+                            None)
+
+
+def split(config: EstimateConfig) -> Tuple[int, int]:
+    """(U head-parallel, S sequence-parallel) ranks: the mesh, or strategy.choose's decision."""
+    if config.mesh is not None:
+        return config.mesh
+    p = config.world_size
+    if p == 1 or config.impl == "ring" or config.strategy == "exchange":
+        return 1, p
+    if config.strategy == "ulysses" or strategies.auto_choice(_shape(config)) == "ulysses":
+        return p, 1
+    return 1, p
+
+
+def strategy_name(config: EstimateConfig) -> str:
+    u, sp = split(config)
+    inner = "ring" if config.impl == "ring" else "exchange"
+    if u == 1:
+        name = inner if sp > 1 else "local"
+    else:
+        name = f"{u}x{sp} (ulysses" + (f" x {inner})" if sp > 1 else ")")
+    return name + (" (auto)" if config.strategy == "auto" and config.mesh is None and
+                   config.impl == "dilated" and config.world_size > 1 else "")
+
+
+def _inner(config: EstimateConfig) -> EstimateConfig:
+    """The op over the S sequence-parallel ranks after the all-to-all: all N rows split in S
+    blocks, h / U query heads and the key/value heads the busiest rank reads."""
+    u, sp = split(config)
+    heads = config.heads // u
+    hk = max(len(HeadSplit.of(u, config.heads, config.kv_heads).kv(r)) for r in range(u))
+    return dataclasses.replace(config, world_size=sp, heads=heads,
+                               kv_heads=hk if heads % hk == 0 else heads, mesh=None,
+                               strategy="exchange",
+                               threads=config.threads)
+
+
+def _ulysses_formula(config: EstimateConfig) -> Estimate:
+    """The op over the heads' ranks (``_inner``) plus what Ulysses adds around it: this rank's
+    own rows of every head (inputs, output, dout, gradients: the all-to-alls' ends), and the
+    send and receive buffers of the largest all-to-all (the stacked k and v, or q)."""
+    inner = formula(_inner(config))
+    u, sp = split(config)
+    b, d = config.batch, config.head_dim
+    s, a = _sizes(config)
+    n = max(config.lengths())
+    h, hk = config.heads, config.kv_heads
+    own = b * n * (h + 2 * hk) * d * s + (b * n * h * d * s if config.training else 0)
+    out_own = b * n * h * (d * s + a)  # this rank's out and lse
+    buffers = 2 * b * n * max(h, 2 * hk) * d * s  # the largest all-to-all's send and receive
+    heads = {k: v for k, v in inner.breakdown.items()}
+    if config.training:
+        # the caller holds out through backward; the all-to-all back of dq, dk, dv runs
+        # while the heads' gradients are alive (the rest the heads' op saved is freed)
+        base = own + out_own
+        # at the all-to-all of dk, dv: dq (of the heads or already this rank's), the heads'
+        # dk, dv stacked for the wire, and two of its send buffer, receive buffer and the
+        # rank's dk, dv cut from it (the same sizes as the heads': U divides hk, or about)
+        ends = {"dq (the heads' or this rank's)": b * n * h * d * s,
+                "heads' dk, dv, stacked": b * n * 2 * hk * d * s}
+        buffers = 2 * b * n * 2 * hk * d * s
+    else:
+        # the all-to-all back of out and lse, while the heads' inputs and output are alive
+        base = own
+        ends = {"heads' " + k: heads.get(k, 0) for k in (SHARDS, OUTPUT)}
+        ends[OUTPUT] = out_own
+    at_ends = sum(ends.values()) + buffers
+    if at_ends > inner.peak_bytes:
+        breakdown = {OWN: own, **({OUTPUT: out_own} if config.training else {}), **ends,
+                     A2A: buffers}
+        phase = "the all-to-all back"
+    else:
+        breakdown = {OWN: own, **({OUTPUT: out_own} if config.training else {}),
+                     **{f"heads' {k}": v for k, v in heads.items()}}
+        phase = inner.phase
+    traffic = max(strategies.traffic("ulysses", _shape(config), (u, sp)))
+    return Estimate(
+        "formula", inner.rank, base + max(inner.peak_bytes, at_ends), phase, breakdown,
+        traffic, 4 + inner.forward_messages,
+        (traffic + inner.backward_bytes - inner.forward_bytes) if config.training else 0,
+        (4 + inner.backward_messages) if config.training else 0,
+    )
+
+
 def formula(config: EstimateConfig) -> Estimate:
     """Peak per rank from the accounting of docs/guide.md, largest over ranks."""
     start = time.perf_counter()
+    if split(config)[0] > 1:
+        best = _ulysses_formula(config)
+        best.seconds = time.perf_counter() - start
+        return best
     lengths = config.lengths()
     if config.impl == "ring":
         candidates = [_ring_formula(config, lengths, r) for r in _ranks_to_check(config)]
@@ -880,11 +1003,61 @@ def _distinct_ranks(config: EstimateConfig) -> List[int]:
     return sorted(chosen.values())
 
 
+def _trace_public(config: EstimateConfig, rank: int) -> Estimate:
+    """Run the public op, head-parallel, for `rank` of a fake world (a fake 2-D mesh for
+    --mesh) on meta tensors. The op plans for its tensors' device (meta: CPU sizes)."""
+    u, sp = split(config)
+    world = comm.init_process_group("fake", rank=rank, world_size=config.world_size,
+                                    timeout_s=60.0)
+    try:
+        group = comm.init_device_mesh((u, sp)) if config.mesh is not None else world
+        piece = comm.group_rank(group)  # a mesh rank (u, s) holds piece s * U + u
+        n = config.lengths()[piece]
+        tracker = LiveBytes()
+        with tracker:
+            q = _meta_rows(config, n, config.heads).requires_grad_(config.training)
+            k = _meta_rows(config, n, config.kv_heads).requires_grad_(config.training)
+            v = _meta_rows(config, n, config.kv_heads).requires_grad_(config.training)
+            dout = _meta_rows(config, n, config.heads) if config.training else None
+            inputs = tracker.live
+            with comm.count_communication() as forward:
+                if config.impl == "ring":
+                    out = ring_attention(q, k, v, is_causal=config.causal, group=group)
+                else:
+                    out = dilated_attention(q, k, v, *config.patterns, is_causal=config.causal,
+                                            group=group, strategy=config.strategy)
+            forward_peak = tracker.peak
+            with comm.count_communication() as backward:
+                if config.training:
+                    out.backward(dout)
+            del out
+    finally:
+        comm.destroy_process_group()
+    label, scratch = kernel_scratch(config)
+    breakdown = {
+        "inputs (q/k/v shards" + (", dout)" if config.training else ")"): inputs,
+        "everything else at the peak (traced)": tracker.peak - inputs,
+        label: scratch,
+    }
+    return Estimate(
+        "dry run", piece, sum(breakdown.values()),
+        "backward" if tracker.peak > forward_peak else "forward", breakdown,
+        forward.bytes_sent, forward.messages, backward.bytes_sent, backward.messages,
+    )
+
+
 def dry_run(config: EstimateConfig) -> Estimate:
     """Trace the ranks whose peaks can differ; return the largest."""
     if comm.is_initialized():
         raise ValueError("--dry-run needs a process without a default process group")
     start = time.perf_counter()
+    if split(config)[0] > 1:
+        if config.device != "cpu":
+            raise ValueError("--dry-run of Ulysses or a --mesh runs the public op, which "
+                             "plans for its tensors' device: use --device cpu")
+        best = _largest([_trace_public(config, r) for r in _ranks_to_check(config)])
+        best.seconds = time.perf_counter() - start
+        return best
     best = _largest([_trace_rank(config, r) for r in _distinct_ranks(config)])
     best.seconds = time.perf_counter() - start
     return best
@@ -909,7 +1082,8 @@ def describe(config: EstimateConfig) -> str:
     kernels = (f"CPU kernels, {plural(config.threads, 'thread')} per rank"
                if config.device == "cpu" else f"CUDA kernels ({backend_for(config)})")
     return (f"{what}; N = {config.seq_len:,} over P = {plural(config.world_size, 'rank')} "
-            f"({rows}, {config.layout}); batch {config.batch}, {config.heads} heads x "
+            f"({rows}, {config.layout}; strategy {strategy_name(config)}); batch "
+            f"{config.batch}, {config.heads} heads x "
             f"{config.head_dim} (kv heads {config.kv_heads}), {config.dtype}, "
             f"{'causal, ' if config.causal else ''}{mode}; {kernels}")
 
@@ -934,7 +1108,7 @@ def report(config: EstimateConfig, *, trace: bool, as_json: bool) -> int:
               + (f", backward {_mb(e.backward_bytes)} in "
                  f"{plural(e.backward_messages, 'message')}"
                  if config.training else ""))
-    if config.impl == "dilated" and config.world_size > 1:
+    if config.impl == "dilated" and config.world_size > 1 and split(config)[0] == 1:
         ranks, loads = work_per_rank(config)
         mean = sum(loads) / len(loads)
         which = "every rank" if len(ranks) == config.world_size else f"ranks {ranks}"
