@@ -349,3 +349,36 @@ def test_errors_reach_every_rank_and_name_the_argument() -> None:
             message = results[rank][f"double_backward_{path}"]
             assert re.search(names("ValueError", "create_graph=True", "double backward",
                                    "one device"), message), message
+
+
+def _one_rank_skips_backward(group) -> None:
+    """Rank 1 runs the forward only and stays alive past the timeout; rank 0 runs backward,
+    and its error (which the harness reports) says how long it waited."""
+    import time
+
+    from dilated_attention.distributed import comm
+
+    x = torch.randn(1, 64, 2, 8, requires_grad=True)
+    # 128 rows over 2 ranks: the 128-row segment spans both, so backward exchanges rows
+    out = dilated_attention(x, x, x, [32, 128], [1, 2], group=group)
+    if comm.group_rank(group) == 1:
+        time.sleep(20.0)
+        return
+    start = time.monotonic()
+    try:
+        out.sum().backward()
+    except RuntimeError as exc:
+        raise RuntimeError(f"waited {time.monotonic() - start:.1f} s: {exc}") from None
+
+
+@pytest.mark.distributed
+def test_a_rank_that_skips_backward_is_a_timeout_on_the_others() -> None:
+    """Not detectable (docs/guide.md, 'When ranks do different things'): the other rank
+    waits in backward for the group's timeout (5 s here), then raises; it never hangs."""
+    from dist_harness import RankFailure, run_distributed
+
+    with pytest.raises(RankFailure) as failure:
+        run_distributed(_one_rank_skips_backward, 2, timeout=120, pg_timeout=5.0, grace=2.0)
+    found = re.search(r"waited (\d+\.\d) s: .*Timed out", str(failure.value))
+    assert found, str(failure.value)
+    assert 4.0 < float(found.group(1)) < 30.0, found.group(0)

@@ -268,7 +268,7 @@ def test_errors_raise_on_every_rank_within_seconds(world):
     results = _spawn(world)
     for rank, r in enumerate(results):
         msg, seconds = r["mismatch"]
-        assert msg.startswith("ValueError") and "'causal'" in msg, msg
+        assert msg.startswith("ValueError") and "'is_causal'" in msg, msg
         assert seconds < 10
         msg, seconds = r["bad_input"]
         assert seconds < 10
