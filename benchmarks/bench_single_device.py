@@ -28,6 +28,7 @@ and whose forward + backward, fit on the device.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -206,8 +207,12 @@ def fits(n: int, dtype: torch.dtype, training: bool) -> bool:
         measure_cuda_memory(n, dtype, training)
         return True
     except torch.cuda.OutOfMemoryError:
-        torch.cuda.empty_cache()
-        return False
+        pass
+    # the failed call's tensors hang on its traceback's frames, a reference cycle: collect
+    # them, or every later (smaller) try fails too
+    gc.collect()
+    torch.cuda.empty_cache()
+    return False
 
 
 def max_tokens(dtype: torch.dtype, training: bool, start: int = 1 << 20,
