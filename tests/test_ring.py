@@ -7,23 +7,28 @@ cut to that rank's rows, and checks the exact traffic of every call.
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
 
 from dilated_attention.distributed import comm
 from dilated_attention import ring_attention
-from dilated_attention.distributed.sharding import piece_ranges
+from dilated_attention.distributed.ring import RingAttentionFunction, SubBlocks
+from dilated_attention.distributed.sharding import piece_lengths, piece_ranges
+from dilated_attention.kernels import KernelOptions
 from dist_harness import run_distributed, subgroup
 from reference import grads, reference_attention
 
 
 def _case(seed, *, lengths=None, n=None, layout="contiguous", causal, h=4, hk=4, b=2, d=8,
-          dtype=torch.float64, dlse=False) -> Dict:
+          dtype=torch.float64, dlse=False, sub: Optional[SubBlocks] = None) -> Dict:
+    """One call's setting; `sub` forces the rows per K/V part and query chunk
+    (Note [sub-blocks]), None takes the default bound as the public op does."""
     return dict(seed=seed, lengths=lengths, n=n, layout=layout, causal=causal, h=h, hk=hk, b=b,
-                d=d, dtype=dtype, dlse=dlse)
+                d=d, dtype=dtype, dlse=dlse, sub=sub)
 
 
 def _cases(world: int) -> List[Dict]:
@@ -36,7 +41,37 @@ def _cases(world: int) -> List[Dict]:
         _case(5, n=4 * world, layout="zigzag", causal=True, hk=2, dlse=True),
         _case(6, n=6 * world, layout="zigzag", causal=False),
         _case(7, lengths=list(reversed(uneven)), causal=True, dtype=torch.float32),
+        # sub-blocked: several parts per block (uneven ones, empty ones where a block is
+        # shorter than the part count) and several query chunks per launch
+        _case(8, lengths=[6] * world, causal=False, hk=2, sub=SubBlocks(2, 4)),
+        _case(9, lengths=uneven, causal=True, h=6, hk=2, dlse=True, sub=SubBlocks(2, 3)),
+        _case(10, lengths=list(reversed(uneven)), causal=False, hk=1, b=1, dlse=True,
+              sub=SubBlocks(3, 2)),
+        # zigzag pieces of 8 rows cut into parts [0, 2) [2, 5) [5, 8): one straddles the
+        # chunk boundary at 4, and queries chunked by 2 cut the diagonal squares
+        _case(13, n=8 * world, layout="zigzag", causal=True, hk=2, dlse=True,
+              sub=SubBlocks(3, 2)),
+        _case(14, n=6 * world, layout="zigzag", causal=False, sub=SubBlocks(4, 5)),
+        _case(15, n=8 * world, layout="zigzag", causal=True, b=1, dtype=torch.float32,
+              sub=SubBlocks(2, 3)),
+        _case(16, lengths=uneven, causal=True, hk=2, dtype=torch.bfloat16, sub=SubBlocks(2, 2)),
+        # the default bound with pieces longer than its 256-row minimum: 3 parts, 3 chunks
+        _case(17, n=600 * world, layout="zigzag", causal=True, h=4, hk=2, b=1, d=4, dlse=True),
     ]
+
+
+def _lengths(case: Dict, world: int) -> List[int]:
+    """Every rank's piece length."""
+    if case["layout"] == "zigzag":
+        return piece_lengths(case["n"], world, "zigzag")
+    return list(case["lengths"])
+
+
+def _parts(case: Dict, world: int) -> int:
+    """S: the parts every K/V block travels in (Note [sub-blocks])."""
+    lengths = _lengths(case, world)
+    sub = case["sub"] or SubBlocks.bounded(max(lengths), case["h"], case["hk"])
+    return math.ceil(max(lengths) / sub.kv_rows)
 
 
 def _full_inputs(case: Dict) -> Tuple[torch.Tensor, ...]:
@@ -69,8 +104,15 @@ def _run_case(group, case: Dict) -> Dict:
     ranges = _ranges(case, world, rank)
     q, k, v = (_rows(x, ranges).requires_grad_() for x in (q, k, v))
     with comm.count_communication() as fwd:
-        out, lse = ring_attention(q, k, v, is_causal=case["causal"], group=group,
-                                  return_lse=True, layout=case["layout"])
+        if case["sub"] is None:
+            out, lse = ring_attention(q, k, v, is_causal=case["causal"], group=group,
+                                      return_lse=True, layout=case["layout"])
+        else:
+            # the op below the public one, which takes the sub-block sizes
+            opts = KernelOptions(case["causal"], case["d"] ** -0.5, "cpu_flash")
+            out, lse = RingAttentionFunction.apply(q, k, v, opts, group, case["layout"],
+                                                   _lengths(case, world), case["sub"])
+            lse = lse.transpose(1, 2)  # (b, n, h) -> (b, h, n), as ring_attention returns
     upstream = [out, lse] if case["dlse"] else [out]
     grad_up = [_rows(dout, ranges), _rows(dlse, ranges, dim=2)][: len(upstream)]
     with comm.count_communication() as bwd:
@@ -114,21 +156,30 @@ def _ring_cases(group, world_cases):
 
 def _sub_cases(world: int) -> List[Dict]:
     return [_case(11, lengths=[3 + r for r in range(world)], causal=True, hk=2, dlse=True),
-            _case(12, n=4 * world, layout="zigzag", causal=True)]
+            _case(12, n=4 * world, layout="zigzag", causal=True),
+            _case(18, lengths=[3 + r for r in range(world)], causal=True, dlse=True,
+                  sub=SubBlocks(2, 2))]
 
 
 def _expected_traffic(case: Dict, world: int, rank: int):
-    """(messages, bytes) of the forward and the backward on `rank`: exactly P-1 K/V blocks
-    forward; P-1 K/V blocks and P dK/dV blocks (fp64/fp32 accumulators) backward."""
-    n = case["n"]
-    lengths = [n // world] * world if case["layout"] == "zigzag" else case["lengths"]
+    """(messages, bytes, agreements) of the forward and the backward on `rank`.
+
+    Bytes: exactly P-1 K/V blocks forward; P-1 K/V blocks and P dK/dV
+    blocks (fp32/fp64 accumulators) backward. Messages: each block of L
+    rows travels as its S parts (Note [sub-blocks]), min(L, S) of them
+    non-empty, k and v (dk and dv) one message each.
+    """
+    lengths, parts = _lengths(case, world), _parts(case, world)
     row = case["b"] * case["hk"] * case["d"]
     item = torch.empty(0, dtype=case["dtype"]).element_size()
+    acc_item = 8 if case["dtype"] == torch.float64 else 4
     kv_blocks = [lengths[(rank - s) % world] for s in range(world - 1)]
     dkv_blocks = [lengths[(rank - s) % world] for s in range(world)]
-    fwd = (2 * sum(1 for m in kv_blocks if m), 2 * sum(kv_blocks) * row * item, 1)
-    bwd = (fwd[0] + 2 * sum(1 for m in dkv_blocks if m),
-           fwd[1] + 2 * sum(dkv_blocks) * row * item, 0)
+    fwd = (2 * sum(min(m, parts) for m in kv_blocks), 2 * sum(kv_blocks) * row * item, 1)
+    bwd = (fwd[0] + 2 * sum(min(m, parts) for m in dkv_blocks),
+           fwd[1] + 2 * sum(dkv_blocks) * row * acc_item, 0)
+    if case["sub"] is not None:
+        fwd = fwd[:2] + (0,)  # called below ring_attention: no agreement
     return fwd, bwd
 
 
@@ -139,8 +190,8 @@ def _check_case(case: Dict, world: int, rank: int, got: Dict) -> None:
     upstream = [out, lse] if case["dlse"] else [out]
     dq, dk, dv = grads(upstream, [dout.double(), dlse.double()][: len(upstream)], [q, k, v])
     ranges = _ranges(case, world, rank)
-    tol = dict(atol=1e-10, rtol=1e-10) if case["dtype"] == torch.float64 else dict(atol=2e-5,
-                                                                                   rtol=2e-5)
+    tol = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=2e-5, rtol=2e-5),
+           torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}[case["dtype"]]
     where = f"case {case['seed']} rank {rank}"
     for name, want, dim in (("out", out, 1), ("lse", lse, 2), ("dq", dq, 1), ("dk", dk, 1),
                             ("dv", dv, 1)):
@@ -201,6 +252,22 @@ def test_local_ring_is_plain_attention(causal, layout):
         torch.testing.assert_close(a.double(), b, **tol)
 
 
+def test_default_sub_blocks_follow_the_memory_bound():
+    """Note [sub-blocks]: two K/V parts and one query chunk each within a quarter q shard."""
+    # 16384 rows over 4 ranks, 12 heads: parts of 4096 / 16 rows, chunks of 4096 / 4
+    assert SubBlocks.bounded(4096, 12, 12) == SubBlocks(256, 1024)
+    assert SubBlocks(256, 1024).parts([4096] * 4) == 16
+    # GQA: k and v are 4x smaller per row, so parts are 4x longer
+    assert SubBlocks.bounded(8192, 32, 8) == SubBlocks(2048, 2048)
+    # short pieces: at least 256 rows, one part
+    assert SubBlocks.bounded(100, 12, 12) == SubBlocks(256, 256)
+    assert SubBlocks(256, 256).parts([100, 0, 37]) == 1
+    with pytest.raises(ValueError, match="kv_rows must be a positive int, got 0"):
+        SubBlocks(0, 4)
+    with pytest.raises(ValueError, match="q_rows must be a positive int, got 2.5"):
+        SubBlocks(4, 2.5)
+
+
 def test_local_validation_errors():
     x = torch.randn(1, 5, 2, 4)
     with pytest.raises(ValueError, match="layout"):
@@ -220,14 +287,20 @@ import torch, torch.distributed as dist
 from dilated_attention import ring_attention
 from dilated_attention.distributed import comm
 dist.init_process_group("fake", rank=5, world_size=16)
-q = torch.empty(1, 64, 8, 16, device="meta", requires_grad=True)
-k, v = (torch.empty(1, 64, 2, 16, device="meta", requires_grad=True) for _ in range(2))
-with comm.count_communication() as s:
-    out = ring_attention(q, k, v, is_causal=True, group=dist.group.WORLD, layout="zigzag")
-    out.sum().backward()
-block = 64 * 2 * 16 * 4
-assert out.is_meta and q.grad.shape == q.shape and k.grad.shape == k.shape
-assert (s.messages, s.bytes_sent) == (2 * 15 + 2 * 15 + 2 * 16, (15 + 15 + 16) * 2 * block), s
+P = 16
+# 64 rows: one part per block; 1024 rows, 8 heads over 2 kv heads: parts of
+# 1024 * 8 // (16 * 2) = 256 rows, 4 per block (Note [sub-blocks])
+for n, parts in ((64, 1), (1024, 4)):
+    q = torch.empty(1, n, 8, 16, device="meta", requires_grad=True)
+    k, v = (torch.empty(1, n, 2, 16, device="meta", requires_grad=True) for _ in range(2))
+    with comm.count_communication() as s:
+        out = ring_attention(q, k, v, is_causal=True, group=dist.group.WORLD, layout="zigzag")
+        out.sum().backward()
+    block = n * 2 * 16 * 4
+    assert out.is_meta and q.grad.shape == q.shape and k.grad.shape == k.shape
+    # forward and backward: P-1 K/V blocks each; backward: P dK/dV blocks; k and v apart
+    messages = 2 * parts * ((P - 1) + (P - 1) + P)
+    assert (s.messages, s.bytes_sent) == (messages, ((P - 1) + (P - 1) + P) * 2 * block), s
 print("ok")
 """
 
