@@ -93,6 +93,9 @@ ESTIMATE_CASES = [
          dilation_rates=[1], training=True, dtype="bfloat16"),
     dict(impl="ring", seq_len=8192, world_size=4, causal=True, training=True),
     dict(impl="ring", seq_len=9000, world_size=3, kv_heads=4, dtype="bfloat16"),
+    # one rank (one kernel call); two ranks with batch 2 (the part sent at step 0 is a copy)
+    dict(impl="ring", seq_len=4096, world_size=1, training=True),
+    dict(impl="ring", seq_len=4096, world_size=2, batch=2, training=True),
 ]
 
 
