@@ -55,8 +55,9 @@ def _cases(world: int) -> List[Dict]:
         _case(15, n=8 * world, layout="zigzag", causal=True, b=1, dtype=torch.float32,
               sub=SubBlocks(2, 3)),
         _case(16, lengths=uneven, causal=True, hk=2, dtype=torch.bfloat16, sub=SubBlocks(2, 2)),
-        # the default bound with pieces longer than its 256-row minimum: 3 parts, 3 chunks
-        _case(17, n=600 * world, layout="zigzag", causal=True, h=4, hk=2, b=1, d=4, dlse=True),
+        # the default bounds with pieces of 800 rows: forward parts of 512 rows (2 per
+        # block), backward parts of 256 (4 per block), query chunks of 768 (2 per piece)
+        _case(17, n=800 * world, layout="zigzag", causal=True, h=4, hk=2, b=1, d=4, dlse=True),
     ]
 
 
@@ -67,10 +68,11 @@ def _lengths(case: Dict, world: int) -> List[int]:
     return list(case["lengths"])
 
 
-def _parts(case: Dict, world: int) -> int:
-    """S: the parts every K/V block travels in (Note [sub-blocks])."""
+def _parts(case: Dict, world: int, *, backward: bool) -> int:
+    """S: the parts every K/V block travels in, in one pass (Note [sub-blocks])."""
     lengths = _lengths(case, world)
-    sub = case["sub"] or SubBlocks.bounded(max(lengths), case["h"], case["hk"])
+    sub = case["sub"] or SubBlocks.bounded(max(lengths), case["h"], case["hk"], case["dtype"],
+                                           backward=backward)
     return math.ceil(max(lengths) / sub.kv_rows)
 
 
@@ -166,17 +168,18 @@ def _expected_traffic(case: Dict, world: int, rank: int):
 
     Bytes: exactly P-1 K/V blocks forward; P-1 K/V blocks and P dK/dV
     blocks (fp32/fp64 accumulators) backward. Messages: each block of L
-    rows travels as its S parts (Note [sub-blocks]), min(L, S) of them
-    non-empty, k and v (dk and dv) one message each.
+    rows travels as its S parts (Note [sub-blocks]; S of the pass), min(L,
+    S) of them non-empty, k and v (dk and dv) one message each.
     """
-    lengths, parts = _lengths(case, world), _parts(case, world)
+    lengths = _lengths(case, world)
+    fwd_parts, bwd_parts = (_parts(case, world, backward=b) for b in (False, True))
     row = case["b"] * case["hk"] * case["d"]
     item = torch.empty(0, dtype=case["dtype"]).element_size()
     acc_item = 8 if case["dtype"] == torch.float64 else 4
     kv_blocks = [lengths[(rank - s) % world] for s in range(world - 1)]
     dkv_blocks = [lengths[(rank - s) % world] for s in range(world)]
-    fwd = (2 * sum(min(m, parts) for m in kv_blocks), 2 * sum(kv_blocks) * row * item, 1)
-    bwd = (fwd[0] + 2 * sum(min(m, parts) for m in dkv_blocks),
+    fwd = (2 * sum(min(m, fwd_parts) for m in kv_blocks), 2 * sum(kv_blocks) * row * item, 1)
+    bwd = (2 * sum(min(m, bwd_parts) for m in kv_blocks + dkv_blocks),
            fwd[1] + 2 * sum(dkv_blocks) * row * acc_item, 0)
     if case["sub"] is not None:
         fwd = fwd[:2] + (0,)  # called below ring_attention: no agreement
@@ -253,15 +256,24 @@ def test_local_ring_is_plain_attention(causal, layout):
 
 
 def test_default_sub_blocks_follow_the_memory_bound():
-    """Note [sub-blocks]: two K/V parts and one query chunk each within a quarter q shard."""
-    # 16384 rows over 4 ranks, 12 heads: parts of 4096 / 16 rows, chunks of 4096 / 4
-    assert SubBlocks.bounded(4096, 12, 12) == SubBlocks(256, 1024)
-    assert SubBlocks(256, 1024).parts([4096] * 4) == 16
+    """Note [sub-blocks]: a pass's parts in flight within half a q shard, a launch's output
+    within an eighth, unless the minimum rows (512 forward, 256 backward, 768) are more."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    # 16384 rows over 4 ranks, 12 heads, fp32: forward 4 m hk d s = 4096 h d s / 2
+    assert SubBlocks.bounded(4096, 12, 12, f32, backward=False) == SubBlocks(512, 768)
+    assert SubBlocks(512, 768).parts([4096] * 4) == 8
+    # backward, (4 s + 6 a) m hk d <= 4096 h d s / 2: 204 rows, raised to 256
+    assert SubBlocks.bounded(4096, 12, 12, f32, backward=True) == SubBlocks(256, 768)
+    # a longer piece: the bounds decide (fp32: n / 8, n / 20, n / 8)
+    assert SubBlocks.bounded(40960, 12, 12, f32, backward=False) == SubBlocks(5120, 5120)
+    assert SubBlocks.bounded(40960, 12, 12, f32, backward=True) == SubBlocks(2048, 5120)
+    # bf16: K/V rows as fp32 forward; backward's fp32 dK/dV weigh twice as much
+    assert SubBlocks.bounded(40960, 12, 12, bf16, backward=True) == SubBlocks(1280, 5120)
     # GQA: k and v are 4x smaller per row, so parts are 4x longer
-    assert SubBlocks.bounded(8192, 32, 8) == SubBlocks(2048, 2048)
-    # short pieces: at least 256 rows, one part
-    assert SubBlocks.bounded(100, 12, 12) == SubBlocks(256, 256)
-    assert SubBlocks(256, 256).parts([100, 0, 37]) == 1
+    assert SubBlocks.bounded(40960, 32, 8, f32, backward=False) == SubBlocks(20480, 5120)
+    # short pieces: the minimums, one part
+    assert SubBlocks.bounded(100, 12, 12, f32, backward=False) == SubBlocks(512, 768)
+    assert SubBlocks(512, 768).parts([100, 0, 37]) == 1
     with pytest.raises(ValueError, match="kv_rows must be a positive int, got 0"):
         SubBlocks(0, 4)
     with pytest.raises(ValueError, match="q_rows must be a positive int, got 2.5"):
@@ -288,9 +300,10 @@ from dilated_attention import ring_attention
 from dilated_attention.distributed import comm
 dist.init_process_group("fake", rank=5, world_size=16)
 P = 16
-# 64 rows: one part per block; 1024 rows, 8 heads over 2 kv heads: parts of
-# 1024 * 8 // (16 * 2) = 256 rows, 4 per block (Note [sub-blocks])
-for n, parts in ((64, 1), (1024, 4)):
+# (rows, forward parts, backward parts) per block (Note [sub-blocks]): 64 rows, one
+# part; 1024 rows, 8 heads over 2 kv heads, fp32: forward parts of 1024 * 8 * 4 //
+# (2 * 2 * 16) = 512 rows, backward ones of max(256, 1024 * 8 * 4 // (2 * 2 * 40)) = 256
+for n, fwd_parts, bwd_parts in ((64, 1, 1), (1024, 2, 4)):
     q = torch.empty(1, n, 8, 16, device="meta", requires_grad=True)
     k, v = (torch.empty(1, n, 2, 16, device="meta", requires_grad=True) for _ in range(2))
     with comm.count_communication() as s:
@@ -299,7 +312,7 @@ for n, parts in ((64, 1), (1024, 4)):
     block = n * 2 * 16 * 4
     assert out.is_meta and q.grad.shape == q.shape and k.grad.shape == k.shape
     # forward and backward: P-1 K/V blocks each; backward: P dK/dV blocks; k and v apart
-    messages = 2 * parts * ((P - 1) + (P - 1) + P)
+    messages = 2 * (fwd_parts * (P - 1) + bwd_parts * ((P - 1) + P))
     assert (s.messages, s.bytes_sent) == (messages, ((P - 1) + (P - 1) + P) * 2 * block), s
 print("ok")
 """

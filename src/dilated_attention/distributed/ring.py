@@ -72,24 +72,32 @@ rows are cut too: a launch covers at most r query rows, so a kernel's
 output lives r h d s bytes until it is merged.
 
 Memory (s bytes per element, a per fp32 accumulator element, n the longest
-piece): `SubBlocks.bounded` keeps each of the two terms below within a
-quarter of a q shard (n h d s / 4), so the forward adds half a shard
-(plus lse-sized merge temporaries):
+piece): `SubBlocks.bounded` keeps the ring buffers of a pass within half a
+q shard (n h d s / 2) and a launch's output within an eighth. The backward
+runs its own ring with its own parts, cut smaller: they carry fp32 dK/dV
+(the one sent, the one arriving, this unit's own) as well as K/V.
 
-    K/V in flight   two parts of k and v    4 m hk d s <= n h d s / 4  ->  m = n h / (16 hk)
-    kernel output   one query chunk         r h d s    <= n h d s / 4  ->  r = n / 4
+    forward   K/V parts in flight        4 m hk d s          <= n h d s / 2  ->  m = n h / (8 hk)
+    backward  those, 3 fp32 dK/dV parts  (4 s + 6 a) m hk d  <= n h d s / 2  ->  m = n h / (20 hk)
+    both      one launch's output        r h d s             <= n h d s / 8  ->  r = n / 8
 
-Both are at least MIN_ROWS = 256 rows (for short pieces the bound gives
-way), so launches stay large (>= 256 x 256 query-key pairs when the pieces
-allow) and their number stays bounded: S <= 16 hk / h + 1 and n / r <= 4,
-about S P n / r launches per rank plus the diagonal's. The backward adds
-the dK/dV accumulators of three parts in fp32 (the one sent, the one
-arriving, this unit's own: 6 m hk d a) and one launch's dq, dk, dv. At
-P = 4, N = 16384, 12 heads x 64, fp32 (m = 256, r = 1024) a rank's forward
-holds q, k, v, out (4 shards, 50.3 MB) plus 3.1 MB of parts and 3.1 MB of
-launch output, against 4 full tensors (201 MB) at P = 1: 0.28x
-(BENCHMARKS.md has the measured peaks). With bf16 inputs the output's fp32
-accumulator (n h d a) stays whole.
+(the backward's m for fp32; n h / (32 hk) for bf16).
+
+A forward part has at least 512 rows: every part costs a merge over all n
+query rows (measured at n = 4096, 4 ranks, CPU time on a loaded machine:
+whole blocks 1.0, 512-row parts 1.02 to 1.06, 256-row parts 1.25); a
+backward part (no merges: dq adds once per launch) at least 256. A query chunk has at least 768 rows, where the
+CPU flash kernel still blocks queries by 256 rows (by 64 below). For short
+pieces the minimums win over the bound. A rank runs about S P n / r
+launches per pass: S <= 8 hk / h + 1 parts forward, n / r <= 8.
+
+At P = 4, N = 16384, 12 heads x 64, fp32 (forward m = 512, r = 768) a
+rank's forward holds q, k, v, out (4 shards, 50.3 MB) plus 6.3 MB of parts
+and 2.4 MB of launch output, against 4 full tensors (201 MB) at P = 1:
+0.29x; its backward (m = 256) adds to its 8 shards 3.1 MB of K/V parts,
+4.7 MB of dK/dV parts and one launch's gradients (BENCHMARKS.md has the
+measured peaks). With bf16 inputs the output's fp32 accumulator (n h d a)
+stays whole.
 """
 
 from __future__ import annotations
@@ -109,8 +117,9 @@ from . import comm
 # never pair up with each other.
 _KV_TAG, _DKV_TAG = 0, 2
 
-# The fewest rows of a default sub-block or query chunk (Note [sub-blocks]).
-MIN_ROWS = 256
+# The fewest rows of a default forward part, backward part and query chunk (Note
+# [sub-blocks]: merge cost, no merges, the CPU flash kernel's query blocks).
+MIN_FORWARD_PART_ROWS, MIN_BACKWARD_PART_ROWS, MIN_CHUNK_ROWS = 512, 256, 768
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +141,21 @@ class SubBlocks:
                 raise ValueError(f"SubBlocks {name} must be a positive int, got {value!r}")
 
     @classmethod
-    def bounded(cls, longest: int, heads: int, kv_heads: int) -> "SubBlocks":
-        """The default for pieces of at most `longest` rows: ring buffers within half a q shard."""
-        return cls(kv_rows=max(MIN_ROWS, longest * heads // (16 * kv_heads)),
-                   q_rows=max(MIN_ROWS, longest // 4))
+    def bounded(cls, longest: int, heads: int, kv_heads: int, dtype: torch.dtype, *,
+                backward: bool) -> "SubBlocks":
+        """The default for one pass over pieces of at most `longest` rows (Note [sub-blocks]).
+
+        The pass's ring buffers stay within half a q shard, a launch's
+        output within an eighth, unless the minimum rows are more.
+        """
+        s = torch.empty(0, dtype=dtype).element_size()
+        a = torch.empty(0, dtype=lse_dtype(dtype)).element_size()
+        # bytes per part row and head dim of the ring buffers: two K/V parts in flight,
+        # in backward also three fp32 dK/dV parts
+        per_row = kv_heads * (4 * s + (6 * a if backward else 0))
+        fewest = MIN_BACKWARD_PART_ROWS if backward else MIN_FORWARD_PART_ROWS
+        return cls(kv_rows=max(fewest, longest * heads * s // (2 * per_row)),
+                   q_rows=max(MIN_CHUNK_ROWS, longest // 8))
 
     def parts(self, lengths: Sequence[int]) -> int:
         """S: the parts every block is cut into (one sub-ring each)."""
@@ -269,9 +289,11 @@ def _lengths(group, n: int, lengths: Optional[Sequence[int]]) -> List[int]:
 
 
 def _sub_blocks(sub_blocks: Optional[SubBlocks], lengths: Sequence[int], q: Tensor,
-                k: Tensor) -> SubBlocks:
+                k: Tensor, *, backward: bool) -> SubBlocks:
+    """`sub_blocks`, checked, or the pass's default bound."""
     if sub_blocks is None:
-        return SubBlocks.bounded(max(lengths), q.shape[2], k.shape[2])
+        return SubBlocks.bounded(max(lengths), q.shape[2], k.shape[2], q.dtype,
+                                 backward=backward)
     if not isinstance(sub_blocks, SubBlocks):
         raise TypeError(f"sub_blocks must be a SubBlocks or None, got {sub_blocks!r}")
     return sub_blocks
@@ -292,8 +314,8 @@ def ring_forward(
 
     `lengths`: every rank's piece length (default: all equal to this one's).
     `sub_blocks`: rows per K/V part and per query chunk (default
-    `SubBlocks.bounded`: Note [sub-blocks]). Every rank of `group` must call
-    this with agreed arguments.
+    `SubBlocks.bounded` for the forward: Note [sub-blocks]). Every rank of
+    `group` must call this with agreed arguments.
     """
     size, rank = comm.group_size(group), comm.group_rank(group)
     n = q.shape[1]
@@ -301,7 +323,7 @@ def ring_forward(
     if size == 1:
         # one block: the kernel's own result, with no fp32 accumulator and no merge
         return attention_forward(q, k, v, opts)
-    sub = _sub_blocks(sub_blocks, lengths, q, k)
+    sub = _sub_blocks(sub_blocks, lengths, q, k, backward=False)
     # fp32 (fp64) accumulators: for fp32 (fp64) inputs acc_out is the output itself
     acc_out, acc_lse = empty_accumulators(q.shape, q.dtype, q.device)
     rotation = _Rotation(group, k, v, lengths, sub.parts(lengths))
@@ -332,15 +354,17 @@ def ring_backward(
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of this rank's piece, given the final out and lse of `ring_forward`.
 
-    ``dlse`` (b, n, h), when given, is the gradient flowing into ``lse``;
-    `sub_blocks` must be what the forward used.
+    ``dlse`` (b, n, h), when given, is the gradient flowing into ``lse``.
+    `sub_blocks` as for `ring_forward` (default: the backward's own bound,
+    smaller parts); it need not be what the forward used, only the same on
+    every rank.
     """
     size, rank = comm.group_size(group), comm.group_rank(group)
     n = q.shape[1]
     lengths = _lengths(group, n, lengths)
     if size == 1:
         return attention_backward(dout, q, k, v, out, lse, opts, dlse=dlse)
-    sub = _sub_blocks(sub_blocks, lengths, q, k)
+    sub = _sub_blocks(sub_blocks, lengths, q, k, backward=True)
     parts = sub.parts(lengths)
     acc = lse_dtype(q.dtype)
     # for fp32 (fp64) inputs dq is its own accumulator, and dk/dv receive their parts'
@@ -433,7 +457,7 @@ class RingAttentionFunction(torch.autograd.Function):
     """Saves q, k, v, out, lse; backward is `ring_backward` (a collective: every rank runs it).
 
     `sub_blocks` (optional, last) overrides the default sizes of Note
-    [sub-blocks]; every rank must pass the same.
+    [sub-blocks] in both passes; every rank must pass the same.
     """
 
     @staticmethod

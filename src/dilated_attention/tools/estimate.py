@@ -438,7 +438,9 @@ def _ring_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int) -
 
     P = 1 is one kernel call: its out and lse, in backward its dq, dk, dv.
     Otherwise (Note [sub-blocks] in distributed/ring.py) K/V travel in S
-    parts of at most m rows and launches cover at most r query rows.
+    parts of at most m rows and launches cover at most r query rows, each
+    pass with its own sizes.
+
     Forward: the fp32 accumulators (the output itself for fp32), the parts
     in flight (the one computed on and the next arriving: one received part
     at P = 2, two beyond; with b > 1 the part sent at step 0 is a copy), one
@@ -462,40 +464,47 @@ def _ring_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int) -
             phases["backward, kernel"] = {**shards, SAVED: saved,
                                           GRADS: sh.rows(n, h + 2 * hk, s)}
         return _phases_to_estimate("formula", rank, phases, (0, 0, 0, 0), kernel_scratch(config))
-    sub = SubBlocks.bounded(max(lengths), h, hk)
-    parts = sub.parts(lengths)
-    m = -(-max(lengths) // parts)  # the longest part of any block
-    r = min(sub.q_rows, n)  # the most query rows of a launch
-    part_kv = 2 * sh.rows(m, hk, s)
-    in_flight = part_kv if p == 2 and sh.b == 1 else 2 * part_kv
+
+    def sizes(backward: bool) -> Tuple[int, int, int]:
+        """(S, m, r) of a pass: parts per block, rows of the longest part, of a launch."""
+        sub = SubBlocks.bounded(max(lengths), h, hk, config.torch_dtype, backward=backward)
+        parts = sub.parts(lengths)
+        return parts, -(-max(lengths) // parts), min(sub.q_rows, n)
+
+    def in_flight(m: int) -> int:
+        """K/V parts of m rows held at once: one received at P = 2 (b = 1), else two."""
+        return (1 if p == 2 and sh.b == 1 else 2) * 2 * sh.rows(m, hk, s)
+
+    parts, m, r = sizes(False)
     launch_out = sh.rows(r, h, s) + sh.rows(r, h, a, 1)
     merge_temps = 4 * sh.rows(r, h, a, 1)  # merge_: the new lse, its safe copy, two weights
     acc = sh.rows(n, h, a) + sh.rows(n, h, a, 1)
-    phases["forward, ring units"] = {**shards, OUTPUT: acc, COMM: in_flight,
+    phases["forward, ring units"] = {**shards, OUTPUT: acc, COMM: in_flight(m),
                                      WORKSPACE: launch_out + merge_temps}
     if s != a:
         phases["forward, output cast"] = {**shards, OUTPUT: acc + sh.rows(n, h, s)}
     row_elems = 2 * sh.b * hk * sh.d  # k and v of one row
 
-    def travel(steps: int) -> Tuple[int, int]:
+    def travel(steps: int, parts: int) -> Tuple[int, int]:
         """(rows, messages) of the blocks sent at steps 0..steps-1: each in min(L, S) parts."""
         blocks = [lengths[(rank - t) % p] for t in range(steps)]
         return sum(blocks), 2 * sum(min(length, parts) for length in blocks)
 
-    kv_rows, fwd_msgs = travel(p - 1)
+    kv_rows, fwd_msgs = travel(p - 1, parts)
     fwd_bytes = kv_rows * row_elems * s
     bwd_bytes = bwd_msgs = 0
     if config.training:
+        parts, m, r = sizes(True)
         grads = sh.rows(n, h, a) + 2 * sh.rows(n, hk, s)
         base = {**shards, SAVED: saved, GRADS: grads}
         kernel = sh.rows(r, h, s) + 2 * sh.rows(m, hk, s)
-        phases["backward, ring units"] = {**base, COMM: in_flight + 3 * part_kv * a // s,
-                                          WORKSPACE: kernel}
+        phases["backward, ring units"] = {**base, WORKSPACE: kernel,
+                                          COMM: in_flight(m) + 3 * 2 * sh.rows(m, hk, a)}
         if s != a:
             phases["backward, gradient cast"] = {**base, GRADS: grads + sh.rows(n, h, s)}
-        dkv_rows, dkv_msgs = travel(p)
+        dkv_rows, dkv_msgs = travel(p, parts)
         bwd_bytes = fwd_bytes + dkv_rows * row_elems * a
-        bwd_msgs = fwd_msgs + dkv_msgs
+        bwd_msgs = travel(p - 1, parts)[1] + dkv_msgs
     return _phases_to_estimate("formula", rank, phases, (fwd_bytes, fwd_msgs, bwd_bytes, bwd_msgs),
                                kernel_scratch(config))
 
