@@ -1,20 +1,23 @@
 """Ring attention: exact dense attention over a sequence spread across ranks.
 
-Notation: b batch, n this rank's query rows, m a key block's rows, h query
-heads, hk key/value heads, d head dim, P ranks; layout (b, n, h, d).
+Notation: b batch, n this rank's query rows, m a key (sub-)block's rows, r
+a query chunk's rows, h query heads, hk key/value heads, d head dim, P
+ranks, S sub-blocks per block; layout (b, n, h, d).
 
 Every rank holds its piece of q, k, v. The K/V blocks travel around the
 ring (rank p sends to p+1, receives from p-1): at step s rank p holds the
-block of rank (p - s) mod P, and the transfer of the next block is posted
-before this block's compute, so communication overlaps compute. The partial
-results of the P blocks are merged with ``merge.merge_`` in fp32. A rank
-never holds more than its own block plus the block in flight.
+block of rank (p - s) mod P. Blocks travel as sub-blocks (Note
+[sub-blocks]): the transfer of the next sub-block is posted before the
+current one's compute, so communication overlaps compute while a rank
+holds two sub-blocks, not two blocks. The partial results are merged with
+``merge.merge_`` in fp32 (the output itself is the accumulator for fp32
+and fp64 inputs).
 
 The backward runs the ring again with the final merged ``out``/``lse``
-(``kernels.attention_backward`` then recomputes each block's share of the
-global softmax exactly): dq accumulates locally, and each block's dK/dV
-accumulator travels with it, gaining every rank's contribution, until one
-last step brings it home.
+(``kernels.attention_backward`` then recomputes each launch's share of the
+global softmax exactly): dq accumulates locally, and each sub-block's fp32
+dK/dV accumulator travels with it, gaining every rank's contribution, until
+one last transfer brings it home.
 
 Pieces may differ in length and be empty; ranks agree on every length in
 the one agreement collective before the ring starts, so receive buffers
@@ -44,12 +47,63 @@ seen by rank p (every rank does 2c*c units of work at every step):
             [src | 2P-1-src]
     src<p:   ###   ...        q rows [0, 2c)  x  k rows [0, c)
     src>p:   ###   ###        q rows [c, 2c)  x  k rows [0, 2c)
+
+A sub-block (Note [sub-blocks]) meets the rows of this plan that its key
+rows fall in; on the diagonal (src == p) sub-block [lo, hi) is a causal
+square over queries [lo, hi) plus a full rectangle for the queries below.
+
+Note [sub-blocks]
+~~~~~~~~~~~~~~~~~
+Whole blocks in flight would add two K/V blocks to a rank's memory (the
+one computed on, the next arriving), each as large as its own k and v.
+Instead every block is cut into S sub-blocks ("parts" in the code) of
+nearly equal rows (part j of a block of L rows is rows [j L // S,
+(j+1) L // S), empty when L < S) and the ring runs once per part:
+sub-ring j carries part j of every block through the P steps. Every rank
+walks the same units in the same order, part-major:
+
+    unit (j, s): hold part j of block (p - s); post sending it to p+1 and
+                 receiving part j of block (p - s - 1) from p-1; compute;
+                 wait (the last step of a sub-ring sends and receives none)
+
+Part-major, because what rank p forwards at one unit is what p+1 needs at
+its next unit; step-major would keep a whole block arriving. The query
+rows are cut too: a launch covers at most r query rows, so a kernel's
+output lives r h d s bytes until it is merged.
+
+Memory (s bytes per element, a per fp32 accumulator element, n the longest
+piece): `SubBlocks.bounded` keeps the ring buffers of a pass within half a
+q shard (n h d s / 2) and a launch's output within an eighth. The backward
+runs its own ring with its own parts, cut smaller: they carry fp32 dK/dV
+(the one sent, the one arriving, this unit's own) as well as K/V.
+
+    forward   K/V parts in flight        4 m hk d s          <= n h d s / 2  ->  m = n h / (8 hk)
+    backward  those, 3 fp32 dK/dV parts  (4 s + 6 a) m hk d  <= n h d s / 2  ->  m = n h / (20 hk)
+    both      one launch's output        r h d s             <= n h d s / 8  ->  r = n / 8
+
+(the backward's m for fp32; n h / (32 hk) for bf16).
+
+A forward part has at least 512 rows: every part costs a merge over all n
+query rows (measured at n = 4096, 4 ranks, CPU time on a loaded machine:
+whole blocks 1.0, 512-row parts 1.02 to 1.06, 256-row parts 1.25); a
+backward part (no merges: dq adds once per launch) at least 256. A query chunk has at least 768 rows, where the
+CPU flash kernel still blocks queries by 256 rows (by 64 below). For short
+pieces the minimums win over the bound. A rank runs about S P n / r
+launches per pass: S <= 8 hk / h + 1 parts forward, n / r <= 8.
+
+At P = 4, N = 16384, 12 heads x 64, fp32 (forward m = 512, r = 768) a
+rank's forward holds q, k, v, out (4 shards, 50.3 MB) plus 6.3 MB of parts
+and 2.4 MB of launch output, against 4 full tensors (201 MB) at P = 1:
+0.29x; its backward (m = 256) adds to its 8 shards 3.1 MB of K/V parts,
+4.7 MB of dK/dV parts and one launch's gradients (BENCHMARKS.md has the
+measured peaks). With bf16 inputs the output's fp32 accumulator (n h d a)
+stays whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -60,43 +114,169 @@ from ..merge import empty_accumulators, merge_
 from ..validation import check_first_order
 from . import comm
 
-_ALL = slice(None)
-
 # RingComm tag bases, so K/V and dK/dV transfers between the same two ranks
 # never pair up with each other.
 _KV_TAG, _DKV_TAG = 0, 2
 
+# The fewest rows of a default forward part, backward part and query chunk (Note
+# [sub-blocks]: merge cost, no merges, the CPU flash kernel's query blocks).
+MIN_FORWARD_PART_ROWS, MIN_BACKWARD_PART_ROWS, MIN_CHUNK_ROWS = 512, 256, 768
+
+
+@dataclasses.dataclass(frozen=True)
+class SubBlocks:
+    """Rows per K/V sub-block and per query chunk of a ring call (Note [sub-blocks]).
+
+    `kv_rows` bounds the received K/V and the travelling dK/dV buffers, and
+    fixes the number of sub-rings, so every rank of a call must use the
+    same value; `q_rows` bounds each launch's output before its merge.
+    """
+
+    kv_rows: int
+    q_rows: int
+
+    def __post_init__(self) -> None:
+        for name in ("kv_rows", "q_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SubBlocks {name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def bounded(cls, longest: int, heads: int, kv_heads: int, dtype: torch.dtype, *,
+                backward: bool) -> "SubBlocks":
+        """The default for one pass over pieces of at most `longest` rows (Note [sub-blocks]).
+
+        The pass's ring buffers stay within half a q shard, a launch's
+        output within an eighth, unless the minimum rows are more.
+        """
+        s = torch.empty(0, dtype=dtype).element_size()
+        a = torch.empty(0, dtype=lse_dtype(dtype)).element_size()
+        # bytes per part row and head dim of the ring buffers: two K/V parts in flight,
+        # in backward also three fp32 dK/dV parts
+        per_row = kv_heads * (4 * s + (6 * a if backward else 0))
+        fewest = MIN_BACKWARD_PART_ROWS if backward else MIN_FORWARD_PART_ROWS
+        return cls(kv_rows=max(fewest, longest * heads * s // (2 * per_row)),
+                   q_rows=max(MIN_CHUNK_ROWS, longest // 8))
+
+    def parts(self, lengths: Sequence[int]) -> int:
+        """S: the parts every block is cut into (one sub-ring each)."""
+        return max(1, -(-max(lengths) // self.kv_rows))
+
+
+def _part_rows(length: int, parts: int, j: int) -> Tuple[int, int]:
+    """Rows [lo, hi) of part `j` of a block of `length` rows cut into `parts` parts."""
+    return j * length // parts, (j + 1) * length // parts
+
+
+class _Unit(NamedTuple):
+    """One unit of the ring: sub-block `part` (rows [lo, hi)) of rank `src`'s block, at `step`."""
+
+    part: int
+    step: int
+    src: int
+    lo: int
+    hi: int
+
+
+class _Rotation:
+    """The K/V parts moving around the ring (Note [sub-blocks]), one unit at a time.
+
+    Iterating yields this rank's units; during a unit ``self.k``/``self.v``
+    (b, hi - lo, hk, d) hold the unit's part, and the next unit's transfer is
+    in flight. The parts live on this object, not in the caller's locals, so
+    a part is freed as soon as the ring moves past it.
+    """
+
+    def __init__(self, group, k: Tensor, v: Tensor, lengths: Sequence[int], parts: int) -> None:
+        self.ring = comm.RingComm(group, tag=_KV_TAG)
+        self.own = (k, v)
+        self.lengths = list(lengths)
+        self.parts = parts
+        self.k: Optional[Tensor] = None
+        self.v: Optional[Tensor] = None
+
+    def __iter__(self) -> Iterator[_Unit]:
+        size, rank = self.ring.size, self.ring.rank
+        for j in range(self.parts):
+            lo, hi = _part_rows(self.lengths[rank], self.parts, j)
+            # (b, n, hk, d) -> (b, hi - lo, hk, d): this rank's own part, a view
+            self.k, self.v = (x[:, lo:hi] for x in self.own)
+            for step in range(size):
+                src = (rank - step) % size
+                last = step == size - 1
+                if not last:
+                    # post the next part's transfer before this part's compute
+                    rows = _rows(_part_rows(self.lengths[(src - 1) % size], self.parts, j))
+                    arriving = _pass_on(self.ring, rows, self.k, self.v)
+                yield _Unit(j, step, src, *_part_rows(self.lengths[src], self.parts, j))
+                if not last:
+                    self.ring.wait()
+                    (self.k, self.v), arriving = arriving, []
+        self.k = self.v = None
+
+
+def _rows(span: Tuple[int, int]) -> int:
+    return span[1] - span[0]
+
+
+def _pass_on(ring: comm.RingComm, rows: int, *blocks: Tensor) -> List[Tensor]:
+    """Post sending `blocks` to the next rank and receiving the previous rank's (`rows` rows)."""
+    received = [
+        # (b, m, hk, d) -> (b, rows, hk, d): the previous rank's part may differ in length
+        ring.send_recv(x, x.new_empty((x.shape[0], rows) + tuple(x.shape[2:])))
+        for x in blocks
+    ]
+    ring.commit()
+    return received
+
 
 def _block_plan(
     layout: str, causal: bool, rank: int, src: int, n_q: int, n_k: int
-) -> Optional[Tuple[slice, slice, bool]]:
-    """Which query rows meet which key rows of rank `src`'s block, and whether causally.
+) -> Optional[Tuple[int, int, int, int, bool]]:
+    """Which query rows [q0, q1) meet which key rows [k0, k1) of rank `src`'s block, and whether
+    as a causal square (q0 == k0, q1 == k1: local order is global order; Note [zigzag]).
 
     None when the block contributes nothing to this rank's queries.
     """
     if n_q == 0 or n_k == 0:
         return None  # the kernels need at least one key; nothing to do
     if not causal:
-        return _ALL, _ALL, False
+        return 0, n_q, 0, n_k, False
     if src == rank:
-        return _ALL, _ALL, True
+        return 0, n_q, 0, n_k, True
     if layout == "contiguous":
-        return (_ALL, _ALL, False) if src < rank else None
+        return (0, n_q, 0, n_k, False) if src < rank else None
     half = n_q // 2  # Note [zigzag]
     if src < rank:
-        return _ALL, slice(0, half), False
-    return slice(half, None), _ALL, False
+        return 0, n_q, 0, half, False
+    return half, n_q, 0, n_k, False
 
 
-def _pass_on(ring: comm.RingComm, rows: int, *blocks: Tensor) -> List[Tensor]:
-    """Post sending `blocks` to the next rank and receiving the previous rank's (`rows` rows)."""
-    received = [
-        # (b, m, hk, d) -> (b, rows, hk, d): the previous rank's block may differ in length
-        ring.send_recv(x, x.new_empty((x.shape[0], rows) + tuple(x.shape[2:])))
-        for x in blocks
-    ]
-    ring.commit()
-    return received
+def _launches(plan, lo: int, hi: int, q_rows: int) -> List[Tuple[slice, slice, bool]]:
+    """The kernel launches of `plan` with key rows [lo, hi) of its block (Note [sub-blocks]).
+
+    Each is (query rows, key rows counted from `lo`, causal), at most
+    `q_rows` query rows; a causal launch is a square, as the kernels need.
+    """
+    if plan is None:
+        return []
+    q0, q1, k0, k1, causal = plan
+    k0, k1 = max(k0, lo), min(k1, hi)
+    if k0 >= k1:
+        return []
+    keys = slice(k0 - lo, k1 - lo)
+    if not causal:
+        return [(slice(c, min(c + q_rows, q1)), keys, False) for c in range(q0, q1, q_rows)]
+    # query i sees key j <= i: queries [k0, k1) see the keys as a triangle, chunked into
+    # squares with the keys left of them in full; queries after k1 see every key
+    found = []
+    for c in range(k0, k1, q_rows):
+        c1 = min(c + q_rows, k1)
+        if c > k0:
+            found.append((slice(c, c1), slice(k0 - lo, c - lo), False))
+        found.append((slice(c, c1), slice(c - lo, c1 - lo), True))
+    found += [(slice(c, min(c + q_rows, q1)), keys, False) for c in range(k1, q1, q_rows)]
+    return found
 
 
 def _lengths(group, n: int, lengths: Optional[Sequence[int]]) -> List[int]:
@@ -109,6 +289,17 @@ def _lengths(group, n: int, lengths: Optional[Sequence[int]]) -> List[int]:
     return lengths
 
 
+def _sub_blocks(sub_blocks: Optional[SubBlocks], lengths: Sequence[int], q: Tensor,
+                k: Tensor, *, backward: bool) -> SubBlocks:
+    """`sub_blocks`, checked, or the pass's default bound."""
+    if sub_blocks is None:
+        return SubBlocks.bounded(max(lengths), q.shape[2], k.shape[2], q.dtype,
+                                 backward=backward)
+    if not isinstance(sub_blocks, SubBlocks):
+        raise TypeError(f"sub_blocks must be a SubBlocks or None, got {sub_blocks!r}")
+    return sub_blocks
+
+
 def ring_forward(
     group,
     q: Tensor,
@@ -118,11 +309,14 @@ def ring_forward(
     *,
     layout: str = "contiguous",
     lengths: Optional[Sequence[int]] = None,
+    sub_blocks: Optional[SubBlocks] = None,
 ) -> Tuple[Tensor, Tensor]:
     """q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse (b, n, h) fp32.
 
     `lengths`: every rank's piece length (default: all equal to this one's).
-    Every rank of `group` must call this with agreed arguments.
+    `sub_blocks`: rows per K/V part and per query chunk (default
+    `SubBlocks.bounded` for the forward: Note [sub-blocks]). Every rank of
+    `group` must call this with agreed arguments.
     """
     size, rank = comm.group_size(group), comm.group_rank(group)
     n = q.shape[1]
@@ -130,25 +324,17 @@ def ring_forward(
     if size == 1:
         # one block: the kernel's own result, with no fp32 accumulator and no merge
         return attention_forward(q, k, v, opts)
-    ring = comm.RingComm(group, tag=_KV_TAG)
+    sub = _sub_blocks(sub_blocks, lengths, q, k, backward=False)
+    # fp32 (fp64) accumulators: for fp32 (fp64) inputs acc_out is the output itself
     acc_out, acc_lse = empty_accumulators(q.shape, q.dtype, q.device)
-    k_cur, v_cur = k, v
-    for step in range(size):
-        src = (rank - step) % size
-        if step + 1 < size:
-            # post the next block's transfer before this block's compute
-            k_next, v_next = _pass_on(ring, lengths[(rank - step - 1) % size], k_cur, v_cur)
-        plan = _block_plan(layout, opts.causal, rank, src, n, lengths[src])
-        if plan is not None:
-            rows, keys, block_causal = plan
-            out_b, lse_b = attention_forward(
-                q[:, rows], k_cur[:, keys], v_cur[:, keys],
-                dataclasses.replace(opts, causal=block_causal),
-            )
-            merge_(acc_out[:, rows], acc_lse[:, rows], out_b, lse_b)
-        if step + 1 < size:
-            ring.wait()
-            k_cur, v_cur = k_next, v_next
+    rotation = _Rotation(group, k, v, lengths, sub.parts(lengths))
+    for unit in rotation:
+        plan = _block_plan(layout, opts.causal, rank, unit.src, n, lengths[unit.src])
+        for rows, keys, causal in _launches(plan, unit.lo, unit.hi, sub.q_rows):
+            # merged at once: a launch's output is freed before the next one runs
+            merge_(acc_out[:, rows], acc_lse[:, rows], *attention_forward(
+                q[:, rows], rotation.k[:, keys], rotation.v[:, keys],
+                dataclasses.replace(opts, causal=causal)))
     return acc_out.to(q.dtype), acc_lse
 
 
@@ -165,72 +351,128 @@ def ring_backward(
     layout: str = "contiguous",
     lengths: Optional[Sequence[int]] = None,
     dlse: Optional[Tensor] = None,
+    sub_blocks: Optional[SubBlocks] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of this rank's piece, given the final out and lse of `ring_forward`.
 
     ``dlse`` (b, n, h), when given, is the gradient flowing into ``lse``.
+    `sub_blocks` as for `ring_forward` (default: the backward's own bound,
+    smaller parts); it need not be what the forward used, only the same on
+    every rank.
     """
     size, rank = comm.group_size(group), comm.group_rank(group)
     n = q.shape[1]
     lengths = _lengths(group, n, lengths)
     if size == 1:
         return attention_backward(dout, q, k, v, out, lse, opts, dlse=dlse)
+    sub = _sub_blocks(sub_blocks, lengths, q, k, backward=True)
+    parts = sub.parts(lengths)
     acc = lse_dtype(q.dtype)
-    kv_ring = comm.RingComm(group, tag=_KV_TAG)
-    dkv_ring = comm.RingComm(group, tag=_DKV_TAG)
+    # for fp32 (fp64) inputs dq is its own accumulator, and dk/dv receive their parts'
+    # accumulators in place when the rows are contiguous
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    k_cur, v_cur = k, v
-    dk_in = dv_in = None  # the current block's dK/dV from the ranks before this one
-    for step in range(size):
-        src = (rank - step) % size
-        if step + 1 < size:
-            k_next, v_next = _pass_on(kv_ring, lengths[(rank - step - 1) % size], k_cur, v_cur)
-        plan = _block_plan(layout, opts.causal, rank, src, n, lengths[src])
-        grads = None
-        if plan is not None:
-            rows, keys, block_causal = plan
-            dq_b, dk_b, dv_b = attention_backward(
-                dout[:, rows], q[:, rows], k_cur[:, keys], v_cur[:, keys], out[:, rows],
-                lse[:, rows], dataclasses.replace(opts, causal=block_causal),
-                dlse=None if dlse is None else dlse[:, rows],
-            )
-            dq[:, rows] += dq_b
-            grads = (keys, dk_b, dv_b)
-        if step > 0:
-            dkv_ring.wait()  # dk_in/dv_in of this block have arrived
-        dk_acc, dv_acc = dk_in, dv_in
-        if dk_acc is None:  # step 0: this rank's own block starts from zero
-            dk_acc = torch.zeros(k_cur.shape, dtype=acc, device=q.device)
-            dv_acc = torch.zeros(v_cur.shape, dtype=acc, device=q.device)
-        if grads is not None:
-            keys, dk_b, dv_b = grads
-            dk_acc[:, keys] += dk_b
-            dv_acc[:, keys] += dv_b
-        # this block's dK/dV go to the next rank, which holds the block at the
-        # next step; after the last step that rank is the block's home, and
-        # what arrives here is this rank's own complete dK/dV
-        dk_in, dv_in = _pass_on(dkv_ring, lengths[(rank - step - 1) % size], dk_acc, dv_acc)
-        if step + 1 < size:
-            kv_ring.wait()
-            k_cur, v_cur = k_next, v_next
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    rotation = _Rotation(group, k, v, lengths, parts)
+    dkv_ring = comm.RingComm(group, tag=_DKV_TAG)
+    arriving: Optional[List[Tensor]] = None  # the dK/dV posted after the previous unit
+    home: Optional[Tuple[int, int]] = None  # their rows in dk/dv when they are this rank's own
+    for unit in rotation:
+        plan = _block_plan(layout, opts.causal, rank, unit.src, n, lengths[unit.src])
+        grads = _unit_backward(
+            _launches(plan, unit.lo, unit.hi, sub.q_rows), rotation.k, rotation.v, dout, q, out,
+            lse, dlse, dq, opts)
+        dkv_ring.wait()  # the accumulators posted after the previous unit have arrived
+        if home is not None:
+            _deliver(arriving, dk, dv, home)
+        elif arriving is not None:  # this part's accumulators from the ranks before this one
+            grads = arriving if grads is None else [g.add_(a) for g, a in zip(grads, arriving)]
+        if grads is None:  # step 0 of a part no query here sees
+            grads = [x.new_zeros(x.shape, dtype=acc) for x in (rotation.k, rotation.v)]
+        # this part's dK/dV go to the next rank, which holds the part at the next step;
+        # after the last step that rank is the part's home, and what arrives here is
+        # this rank's own part's complete dK/dV
+        if unit.step < size - 1:
+            home = None
+            rows = _rows(_part_rows(lengths[(unit.src - 1) % size], parts, unit.part))
+            buffers = [g.new_empty((g.shape[0], rows) + tuple(g.shape[2:])) for g in grads]
+        else:
+            home = _part_rows(n, parts, unit.part)
+            buffers = [_home_buffer(x, home, acc) for x in (dk, dv)]
+        arriving = [dkv_ring.send_recv(g, buf) for g, buf in zip(grads, buffers)]
+        dkv_ring.commit()
+        del grads, buffers  # sent from here on; only `arriving` stays
     dkv_ring.wait()
-    return dq.to(q.dtype), dk_in.to(k.dtype), dv_in.to(v.dtype)
+    _deliver(arriving, dk, dv, home)
+    return dq.to(q.dtype), dk, dv
+
+
+def _unit_backward(launches, k: Tensor, v: Tensor, dout: Tensor, q: Tensor, out: Tensor,
+                   lse: Tensor, dlse: Optional[Tensor], dq: Tensor,
+                   opts: KernelOptions) -> Optional[List[Tensor]]:
+    """Run one unit's backward launches: add into `dq`; return the part's (dk, dv) in fp32.
+
+    None when no launch runs. Each launch's gradients are freed before the
+    next launch allocates its own.
+    """
+    if not launches:
+        return None
+    acc = dq.dtype
+    # (b, m, hk, d) fp32: this unit's contribution to the part's dK/dV
+    dk_part = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv_part = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for rows, keys, causal in launches:
+        dq_b, dk_b, dv_b = attention_backward(
+            dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, rows],
+            dataclasses.replace(opts, causal=causal),
+            dlse=None if dlse is None else dlse[:, rows],
+        )
+        dq[:, rows] += dq_b
+        dk_part[:, keys] += dk_b
+        dv_part[:, keys] += dv_b
+        del dq_b, dk_b, dv_b  # freed before the next launch allocates its own
+    return [dk_part, dv_part]
+
+
+def _arrives_in_place(x: Tensor, rows: Tuple[int, int], acc: torch.dtype) -> bool:
+    """Whether rows [lo, hi) of `x` can receive an accumulator directly (same dtype, contiguous)."""
+    return x.dtype == acc and x[:, rows[0]:rows[1]].is_contiguous()
+
+
+def _home_buffer(x: Tensor, rows: Tuple[int, int], acc: torch.dtype) -> Tensor:
+    """Where a part of this rank's own dK (or dV) arrives: in place when `x` can take it."""
+    view = x[:, rows[0]:rows[1]]
+    if _arrives_in_place(x, rows, acc):
+        return view
+    # (b, n, hk, d) -> (b, hi - lo, hk, d) in the accumulator dtype
+    return torch.empty(view.shape, dtype=acc, device=x.device)
+
+
+def _deliver(arrived: Sequence[Tensor], dk: Tensor, dv: Tensor, rows: Tuple[int, int]) -> None:
+    """Put this rank's own part's complete dK/dV into rows [lo, hi) of dk/dv (cast if needed)."""
+    for buf, x in zip(arrived, (dk, dv)):
+        if not _arrives_in_place(x, rows, buf.dtype):
+            x[:, rows[0]:rows[1]].copy_(buf)
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """Saves q, k, v, out, lse; backward is `ring_backward` (a collective: every rank runs it)."""
+    """Saves q, k, v, out, lse; backward is `ring_backward` (a collective: every rank runs it).
+
+    `sub_blocks` (optional, last) overrides the default sizes of Note
+    [sub-blocks] in both passes; every rank must pass the same.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, opts, group, layout, lengths):
-        result = ring_forward(group, q, k, v, opts, layout=layout, lengths=lengths)
-        return save_for_backward(ctx, q, k, v, result, (opts, group, layout, lengths))
+    def forward(ctx, q, k, v, opts, group, layout, lengths, sub_blocks=None):
+        result = ring_forward(group, q, k, v, opts, layout=layout, lengths=lengths,
+                              sub_blocks=sub_blocks)
+        return save_for_backward(ctx, q, k, v, result, (opts, group, layout, lengths, sub_blocks))
 
     @staticmethod
     def backward(ctx, dout, dlse):
         dout, q, k, v, out, lse = saved_for_backward(ctx, dout)
-        opts, group, layout, lengths = ctx.args
+        opts, group, layout, lengths, sub_blocks = ctx.args
         if comm.is_distributed(group):
             check_first_order("ring_attention with a group of several ranks")
         dq, dk, dv = ring_backward(group, dout, q, k, v, out, lse, opts, layout=layout,
-                                   lengths=lengths, dlse=dlse)
-        return dq, dk, dv, None, None, None, None
+                                   lengths=lengths, dlse=dlse, sub_blocks=sub_blocks)
+        return dq, dk, dv, None, None, None, None, None

@@ -56,6 +56,7 @@ from ..dilated import IMPLEMENTATIONS
 from ..distributed import comm
 from ..distributed.sequence_parallel import sp_backward, sp_forward
 from ..kernels import KernelOptions
+from ..distributed.ring import SubBlocks
 from ..launches import CHUNK_ELEMENTS, Blocks, count_writers
 from ..patterns import Heads
 from ..plan import Launch, Layout, Plan, make_plan, work
@@ -663,50 +664,75 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
 def _ring_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int) -> Estimate:
     """Forward (and backward) phases of ring attention (see ring_forward/ring_backward).
 
-    Forward: the accumulators, the K/V block being used and the one in
-    flight (two received blocks once the ring is running, P > 2), and two
-    block outputs (the previous step's is freed when the new one is
-    assigned). Backward adds dq, dK/dV accumulators travelling with their
-    block (sent and received: four), and two steps' kernel gradients.
+    P = 1 is one kernel call: its out and lse, in backward its dq, dk, dv.
+    Otherwise (Note [sub-blocks] in distributed/ring.py) K/V travel in S
+    parts of at most m rows and launches cover at most r query rows, each
+    pass with its own sizes.
+
+    Forward: the fp32 accumulators (the output itself for fp32), the parts
+    in flight (the one computed on and the next arriving: one received part
+    at P = 2, two beyond; with b > 1 the part sent at step 0 is a copy), one
+    launch's out and lse and the merge's lse-sized temporaries. Backward:
+    saved out/lse, dq (fp32) and dk/dv, the parts in flight, three fp32
+    dK/dV parts (sent, arriving, this unit's own) and one launch's dq, dk,
+    dv. Not modelled: the lse-gradient padding of a backward with ``dlse``.
     """
     sh = _Shapes(config)
     s, a, h, hk = sh.s, sh.a, sh.h, sh.hk
     p = config.world_size
     n = lengths[rank]
-    m = max(lengths)  # the largest block that can arrive
     shards = {SHARDS: sh.rows(n, h + 2 * hk, s)}
     if config.training:
         shards[DOUT] = sh.rows(n, h, s)
+    saved = sh.rows(n, h, s) + sh.rows(n, h, a, 1)
+    phases: Dict[str, Dict[str, int]] = {}
+    if p == 1:
+        phases["forward, kernel"] = {**shards, OUTPUT: saved}
+        if config.training:
+            phases["backward, kernel"] = {**shards, SAVED: saved,
+                                          GRADS: sh.rows(n, h + 2 * hk, s)}
+        return _phases_to_estimate("formula", rank, phases, (0, 0, 0, 0), kernel_scratch(config))
+
+    def sizes(backward: bool) -> Tuple[int, int, int]:
+        """(S, m, r) of a pass: parts per block, rows of the longest part, of a launch."""
+        sub = SubBlocks.bounded(max(lengths), h, hk, config.torch_dtype, backward=backward)
+        parts = sub.parts(lengths)
+        return parts, -(-max(lengths) // parts), min(sub.q_rows, n)
+
+    def in_flight(m: int) -> int:
+        """K/V parts of m rows held at once: one received at P = 2 (b = 1), else two."""
+        return (1 if p == 2 and sh.b == 1 else 2) * 2 * sh.rows(m, hk, s)
+
+    parts, m, r = sizes(False)
+    launch_out = sh.rows(r, h, s) + sh.rows(r, h, a, 1)
+    merge_temps = 4 * sh.rows(r, h, a, 1)  # merge_: the new lse, its safe copy, two weights
     acc = sh.rows(n, h, a) + sh.rows(n, h, a, 1)
-    block_out = sh.rows(n, h, s) + sh.rows(n, h, a, 1)
-    kv = 2 * sh.rows(m, hk, s)
-    in_flight = 0 if p == 1 else kv if p == 2 else 2 * kv
-    outs = 1 if p == 1 else 2
-    phases = {
-        "forward, ring steps": {**shards, OUTPUT: acc, COMM: in_flight,
-                                WORKSPACE: outs * block_out + 4 * sh.rows(n, h, a, 1)},
-    }
+    phases["forward, ring units"] = {**shards, OUTPUT: acc, COMM: in_flight(m),
+                                     WORKSPACE: launch_out + merge_temps}
     if s != a:
         phases["forward, output cast"] = {**shards, OUTPUT: acc + sh.rows(n, h, s)}
-    others = sum(lengths) - n
-    fwd_bytes = 0 if p == 1 else 2 * sh.b * (sum(lengths) - lengths[(rank + 1) % p]) * hk * \
-        sh.d * s
-    fwd_msgs = 0 if p == 1 else 2 * (p - 1)
+    row_elems = 2 * sh.b * hk * sh.d  # k and v of one row
+
+    def travel(steps: int, parts: int) -> Tuple[int, int]:
+        """(rows, messages) of the blocks sent at steps 0..steps-1: each in min(L, S) parts."""
+        blocks = [lengths[(rank - t) % p] for t in range(steps)]
+        return sum(blocks), 2 * sum(min(length, parts) for length in blocks)
+
+    kv_rows, fwd_msgs = travel(p - 1, parts)
+    fwd_bytes = kv_rows * row_elems * s
     bwd_bytes = bwd_msgs = 0
     if config.training:
-        saved = sh.rows(n, h, s if s != a else a) + sh.rows(n, h, a, 1)
-        base = {**shards, SAVED: saved, GRADS: sh.rows(n, h, a)}
-        kernel = sh.rows(n, h, s) + 2 * sh.rows(m, hk, s)
-        dkv = 2 * sh.rows(m, hk, a)
-        travelling = dkv if p == 1 else 2 * dkv
-        phases["backward, ring steps"] = {**base, COMM: in_flight + travelling,
-                                          WORKSPACE: outs * kernel}
+        parts, m, r = sizes(True)
+        grads = sh.rows(n, h, a) + 2 * sh.rows(n, hk, s)
+        base = {**shards, SAVED: saved, GRADS: grads}
+        kernel = sh.rows(r, h, s) + 2 * sh.rows(m, hk, s)
+        phases["backward, ring units"] = {**base, WORKSPACE: kernel,
+                                          COMM: in_flight(m) + 3 * 2 * sh.rows(m, hk, a)}
         if s != a:
-            phases["backward, gradient cast"] = {
-                **base, COMM: dkv, GRADS: sh.rows(n, h, a) + sh.rows(n, h + 2 * hk, s)}
-        if p > 1:
-            bwd_bytes = fwd_bytes + 2 * sh.b * (others + n) * hk * sh.d * a
-            bwd_msgs = fwd_msgs + 2 * p
+            phases["backward, gradient cast"] = {**base, GRADS: grads + sh.rows(n, h, s)}
+        dkv_rows, dkv_msgs = travel(p, parts)
+        bwd_bytes = fwd_bytes + dkv_rows * row_elems * a
+        bwd_msgs = travel(p - 1, parts)[1] + dkv_msgs
     return _phases_to_estimate("formula", rank, phases, (fwd_bytes, fwd_msgs, bwd_bytes, bwd_msgs),
                                kernel_scratch(config))
 
