@@ -115,6 +115,7 @@ ESTIMATE_CASES = [
     dict(impl="dilated", seq_len=16384, mesh=(2, 2), kv_heads=4, causal=True, training=True),
     dict(impl="dilated", seq_len=16384, mesh=(4, 1), kv_heads=2, training=True,
          segment_lengths=[2048, 16384], dilation_rates=[1, 8]),
+    dict(impl="ring", seq_len=16384, mesh=(2, 2), training=True),  # Ulysses x the ring
     # one rank (one kernel call); two ranks with batch 2 (the part sent at step 0 is a copy)
     dict(impl="ring", seq_len=4096, world_size=1, training=True),
     dict(impl="ring", seq_len=4096, world_size=2, batch=2, training=True),
