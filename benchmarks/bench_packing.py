@@ -15,7 +15,9 @@ Packed and separate compute the same attention (each document alone), so
 their ratio is the cost of packing; packed against one document shows what
 many short documents cost next to one long one (less attention, more
 launches). Times are min/median/max of --repeats runs, taken in one process,
-alternating the cases.
+alternating the cases. ``--memory`` instead measures the working memory of
+one document and of packed (peak resident memory beyond q, k, v, the output
+included, in input-sized tensors), each in a fresh process.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 
 from dilated_attention import dilated_attention
 from dilated_attention.dilated import local_plan
+from dilated_attention.tools.bench import PeakMemory
 
 SEGMENTS, RATES = (2048, 4096), (1, 2)
 
@@ -40,14 +45,47 @@ def documents(n: int, count: int, seed: int) -> list:
     return [0] + sorted(cuts.tolist()) + [n]
 
 
+def working_memory(n: int, heads: int, count: int, packed: bool) -> float:
+    """Peak bytes of one forward beyond q, k, v (output included) / one input-sized tensor."""
+    g = torch.Generator().manual_seed(0)
+    cu = documents(n, count, seed=1) if packed else None
+    with torch.no_grad():
+        small = torch.randn(1, 4096, heads, 64)
+        dilated_attention(small, small, small, SEGMENTS, RATES)  # warm-up: imports, first ops
+        q, k, v = (torch.randn(1, n, heads, 64, generator=g) for _ in range(3))
+        memory = PeakMemory("cpu")
+        memory.start()
+        out = dilated_attention(q, k, v, SEGMENTS, RATES, cu_seqlens=cu)
+        peak = memory.peak_bytes()
+    del out
+    return peak / q.nbytes
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=2**20)
     p.add_argument("--documents", type=int, default=10_000)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--memory", action="store_true",
+                   help="measure working memory (fresh processes) instead of time")
+    p.add_argument("--memory-case", choices=("one", "packed"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     n = args.tokens
+    if args.memory_case:
+        print(working_memory(n, args.heads, args.documents, args.memory_case == "packed"))
+        return
+    if args.memory:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+        for case in ("one", "packed"):
+            out = subprocess.run([sys.executable, __file__, "--tokens", str(n), "--documents",
+                                  str(args.documents), "--heads", str(args.heads),
+                                  "--memory-case", case], env=env, capture_output=True,
+                                 text=True, check=True)
+            name = "one document" if case == "one" else f"packed ({args.documents:,} documents)"
+            print(f"{name}: working memory {float(out.stdout.split()[-1]):.2f} input-sized "
+                  f"tensors beyond q, k, v (N = {n:,}, {args.heads} heads x 64, fp32, forward)")
+        return
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, n, args.heads, 64, generator=g) for _ in range(3))
     cu = documents(n, args.documents, seed=1)
