@@ -193,21 +193,38 @@ def head_groups(lo: int, hi: int, rate: int, heads: Heads,
     return cross_head_groups(lo, hi, lo, hi, rate, heads, device)
 
 
-@functools.lru_cache(maxsize=65536)
 def selected_pairs(q_lo: int, q_hi: int, k_lo: int, k_hi: int, rate: int, heads: Heads) -> int:
     """How many (key row, kv head) pairs `cross_head_groups` reads: pure arithmetic.
 
     Equals ``sum(g.kv_index.numel() for g in cross_head_groups(...))`` without
-    building any tensor, so a plan can size every rank's traffic cheaply.
+    building any tensor, so a plan can size every rank's traffic cheaply. Which
+    rows of a slice an offset selects depends only on the slice's start modulo
+    the rate and its length, so equal parts of a long segment (every rank's
+    part of LongNet's last segment) share one cached count.
     """
     if q_hi <= q_lo or k_hi <= k_lo:
         return 0
-    used = {((heads.first + j) % rate, kv) for j, kv in enumerate(heads.kv_of)}
+    return _selected_pairs(q_lo % rate, q_hi - q_lo, k_lo % rate, k_hi - k_lo, rate, heads)
+
+
+@functools.lru_cache(maxsize=65536)
+def _selected_pairs(q_start: int, q_rows: int, k_start: int, k_rows: int, rate: int,
+                    heads: Heads) -> int:
     total = 0
-    for offset, _ in used:
-        if _offset_rows(q_lo, q_hi, offset, rate)[1]:
-            total += _offset_rows(k_lo, k_hi, offset, rate)[1]
+    for offset, kv_heads in _offset_kv_heads(rate, heads):
+        if _offset_rows(q_start, q_start + q_rows, offset, rate)[1]:
+            total += kv_heads * _offset_rows(k_start, k_start + k_rows, offset, rate)[1]
     return total
+
+
+@functools.lru_cache(maxsize=4096)
+def _offset_kv_heads(rate: int, heads: Heads) -> Tuple[Tuple[int, int], ...]:
+    """(offset, how many kv heads are read at it) over the heads' distinct (offset, kv) pairs."""
+    used = {((heads.first + j) % rate, kv) for j, kv in enumerate(heads.kv_of)}
+    counts: Dict[int, int] = {}
+    for offset, _ in used:
+        counts[offset] = counts.get(offset, 0) + 1
+    return tuple(sorted(counts.items()))
 
 
 # --------------------------------------------------------------------------

@@ -350,6 +350,17 @@ def _blocks_of(chunks: List[Chunk], rows: int) -> List[Tuple[int, int, int]]:
     return out
 
 
+def _segment_at(row: int, w: int, documents: Documents, total: int) -> List[Tuple[int, int]]:
+    """[(start, length)] of the pattern-w segment holding global `row` (empty in an empty
+    sequence); one document is plain arithmetic, no tensors (a schedule asks per border)."""
+    if documents is not None:
+        starts, lengths = segments_between(row, row + 1, w, documents, total)
+        return list(zip(starts.tolist(), lengths.tolist()))
+    seg = min(w, total)  # W = min(w, document length)
+    a = row // seg * seg
+    return [(a, min(seg, total - a))]
+
+
 @functools.lru_cache(maxsize=256)
 def _schedule(layout: Layout, w: int, r: int, causal: bool, heads: Heads, documents: Documents
               ) -> Tuple[str, Tuple[Tuple[int, int, Chunk, Chunk, int], ...]]:
@@ -364,8 +375,7 @@ def _schedule(layout: Layout, w: int, r: int, causal: bool, heads: Heads, docume
     received: Counter = Counter()
     seen = set()
     for border in starts[1:]:
-        seg_starts, seg_lengths = segments_between(border - 1, border, w, documents, layout.total)
-        for a, length in zip(seg_starts.tolist(), seg_lengths.tolist()):
+        for a, length in _segment_at(border - 1, w, documents, layout.total):
             if a + length <= border or a in seen:
                 continue  # the border is this segment's end: nothing spans it
             seen.add(a)
@@ -559,21 +569,39 @@ def _sparse(part: Chunk, rate: int, launch_rows: int, block_rows: int) -> bool:
             and -(-length // rate) <= launch_rows)
 
 
+def _by_block(values: Tensor, los: Sequence[int]) -> Tuple[Tensor, Tensor, Dict[int, slice]]:
+    """(perm, offsets, {block: slice}) for values (rows) in blocks starting at `los` (by
+    index, in any order; every value lies in some block): `values[perm][slice]` are a
+    block's values in their original order, `offsets` each value minus its block's start.
+
+    One sort instead of a mask per block (a plan splits thousands of entries over up to
+    MAX_BLOCKS blocks, hundreds of times); the caller moves the permuted tensors to the
+    device once and takes each block's entries as a slice (a view: no op per block, which
+    on meta tensors would run Python decompositions and on a GPU launch kernels)."""
+    order = sorted(range(len(los)), key=los.__getitem__)
+    # the block of each value: the last start at or before it, in sorted order
+    which = torch.bucketize(values, torch.tensor([los[i] for i in order]), right=True) - 1
+    perm = torch.argsort(which, stable=True)
+    offsets = values - torch.tensor([los[i] for i in order])[which]
+    spans, start = {}, 0
+    for j, count in enumerate(torch.bincount(which, minlength=len(order)).tolist()):
+        if count:
+            spans[order[j]] = slice(start, start + count)
+        start += count
+    return perm, offsets, spans
+
+
 def _splits(start: int, index: Tensor, head_ids: Tensor, blocks: List[Tuple[int, int]],
             device: str) -> Tuple[Split, ...]:
     """Split a one-segment launch's output entries (rows start + index (R, H), heads
     head_ids (H,); CPU tensors) over the blocks ((local lo, hi) by index) they land in."""
-    rows = start + index
-    lo_row, hi_row = int(rows.min()), int(rows.max()) + 1
-    out = []
-    for block, (lo, hi) in enumerate(blocks):
-        if hi <= lo_row or lo >= hi_row:
-            continue
-        t, c = ((rows >= lo) & (rows < hi)).nonzero(as_tuple=True)
-        if t.numel():
-            out.append(Split(block, (t * index.shape[1] + c).to(device),
-                             (rows[t, c] - lo).to(device), head_ids[c].to(device)))
-    return tuple(out)
+    # (R, H) -> (R * H,): entry e is row e // H of head e % H
+    rows = (start + index).reshape(-1)
+    perm, offsets, spans = _by_block(rows, [lo for lo, _ in blocks])
+    entries, rows, heads = (x.to(device) for x in (perm, offsets[perm],
+                                                   head_ids[perm % index.shape[1]]))
+    return tuple(Split(block, entries[sl], rows[sl], heads[sl])
+                 for block, sl in sorted(spans.items(), key=lambda kv: kv[0]))
 
 
 def _sparse_launches(layout: Layout, rank: int, a: int, length: int, part: Chunk, r: int,
@@ -613,14 +641,15 @@ def _homes(src: Chunk, a: int, rate: int, groups: Tuple[HeadGroup, ...], grid, b
             cols_of.append(col + c * kv_rows + torch.arange(kv_rows))
         col += kv_rows * hkv
     rows, heads, cols = torch.cat(rows_of), torch.cat(heads_of), torch.cat(cols_of)
+    perm, offsets, spans = _by_block(rows, [lo for lo, _, _ in grid])
+    # rows relative to their block: they index its accumulators
+    rows, heads, cols = (x[perm].to(device) for x in (offsets, heads, cols))
     out = []
     for index, (lo, hi, _) in enumerate(grid):
         if hi <= src.start or lo >= src.stop:
             continue
-        inside = (rows >= lo) & (rows < hi)
-        # rows relative to the block: they index its accumulators
-        out.append((index, (rows[inside] - lo).to(device), heads[inside].to(device),
-                    cols[inside].to(device)))
+        sl = spans.get(index, slice(0, 0))
+        out.append((index, rows[sl], heads[sl], cols[sl]))
     return tuple(out)
 
 
