@@ -629,18 +629,17 @@ def _sparse_launches(layout: Layout, rank: int, a: int, length: int, part: Chunk
 def _homes(src: Chunk, a: int, rate: int, groups: Tuple[HeadGroup, ...], grid, block_of,
            device: str) -> Tuple[Tuple[int, Tensor, Tensor, Tensor], ...]:
     """Where the wire-format columns of a sent key part land, block by block (arithmetic)."""
-    rows_of, heads_of, cols_of = [], [], []
-    col = 0
+    rows_of, heads_of = [], []
     for g in groups:
-        kv_rows, hkv = g.kv_index.shape[0], len(g.pairs)
-        for c, (offset, kv) in enumerate(g.pairs):
-            # (kv_rows,) global rows of this pair's keys: first row of the offset, every rate
-            first = src.start + (offset - (src.start - a)) % rate
-            rows_of.append(first + rate * torch.arange(kv_rows))
-            heads_of.append(torch.full((kv_rows,), kv))
-            cols_of.append(col + c * kv_rows + torch.arange(kv_rows))
-        col += kv_rows * hkv
-    rows, heads, cols = torch.cat(rows_of), torch.cat(heads_of), torch.cat(cols_of)
+        kv_rows = g.kv_index.shape[0]
+        offsets, kv_heads = torch.tensor(g.pairs).reshape(-1, 2).unbind(1)
+        # (hkv, kv_rows): a pair's keys start at the first row of its offset, every rate;
+        # its wire columns follow the pairs in order, kv_rows each
+        first = src.start + (offsets - (src.start - a)) % rate
+        rows_of.append((first[:, None] + rate * torch.arange(kv_rows)).reshape(-1))
+        heads_of.append(kv_heads.repeat_interleave(kv_rows))
+    rows, heads = torch.cat(rows_of), torch.cat(heads_of)
+    cols = torch.arange(rows.numel())
     perm, offsets, spans = _by_block(rows, [lo for lo, _, _ in grid])
     # rows relative to their block: they index its accumulators
     rows, heads, cols = (x[perm].to(device) for x in (offsets, heads, cols))
