@@ -60,8 +60,10 @@ def _inputs(lengths, h, hk, seed):
             randn(B, h, n))
 
 
-def _loss(out, lse, dout, dlse):
-    return (out * dout).sum() + (lse.masked_fill(torch.isinf(lse), 0.0) * dlse).sum()
+def _loss(out, lse, dout, dlse, with_lse=True):
+    """<out, dout> + <lse, dlse>; only the first with `with_lse` False (lse gets no gradient)."""
+    loss = (out * dout).sum()
+    return loss + (lse.masked_fill(torch.isinf(lse), 0.0) * dlse).sum() if with_lse else loss
 
 
 def _attend(op, q, k, v, case, **kwargs):
@@ -71,16 +73,16 @@ def _attend(op, q, k, v, case, **kwargs):
     return dilated_attention(q, k, v, segs, rates, is_causal=causal, return_lse=True, **kwargs)
 
 
-def _single(op, case, seed, **kwargs):
+def _single(op, case, seed, with_lse=True, **kwargs):
     lengths, _, _, _, h, hk = case
     q, k, v, dout, dlse = _inputs(lengths, h, hk, seed)
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     out, lse = _attend(op, q, k, v, case, **kwargs)
-    _loss(out, lse, dout, dlse).backward()
+    _loss(out, lse, dout, dlse, with_lse).backward()
     return {"out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def _sharded(op, group, piece, case, seed, **kwargs):
+def _sharded(op, group, piece, case, seed, with_lse=True, **kwargs):
     """This rank's piece (number `piece`) through the op, its gradients and its traffic."""
     lengths, _, _, _, h, hk = case
     lo = sum(lengths[:piece])
@@ -92,7 +94,7 @@ def _sharded(op, group, piece, case, seed, **kwargs):
     with comm.count_communication() as fwd:
         out, lse = _attend(op, q, k, v, case, group=group, **local, **rest)
     with comm.count_communication() as bwd:
-        _loss(out, lse, dout[:, lo:hi], dlse[:, :, lo:hi]).backward()
+        _loss(out, lse, dout[:, lo:hi], dlse[:, :, lo:hi], with_lse).backward()
     counts = {name: (s.messages_of("all_to_all"), s.messages_of("all_gather"), s.agreements,
                      s.messages)
               for name, s in (("fwd", fwd), ("bwd", bwd))}
@@ -114,6 +116,9 @@ def _ulysses_ranks(group, world):
         for j, extra in enumerate(({}, _extras(case))):
             results.append(_sharded("dilated", group, comm.group_rank(group), case, 10 * i + j,
                                     strategy="ulysses", **extra))
+    # the loss reads only out: the lse's gradient all-to-all is skipped on every rank
+    results.append(_sharded("dilated", group, comm.group_rank(group), ULYSSES_CASES[world][0],
+                            0, strategy="ulysses", with_lse=False))
     # a configuration that differs across ranks, heads that do not split: errors everywhere
     errors = []
     case = ULYSSES_CASES[world][0]
@@ -146,9 +151,18 @@ def test_ulysses_equals_one_process(world: int) -> None:
                                        atol=1e-10)
             masked = "key_padding_mask" in extra
             # forward: q, k+v, out, lse all-to-alls (+ the mask's all-gather); backward the
-            # same four in reverse; one agreement each way at most, nothing else
+            # same four in reverse and one all-reduce (which gradients reach out and lse);
+            # one agreement each way at most, nothing else
             assert got["fwd"] == (4, int(masked), 1, 4 + int(masked)), (case, got["fwd"])
-            assert got["bwd"] == (4, 0, 0, 4), (case, got["bwd"])
+            assert got["bwd"] == (4, 0, 0, 5), (case, got["bwd"])
+    case = ULYSSES_CASES[world][0]
+    want = _single("dilated", case, 0, with_lse=False)
+    for rank, (results, _) in enumerate(outputs):
+        got = results[len(cases)]
+        lo, hi = sum(case[0][:rank]), sum(case[0][:rank + 1])
+        for name in ("dq", "dk", "dv"):
+            torch.testing.assert_close(got[name], want[name][:, lo:hi], rtol=1e-10, atol=1e-10)
+        assert got["bwd"] == (3, 0, 0, 4), got["bwd"]
     for _, errors in outputs:
         assert "ranks disagree on 'strategy'" in errors[0]
         assert f"cannot be split over {world} head-parallel ranks" in errors[1]

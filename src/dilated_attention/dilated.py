@@ -23,7 +23,8 @@ from torch import Tensor
 
 from . import launches
 from . import validation as check
-from .kernels import KernelOptions, attention_forward, lse_dtype
+from .kernels import KernelOptions, attention_forward, lse_dtype, save_for_backward
+from .kernels import saved_for_backward
 from .merge import empty_accumulators
 from .patterns import Heads, Patterns, Segments, cross_head_groups, gather
 from .plan import Documents, Layout, Plan, make_plan
@@ -133,15 +134,13 @@ def _real_meta(x: Tensor) -> bool:
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v = inputs[:3]
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.args = inputs[3:]
+    # not materialising gradients matters: a zeros dlse would cost every backward launch
+    # the lse-gradient padding (kernels.attention_backward)
+    save_for_backward(ctx, *inputs[:3], output, inputs[3:])
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
+    dout, q, k, v, out, lse = saved_for_backward(ctx, dout)
     if torch.is_grad_enabled():
         # create_graph=True (double backward): the backward op has no derivative, so run
         # its Python code, which autograd records (its launches then use the blockwise

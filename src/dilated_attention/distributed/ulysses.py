@@ -129,21 +129,35 @@ class _RowsToHeads(torch.autograd.Function):
 class _OutputToRows(torch.autograd.Function):
     """out and lse back to this rank's rows (`_heads_to_rows`, disjoint heads); backward
     `_rows_to_heads` of both gradients. One node for both: its backward runs whenever either
-    reaches the loss (an unused lse gets a zero gradient), so every rank of the group makes
-    the same all-to-alls."""
+    reaches the loss, so every rank of the group makes the same all-to-alls."""
 
     @staticmethod
     def forward(ctx, out, lse, heads, lengths, group, total):
         ctx.args = (heads, lengths, group)
-        return (_heads_to_rows(out, heads, lengths, group, total),
-                _heads_to_rows(lse, heads, lengths, group, total))
+        ctx.set_materialize_grads(False)
+        out, lse = (_heads_to_rows(out, heads, lengths, group, total),
+                    _heads_to_rows(lse, heads, lengths, group, total))
+        ctx.shapes = (out.shape, out.dtype), (lse.shape, lse.dtype)
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         heads, lengths, group = ctx.args
         check_first_order("Ulysses (head-parallel) attention")
-        return (_rows_to_heads(dout, heads, lengths, group),
-                _rows_to_heads(dlse, heads, lengths, group), None, None, None, None)
+        grads = [dout, dlse]
+        # Whether the lse reaches the loss is agreed (one flag): if on no rank, dlse stays
+        # None (a zero dlse would cost every backward launch the lse-gradient columns); if
+        # on some, the others send zeros, so that every rank makes the same all-to-alls.
+        device = (dout if dout is not None else dlse).device
+        used = torch.tensor([dout is not None, dlse is not None], dtype=torch.int32,
+                            device=device)
+        used = comm.all_reduce_(used, group, op="max").tolist()
+        for i, ((shape, dtype), grad) in enumerate(zip(ctx.shapes, grads)):
+            if used[i] and grad is None:
+                grads[i] = torch.zeros(shape, dtype=dtype, device=device)
+        dout, dlse = (None if g is None else _rows_to_heads(g, heads, lengths, group)
+                      for g in grads)
+        return dout, dlse, None, None, None, None
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, key_mask, group: Any,
