@@ -2,8 +2,8 @@
 
 The floor is the same kernel run on inputs that are already gathered into
 per-launch dense batches: what this op would cost if gathering, scattering and
-merging were free. Ratios are taken within one run, so a busy machine slows
-both sides alike.
+merging were free. The op and its floor take turns within one run (A B A B), so
+a machine whose speed drifts slows both sides alike.
 
     python benchmarks/bench_single_device.py                      # LongNet setting, 8K..64K
     python benchmarks/bench_single_device.py --seq-lens 8192 --repeats 1
@@ -35,7 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import List
+from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -136,17 +136,23 @@ def run_case(impl: str, n: int, dtype: torch.dtype, backward: bool):
     raise ValueError(f"unknown impl {impl!r}")
 
 
-def time_case(step, repeats: int) -> List[float]:
-    """Seconds of `repeats` runs after one warm-up, sorted (min, ..., max)."""
-    step()  # warm-up
+def time_cases(steps: Dict[str, Callable[[], None]], repeats: int) -> Dict[str, List[float]]:
+    """Seconds of `repeats` runs of each step after one warm-up each, sorted (min, ..., max).
+
+    The steps take turns (A B A B ...), so that a machine whose speed drifts
+    (other jobs, clocks) slows every step alike and their ratio holds.
+    """
+    for step in steps.values():
+        step()  # warm-up
     synchronize()
-    times = []
+    times: Dict[str, List[float]] = {name: [] for name in steps}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            synchronize()
+            times[name].append(time.perf_counter() - t0)
+    return {name: sorted(ts) for name, ts in times.items()}
 
 
 def measure_memory_in_this_process(n: int, dtype: torch.dtype, training: bool) -> float:
@@ -295,12 +301,12 @@ def main(argv=None) -> None:
                        memory_inputs=mem, memory_bytes_per_token=mem * input_bytes / n)
             cells = ["-"] * 6
             if not args.memory_only:
-                t = {impl: time_case(run_case(impl, n, dtype, backward), args.repeats)
-                     for impl in ("dilated", "floor")}
+                t = time_cases({impl: run_case(impl, n, dtype, backward)
+                                for impl in ("dilated", "floor")}, args.repeats)
                 dense = None
                 if n <= args.dense_max:
-                    dense = statistics.median(
-                        time_case(run_case("dense_sdpa", n, dtype, backward), args.repeats))
+                    dense = statistics.median(time_cases(
+                        {"dense": run_case("dense_sdpa", n, dtype, backward)}, args.repeats)["dense"])
                 med = {impl: statistics.median(ts) for impl, ts in t.items()}
                 row.update(dilated_s=t["dilated"], floor_s=t["floor"],
                            ratio=med["dilated"] / med["floor"], dense_sdpa_s=dense,
@@ -309,7 +315,7 @@ def main(argv=None) -> None:
                 cells = ["/".join(f"{x:.4f}" for x in (ts[0], med[i], ts[-1]))
                          for i, ts in t.items()]
                 cells += [f"{row['ratio']:.3f}", "-" if dense is None else f"{dense:.4f}",
-                          f"{row['tokens_per_s']:.0f}", f"{row['tflops']:.1f}"]
+                          f"{row['tokens_per_s']:.0f}", f"{row['tflops']:.2f}"]
             rows.append(row)
             print(f"| {n} | {'fwd+bwd' if backward else 'fwd'} | " + " | ".join(cells) +
                   f" | {mem:.2f} | {row['memory_bytes_per_token']:.0f} |", flush=True)
