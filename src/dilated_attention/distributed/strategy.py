@@ -62,10 +62,11 @@ def exchange_bytes(shape: Shape, layout: Layout, heads: Optional[Heads] = None) 
     return [p * 2 * shape.batch * shape.head_dim * shape.itemsize for p in pairs]
 
 
-def ulysses_bytes(shape: Shape, lengths: Sequence[int]) -> List[int]:
+def ulysses_bytes(shape: Shape, lengths: Sequence[int], lse: bool = True) -> List[int]:
     """Per rank of a head group holding `lengths` rows, the forward bytes its all-to-alls send:
-    q and k, v of its rows for the other ranks' heads, then out and lse of the other
-    ranks' rows for its own heads."""
+    q and k, v of its rows for the other ranks' heads, then out and lse (without `lse`: out
+    only) of the other ranks' rows for its own heads. Backward sends the same gradients
+    the other way."""
     size = len(lengths)
     split = HeadSplit.of(size, shape.heads, shape.kv_heads)
     row = shape.batch * shape.head_dim * shape.itemsize  # one row of one head
@@ -74,13 +75,14 @@ def ulysses_bytes(shape: Shape, lengths: Sequence[int]) -> List[int]:
         others = [v for v in range(size) if v != u]
         inputs = n * row * sum(len(split.query(v)) + 2 * len(split.kv(v)) for v in others)
         back = sum(lengths[v] for v in others) * len(split.query(u)) * (
-            row + shape.batch * shape.lse_itemsize)
+            row + (shape.batch * shape.lse_itemsize if lse else 0))
         out.append(inputs + back)
     return out
 
 
-def traffic(kind: str, shape: Shape, grid: Tuple[int, int]) -> List[int]:
-    """Per rank (piece order), the forward bytes of strategy `kind` over a U x S grid."""
+def traffic(kind: str, shape: Shape, grid: Tuple[int, int], lse: bool = True) -> List[int]:
+    """Per rank (piece order), the forward bytes of strategy `kind` over a U x S grid (`lse`:
+    see `ulysses_bytes`)."""
     u_size, s_size = grid
     if kind == "exchange":
         return exchange_bytes(shape, Layout.contiguous(shape.lengths))
@@ -88,7 +90,7 @@ def traffic(kind: str, shape: Shape, grid: Tuple[int, int]) -> List[int]:
     split = HeadSplit.of(u_size, shape.heads, shape.kv_heads)
     sequence = [exchange_bytes(shape, Layout.contiguous([sum(b) for b in blocks]),
                                split.local_heads(u)) for u in range(u_size)]
-    return [ulysses_bytes(shape, blocks[t])[u] + sequence[u][t]
+    return [ulysses_bytes(shape, blocks[t], lse)[u] + sequence[u][t]
             for t in range(s_size) for u in range(u_size)]
 
 

@@ -149,9 +149,10 @@ class _OutputToRows(torch.autograd.Function):
         # None (a zero dlse would cost every backward launch the lse-gradient columns); if
         # on some, the others send zeros, so that every rank makes the same all-to-alls.
         device = (dout if dout is not None else dlse).device
-        used = torch.tensor([dout is not None, dlse is not None], dtype=torch.int32,
-                            device=device)
-        used = comm.all_reduce_(used, group, op="max").tolist()
+        # a meta gradient (estimate's dry run, a fake group) has no flag to read: the host's
+        flags = torch.tensor([dout is not None, dlse is not None], dtype=torch.int32,
+                             device="cpu" if device.type == "meta" else device)
+        used = comm.all_reduce_(flags, group, op="max").tolist()
         for i, ((shape, dtype), grad) in enumerate(zip(ctx.shapes, grads)):
             if used[i] and grad is None:
                 grads[i] = torch.zeros(shape, dtype=dtype, device=device)

@@ -358,10 +358,14 @@ def _ulysses_formula(config: EstimateConfig) -> Estimate:
                      **{f"heads' {k}": v for k, v in heads.items()}}
         phase = inner.phase
     traffic = max(strategies.traffic("ulysses", _shape(config), (u, sp)))
+    # backward (a loss of out alone, as the dry run's): the gradients of the forward's
+    # all-to-alls but the lse's, after a flag all-reduce (which gradients exist: 2 int32)
+    flag = 2 * (u - 1) * 8 // u
+    back = max(strategies.traffic("ulysses", _shape(config), (u, sp), lse=False)) + flag
     return Estimate(
         "formula", inner.rank, base + max(inner.peak_bytes, at_ends), phase, breakdown,
         traffic, 4 + inner.forward_messages,
-        (traffic + inner.backward_bytes - inner.forward_bytes) if config.training else 0,
+        (back + inner.backward_bytes - inner.forward_bytes) if config.training else 0,
         (4 + inner.backward_messages) if config.training else 0,
     )
 
