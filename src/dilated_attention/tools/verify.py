@@ -102,8 +102,9 @@ CASES: Tuple[Case, ...] = (
          "dilated", _with_empty, lambda n: ([5, 16], [1, 2]), causal=True),
     Case("gqa", "grouped-query attention (4 heads, 2 kv heads), uneven, causal",
          "dilated", _uneven, lambda n: ([8, 24], [1, 2]), causal=True, kv_heads=2),
+    # with a short dense pattern, so that every (row, head) pair is read (no warning)
     Case("long-segment", "segment longer than the sequence",
-         "dilated", _uneven, lambda n: ([4 * n], [3])),
+         "dilated", _uneven, lambda n: ([4 * n, 3], [3, 1])),
     Case("dense-dilated", "dilated with segments [N], rates [1] (dense attention)",
          "dilated", _uneven, lambda n: ([n], [1]), causal=True),
     Case("ring", "dense ring attention",
