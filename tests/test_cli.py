@@ -134,6 +134,7 @@ def test_estimate_formula_matches_dry_run(options):
     assert f.forward_bytes == d.forward_bytes and f.forward_messages == d.forward_messages
     if config.training:
         assert f.backward_bytes == d.backward_bytes
+        assert f.backward_messages == d.backward_messages
 
 
 def test_estimate_command_labels_estimates(capsys):

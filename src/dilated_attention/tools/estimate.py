@@ -638,7 +638,8 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
                             for kind in (1, 2):
                                 sim.add(index, kind, lambda acc: None, b * rows.numel() * d * a)
                     bwd_bytes += wire(rnd.sends) + grads_out
-                    bwd_msgs += 2 * sum(1 for t in rnd.sends if t.columns) + sum(
+                    # our keys again (k and v in one message), the received keys' dK/dV home
+                    bwd_msgs += sum(1 for t in rnd.sends if t.columns) + sum(
                         1 for t in rnd.recvs if t.columns)
                 remote_done = True
             sim.turn(block.index)
