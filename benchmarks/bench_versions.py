@@ -23,7 +23,10 @@ import time
 
 
 def measure(seq_lens) -> dict:
-    """{"<n> fwd" | "<n> fwd+bwd": median seconds} with the package on sys.path."""
+    """{"<n> fwd" | "<n> fwd+bwd": median seconds} with the package on sys.path.
+
+    Only the public `dilated_attention` is called (not bench_single_device's
+    floor): older trees lack the internals that builds on."""
     import torch
     from dilated_attention import dilated_attention
 

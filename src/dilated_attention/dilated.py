@@ -23,8 +23,8 @@ from torch import Tensor
 
 from . import launches
 from . import validation as check
-from .kernels import KernelOptions, attention_forward, lse_dtype, save_for_backward
-from .kernels import saved_for_backward
+from .kernels import (KernelOptions, attention_forward, lse_dtype, save_for_backward,
+                      saved_for_backward)
 from .merge import empty_accumulators
 from .patterns import Heads, Patterns, Segments, cross_head_groups, gather
 from .plan import Documents, Layout, Plan, make_plan

@@ -526,7 +526,7 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
             columns = sum(g.kv_index.numel() for g in groups)
             sends, recvs = rounds_by_step.setdefault(step, ([], []))
             if src.rank == rank:
-                homes = _homes(src, a, r, groups, grid, block_of, device)
+                homes = _homes(src, a, r, groups, grid, device)
                 remote_blocks.update(index for index, _, _, _ in homes)
                 sends.append(Transfer(src, dst, pattern, a, groups, columns, (), homes))
                 continue
@@ -580,9 +580,10 @@ def _by_block(values: Tensor, los: Sequence[int]) -> Tuple[Tensor, Tensor, Dict[
     on meta tensors would run Python decompositions and on a GPU launch kernels)."""
     order = sorted(range(len(los)), key=los.__getitem__)
     # the block of each value: the last start at or before it, in sorted order
-    which = torch.bucketize(values, torch.tensor([los[i] for i in order]), right=True) - 1
+    sorted_los = torch.tensor([los[i] for i in order])
+    which = torch.bucketize(values, sorted_los, right=True) - 1
     perm = torch.argsort(which, stable=True)
-    offsets = values - torch.tensor([los[i] for i in order])[which]
+    offsets = values - sorted_los[which]
     spans, start = {}, 0
     for j, count in enumerate(torch.bincount(which, minlength=len(order)).tolist()):
         if count:
@@ -626,7 +627,7 @@ def _sparse_launches(layout: Layout, rank: int, a: int, length: int, part: Chunk
     return out
 
 
-def _homes(src: Chunk, a: int, rate: int, groups: Tuple[HeadGroup, ...], grid, block_of,
+def _homes(src: Chunk, a: int, rate: int, groups: Tuple[HeadGroup, ...], grid,
            device: str) -> Tuple[Tuple[int, Tensor, Tensor, Tensor], ...]:
     """Where the wire-format columns of a sent key part land, block by block (arithmetic)."""
     rows_of, heads_of = [], []
@@ -638,11 +639,10 @@ def _homes(src: Chunk, a: int, rate: int, groups: Tuple[HeadGroup, ...], grid, b
         first = src.start + (offsets - (src.start - a)) % rate
         rows_of.append((first[:, None] + rate * torch.arange(kv_rows)).reshape(-1))
         heads_of.append(kv_heads.repeat_interleave(kv_rows))
-    rows, heads = torch.cat(rows_of), torch.cat(heads_of)
-    cols = torch.arange(rows.numel())
-    perm, offsets, spans = _by_block(rows, [lo for lo, _, _ in grid])
-    # rows relative to their block: they index its accumulators
-    rows, heads, cols = (x[perm].to(device) for x in (offsets, heads, cols))
+    perm, offsets, spans = _by_block(torch.cat(rows_of), [lo for lo, _, _ in grid])
+    # rows relative to their block (they index its accumulators); the wire columns are
+    # the entries' positions, so a block's columns are its slice of perm
+    rows, heads, cols = (x.to(device) for x in (offsets[perm], torch.cat(heads_of)[perm], perm))
     out = []
     for index, (lo, hi, _) in enumerate(grid):
         if hi <= src.start or lo >= src.stop:

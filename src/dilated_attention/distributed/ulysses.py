@@ -144,12 +144,13 @@ class _OutputToRows(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         heads, lengths, group = ctx.args
         check_first_order("Ulysses (head-parallel) attention")
+        # Which of the two gradients exist is agreed (one flag each): one that no rank has
+        # stays None (a zero dlse would cost every backward launch the lse-gradient
+        # columns); one that some rank has, the others send as zeros, so that every rank
+        # makes the same all-to-alls. Meta gradients (estimate's dry run, a fake group)
+        # keep their flags on the host, where they can be read.
         grads = [dout, dlse]
-        # Whether the lse reaches the loss is agreed (one flag): if on no rank, dlse stays
-        # None (a zero dlse would cost every backward launch the lse-gradient columns); if
-        # on some, the others send zeros, so that every rank makes the same all-to-alls.
         device = (dout if dout is not None else dlse).device
-        # a meta gradient (estimate's dry run, a fake group) has no flag to read: the host's
         flags = torch.tensor([dout is not None, dlse is not None], dtype=torch.int32,
                              device="cpu" if device.type == "meta" else device)
         used = comm.all_reduce_(flags, group, op="max").tolist()

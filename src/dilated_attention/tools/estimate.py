@@ -54,18 +54,17 @@ from torch.utils._pytree import tree_flatten
 from .. import launches
 from ..dilated import IMPLEMENTATIONS
 from ..distributed import comm
-from ..distributed.sequence_parallel import sp_backward, sp_forward
-from ..kernels import KernelOptions
-from ..distributed.ring import SubBlocks
-from ..launches import CHUNK_ELEMENTS, Blocks, count_writers
-from ..patterns import Heads
-from ..plan import Launch, Layout, Plan, make_plan, work
 from ..distributed import strategy as strategies
+from ..distributed.ring import SubBlocks
+from ..distributed.sequence_parallel import sp_backward, sp_forward
 from ..distributed.sharding import piece_lengths
 from ..distributed.strategy import check_strategy
 from ..distributed.ulysses import HeadSplit
 from ..functional import dilated_attention, ring_attention
-from ..kernels import lse_dtype
+from ..kernels import KernelOptions, lse_dtype
+from ..launches import CHUNK_ELEMENTS, Blocks, count_writers
+from ..patterns import Heads
+from ..plan import Launch, Layout, Plan, make_plan, work
 from .settings import MB, check_setting, check_zigzag, default_threads, plural, ring_layout
 
 # CPU flash kernel blocking (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp):
@@ -357,15 +356,19 @@ def _ulysses_formula(config: EstimateConfig) -> Estimate:
         breakdown = {OWN: own, **({OUTPUT: out_own} if config.training else {}),
                      **{f"heads' {k}": v for k, v in heads.items()}}
         phase = inner.phase
-    traffic = max(strategies.traffic("ulysses", _shape(config), (u, sp)))
-    # backward (a loss of out alone, as the dry run's): the gradients of the forward's
-    # all-to-alls but the lse's, after a flag all-reduce (which gradients exist: 2 int32)
-    flag = 2 * (u - 1) * 8 // u
-    back = max(strategies.traffic("ulysses", _shape(config), (u, sp), lse=False)) + flag
+    shape = _shape(config)
+    traffic = max(strategies.traffic("ulysses", shape, (u, sp)))
+    backward = 0
+    if config.training:
+        # a loss of out alone, as the dry run's: the gradients of the forward's all-to-alls
+        # but the lse's, after a flag all-reduce (which gradients exist: 2 int32), and the
+        # inner strategy's backward beyond its forward
+        flag = 2 * (u - 1) * 8 // u
+        backward = (max(strategies.traffic("ulysses", shape, (u, sp), lse=False)) + flag
+                    + inner.backward_bytes - inner.forward_bytes)
     return Estimate(
         "formula", inner.rank, base + max(inner.peak_bytes, at_ends), phase, breakdown,
-        traffic, 4 + inner.forward_messages,
-        (back + inner.backward_bytes - inner.forward_bytes) if config.training else 0,
+        traffic, 4 + inner.forward_messages, backward,
         (4 + inner.backward_messages) if config.training else 0,
     )
 
