@@ -151,15 +151,20 @@ def test_estimate_models_cuda_sizes_and_kernels(capsys):
     assert {b.hi - b.lo for b in estimate.plan_for(cuda, cuda.lengths(), 0).blocks} == {65536}
     assert estimate.backend_for(cuda) == "cuda_cudnn"
     cpu = estimate.make_config(seq_len=65536, dtype="bfloat16", threads=1)
-    assert len(estimate.plan_for(cpu, cpu.lengths(), 0).blocks) == 32
+    # two patterns: blocks of the longer segment (4096 rows), whole: no fp32 accumulators
+    blocks = estimate.plan_for(cpu, cpu.lengths(), 0).blocks
+    assert [(b.hi - b.lo, b.entry_writes) for b in blocks] == [(4096, 2)] * 16
     f = estimate.formula(cuda)
     assert estimate.CUDA_SCRATCH in f.breakdown and estimate.SCRATCH not in f.breakdown
-    # H100 (torch 2.11, bf16, this setting): 5.05 input-sized tensors beyond q, k, v forward,
-    # 16.14 beyond q, k, v, dout in training (benchmarks/bench_single_device.py); within 25%
+    # The H100 measured 5.05 / 16.14 input-sized tensors beyond the inputs (forward /
+    # training) when the whole-output fp32 accumulators (2.0, and 3 x 2.0 in backward) were
+    # still made; the one 65,536-row block now accumulates in the bf16 output itself. Not yet
+    # measured on a GPU: hold the formula to the dry run (the real code on meta tensors).
     input_bytes = 65536 * 12 * 64 * 2
-    assert (f.peak_bytes - 3 * input_bytes) / input_bytes == pytest.approx(5.05, rel=0.25)
-    training = estimate.formula(dataclasses.replace(cuda, training=True))
-    assert (training.peak_bytes - 4 * input_bytes) / input_bytes == pytest.approx(16.14, rel=0.25)
+    for config, inputs in ((cuda, 3), (dataclasses.replace(cuda, training=True), 4)):
+        formula, dry = estimate.formula(config), estimate.dry_run(config)
+        assert formula.peak_bytes == pytest.approx(dry.peak_bytes, rel=0.01)
+        assert (formula.peak_bytes - inputs * input_bytes) / input_bytes < (3.2, 10.2)[inputs - 3]
     assert cli.main(["estimate", "--seq-len", "64k", "--device", "cuda", "--dtype",
                      "bfloat16"]) == 0
     out = capsys.readouterr().out

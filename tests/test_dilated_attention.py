@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from dilated_attention import dilated_attention, plan
+from dilated_attention import dilated_attention, launches, plan
 from reference import TOLERANCE, close, dilated_counts, grads, reference_dilated_attention
 
 BACKENDS = ("cpu_flash", "blockwise")
@@ -138,8 +138,10 @@ def test_float32_matches_reference(backend: str, cfg: Config) -> None:
 @given(cfg=configs(), rows_per_launch=st.integers(1, 16))
 def test_segments_launched_in_small_chunks(backend: str, cfg: Config, rows_per_launch: int) -> None:
     """Long sequences run in row blocks of ROWS_PER_BLOCK rows or more; shrink the blocks
-    so that these short sequences cross block borders too (segments cut into parts)."""
-    with mock.patch.dict(plan.ROWS_PER_BLOCK, {"cpu": rows_per_launch}):
+    so that these short sequences cross block borders too (segments cut into parts), and
+    the launches, so that gathered launches are cut by heads (patterns.split_heads)."""
+    with mock.patch.dict(plan.ROWS_PER_BLOCK, {"cpu": rows_per_launch}), \
+            mock.patch.dict(plan.ROWS_PER_LAUNCH, {"cpu": rows_per_launch}):
         check_against_reference(cfg, torch.float64, backend)
 
 
@@ -237,6 +239,44 @@ LOW_PRECISION = [
 @pytest.mark.parametrize("cfg", LOW_PRECISION, ids=["noncausal", "causal"])
 def test_low_precision_matches_reference(cfg: Config, dtype: torch.dtype, backend: str) -> None:
     check_against_reference(cfg, dtype, backend)
+
+
+IN_OUTPUT = [  # (config, ROWS_PER_BLOCK, cu_seqlens)
+    (Config(2, 40, 6, 2, 16, (8, 16), (1, 2), False, None, 30), None, None),
+    (Config(1, 45, 4, 4, 8, (5, 20), (2, 3), True, None, 31), None, None),
+    # 16-row blocks: documents [0, 32) and [32, 37) lie in whole blocks, the segments of
+    # [37, 64) cross block borders (fp32 accumulators there, in the output elsewhere)
+    (Config(1, 64, 4, 2, 8, (8, 16), (1, 2), True, None, 32), 8, [0, 32, 37, 64]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cfg,block_rows,cu_seqlens", IN_OUTPUT)
+def test_half_precision_in_output_equals_fp32_accumulators(cfg, block_rows, cu_seqlens, dtype):
+    """Blocks whose entries get at most two writes accumulate in the output itself
+    (launches.in_output): bit for bit what fp32 block accumulators give, out, lse and the
+    gradients through both."""
+    def run():
+        q, k, v, dout, dlse = make_inputs(cfg, dtype)
+        out, lse = run_op(cfg, q, k, v, "cpu_flash", cu_seqlens=cu_seqlens)
+        torch.autograd.backward([out, lse], [dout, dlse.to(lse.dtype)])
+        return out, lse, q.grad, k.grad, v.grad
+
+    chosen, in_output = [], launches.in_output
+
+    def spy(block, dtype):
+        chosen.append(in_output(block, dtype))
+        return chosen[-1]
+
+    rows = {"cpu": block_rows} if block_rows else {}
+    with mock.patch.dict(plan.ROWS_PER_BLOCK, rows):
+        with mock.patch.object(launches, "in_output", spy):
+            got = run()
+        with mock.patch.object(launches, "in_output", lambda block, dtype: False):
+            want = run()
+    assert True in chosen and (block_rows is None or False in chosen)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -17,7 +17,8 @@ import torch
 from dilated_attention import plan as plan_module
 from dilated_attention.distributed.sequence_parallel import pack
 from dilated_attention.launches import _remote_block
-from dilated_attention.patterns import Heads, cross_head_groups, selected_pairs
+from dilated_attention.patterns import Heads, _rows_of, cross_head_groups, selected_pairs
+from dilated_attention.patterns import split_heads
 from dilated_attention.plan import Layout, make_plan, segments_between, work
 from reference import dilated_counts
 
@@ -199,6 +200,98 @@ def test_plans_cover_the_single_device_op(lengths, patterns, causal, h, hk, docu
     _check_sends_meet_receives(plans)
 
 
+def _writes_per_entry(plan, h: int, hk: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """How many launches write each (local row, head) of the rank's out/dq (n, h) and of
+    its dK/dV (n, hk): local launches, remote launches and dK/dV coming home."""
+    q = torch.zeros(plan.rows, h, dtype=torch.int64)
+    kv = torch.zeros(plan.rows, hk, dtype=torch.int64)
+    lo = {b.index: b.lo for b in plan.blocks}
+
+    def add(counter, rows, heads):
+        rows, heads = torch.broadcast_tensors(rows, heads)
+        counter.index_put_((rows.reshape(-1), heads.reshape(-1)),
+                           torch.ones(rows.numel(), dtype=torch.int64), accumulate=True)
+
+    def add_side(counter, split, segs, index, heads):
+        if split:
+            for x in split:
+                add(counter, x.rows + lo[x.block], x.heads)
+        else:
+            add(counter, _rows_of(segs, index), heads)
+
+    for launch in (l for b in plan.blocks for l in b.forward):
+        g = launch.group
+        add_side(q, launch.q_split, launch.queries, g.q_index, g.q_heads)
+        add_side(kv, launch.k_split, launch.keys, g.kv_index, g.kv_heads)
+    for rnd in plan.rounds:
+        for t in rnd.recvs:
+            for launch in t.launches:
+                add_side(q, launch.q_split, launch.queries, launch.group.q_index,
+                         launch.group.q_heads)
+        for t in rnd.sends:
+            for index, rows, heads, _ in t.homes:
+                add(kv, rows + lo[index], heads)
+    return q, kv
+
+
+@pytest.mark.parametrize("block_rows", [4096, 1, 3, 8])
+@pytest.mark.parametrize("lengths,patterns,causal,h,hk,documents", PLAN_CASES)
+def test_entry_writes_bound_every_write(lengths, patterns, causal, h, hk, documents, block_rows):
+    """Block.entry_writes (the licence to accumulate half precision in the output itself,
+    launches.in_output) is a true bound: no (row, head) entry of such a block gets more
+    writes, whichever launch (local, remote, split) or returning dK/dV makes them."""
+    layout = Layout.contiguous(lengths)
+    with mock.patch.dict(plan_module.ROWS_PER_BLOCK, {"cpu": block_rows}):
+        for rank in range(layout.ranks):
+            plan = make_plan(layout, patterns, causal, Heads.of(h, hk), rank, "cpu", documents)
+            q, kv = _writes_per_entry(plan, h, hk)
+            for block in plan.blocks:
+                if block.entry_writes:
+                    assert block.entry_writes == len(patterns[0])
+                    assert int(q[block.lo:block.hi].max()) <= block.entry_writes
+                    assert int(kv[block.lo:block.hi].max()) <= block.entry_writes
+
+
+def test_two_patterns_align_blocks_to_the_longer_segment():
+    """LongNet's setting (segments 2048 and 4096) on 16,384 rows: blocks of 4096 rows hold
+    whole segments only, so every entry gets at most two writes and half precision needs no
+    fp32 accumulator; with a third pattern blocks stay at the 2048-row minimum."""
+    layout, heads = Layout.contiguous([16384]), Heads.of(12, 12)
+    two = make_plan(layout, ((2048, 4096), (1, 2)), False, heads, 0, "meta")
+    assert [(b.hi - b.lo, b.entry_writes) for b in two.blocks] == [(4096, 2)] * 4
+    three = make_plan(layout, ((2048, 4096, 8192), (1, 2, 4)), False, heads, 0, "meta")
+    assert {b.hi - b.lo for b in three.blocks} == {2048}
+    assert {b.entry_writes for b in three.blocks} == {0}  # the 4096 and 8192 segments are cut
+    # a rank whose piece cuts a segment: its blocks there are cut, the others whole
+    spread = [make_plan(Layout.contiguous([6144, 10240]), ((2048, 4096), (1, 2)), False,
+                        heads, rank, "meta") for rank in (0, 1)]
+    assert [b.entry_writes for b in spread[0].blocks] == [2, 0]
+    assert sorted(b.entry_writes for b in spread[1].blocks) == [0, 2, 2]
+
+
+def test_gathered_launches_are_cut_by_heads():
+    """A launch on gathered rows holds at most ROWS_PER_LAUNCH x heads / GATHERED_SHARE
+    (row, head) entries; cut by whole kv heads, each with its query heads in kernel GQA
+    order; identity launches (views) stay whole."""
+    heads = Heads.of(12, 3)  # kv head c serves query heads 4c..4c+3, two per offset
+    (group,) = cross_head_groups(0, 4096, 0, 4096, 2, heads)  # 2048 rows, every head
+    parts = split_heads(group, 2048 * 12 // plan_module.GATHERED_SHARE)
+    # 6 (offset, kv head) pairs of 2 query heads; 3 heads fit, so 2 (one pair) per launch
+    assert [(p.q_heads.numel(), p.kv_heads.numel()) for p in parts] == [(2, 1)] * 6
+    assert torch.equal(torch.cat([p.q_heads for p in parts]), group.q_heads)
+    assert torch.equal(torch.cat([p.q_index for p in parts], 1), group.q_index)
+    assert torch.equal(torch.cat([p.kv_heads for p in parts]), group.kv_heads)
+    assert sum((p.pairs for p in parts), ()) == group.pairs
+    assert split_heads(group, 1)[0].q_heads.numel() == 2  # one kv head at least
+    (identity,) = cross_head_groups(0, 4096, 0, 4096, 1, heads)
+    assert split_heads(identity, 1) == (identity,)
+    plan = make_plan(Layout.contiguous([16384]), ((2048, 4096), (1, 2)), False,
+                     Heads.of(12, 12), 0, "meta")
+    for launch in (l for b in plan.blocks for l in b.forward):
+        g = launch.group
+        assert g.identity or g.rows * g.q_heads.numel() * launch.queries.count <= 2048 * 3
+
+
 @pytest.mark.parametrize("world,half", [(2, 4), (3, 3), (4, 2)])
 @pytest.mark.parametrize("patterns,causal", [(((4, 16), (1, 2)), True), (((6, 64), (2, 1)), False)])
 def test_zigzag_plans_cover_the_single_device_op(world, half, patterns, causal):
@@ -261,8 +354,9 @@ def test_longnet_billion_token_plan_is_fast():
         plan = make_plan(layout, (segs, rates), True, Heads.of(12, 12), rank, "meta")
         assert time.process_time() - start < 5.0, rank
         assert plan.rows == 2**23 and plan.rounds
-        # the 2048-row segments are one launch each (CPU launch sizes); the rest is O(blocks)
-        assert 4096 < plan.launches < 6000, plan.launches
+        # the 2048-row segments are one launch each (CPU launch sizes), the 16384-row ones
+        # four (gathered launches cut by heads); the rest is O(blocks)
+        assert 4096 + 4 * 512 < plan.launches < 7000, plan.launches
 
 
 def test_plan_sizes_for_another_device_type():

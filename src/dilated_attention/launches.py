@@ -10,7 +10,8 @@ the same way. Which launch runs when: Note [plan] in plan.py.
 Note [block accumulators]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 Blocks take turns. The block whose turn it is holds fp32 accumulators (for
-fp32 inputs: views of the outputs themselves). A launch output for another
+fp32 inputs: views of the outputs themselves; also in half precision where
+no entry gets more than two writes, ``in_output``). A launch output for another
 block (a cross launch's dK/dV, a remote launch's rows) is kept as it is,
 compact, and applied when that block's accumulators are made; if a block's
 pending outputs grow as large as its accumulators, these are made at once.
@@ -37,7 +38,7 @@ from torch import Tensor
 from .kernels import KernelOptions, attention_backward, attention_forward, lse_dtype
 from .merge import merge_, merge_selected_
 from .patterns import HeadGroup, Segments, gather, scatter_add_, segment_view, selection
-from .plan import Plan, RemoteLaunch, Transfer
+from .plan import Block, Plan, RemoteLaunch, Transfer
 
 # Merges and scatters go in slices of at most this many elements: their
 # temporaries (an fp32 copy of a low-precision launch output, the selected
@@ -45,7 +46,7 @@ from .plan import Plan, RemoteLaunch, Transfer
 # slices: each slice is several kernel launches, and at the CPU's size the
 # launch latency dominated (measured on an H100: the op ran 6-17x its kernels'
 # time with 2^19).
-CHUNK_ELEMENTS = {"cpu": 1 << 19, "cuda": 1 << 24}
+CHUNK_ELEMENTS = {"cpu": 1 << 17, "cuda": 1 << 24}
 
 
 def chunk_elements(device: torch.device) -> int:
@@ -75,18 +76,31 @@ class RemoteKeys(Protocol):
 # Block accumulators (Note [block accumulators])
 
 
+def in_output(block: Block, dtype: torch.dtype) -> bool:
+    """Whether `block` accumulates in the output tensor itself, with no fp32 copy.
+
+    Always for the accumulator dtype. In half precision when no entry gets more
+    than two writes: the first lands exactly (a merge into the identity, an add
+    to zero), the second is computed in fp32 and rounded once, which is what an
+    fp32 accumulator written out at the end gives, bit for bit. A third write
+    would round twice.
+    """
+    return dtype == lse_dtype(dtype) or 0 < block.entry_writes <= 2
+
+
 class Blocks:
     """This rank's block accumulators: made on demand, pending outputs, freed after the last write.
 
-    ``make(lo, hi, kind)`` builds accumulator `kind` of block rows [lo, hi)
-    (a tensor, or a tuple for the forward's (out, lse)); ``write(lo, hi,
-    kind, acc)`` stores a finished one in the output; ``nbytes(lo, hi,
-    kind)`` is its size, for the pending threshold; ``writers`` counts the
-    writes each (block, kind) will get.
+    ``make(block, kind)`` builds accumulator `kind` of a plan ``Block`` (a
+    tensor, or a tuple for the forward's (out, lse)); ``write(block, kind,
+    acc)`` stores a finished one in the output; ``nbytes(block, kind)`` is
+    its size, for the pending threshold; ``writers`` counts the writes each
+    (block, kind) will get.
     """
 
     def __init__(self, plan: Plan, kinds: int, make: Callable, write: Callable, nbytes: Callable,
                  writers: Dict[Tuple[int, int], int]) -> None:
+        self.by_index = {block.index: block for block in plan.blocks}
         self.spans = {block.index: (block.lo, block.hi) for block in plan.blocks}
         self.order = [block.index for block in plan.blocks]
         self.kinds, self.make, self.write, self.nbytes = kinds, make, write, nbytes
@@ -105,8 +119,7 @@ class Blocks:
         """The accumulator, made now (with every pending output applied) if need be."""
         key = (index, kind)
         if key not in self.live:
-            lo, hi = self.spans[index]
-            self.live[key] = self.make(lo, hi, kind)
+            self.live[key] = self.make(self.by_index[index], kind)
             for apply in self.pending.pop(key, ()):
                 apply(self.live[key])
             self.pending_bytes.pop(key, None)
@@ -120,17 +133,15 @@ class Blocks:
         else:
             self.pending.setdefault(key, []).append(apply)
             self.pending_bytes[key] = self.pending_bytes.get(key, 0) + nbytes
-            lo, hi = self.spans[index]
-            if self.pending_bytes[key] >= self.nbytes(lo, hi, kind):
+            if self.pending_bytes[key] >= self.nbytes(self.by_index[index], kind):
                 self.acc(index, kind)  # the accumulator is no larger than what waits
         self.writers[key] -= 1
         if self.writers[key] == 0 and (key in self.live or index == self.current):
             self._finish(key)
 
     def _finish(self, key: Tuple[int, int]) -> None:
-        lo, hi = self.spans[key[0]]
         acc = self.acc(*key)
-        self.write(lo, hi, key[1], acc)
+        self.write(self.by_index[key[0]], key[1], acc)
         del self.live[key]
         self.finished.add(key)
 
@@ -248,18 +259,21 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, *,
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, n, h), dtype=acc, device=q.device)
 
-    def make(lo: int, hi: int, kind: int) -> Tuple[Tensor, Tensor]:
-        # the merge's identity (0, -inf); lse is written in place, out too for fp32
-        acc_out = (out[:, lo:hi].zero_() if out.dtype == acc
+    def make(block: Block, kind: int) -> Tuple[Tensor, Tensor]:
+        # the merge's identity (0, -inf); lse is written in place, out too where it can
+        lo, hi = block.lo, block.hi
+        acc_out = (out[:, lo:hi].zero_() if in_output(block, out.dtype)
                    else torch.zeros((b, hi - lo, h, d), dtype=acc, device=q.device))
         return acc_out, lse[:, lo:hi].fill_(-float("inf"))
 
-    def write(lo: int, hi: int, kind: int, accs: Tuple[Tensor, Tensor]) -> None:
-        if out.dtype != acc:
-            out[:, lo:hi] = accs[0]
+    def write(block: Block, kind: int, accs: Tuple[Tensor, Tensor]) -> None:
+        if not in_output(block, out.dtype):
+            out[:, block.lo:block.hi] = accs[0]
 
-    def nbytes(lo: int, hi: int, kind: int) -> int:
-        return 0 if out.dtype == acc else b * (hi - lo) * h * d * torch.finfo(acc).bits // 8
+    def nbytes(block: Block, kind: int) -> int:
+        if in_output(block, out.dtype):
+            return 0
+        return b * (block.hi - block.lo) * h * d * torch.finfo(acc).bits // 8
 
     blocks = Blocks(plan, 1, make, write, nbytes, count_writers(plan, backward=False))
     if remote is not None:
@@ -342,20 +356,20 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     acc = lse_dtype(q.dtype)
     grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
 
-    def make(lo: int, hi: int, kind: int) -> Tensor:
-        g = grads[kind]
-        if g.dtype == acc:
+    def make(block: Block, kind: int) -> Tensor:
+        g, lo, hi = grads[kind], block.lo, block.hi
+        if in_output(block, g.dtype):
             return g[:, lo:hi].zero_()
         return torch.zeros((g.shape[0], hi - lo) + g.shape[2:], dtype=acc, device=g.device)
 
-    def write(lo: int, hi: int, kind: int, block_acc: Tensor) -> None:
-        if grads[kind].dtype != acc:
-            grads[kind][:, lo:hi] = block_acc
+    def write(block: Block, kind: int, block_acc: Tensor) -> None:
+        if not in_output(block, grads[kind].dtype):
+            grads[kind][:, block.lo:block.hi] = block_acc
 
-    def nbytes(lo: int, hi: int, kind: int) -> int:
+    def nbytes(block: Block, kind: int) -> int:
         g = grads[kind]
         per_row = g[:, :1].numel() * torch.finfo(acc).bits // 8
-        return 0 if g.dtype == acc else (hi - lo) * per_row
+        return 0 if in_output(block, g.dtype) else (block.hi - block.lo) * per_row
 
     blocks = Blocks(plan, 3, make, write, nbytes, count_writers(plan, backward=True))
     saved = (dout, q, out, lse, dlse)

@@ -35,12 +35,17 @@ def merge_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
 
     acc_out (..., d) fp32/fp64, acc_lse (...); out (..., d) any float dtype,
     lse (...). Rows where both sides are -inf stay (0, -inf), never NaN.
+    An acc_out in a lower precision than acc_lse (an output that is its own
+    accumulator, launches.in_output) merges through an fp32 copy, rounded once.
     """
     new_lse = torch.logaddexp(acc_lse, lse.to(acc_lse.dtype))
     # a row with no keys on either side: keep weights finite (both become 0)
     safe = new_lse.masked_fill(new_lse == -math.inf, 0.0)
-    acc_out.mul_(torch.exp(acc_lse - safe).unsqueeze(-1))
-    acc_out.addcmul_(out, torch.exp(lse - safe).unsqueeze(-1))
+    merged = acc_out if acc_out.dtype == acc_lse.dtype else acc_out.to(acc_lse.dtype)
+    merged.mul_(torch.exp(acc_lse - safe).unsqueeze(-1))
+    merged.addcmul_(out, torch.exp(lse - safe).unsqueeze(-1))
+    if merged is not acc_out:
+        acc_out.copy_(merged)
     acc_lse.copy_(new_lse)
 
 

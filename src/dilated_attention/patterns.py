@@ -193,6 +193,27 @@ def head_groups(lo: int, hi: int, rate: int, heads: Heads,
     return cross_head_groups(lo, hi, lo, hi, rate, heads, device)
 
 
+def split_heads(group: HeadGroup, max_entries: int) -> Tuple[HeadGroup, ...]:
+    """`group` cut into groups of whole kv heads (each with its query heads) of at most
+    `max_entries` query (row, head) entries, and at least one kv head each.
+
+    The same work in smaller launches: a gathered launch copies its q, k, v and
+    allocates its outputs, all in proportion to its heads. An identity group is
+    a free view and stays whole.
+    """
+    hq, hkv = group.q_heads.numel(), group.kv_heads.numel()
+    if group.identity or group.rows * hq <= max_entries or hkv == 1:
+        return (group,)
+    per_kv = hq // hkv  # kernel GQA order: query heads [i * per_kv, (i + 1) * per_kv) read kv i
+    step = max(1, max_entries // (group.rows * per_kv))
+    return tuple(
+        HeadGroup(group.rows, group.q_heads[i * per_kv:(i + step) * per_kv],
+                  group.q_index[:, i * per_kv:(i + step) * per_kv], group.kv_heads[i:i + step],
+                  group.kv_index[:, i:i + step], False, group.pairs[i:i + step])
+        for i in range(0, hkv, step)
+    )
+
+
 def selected_pairs(q_lo: int, q_hi: int, k_lo: int, k_hi: int, rate: int, heads: Heads) -> int:
     """How many (key row, kv head) pairs `cross_head_groups` reads: pure arithmetic.
 

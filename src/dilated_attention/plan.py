@@ -70,7 +70,7 @@ import torch
 from torch import Tensor
 
 from .patterns import HeadGroup, Heads, Patterns, Segments, cross_head_groups, head_groups
-from .patterns import selected_pairs
+from .patterns import selected_pairs, split_heads
 
 # Rows per block (and so per launch): at least this many rows (a GPU needs far
 # more rows in flight than a CPU to hide its launch latency), and at most
@@ -83,6 +83,11 @@ MAX_BLOCKS = 32
 # segment is one launch): a launch's gathers, outputs and the kernel's own
 # scratch stay a fraction of a block.
 ROWS_PER_LAUNCH = {"cpu": 2048, "cuda": 131072}
+# A launch on gathered rows copies its q, k, v and allocates its output (in
+# backward also dout, out and three gradients), where an identity launch (a
+# view) allocates only its output: a gathered launch holds at most this share
+# of a launch's (row, head) entries, cut by heads (patterns.split_heads).
+GATHERED_SHARE = 4
 
 Documents = Optional[Tuple[int, ...]]
 
@@ -301,6 +306,10 @@ class Block(NamedTuple):
     forward: the local launches whose queries lie here; backward: the local
     launches run when this block's turn comes (see Note [plan]); remote:
     True when transfers write rows here (it runs after the exchange).
+    entry_writes: at most this many launches write any one (row, head) entry
+    of the block's out, dq, dK or dV; 0 when unbounded (a part of a cut
+    segment is written by a launch per key part). A block that only whole
+    segments write gets at most one write per pattern and entry.
     """
 
     index: int
@@ -309,6 +318,7 @@ class Block(NamedTuple):
     forward: Tuple[Launch, ...]
     backward: Tuple[Launch, ...]
     remote: bool
+    entry_writes: int
 
 
 class Plan(NamedTuple):
@@ -332,9 +342,16 @@ class Plan(NamedTuple):
 
 def _block_rows(n: int, segment_lengths: Sequence[int], device_type: str) -> int:
     """Rows per block: the launch minimum or n / MAX_BLOCKS, a multiple of the largest
-    segment length that fits (so those segments never straddle a block border)."""
+    segment length that fits (so those segments never straddle a block border).
+
+    With at most two patterns a segment up to twice that fits too: a block that
+    only whole segments write then gets at most two writes per entry, and such a
+    block accumulates in the output itself, in any dtype (launches.in_output),
+    so a larger block costs no accumulator and saves the cut segments' launches.
+    """
     target = max(ROWS_PER_BLOCK.get(device_type, ROWS_PER_BLOCK["cpu"]), -(-n // MAX_BLOCKS))
-    unit = max([w for w in segment_lengths if w <= target], default=1)
+    fits = target * (2 if len(segment_lengths) <= 2 else 1)
+    unit = max([w for w in segment_lengths if w <= fits], default=1)
     return max(unit, target // unit * unit)
 
 
@@ -472,11 +489,17 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
     rounds_by_step: Dict[int, Tuple[List[Transfer], List[Transfer]]] = {}
     modes: List[str] = []
     remote_blocks = set()
+    cut = set()  # blocks that parts of cut segments write (Block.entry_writes)
     sparse_done = set()
     blocks_local = [(local_lo, local_lo + hi - lo) for lo, hi, local_lo in grid]
 
     def splits(start: int, index: Tensor, head_ids: Tensor) -> Tuple[Split, ...]:
         return _splits(start, index, head_ids, blocks_local, device)
+
+    def bounded(groups: Tuple[HeadGroup, ...], count: int = 1) -> List[HeadGroup]:
+        """Local launch groups over `count` segments, gathered ones cut by heads."""
+        entries = max(1, launch_rows * heads.count // GATHERED_SHARE // count)
+        return [part for g in groups for part in split_heads(g, entries)]
     for pattern, (w, r) in enumerate(zip(*patterns)):
         for lo, hi, local_lo in grid:
             starts, lengths = segments_between(lo, hi, w, documents, layout.total)
@@ -489,7 +512,7 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
                     regular = s.numel() == 1 or bool((s[1:] - s[:-1] == length).all())
                     segs = (Segments(int(s[0]), s.numel(), length) if regular
                             else Segments(0, s.numel(), length, s.to(device)))
-                    for g in head_groups(0, length, r, heads, device):
+                    for g in bounded(head_groups(0, length, r, heads, device), s.numel()):
                         launches.append((segs, segs, g, causal, b, b))
             # segments crossing the block's border: this block's part of each
             for a, length in zip(starts[~inside].tolist(), lengths[~inside].tolist()):
@@ -501,20 +524,24 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
                     # its outputs split over the blocks it crosses (once, not per block)
                     if (pattern, a, part.start) not in sparse_done:
                         sparse_done.add((pattern, a, part.start))
-                        launches += _sparse_launches(layout, rank, a, length, part, r, heads,
-                                                     causal, device, local, splits)
+                        sparse = _sparse_launches(layout, rank, a, length, part, r, heads,
+                                                  causal, device, local, splits)
+                        cut.update(x.block for spec in sparse for x in spec[6] + spec[7])
+                        launches += sparse
                     continue
                 qa, qb = max(a, lo), min(a + length, hi)
                 q_segs = Segments(local(qa), 1, qb - qa)
-                for g in head_groups(qa - a, qb - a, r, heads, device):
+                cut.add(b)
+                for g in bounded(head_groups(qa - a, qb - a, r, heads, device)):
                     launches.append((q_segs, q_segs, g, causal, b, b))
                 for part in layout.split(a, a + length):
                     if part.rank != rank:
                         continue  # another rank's keys: a transfer (below)
                     for ka, kb in _own_key_ranges(part, grid, qa, qb, causal):
                         k_segs = Segments(local(ka), 1, kb - ka)
-                        for g in cross_head_groups(qa - a, qb - a, ka - a, kb - a, r, heads,
-                                                   device):
+                        cut.add(block_of(ka))
+                        for g in bounded(cross_head_groups(qa - a, qb - a, ka - a, kb - a, r,
+                                                           heads, device)):
                             launches.append((q_segs, k_segs, g, False, b, block_of(ka)))
         mode, moves = _schedule(layout, w, r, causal, heads, documents)
         modes.append(mode)
@@ -551,7 +578,9 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
                     remote.append((Segments(local(qa), 1, qb - qa), g, _cut(directory, g, device),
                                    block_of(qa)))
             recvs.append(Transfer(src, dst, pattern, a, groups, columns, tuple(remote), ()))
-    return _assemble(grid, launches, rounds_by_step, modes, remote_blocks, n)
+    # whole segments of each pattern cover an entry once: one write per pattern
+    writes = {i: 0 if i in cut or i in remote_blocks else len(modes) for i in range(len(grid))}
+    return _assemble(grid, launches, rounds_by_step, modes, remote_blocks, writes, n)
 
 
 # Below this many rows per head in a block's share of a segment, launches per pair of
@@ -684,7 +713,7 @@ def _own_key_ranges(part: Chunk, grid, qa: int, qb: int, causal: bool) -> List[T
     return out
 
 
-def _assemble(grid, launches, rounds_by_step, modes, remote_blocks, n) -> Plan:
+def _assemble(grid, launches, rounds_by_step, modes, remote_blocks, writes, n) -> Plan:
     """Number the launches, order the blocks (remote ones last), assign backward launches."""
     order = [i for i in range(len(grid)) if i not in remote_blocks]
     order += [i for i in range(len(grid)) if i in remote_blocks]
@@ -712,7 +741,7 @@ def _assemble(grid, launches, rounds_by_step, modes, remote_blocks, n) -> Plan:
         rounds.append(Round(tuple(sends), tuple(numbered_recvs)))
     blocks = tuple(
         Block(i, grid[i][2], grid[i][2] + grid[i][1] - grid[i][0], tuple(forward.get(i, ())),
-              tuple(backward.get(i, ())), i in remote_blocks)
+              tuple(backward.get(i, ())), i in remote_blocks, writes[i])
         for i in order
     )
     return Plan(n, blocks, tuple(rounds), tuple(modes), next_id)

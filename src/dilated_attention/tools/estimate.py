@@ -62,7 +62,7 @@ from ..distributed.strategy import check_strategy
 from ..distributed.ulysses import HeadSplit
 from ..functional import dilated_attention, ring_attention
 from ..kernels import KernelOptions, lse_dtype
-from ..launches import CHUNK_ELEMENTS, Blocks, count_writers
+from ..launches import CHUNK_ELEMENTS, Blocks, count_writers, in_output
 from ..patterns import Heads
 from ..plan import Launch, Layout, Plan, make_plan, work
 from .settings import MB, check_setting, check_zigzag, default_threads, plural, ring_layout
@@ -444,20 +444,23 @@ def _launch_size(launch) -> Tuple[int, int, int, int, bool]:
             g.identity)
 
 
-def _merge_temps(sh: "_Shapes", elements: int, identity: bool) -> int:
+def _merge_temps(sh: "_Shapes", elements: int, identity: bool, in_output: bool = False) -> int:
     """Temporaries of a merge or scatter, which run in slices of launches.CHUNK_ELEMENTS.
 
     Per slice a few lse-sized fp32 values (new lse, weights); a launch on
     selected rows (not an identity view) also copies the slice's accumulator
     rows out and back (``merge_selected_``, the scatter's indexed add), in
-    fp32. An identity view merges and adds in place.
+    fp32. An identity view merges and adds in place, except a merge into a
+    half-precision output that is its own accumulator (`in_output`), which
+    goes through an fp32 copy of the slice.
     """
     part = min(elements, sh.chunk)
-    return 3 * part // sh.d * sh.a + (0 if identity else part * sh.a)
+    copy = not identity or (in_output and sh.s != sh.a)
+    return 3 * part // sh.d * sh.a + (part * sh.a if copy else 0)
 
 
 def _launch_fwd(sh: "_Shapes", nq: int, nk: int, hq: int, hkv: int, identity: bool,
-                gathered_kv: bool = True) -> Tuple[int, int]:
+                gathered_kv: bool = True, in_output: bool = False) -> Tuple[int, int]:
     """Peak temporaries of one forward launch (launches.forward, merge_rows): (while the
     kernel runs, while its output merges). The block's accumulators are made between
     the two, for its first launch.
@@ -472,7 +475,7 @@ def _launch_fwd(sh: "_Shapes", nq: int, nk: int, hq: int, hkv: int, identity: bo
         gathers += 2 * sh.rows(nk, hkv, sh.s)
     if sh.repeats_kv and hkv != hq:
         gathers += 2 * sh.rows(nk, hq, sh.s)
-    return gathers + out, out + _merge_temps(sh, sh.b * nq * hq * sh.d, identity)
+    return gathers + out, out + _merge_temps(sh, sh.b * nq * hq * sh.d, identity, in_output)
 
 
 def _launch_bwd(sh: "_Shapes", nq: int, nk: int, hq: int, hkv: int, identity: bool,
@@ -513,7 +516,7 @@ def _writes(split, block: int, nbytes: int, per_entry: int) -> List[Tuple[int, i
 
 def _alive(blocks: Blocks) -> int:
     """Bytes of a Blocks' live accumulators and pending outputs (sizes, in the formula)."""
-    return (sum(blocks.nbytes(*blocks.spans[i], kind) for i, kind in blocks.live)
+    return (sum(blocks.nbytes(blocks.by_index[i], kind) for i, kind in blocks.live)
             + sum(blocks.pending_bytes.values()))
 
 
@@ -527,13 +530,13 @@ def _make_acc(sim: Blocks, sh: "_Shapes", index: int, kind: int) -> int:
         return before
     pending = sim.pending_bytes.get(key, 0)
     sim.acc(index, kind)
-    size = sim.nbytes(*sim.spans[index], kind)
+    size = sim.nbytes(sim.by_index[index], kind)
     return before + size + (min(pending * sh.a // sh.s, sh.chunk * sh.a) if pending else 0)
 
 
 def _sim_blocks(plan, kinds: int, nbytes, backward: bool) -> Blocks:
     """The executor's Blocks, run on sizes only: accumulators are placeholders."""
-    return Blocks(plan, kinds, lambda lo, hi, kind: None, lambda lo, hi, kind, acc: None,
+    return Blocks(plan, kinds, lambda block, kind: None, lambda block, kind, acc: None,
                   nbytes, count_writers(plan, backward=backward))
 
 
@@ -574,8 +577,13 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
     fwd_bytes = sum(wire(r.sends) for r in rounds)
     fwd_msgs = sum(1 for r in rounds for t in r.sends if t.columns)
 
-    sim = _sim_blocks(plan, 1, lambda lo, hi, kind: 0 if s == a else sh.rows(hi - lo, h, a),
-                      backward=False)
+    dtype = config.torch_dtype
+    blocks_by = {block.index: block for block in plan.blocks}
+
+    def acc_bytes(block, heads: int) -> int:  # a block's accumulator (none in the output)
+        return 0 if in_output(block, dtype) else sh.rows(block.hi - block.lo, heads, a)
+
+    sim = _sim_blocks(plan, 1, lambda block, kind: acc_bytes(block, h), backward=False)
     remote_done = not rounds
     for block in plan.blocks:
         if block.remote and not remote_done:
@@ -597,7 +605,8 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
         for l in block.forward:
             before = _alive(sim)
             making = _make_acc(sim, sh, block.index, 0)
-            kernel, merge = _launch_fwd(sh, *_launch_size(l))
+            kernel, merge = _launch_fwd(sh, *_launch_size(l),
+                                        in_output=in_output(blocks_by[l.q_block], dtype))
             peak = max(peak, before + kernel, making, _alive(sim) + merge)
             for index, nbytes in _writes(l.q_split, l.q_block, out_size(l), b * (d * s + a)):
                 sim.add(index, 0, lambda acc: None, nbytes)
@@ -613,7 +622,7 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
         base = {**shards, SAVED: saved, GRADS: grads}
         heads_of = (h, hk, hk)
         sim = _sim_blocks(
-            plan, 3, lambda lo, hi, kind: 0 if s == a else sh.rows(hi - lo, heads_of[kind], a),
+            plan, 3, lambda block, kind: acc_bytes(block, heads_of[kind]),
             backward=True)
         remote_done = not rounds
         for block in plan.blocks:
