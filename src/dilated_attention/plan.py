@@ -496,10 +496,20 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
     def splits(start: int, index: Tensor, head_ids: Tensor) -> Tuple[Split, ...]:
         return _splits(start, index, head_ids, blocks_local, device)
 
+    # (id of a group, entries) -> (the group, kept alive so that its id stays its own, its cut)
+    cut_groups: Dict[Tuple[int, int], Tuple[HeadGroup, Tuple[HeadGroup, ...]]] = {}
+
     def bounded(groups: Tuple[HeadGroup, ...], count: int = 1) -> List[HeadGroup]:
-        """Local launch groups over `count` segments, gathered ones cut by heads."""
+        """Local launch groups over `count` segments, gathered ones cut by heads (once per
+        cached group: thousands of segments share a few)."""
         entries = max(1, launch_rows * heads.count // GATHERED_SHARE // count)
-        return [part for g in groups for part in split_heads(g, entries)]
+        out = []
+        for g in groups:
+            key = (id(g), entries)
+            if key not in cut_groups:
+                cut_groups[key] = (g, split_heads(g, entries))
+            out.extend(cut_groups[key][1])
+        return out
     for pattern, (w, r) in enumerate(zip(*patterns)):
         for lo, hi, local_lo in grid:
             starts, lengths = segments_between(lo, hi, w, documents, layout.total)

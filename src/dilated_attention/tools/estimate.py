@@ -553,7 +553,9 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
     """
     sh = _Shapes(config)
     s, a, h, hk, b, d = sh.s, sh.a, sh.h, sh.hk, sh.b, sh.d
-    plan = plan_for(config, lengths, rank)
+    # runs of identical launches of a block add and free the same temporaries: their first
+    # and last keep every lifetime (compact_plan), as in the dry run
+    plan = compact_plan(plan_for(config, lengths, rank))
     n = plan.rows
     shards = {SHARDS: sh.rows(n, h + 2 * hk, s)}
     if config.training:
