@@ -87,8 +87,8 @@ def pregathered(q, k, v):
     for block in plan.blocks:
         for launch in block.forward:
             g = launch.group
-            q_sel = (launch.queries, g.q_heads, g.q_index, g.identity)
-            kv_sel = (launch.keys, g.kv_heads, g.kv_index, g.identity)
+            q_sel = (launch.queries, g.q_heads, g.q_index, g.q_stride)
+            kv_sel = (launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
             gathered = (gather(q, *q_sel), gather(k, *kv_sel), gather(v, *kv_sel))
             blocks.append(tuple(x.contiguous() for x in gathered) + (launch.causal,))
     return blocks

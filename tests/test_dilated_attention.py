@@ -135,14 +135,27 @@ def test_float32_matches_reference(backend: str, cfg: Config) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=60)
-@given(cfg=configs(), rows_per_launch=st.integers(1, 16))
-def test_segments_launched_in_small_chunks(backend: str, cfg: Config, rows_per_launch: int) -> None:
+@given(cfg=configs(), rows_per_launch=st.integers(1, 16), strided=st.booleans())
+def test_segments_launched_in_small_chunks(backend: str, cfg: Config, rows_per_launch: int,
+                                           strided: bool) -> None:
     """Long sequences run in row blocks of ROWS_PER_BLOCK rows or more; shrink the blocks
     so that these short sequences cross block borders too (segments cut into parts), and
-    the launches, so that gathered launches are cut by heads (patterns.split_heads)."""
+    the launches, so that gathered launches are cut by heads (patterns.split_heads);
+    with strided views, or gathered copies as on CUDA."""
     with mock.patch.dict(plan.ROWS_PER_BLOCK, {"cpu": rows_per_launch}), \
-            mock.patch.dict(plan.ROWS_PER_LAUNCH, {"cpu": rows_per_launch}):
+            mock.patch.dict(plan.ROWS_PER_LAUNCH, {"cpu": rows_per_launch}), \
+            mock.patch.dict(plan.STRIDED_VIEWS, {"cpu": strided}):
         check_against_reference(cfg, torch.float64, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=100)
+@given(cfg=configs())
+def test_gathered_selections_match_reference(backend: str, cfg: Config) -> None:
+    """The launches CUDA runs: every selection but the identity gathered into a copy
+    (plan.STRIDED_VIEWS), not read as a strided view."""
+    with mock.patch.dict(plan.STRIDED_VIEWS, {"cpu": False}):
+        check_against_reference(cfg, torch.float32, backend)
 
 
 # Hand-picked corners the property tests may or may not draw.

@@ -18,7 +18,7 @@ from dilated_attention import plan as plan_module
 from dilated_attention.distributed.sequence_parallel import pack
 from dilated_attention.launches import _remote_block
 from dilated_attention.patterns import Heads, _rows_of, cross_head_groups, selected_pairs
-from dilated_attention.patterns import split_heads
+from dilated_attention.patterns import Segments, gather, scatter_add_, split_heads
 from dilated_attention.plan import Layout, make_plan, segments_between, work
 from reference import dilated_counts
 
@@ -72,8 +72,9 @@ def test_huge_rates_plan_instantly():
     assert selected_pairs(0, 64, 0, 64, 2**40, Heads.of(4, 2)) == 4
     plan = make_plan(Layout.contiguous([64]), ((2**41,), (2**40,)), True, Heads.of(4, 2), 0)
     assert time.perf_counter() - start < 0.5
-    assert [g.rows for g in groups] == [1]
-    assert plan.launches == 1
+    # two arithmetic runs (kv head 0: rows 0, 1; kv head 1: rows 2, 3), strided views
+    assert [g.rows for g in groups] == [1, 1] and all(g.strided for g in groups)
+    assert plan.launches == 2
 
 
 def test_segments_between_documents():
@@ -272,9 +273,10 @@ def test_two_patterns_align_blocks_to_the_longer_segment():
 def test_gathered_launches_are_cut_by_heads():
     """A launch on gathered rows holds at most ROWS_PER_LAUNCH x heads / GATHERED_SHARE
     (row, head) entries; cut by whole kv heads, each with its query heads in kernel GQA
-    order; identity launches (views) stay whole."""
+    order; launches on views (identity, strided) stay whole."""
     heads = Heads.of(12, 3)  # kv head c serves query heads 4c..4c+3, two per offset
-    (group,) = cross_head_groups(0, 4096, 0, 4096, 2, heads)  # 2048 rows, every head
+    # 2048 rows, every head, gathered (as on CUDA)
+    (group,) = cross_head_groups(0, 4096, 0, 4096, 2, heads, strided=False)
     parts = split_heads(group, 2048 * 12 // plan_module.GATHERED_SHARE)
     # 6 (offset, kv head) pairs of 2 query heads; 3 heads fit, so 2 (one pair) per launch
     assert [(p.q_heads.numel(), p.kv_heads.numel()) for p in parts] == [(2, 1)] * 6
@@ -283,13 +285,52 @@ def test_gathered_launches_are_cut_by_heads():
     assert torch.equal(torch.cat([p.kv_heads for p in parts]), group.kv_heads)
     assert sum((p.pairs for p in parts), ()) == group.pairs
     assert split_heads(group, 1)[0].q_heads.numel() == 2  # one kv head at least
-    (identity,) = cross_head_groups(0, 4096, 0, 4096, 1, heads)
-    assert split_heads(identity, 1) == (identity,)
-    plan = make_plan(Layout.contiguous([16384]), ((2048, 4096), (1, 2)), False,
-                     Heads.of(12, 12), 0, "meta")
-    for launch in (l for b in plan.blocks for l in b.forward):
-        g = launch.group
-        assert g.identity or g.rows * g.q_heads.numel() * launch.queries.count <= 2048 * 3
+    for device, strided in (("meta", False), ("cpu", True)):
+        plan = make_plan(Layout.contiguous([16384]), ((2048, 4096), (1, 2)), False,
+                         Heads.of(12, 12), 0, device)
+        rate_2 = [l for b in plan.blocks for l in b.forward if not l.group.identity]
+        for launch in rate_2:
+            g = launch.group
+            assert g.strided == strided
+            assert strided or g.rows * g.q_heads.numel() * launch.queries.count <= 2048 * 3
+        # on the CPU two views per 4096-row segment: heads 0, 2, ..., 10 and 1, 3, ..., 11
+        assert len(rate_2) == (2 if strided else 4) * 4
+
+
+@pytest.mark.parametrize("rate", [1, 2, 3, 5, 8, 13, 2**20])
+@pytest.mark.parametrize("h,hk,first", [(12, 12, 0), (12, 4, 0), (8, 2, 3), (5, 1, 1), (6, 6, 7)])
+def test_strided_groups_are_their_index(rate, h, hk, first):
+    """A strided group's Stride describes exactly its index tensors, for whole segments,
+    cut parts and cross slices, and its split parts too; views gather and scatter the
+    entries the indices do."""
+    kv_of = Heads.of(h, hk).kv_of
+    heads = Heads(first, kv_of)
+    x = torch.randn(2, 96, h, 3, dtype=torch.float64)
+    for span in [(0, 40, 0, 40), (5, 31, 5, 31), (17, 40, 0, 17), (3, 9, 20, 40)]:
+        groups = cross_head_groups(*span, rate, heads)
+        plain = cross_head_groups(*span, rate, heads, strided=False)
+        assert sorted(sum((g.q_heads.tolist() for g in groups), [])) == \
+            sorted(sum((g.q_heads.tolist() for g in plain), []))
+        for g in groups:
+            for part in (g,) + split_heads(g, 1):
+                if not part.strided:
+                    continue
+                for side, heads_, index in (("q", part.q_heads, part.q_index),
+                                            ("kv", part.kv_heads, part.kv_index)):
+                    st = getattr(part, f"{side}_stride")
+                    cols = torch.arange(heads_.numel())
+                    assert torch.equal(heads_, st.head + st.head_step * cols)
+                    rows = torch.arange(index.shape[0])[:, None]
+                    assert torch.equal(index, st.row + st.row_step * cols + st.rate * rows)
+                # a run of 2 segments of 48 rows: the view reads what the index does
+                segs = Segments(0, 2, 48)
+                view = gather(x, segs, part.q_heads, part.q_index, part.q_stride)
+                copy = gather(x, segs, part.q_heads, part.q_index, None)
+                assert torch.equal(view, copy)
+                into_view, into_copy = torch.zeros_like(x), torch.zeros_like(x)
+                scatter_add_(into_view, segs, part.q_heads, part.q_index, part.q_stride, copy)
+                scatter_add_(into_copy, segs, part.q_heads, part.q_index, None, copy)
+                assert torch.equal(into_view, into_copy)
 
 
 @pytest.mark.parametrize("world,half", [(2, 4), (3, 3), (4, 2)])

@@ -27,7 +27,7 @@ from .kernels import (KernelOptions, attention_forward, lse_dtype, save_for_back
                       saved_for_backward)
 from .merge import empty_accumulators
 from .patterns import Heads, Patterns, Segments, cross_head_groups, gather
-from .plan import Documents, Layout, Plan, make_plan
+from .plan import STRIDED_VIEWS, Documents, Layout, Plan, make_plan
 
 
 def local_plan(q: Tensor, k: Tensor, patterns: Patterns, causal: bool, heads: Optional[Heads],
@@ -194,12 +194,13 @@ def cached_dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths: S
         a = (t // w) * w
         keys = Segments(a, 1, t - a + 1)
         # the query row t - a of the segment against its key rows 0 .. t - a
-        for g in cross_head_groups(t - a, t - a + 1, 0, t - a + 1, r, heads, str(q.device)):
+        for g in cross_head_groups(t - a, t - a + 1, 0, t - a + 1, r, heads, str(q.device),
+                                   STRIDED_VIEWS.get(q.device.type, False)):
             # query indices are relative to the query row: row 0 of q
             out_g, lse_g = attention_forward(
-                gather(q, query, g.q_heads, g.q_index, g.identity),
-                gather(k, keys, g.kv_heads, g.kv_index, g.identity),
-                gather(v, keys, g.kv_heads, g.kv_index, g.identity),
+                gather(q, query, g.q_heads, g.q_index, g.q_stride),
+                gather(k, keys, g.kv_heads, g.kv_index, g.kv_stride),
+                gather(v, keys, g.kv_heads, g.kv_index, g.kv_stride),
                 opts,
             )
             launches.merge_rows(acc_out, acc_lse, query, g, out_g, lse_g)

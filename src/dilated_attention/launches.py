@@ -37,7 +37,7 @@ from torch import Tensor
 
 from .kernels import KernelOptions, attention_backward, attention_forward, lse_dtype
 from .merge import merge_, merge_selected_
-from .patterns import HeadGroup, Segments, gather, scatter_add_, segment_view, selection
+from .patterns import HeadGroup, Segments, Stride, gather, scatter_add_, selection, strided_view
 from .plan import Block, Plan, RemoteLaunch, Transfer
 
 # Merges and scatters go in slices of at most this many elements: their
@@ -204,7 +204,7 @@ def _key_mask(key_mask: Optional[Tensor], segs: Segments, group: HeadGroup) -> O
         return None
     # (b, n) -> (b, n, 1) broadcast over kv heads, gathered like k
     expanded = key_mask[:, :, None].expand(-1, -1, int(group.kv_heads.max()) + 1)
-    return gather(expanded, segs, group.kv_heads, group.kv_index, group.identity)
+    return gather(expanded, segs, group.kv_heads, group.kv_index, group.kv_stride)
 
 
 def _row_slices(rows: int, per_row: int, device: torch.device) -> List[slice]:
@@ -218,24 +218,26 @@ def merge_rows(acc_out: Tensor, acc_lse: Tensor, segs: Segments, group: HeadGrou
     # (b * s, rows, heads, ...) -> (b, s, rows, heads, ...)
     out_g = out_g.unflatten(0, (acc_out.shape[0], segs.count))
     lse_g = lse_g.unflatten(0, (acc_out.shape[0], segs.count))
-    if segs.starts is None:
-        acc_out, acc_lse = segment_view(acc_out, segs), segment_view(acc_lse, segs)
+    view = segs.starts is None and group.strided
+    if view:
+        # (b, n, h, ...) -> (b, s, rows, hq, ...): the entries the launch computed
+        acc_out, acc_lse = (strided_view(x, segs, group.q_stride, *group.q_index.shape)
+                            for x in (acc_out, acc_lse))
     for rows in _row_slices(out_g.shape[2], out_g[:, :, 0].numel(), out_g.device):
-        where = selection(segs, group.q_heads, group.q_index[rows], group.identity)
-        if where is None:
+        if view:
             merge_(acc_out[:, :, rows], acc_lse[:, :, rows], out_g[:, :, rows], lse_g[:, :, rows])
         else:
-            merge_selected_(acc_out, acc_lse, where, out_g[:, :, rows], lse_g[:, :, rows])
+            merge_selected_(acc_out, acc_lse, selection(segs, group.q_heads, group.q_index[rows]),
+                            out_g[:, :, rows], lse_g[:, :, rows])
 
 
-def _scatter(acc: Tensor, segs: Segments, heads: Tensor, index: Tensor, identity: bool,
+def _scatter(acc: Tensor, segs: Segments, heads: Tensor, index: Tensor, stride: Optional[Stride],
              y: Tensor) -> None:
     """acc[rows of segs, heads] += y (b * count, rows, heads, d), in slices of rows."""
     # (b * s, rows, heads, d) -> (b, s, rows, heads, d)
     y = y.unflatten(0, (acc.shape[0], segs.count))
     for rows in _row_slices(y.shape[2], y[:, :, 0].numel(), y.device):
-        scatter_add_(acc, segs, heads, index[rows], identity, y[:, :, rows].flatten(0, 1),
-                     rows=rows)
+        scatter_add_(acc, segs, heads, index, stride, y[:, :, rows].flatten(0, 1), rows=rows)
 
 
 def _remote_block(buf: Tensor, launch: RemoteLaunch) -> Tensor:
@@ -285,9 +287,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, *,
         blocks.turn(block.index)
         for launch in block.forward:
             g = launch.group
-            q_g = gather(q, launch.queries, g.q_heads, g.q_index, g.identity)
-            k_g = gather(k, launch.keys, g.kv_heads, g.kv_index, g.identity)
-            v_g = gather(v, launch.keys, g.kv_heads, g.kv_index, g.identity)
+            q_g = gather(q, launch.queries, g.q_heads, g.q_index, g.q_stride)
+            k_g = gather(k, launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
+            v_g = gather(v, launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
             out_g, lse_g = attention_forward(
                 q_g, k_g, v_g, opts.for_launch(launch.id, causal=launch.causal),
                 key_mask=_key_mask(key_mask, launch.keys, g),
@@ -332,7 +334,7 @@ def _forward_remote(q: Tensor, remote: RemoteKeys, blocks: Blocks, opts: KernelO
         for transfer, buf, mask in received:
             for launch in transfer.launches:
                 g = launch.group
-                q_g = gather(q, launch.queries, g.q_heads, g.q_index, g.identity)
+                q_g = gather(q, launch.queries, g.q_heads, g.q_index, g.q_stride)
                 # remote keys are all earlier (causal) or all visible: no causal mask
                 out_g, lse_g = attention_forward(
                     q_g, _remote_block(buf[0], launch), _remote_block(buf[1], launch),
@@ -382,8 +384,8 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
         blocks.turn(block.index)
         for launch in block.backward:
             g = launch.group
-            q_sel = (launch.queries, g.q_heads, g.q_index, g.identity)
-            kv_sel = (launch.keys, g.kv_heads, g.kv_index, g.identity)
+            q_sel = (launch.queries, g.q_heads, g.q_index, g.q_stride)
+            kv_sel = (launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
             dq_g, dk_g, dv_g = attention_backward(
                 gather(dout, *q_sel), gather(q, *q_sel), gather(k, *kv_sel), gather(v, *kv_sel),
                 gather(out, *q_sel), gather(lse, *q_sel),
@@ -403,10 +405,10 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
 def _scatter_into(blocks: Blocks, index: int, split, kind: int, sel, y: Tensor) -> None:
     """Add a launch's gradient (b * count, rows, heads, d) into a block (now or pending);
     a launch split over blocks adds each block's entries there."""
-    segs, heads, rows_index, identity = sel
+    segs, heads, rows_index, stride = sel
     if not split:
         rel = blocks.relative(index, segs)
-        blocks.add(index, kind, lambda a: _scatter(a, rel, heads, rows_index, identity, y),
+        blocks.add(index, kind, lambda a: _scatter(a, rel, heads, rows_index, stride, y),
                    y.nbytes)
         return
     # one segment: (b, rows, heads, d) -> (b, rows * heads, d), the entries in each block
@@ -431,7 +433,7 @@ def _backward_remote(saved, remote: RemoteKeys, blocks: Blocks, opts: KernelOpti
             grad = torch.zeros(buf.shape, dtype=acc, device=buf.device)
             for launch in transfer.launches:
                 g = launch.group
-                q_sel = (launch.queries, g.q_heads, g.q_index, g.identity)
+                q_sel = (launch.queries, g.q_heads, g.q_index, g.q_stride)
                 dq_g, dk_g, dv_g = attention_backward(
                     gather(dout, *q_sel), gather(q, *q_sel), _remote_block(buf[0], launch),
                     _remote_block(buf[1], launch), gather(out, *q_sel), gather(lse, *q_sel),

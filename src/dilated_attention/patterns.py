@@ -21,7 +21,7 @@ of 2^40 plans as fast as a rate of 2.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -61,6 +61,23 @@ class Heads:
         return self.count % hk == 0 and self.kv_of == Heads.of(self.count, hk).kv_of
 
 
+class Stride(NamedTuple):
+    """Columns of a selection as arithmetic, so that a strided view reads them: column i
+    is head ``head + head_step * i`` at rows ``row + row_step * i + rate * t`` (t < rows)
+    of each segment (rows relative to the slice start, like the index)."""
+
+    head: int
+    head_step: int
+    row: int
+    row_step: int
+    rate: int
+
+    def shifted(self, columns: int) -> "Stride":
+        """The same selection from column `columns` on."""
+        return self._replace(head=self.head + self.head_step * columns,
+                             row=self.row + self.row_step * columns)
+
+
 @dataclass(frozen=True)
 class HeadGroup:
     """Heads of one pattern that read equally many rows of a segment slice.
@@ -71,9 +88,11 @@ class HeadGroup:
     (kv_rows == rows unless the key slice differs from the query slice),
     with ``hq == hkv * (hq // hkv)`` in kernel GQA order. ``identity`` marks
     the group that reads every row of every head in order (rate 1, kernel
-    GQA layout): its gather is a free view. ``pairs`` names the (offset, kv
-    head) pair of each kv column: the wire format of sequence-parallel
-    transfers is keyed by it.
+    GQA layout). ``q_stride``/``kv_stride``, when set, are the same
+    selections as arithmetic: on a run of segments the group's gathers and
+    writes are strided views, not copies (both set or neither). ``pairs``
+    names the (offset, kv head) pair of each kv column: the wire format of
+    sequence-parallel transfers is keyed by it.
     """
 
     rows: int
@@ -83,6 +102,12 @@ class HeadGroup:
     kv_index: Tensor
     identity: bool
     pairs: Tuple[Tuple[int, int], ...]
+    q_stride: Optional[Stride] = None
+    kv_stride: Optional[Stride] = None
+
+    @property
+    def strided(self) -> bool:
+        return self.q_stride is not None
 
 
 class Segments(NamedTuple):
@@ -110,9 +135,20 @@ def _offset_rows(lo: int, hi: int, offset: int, rate: int) -> Tuple[int, int]:
     return first, max(0, -(-(hi - first) // rate))
 
 
+# A selection that cuts into at most this many arithmetic runs launches as that many
+# strided views (no copies); one that needs more is gathered as one group.
+MAX_STRIDED_RUNS = 4
+
+_DENSE = Stride(0, 1, 0, 0, 1)
+
+# One kv column of a group: ((offset, kv head), first query row, first key row, query heads)
+_Pair = Tuple[Tuple[int, int], int, int, List[int]]
+
+
 @functools.lru_cache(maxsize=4096)
 def cross_head_groups(
-    q_lo: int, q_hi: int, k_lo: int, k_hi: int, rate: int, heads: Heads, device: str = "cpu"
+    q_lo: int, q_hi: int, k_lo: int, k_hi: int, rate: int, heads: Heads, device: str = "cpu",
+    strided: bool = True,
 ) -> Tuple[HeadGroup, ...]:
     """Head groups for query rows ``[q_lo, q_hi)`` against key rows ``[k_lo, k_hi)``.
 
@@ -120,7 +156,11 @@ def cross_head_groups(
     the rows of its offset in each slice. ``q_index`` is relative to ``q_lo``
     and has ``rows`` rows; ``kv_index`` is relative to ``k_lo`` and has its own
     row count (``kv_index.shape[0]``). Heads with no query or no key row in
-    their slice are absent. Cached: plans are built once per shape.
+    their slice are absent. `strided`: cut the heads into arithmetic runs
+    (``Stride``; at most MAX_STRIDED_RUNS per row count) that launch as strided
+    views, for kernels that read any strides; else one gathered group per row
+    count (the identity group is a view either way). Cached: plans are built
+    once per shape.
     """
     q_rows, k_rows = q_hi - q_lo, k_hi - k_lo
     if q_rows <= 0 or k_rows <= 0:
@@ -128,9 +168,9 @@ def cross_head_groups(
     if device != "cpu":
         # index arithmetic is cheapest on the CPU (on meta it would run Python references)
         return tuple(
-            HeadGroup(g.rows, g.q_heads.to(device), g.q_index.to(device), g.kv_heads.to(device),
-                      g.kv_index.to(device), g.identity, g.pairs)
-            for g in cross_head_groups(q_lo, q_hi, k_lo, k_hi, rate, heads, "cpu")
+            replace(g, q_heads=g.q_heads.to(device), q_index=g.q_index.to(device),
+                                kv_heads=g.kv_heads.to(device), kv_index=g.kv_index.to(device))
+            for g in cross_head_groups(q_lo, q_hi, k_lo, k_hi, rate, heads, "cpu", strided)
         )
     if rate == 1 and heads.grouped:
         hk = max(heads.kv_of) + 1
@@ -143,14 +183,16 @@ def cross_head_groups(
                 torch.arange(k_rows)[:, None].expand(k_rows, hk),
                 identity=True,
                 pairs=tuple((0, kv) for kv in range(hk)),
+                q_stride=_DENSE,
+                kv_stride=_DENSE,
             ),
         )
     # (offset, kv head) -> query heads reading that pair; offsets of the heads only
     readers: Dict[Tuple[int, int], List[int]] = {}
     for j, kv in enumerate(heads.kv_of):
         readers.setdefault(((heads.first + j) % rate, kv), []).append(j)
-    # (query rows, key rows, multiplicity) -> [((offset, kv head), q first, k first, query heads)]
-    buckets: Dict[Tuple[int, int, int], list] = {}
+    # (query rows, key rows, multiplicity) -> the pairs with those counts
+    buckets: Dict[Tuple[int, int, int], List[_Pair]] = {}
     for (offset, kv), members in readers.items():
         q_first, q_count = _offset_rows(q_lo, q_hi, offset, rate)
         k_first, k_count = _offset_rows(k_lo, k_hi, offset, rate)
@@ -158,39 +200,80 @@ def cross_head_groups(
             buckets.setdefault((q_count, k_count, len(members)), []).append(
                 ((offset, kv), q_first - q_lo, k_first - k_lo, members))
     groups = []
-    for (rows, kv_rows, _), entries in sorted(buckets.items(), key=lambda kv: kv[0]):
-        q_heads: List[int] = []
-        q_starts: List[int] = []
-        kv_heads: List[int] = []
-        kv_starts: List[int] = []
-        pairs: List[Tuple[int, int]] = []
-        for pair, q_first, k_first, members in entries:
-            pairs.append(pair)
-            kv_heads.append(pair[1])
-            kv_starts.append(k_first)
-            q_heads.extend(members)
-            q_starts.extend([q_first] * len(members))
-        # (rows, heads): head i reads rows start_i, start_i + rate, ...
-        steps = torch.arange(rows)[:, None] * rate
-        kv_steps = torch.arange(kv_rows)[:, None] * rate
-        groups.append(
-            HeadGroup(
-                rows,
-                torch.tensor(q_heads),
-                steps + torch.tensor(q_starts),
-                torch.tensor(kv_heads),
-                kv_steps + torch.tensor(kv_starts),
-                identity=False,
-                pairs=tuple(pairs),
-            )
-        )
+    for (rows, kv_rows, _), pairs in sorted(buckets.items(), key=lambda kv: kv[0]):
+        runs = _strided_runs(pairs, rate) if strided else None
+        for run in runs or [pairs]:
+            groups.append(_group(rows, kv_rows, rate, run, runs is not None))
     return tuple(groups)
 
 
-def head_groups(lo: int, hi: int, rate: int, heads: Heads,
-                device: str = "cpu") -> Tuple[HeadGroup, ...]:
+def _columns(pairs: List[_Pair]) -> Tuple[List[int], List[int], List[int], List[int]]:
+    """(query heads, their first rows, kv heads, their first rows) of `pairs`, column by
+    column in kernel GQA order."""
+    q_heads = [j for _, _, _, members in pairs for j in members]
+    q_starts = [q_first for _, q_first, _, members in pairs for _ in members]
+    kv_heads = [pair[1] for pair, _, _, _ in pairs]
+    kv_starts = [k_first for _, _, k_first, _ in pairs]
+    return q_heads, q_starts, kv_heads, kv_starts
+
+
+def _group(rows: int, kv_rows: int, rate: int, pairs: List[_Pair], strided: bool) -> HeadGroup:
+    """The group of `pairs` (equally many query heads each), with its strides if `strided`."""
+    q_heads, q_starts, kv_heads, kv_starts = _columns(pairs)
+    q_stride, kv_stride = _strides(pairs, rate) if strided else (None, None)
+    # (rows, heads): head i reads rows start_i, start_i + rate, ...
+    return HeadGroup(
+        rows,
+        torch.tensor(q_heads),
+        torch.arange(rows)[:, None] * rate + torch.tensor(q_starts),
+        torch.tensor(kv_heads),
+        torch.arange(kv_rows)[:, None] * rate + torch.tensor(kv_starts),
+        identity=False,
+        pairs=tuple(pair for pair, _, _, _ in pairs),
+        q_stride=q_stride,
+        kv_stride=kv_stride,
+    )
+
+
+def _step(values: List[int]) -> Optional[int]:
+    """The common difference of `values` (0 for one value) if there is one, not negative."""
+    step = values[1] - values[0] if len(values) > 1 else 0
+    if step < 0 or any(b - a != step for a, b in zip(values, values[1:])):
+        return None
+    return step
+
+
+def _strides(pairs: List[_Pair], rate: int) -> Tuple[Optional[Stride], Optional[Stride]]:
+    """(query, kv) strides of a group of `pairs`, or (None, None) if it is not arithmetic."""
+    q_heads, q_starts, kv_heads, kv_starts = columns = _columns(pairs)
+    steps = [_step(x) for x in columns]
+    if None in steps:
+        return None, None
+    return (Stride(q_heads[0], steps[0], q_starts[0], steps[1], rate),
+            Stride(kv_heads[0], steps[2], kv_starts[0], steps[3], rate))
+
+
+def _strided_runs(pairs: List[_Pair], rate: int) -> Optional[List[List[_Pair]]]:
+    """`pairs` cut into arithmetic runs, greedily, in head order or by offset (whichever
+    makes fewer runs: heads j, j + 1, ... for rates above the head count, heads of one
+    offset for rates below it); None if that takes more than MAX_STRIDED_RUNS."""
+    best: Optional[List[List[_Pair]]] = None
+    for order in (pairs, sorted(pairs, key=lambda p: p[0])):
+        runs: List[List[_Pair]] = []
+        for pair in order:
+            if runs and _strides(runs[-1] + [pair], rate)[0] is not None:
+                runs[-1].append(pair)
+            else:
+                runs.append([pair])
+        if best is None or len(runs) < len(best):
+            best = runs
+    return best if len(best) <= MAX_STRIDED_RUNS else None
+
+
+def head_groups(lo: int, hi: int, rate: int, heads: Heads, device: str = "cpu",
+                strided: bool = True) -> Tuple[HeadGroup, ...]:
     """Head groups for rows ``[lo, hi)`` of a segment against themselves (indices from lo)."""
-    return cross_head_groups(lo, hi, lo, hi, rate, heads, device)
+    return cross_head_groups(lo, hi, lo, hi, rate, heads, device, strided)
 
 
 def split_heads(group: HeadGroup, max_entries: int) -> Tuple[HeadGroup, ...]:
@@ -198,18 +281,19 @@ def split_heads(group: HeadGroup, max_entries: int) -> Tuple[HeadGroup, ...]:
     `max_entries` query (row, head) entries, and at least one kv head each.
 
     The same work in smaller launches: a gathered launch copies its q, k, v and
-    allocates its outputs, all in proportion to its heads. An identity group is
-    a free view and stays whole.
+    allocates its outputs, all in proportion to its heads.
     """
     hq, hkv = group.q_heads.numel(), group.kv_heads.numel()
-    if group.identity or group.rows * hq <= max_entries or hkv == 1:
+    if group.rows * hq <= max_entries or hkv == 1:
         return (group,)
     per_kv = hq // hkv  # kernel GQA order: query heads [i * per_kv, (i + 1) * per_kv) read kv i
     step = max(1, max_entries // (group.rows * per_kv))
     return tuple(
         HeadGroup(group.rows, group.q_heads[i * per_kv:(i + step) * per_kv],
                   group.q_index[:, i * per_kv:(i + step) * per_kv], group.kv_heads[i:i + step],
-                  group.kv_index[:, i:i + step], False, group.pairs[i:i + step])
+                  group.kv_index[:, i:i + step], False, group.pairs[i:i + step],
+                  group.q_stride and group.q_stride.shifted(i * per_kv),
+                  group.kv_stride and group.kv_stride.shifted(i))
         for i in range(0, hkv, step)
     )
 
@@ -265,50 +349,44 @@ def _view(x: Tensor, segs: Segments) -> Tensor:
     return x[:, segs.start : segs.start + segs.rows].unflatten(1, (segs.count, segs.length))
 
 
-def gather(x: Tensor, segs: Segments, heads: Tensor, index: Tensor, identity: bool) -> Tensor:
+def strided_view(x: Tensor, segs: Segments, stride: Stride, rows: int, columns: int) -> Tensor:
+    """(b, n, h, ...) -> (b, count, rows, columns, ...): a run's rows a `stride` selects, a view."""
+    seg = _view(x, segs)  # (b, count, length, h, ...)
+    sb, ss, sw, sh = seg.stride()[:4]
+    return seg.as_strided(
+        seg.shape[:2] + (rows, columns) + seg.shape[4:],
+        (sb, ss, stride.rate * sw, stride.row_step * sw + stride.head_step * sh) + seg.stride()[4:],
+        seg.storage_offset() + stride.row * sw + stride.head * sh,
+    )
+
+
+def gather(x: Tensor, segs: Segments, heads: Tensor, index: Tensor,
+           stride: Optional[Stride]) -> Tensor:
     """The rows `index` (rows, heads) of every segment for `heads`: (b * count, rows, heads, ...).
 
     x is (b, n, h, ...) (d, or nothing for lse-like tensors). A run read by
-    an identity group is a view; anything else is one advanced-indexing copy.
+    a strided group is a view; anything else is one advanced-indexing copy.
     """
-    if segs.starts is None:
-        seg = _view(x, segs)
-        if not identity:
-            # (b, s, w, h, ...) -> (b, s, rows, heads, ...): head i takes rows index[:, i]
-            seg = seg[:, :, index, heads]
-        return seg.flatten(0, 1)
+    if segs.starts is None and stride is not None:
+        return strided_view(x, segs, stride, *index.shape).flatten(0, 1)
     # (b, n, h, ...) -> (b, s, rows, heads, ...) at rows starts[s] + index[:, i] of head i
-    return x[:, _rows_of(segs, index), heads].flatten(0, 1)
+    return x[selection(segs, heads, index)].flatten(0, 1)
 
 
-def selection(segs: Segments, heads: Tensor, index: Tensor, identity: bool):
-    """The index that `gather` reads, for writing back: a view or an advanced index."""
-    if segs.starts is None and identity:
-        return None
-    if segs.starts is None:
-        return (slice(None), slice(None), index, heads)
+def selection(segs: Segments, heads: Tensor, index: Tensor) -> tuple:
+    """The advanced index of x (b, n, h, ...) that `gather` reads where it copies:
+    (b, count, rows, heads, ...) entries, for writing back."""
     return (slice(None), _rows_of(segs, index), heads)
 
 
-def scatter_add_(x: Tensor, segs: Segments, heads: Tensor, index: Tensor, identity: bool,
-                 y: Tensor, rows: slice = slice(None)) -> None:
-    """The inverse of `gather`, accumulating: x[rows of segs, heads] += y (b * count, ...).
-
-    `rows` restricts an identity group to those rows of each segment (for a
-    non-identity group pass the matching rows of `index`).
-    """
+def scatter_add_(x: Tensor, segs: Segments, heads: Tensor, index: Tensor,
+                 stride: Optional[Stride], y: Tensor, rows: slice = slice(None)) -> None:
+    """The inverse of `gather`, accumulating, for rows `rows` of the selection:
+    x[those rows of segs, heads] += y (b * count, rows, heads, ...)."""
     # (b * s, rows, heads, ...) -> (b, s, rows, heads, ...)
     y = y.unflatten(0, (x.shape[0], segs.count))
-    where = selection(segs, heads, index, identity)
-    if where is None:
-        _view(x, segs)[:, :, rows].add_(y)
-    elif segs.starts is None:
-        # no (row, head) pair repeats within a group, so read-add-write is exact
-        _view(x, segs)[where] += y
+    if segs.starts is None and stride is not None:
+        strided_view(x, segs, stride, *index.shape)[:, :, rows].add_(y)
     else:
-        x[where] += y
-
-
-def segment_view(x: Tensor, segs: Segments) -> Tensor:
-    """(b, n, ...) -> (b, count, length, ...) for a run (a view)."""
-    return _view(x, segs)
+        # no (row, head) pair repeats within a group, so read-add-write is exact
+        x[selection(segs, heads, index[rows])] += y

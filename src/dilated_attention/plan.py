@@ -84,10 +84,15 @@ MAX_BLOCKS = 32
 # scratch stay a fraction of a block.
 ROWS_PER_LAUNCH = {"cpu": 2048, "cuda": 131072}
 # A launch on gathered rows copies its q, k, v and allocates its output (in
-# backward also dout, out and three gradients), where an identity launch (a
-# view) allocates only its output: a gathered launch holds at most this share
-# of a launch's (row, head) entries, cut by heads (patterns.split_heads).
+# backward also dout, out and three gradients), where a launch on a view
+# allocates only its output: a gathered launch holds at most this share of a
+# launch's (row, head) entries, cut by heads (patterns.split_heads).
 GATHERED_SHARE = 4
+# Whether a device's launches read arithmetic selections (rate r, one offset per
+# run of heads) as strided views (patterns.Stride): the CPU kernels read any
+# strides (a rate-2 launch then copies nothing); the CUDA kernels are given
+# dense gathered copies, as measured on an H100, until views are measured there.
+STRIDED_VIEWS = {"cpu": True, "cuda": False}
 
 Documents = Optional[Tuple[int, ...]]
 
@@ -464,12 +469,14 @@ def make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, ra
     kind = device_type or torch.device(device).type
     rows = _block_rows(layout.rows_of(rank), patterns[0], kind)
     launch_rows = ROWS_PER_LAUNCH.get(kind, ROWS_PER_LAUNCH["cpu"])
-    return _make_plan(layout, patterns, causal, heads, rank, device, documents, rows, launch_rows)
+    return _make_plan(layout, patterns, causal, heads, rank, device, documents, rows, launch_rows,
+                      STRIDED_VIEWS.get(kind, False))
 
 
 @functools.lru_cache(maxsize=64)
 def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, rank: int,
-               device: str, documents: Documents, rows: int, launch_rows: int) -> Plan:
+               device: str, documents: Documents, rows: int, launch_rows: int,
+               strided: bool) -> Plan:
     chunks = layout.of_rank(rank)
     n = sum(c.stop - c.start for c in chunks)
     grid = _blocks_of(chunks, rows)
@@ -496,18 +503,22 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
     def splits(start: int, index: Tensor, head_ids: Tensor) -> Tuple[Split, ...]:
         return _splits(start, index, head_ids, blocks_local, device)
 
-    # (id of a group, entries) -> (the group, kept alive so that its id stays its own, its cut)
-    cut_groups: Dict[Tuple[int, int], Tuple[HeadGroup, Tuple[HeadGroup, ...]]] = {}
+    # (id of a group, entries, run) -> (the group, kept alive so that its id stays its own,
+    # its cut)
+    cut_groups: Dict[Tuple[int, int, bool], Tuple[HeadGroup, Tuple[HeadGroup, ...]]] = {}
 
-    def bounded(groups: Tuple[HeadGroup, ...], count: int = 1) -> List[HeadGroup]:
+    def bounded(groups: Tuple[HeadGroup, ...], count: int = 1,
+                run: bool = True) -> List[HeadGroup]:
         """Local launch groups over `count` segments, gathered ones cut by heads (once per
-        cached group: thousands of segments share a few)."""
+        cached group: thousands of segments share a few). Strided groups on a `run` of
+        segments are views, and the identity group stays whole."""
         entries = max(1, launch_rows * heads.count // GATHERED_SHARE // count)
         out = []
         for g in groups:
-            key = (id(g), entries)
+            key = (id(g), entries, run)
             if key not in cut_groups:
-                cut_groups[key] = (g, split_heads(g, entries))
+                whole = g.identity or (g.strided and run)
+                cut_groups[key] = (g, (g,) if whole else split_heads(g, entries))
             out.extend(cut_groups[key][1])
         return out
     for pattern, (w, r) in enumerate(zip(*patterns)):
@@ -522,7 +533,8 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
                     regular = s.numel() == 1 or bool((s[1:] - s[:-1] == length).all())
                     segs = (Segments(int(s[0]), s.numel(), length) if regular
                             else Segments(0, s.numel(), length, s.to(device)))
-                    for g in bounded(head_groups(0, length, r, heads, device), s.numel()):
+                    for g in bounded(head_groups(0, length, r, heads, device, strided),
+                                     s.numel(), regular):
                         launches.append((segs, segs, g, causal, b, b))
             # segments crossing the block's border: this block's part of each
             for a, length in zip(starts[~inside].tolist(), lengths[~inside].tolist()):
@@ -535,14 +547,14 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
                     if (pattern, a, part.start) not in sparse_done:
                         sparse_done.add((pattern, a, part.start))
                         sparse = _sparse_launches(layout, rank, a, length, part, r, heads,
-                                                  causal, device, local, splits)
+                                                  causal, device, strided, local, splits)
                         cut.update(x.block for spec in sparse for x in spec[6] + spec[7])
                         launches += sparse
                     continue
                 qa, qb = max(a, lo), min(a + length, hi)
                 q_segs = Segments(local(qa), 1, qb - qa)
                 cut.add(b)
-                for g in bounded(head_groups(qa - a, qb - a, r, heads, device)):
+                for g in bounded(head_groups(qa - a, qb - a, r, heads, device, strided)):
                     launches.append((q_segs, q_segs, g, causal, b, b))
                 for part in layout.split(a, a + length):
                     if part.rank != rank:
@@ -551,7 +563,7 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
                         k_segs = Segments(local(ka), 1, kb - ka)
                         cut.add(block_of(ka))
                         for g in bounded(cross_head_groups(qa - a, qb - a, ka - a, kb - a, r,
-                                                           heads, device)):
+                                                           heads, device, strided)):
                             launches.append((q_segs, k_segs, g, False, b, block_of(ka)))
         mode, moves = _schedule(layout, w, r, causal, heads, documents)
         modes.append(mode)
@@ -559,7 +571,7 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
             if rank not in (src.rank, dst.rank):
                 continue
             groups = cross_head_groups(dst.start - a, dst.stop - a, src.start - a, src.stop - a,
-                                       r, heads, device)
+                                       r, heads, device, strided)
             columns = sum(g.kv_index.numel() for g in groups)
             sends, recvs = rounds_by_step.setdefault(step, ([], []))
             if src.rank == rank:
@@ -573,7 +585,7 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
                 # the whole query part at once, its outputs split over its blocks
                 q_segs = Segments(local(dst.start), 1, dst.stop - dst.start)
                 cpu_groups = cross_head_groups(dst.start - a, dst.stop - a, src.start - a,
-                                               src.stop - a, r, heads, "cpu")
+                                               src.stop - a, r, heads, "cpu", strided)
                 for g, cpu in zip(groups, cpu_groups):
                     split = splits(q_segs.start, cpu.q_index, cpu.q_heads)
                     remote_blocks.update(x.block for x in split)
@@ -584,7 +596,7 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
                     continue
                 remote_blocks.add(block_of(qa))
                 for g in cross_head_groups(qa - a, qb - a, src.start - a, src.stop - a, r, heads,
-                                           device):
+                                           device, strided):
                     remote.append((Segments(local(qa), 1, qb - qa), g, _cut(directory, g, device),
                                    block_of(qa)))
             recvs.append(Transfer(src, dst, pattern, a, groups, columns, tuple(remote), ()))
@@ -645,7 +657,8 @@ def _splits(start: int, index: Tensor, head_ids: Tensor, blocks: List[Tuple[int,
 
 
 def _sparse_launches(layout: Layout, rank: int, a: int, length: int, part: Chunk, r: int,
-                     heads: Heads, causal: bool, device: str, local, splits) -> List[tuple]:
+                     heads: Heads, causal: bool, device: str, strided: bool, local,
+                     splits) -> List[tuple]:
     """The launches of a sparse part's queries: against itself, and against the segment's
     other parts on this rank (zigzag chunks), each output split over its blocks."""
     out = []
@@ -657,8 +670,8 @@ def _sparse_launches(layout: Layout, rank: int, a: int, length: int, part: Chunk
         k_segs = Segments(local(other.start), 1, other.stop - other.start)
         own = other.start == qa
         span = (qa - a, qb - a, other.start - a, other.stop - a)
-        for g, cpu in zip(cross_head_groups(*span, r, heads, device),
-                          cross_head_groups(*span, r, heads, "cpu")):
+        for g, cpu in zip(cross_head_groups(*span, r, heads, device, strided),
+                          cross_head_groups(*span, r, heads, "cpu", strided)):
             q_split = splits(q_segs.start, cpu.q_index, cpu.q_heads)
             k_split = splits(k_segs.start, cpu.kv_index, cpu.kv_heads)
             out.append((q_segs, k_segs, g, causal and own, q_split[0].block, k_split[0].block,

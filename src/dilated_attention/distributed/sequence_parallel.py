@@ -57,7 +57,7 @@ def pack(x: Tensor, transfer: Transfer) -> Tensor:
     blocks = []
     for g in transfer.groups:
         # (b, n, hk, ...) -> (b, kv_rows, hkv, ...) -> (b, hkv * kv_rows, ...)
-        block = gather(x, part, g.kv_heads, g.kv_index, g.identity)
+        block = gather(x, part, g.kv_heads, g.kv_index, g.kv_stride)
         blocks.append(block.transpose(1, 2).flatten(1, 2))
     return torch.cat(blocks, dim=1)
 

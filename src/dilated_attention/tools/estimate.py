@@ -437,66 +437,67 @@ class _Shapes:
 
 
 def _launch_size(launch) -> Tuple[int, int, int, int, bool]:
-    """(query rows, key rows, query heads, kv heads, identity) of a launch, all segments."""
+    """(query rows, key rows, query heads, kv heads, view) of a launch, all segments; `view`:
+    its selections are views (a strided group on a run of segments), not gathered copies."""
     g = launch.group
     count = launch.queries.count
     return (count * g.rows, count * g.kv_index.shape[0], g.q_heads.numel(), g.kv_heads.numel(),
-            g.identity)
+            g.strided and launch.queries.starts is None)
 
 
-def _merge_temps(sh: "_Shapes", elements: int, identity: bool, in_output: bool = False) -> int:
+def _merge_temps(sh: "_Shapes", elements: int, view: bool, in_output: bool = False) -> int:
     """Temporaries of a merge or scatter, which run in slices of launches.CHUNK_ELEMENTS.
 
     Per slice a few lse-sized fp32 values (new lse, weights); a launch on
-    selected rows (not an identity view) also copies the slice's accumulator
+    selected rows (not a view) also copies the slice's accumulator
     rows out and back (``merge_selected_``, the scatter's indexed add), in
-    fp32. An identity view merges and adds in place, except a merge into a
+    fp32. A view merges and adds in place, except a merge into a
     half-precision output that is its own accumulator (`in_output`), which
     goes through an fp32 copy of the slice.
     """
     part = min(elements, sh.chunk)
-    copy = not identity or (in_output and sh.s != sh.a)
+    copy = not view or (in_output and sh.s != sh.a)
     return 3 * part // sh.d * sh.a + (part * sh.a if copy else 0)
 
 
-def _launch_fwd(sh: "_Shapes", nq: int, nk: int, hq: int, hkv: int, identity: bool,
+def _launch_fwd(sh: "_Shapes", nq: int, nk: int, hq: int, hkv: int, view: bool,
                 gathered_kv: bool = True, in_output: bool = False) -> Tuple[int, int]:
     """Peak temporaries of one forward launch (launches.forward, merge_rows): (while the
     kernel runs, while its output merges). The block's accumulators are made between
     the two, for its first launch.
 
-    Gathers of q (and k, v when `gathered_kv`) unless the group is an identity
-    view, K/V repeated to the query heads for the CUDA kernels (GQA), the
+    Gathers of q (and k, v when `gathered_kv`) unless the launch reads
+    views, K/V repeated to the query heads for the CUDA kernels (GQA), the
     launch's out and lse, then the chunked merge.
     """
     out = sh.rows(nq, hq, sh.s) + sh.rows(nq, hq, sh.a, 1)
-    gathers = 0 if identity else sh.rows(nq, hq, sh.s)
-    if not identity and gathered_kv:
+    gathers = 0 if view else sh.rows(nq, hq, sh.s)
+    if not view and gathered_kv:
         gathers += 2 * sh.rows(nk, hkv, sh.s)
     if sh.repeats_kv and hkv != hq:
         gathers += 2 * sh.rows(nk, hq, sh.s)
-    return gathers + out, out + _merge_temps(sh, sh.b * nq * hq * sh.d, identity, in_output)
+    return gathers + out, out + _merge_temps(sh, sh.b * nq * hq * sh.d, view, in_output)
 
 
-def _launch_bwd(sh: "_Shapes", nq: int, nk: int, hq: int, hkv: int, identity: bool,
+def _launch_bwd(sh: "_Shapes", nq: int, nk: int, hq: int, hkv: int, view: bool,
                 gathered_kv: bool = True) -> Tuple[int, int]:
     """Peak temporaries of one backward launch (launches.backward, _scatter): (while the
     kernel runs, while its gradients are added into the accumulators).
 
-    Gathers of dout, q, out, lse (and k, v) unless identity views, the
+    Gathers of dout, q, out, lse (and k, v) unless views, the
     kernel's dq, dk, dv, then the chunked scatters. The CUDA kernels (GQA)
     also take K/V repeated to the query heads and return dK/dV per query head,
     summed over each kv head's group.
     """
     outputs = sh.rows(nq, hq, sh.s) + 2 * sh.rows(nk, hkv, sh.s)
     gathers = 0
-    if not identity:
+    if not view:
         gathers = 3 * sh.rows(nq, hq, sh.s) + sh.rows(nq, hq, sh.a, 1)
         if gathered_kv:
             gathers += 2 * sh.rows(nk, hkv, sh.s)
     if sh.repeats_kv and hkv != hq:
         gathers += 4 * sh.rows(nk, hq, sh.s)
-    return gathers + outputs, _merge_temps(sh, sh.b * nq * hq * sh.d, identity) + outputs
+    return gathers + outputs, _merge_temps(sh, sh.b * nq * hq * sh.d, view) + outputs
 
 
 def plan_for(config: EstimateConfig, lengths: Tuple[int, ...], rank: int):
@@ -594,8 +595,8 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
                 for t in rnd.recvs:
                     for l in t.launches:
                         size = _launch_size(l)
-                        peak = max(peak, _alive(sim) + max(_launch_fwd(sh, *size[:4], False,
-                                                                       False)))
+                        # keys come from the buffer, not gathered
+                        peak = max(peak, _alive(sim) + max(_launch_fwd(sh, *size, False)))
                         for index, nbytes in _writes(l.q_split, l.q_block, out_size(l), b * (d * s + a)):
                             sim.add(index, 0, lambda acc: None, nbytes)
                 phases[f"forward, exchange round {i}"] = {
@@ -636,8 +637,7 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
                     for t in rnd.recvs:
                         for l in t.launches:
                             size = _launch_size(l)
-                            peak = max(peak, _alive(sim) + max(_launch_bwd(sh, *size[:4], False,
-                                                                           False)))
+                            peak = max(peak, _alive(sim) + max(_launch_bwd(sh, *size, False)))
                             for index, nbytes in _writes(l.q_split, l.q_block,
                                                          sh.rows(size[0], size[2], s), b * d * s):
                                 sim.add(index, 0, lambda acc: None, nbytes)
