@@ -292,6 +292,48 @@ def test_half_precision_in_output_equals_fp32_accumulators(cfg, block_rows, cu_s
         assert torch.equal(a, b), name
 
 
+FIRST_WRITES = [  # (config, ROWS_PER_BLOCK, padded): dense segments that tile blocks
+    (Config(2, 64, 6, 2, 16, (8, 16), (1, 2), False, None, 33), 16, False),
+    (Config(1, 60, 4, 4, 8, (10, 20), (1, 2), True, None, 34), 20, True),
+    # the dense pattern is the longer one: its segments tile the blocks, rate 2 merges after
+    (Config(1, 48, 4, 2, 8, (6, 24), (2, 1), False, None, 35), None, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg,block_rows,padded", FIRST_WRITES)
+def test_first_write_stores_what_a_merge_gives(cfg, block_rows, padded, dtype):
+    """A dense launch whose segments tile its block stores its results there
+    (launches.covers): bit for bit the merge into zeros and -inf it replaces, out, lse and
+    the gradients, rows that attend nothing (padding) included."""
+    def run():
+        q, k, v, dout, dlse = make_inputs(cfg, dtype)
+        mask = None
+        if padded:  # (b, n), True = ignore: the last dense segment attends nothing there
+            mask = torch.arange(cfg.n)[None, :].expand(cfg.b, -1) >= cfg.n - 12
+        out, lse = run_op(cfg, q, k, v, "cpu_flash", key_padding_mask=mask)
+        torch.autograd.backward([out, lse], [dout, dlse.to(lse.dtype)])
+        return out, lse, q.grad, k.grad, v.grad
+
+    stored, covers = [], launches.covers
+
+    def spy(*args, **kwargs):
+        stored.append(covers(*args, **kwargs))
+        return stored[-1]
+
+    rows = {"cpu": block_rows} if block_rows else {}
+    with mock.patch.dict(plan.ROWS_PER_BLOCK, rows):
+        with mock.patch.object(launches, "covers", spy):
+            got = run()
+        with mock.patch.object(launches, "covers", lambda *args, **kwargs: False):
+            want = run()
+        if not padded:
+            check_against_reference(cfg, dtype, "cpu_flash")
+    assert True in stored and False in stored
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_large_logits_stay_finite(dtype: torch.dtype, backend: str) -> None:

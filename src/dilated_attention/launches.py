@@ -91,8 +91,10 @@ def in_output(block: Block, dtype: torch.dtype) -> bool:
 class Blocks:
     """This rank's block accumulators: made on demand, pending outputs, freed after the last write.
 
-    ``make(block, kind)`` builds accumulator `kind` of a plan ``Block`` (a
-    tensor, or a tuple for the forward's (out, lse)); ``write(block, kind,
+    ``make(block, kind, init)`` builds accumulator `kind` of a plan ``Block`` (a
+    tensor, or a tuple for the forward's (out, lse)), holding the merge's
+    identity if `init`, else uninitialised for a write that covers it (``add``'s
+    `assign`); ``write(block, kind,
     acc)`` stores a finished one in the output; ``nbytes(block, kind)`` is
     its size, for the pending threshold; ``writers`` counts the writes each
     (block, kind) will get.
@@ -119,16 +121,26 @@ class Blocks:
         """The accumulator, made now (with every pending output applied) if need be."""
         key = (index, kind)
         if key not in self.live:
-            self.live[key] = self.make(self.by_index[index], kind)
+            self.live[key] = self.make(self.by_index[index], kind, True)
             for apply in self.pending.pop(key, ()):
                 apply(self.live[key])
             self.pending_bytes.pop(key, None)
         return self.live[key]
 
-    def add(self, index: int, kind: int, apply: Callable, nbytes: int) -> None:
-        """One write `apply(acc)` into (block, kind): now, or pending until the block's turn."""
+    def add(self, index: int, kind: int, apply: Callable, nbytes: int,
+            assign: Optional[Callable] = None) -> None:
+        """One write `apply(acc)` into (block, kind): now, or pending until the block's turn.
+
+        `assign(acc)`, for a write that covers every entry of the block, stores
+        instead of merging if it is the block's first write: no identity to fill,
+        no merge (the same values: a merge into the identity multiplies by 1).
+        """
         key = (index, kind)
-        if key in self.live or index == self.current:
+        if (assign is not None and index == self.current and key not in self.live
+                and key not in self.pending and key not in self.finished):
+            self.live[key] = self.make(self.by_index[index], kind, False)
+            assign(self.live[key])
+        elif key in self.live or index == self.current:
             apply(self.acc(index, kind))
         else:
             self.pending.setdefault(key, []).append(apply)
@@ -207,6 +219,25 @@ def _key_mask(key_mask: Optional[Tensor], segs: Segments, group: HeadGroup) -> O
     return gather(expanded, segs, group.kv_heads, group.kv_index, group.kv_stride)
 
 
+def covers(launch, span: Tuple[int, int], heads: int, keys: bool = False) -> bool:
+    """Whether `launch` writes every (row, head) entry of the block `span` once: dense
+    whole segments that tile the block, all `heads` (and, `keys`, its keys are those
+    rows too, so its dK/dV cover the block as well)."""
+    g, segs = launch.group, launch.queries
+    lo, hi = span
+    if not (g.identity and segs.starts is None and segs.start == lo and segs.rows == hi - lo
+            and g.rows == segs.length and g.q_heads.numel() == heads):
+        return False
+    return not keys or (launch.keys == segs and launch.k_block == launch.q_block
+                        and g.kv_index.shape[0] == segs.length)
+
+
+def _assign(acc: Tensor, y: Tensor) -> None:
+    """acc (b, count * w, heads, ...) <- y (b * count, w, heads, ...), the block's rows in order."""
+    # (b, count * w, ...) -> (b, count, w, ...) and (b * count, w, ...) -> (b, count, w, ...)
+    acc.unflatten(1, (-1, y.shape[1])).copy_(y.unflatten(0, (acc.shape[0], -1)))
+
+
 def _row_slices(rows: int, per_row: int, device: torch.device) -> List[slice]:
     step = max(1, chunk_elements(device) // max(per_row, 1))
     return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
@@ -261,12 +292,16 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, *,
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, n, h), dtype=acc, device=q.device)
 
-    def make(block: Block, kind: int) -> Tuple[Tensor, Tensor]:
+    def make(block: Block, kind: int, init: bool) -> Tuple[Tensor, Tensor]:
         # the merge's identity (0, -inf); lse is written in place, out too where it can
         lo, hi = block.lo, block.hi
-        acc_out = (out[:, lo:hi].zero_() if in_output(block, out.dtype)
-                   else torch.zeros((b, hi - lo, h, d), dtype=acc, device=q.device))
-        return acc_out, lse[:, lo:hi].fill_(-float("inf"))
+        acc_out = (out[:, lo:hi] if in_output(block, out.dtype)
+                   else torch.empty((b, hi - lo, h, d), dtype=acc, device=q.device))
+        acc_lse = lse[:, lo:hi]
+        if init:
+            acc_out.zero_()
+            acc_lse.fill_(-float("inf"))
+        return acc_out, acc_lse
 
     def write(block: Block, kind: int, accs: Tuple[Tensor, Tensor]) -> None:
         if not in_output(block, out.dtype):
@@ -295,14 +330,14 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, *,
                 key_mask=_key_mask(key_mask, launch.keys, g),
             )
             del q_g, k_g, v_g
-            _merge_into(blocks, launch, out_g, lse_g)
+            _merge_into(blocks, launch, out_g, lse_g, h)
             del out_g, lse_g  # free before the next launch gathers
         blocks.end_turn(block.index)
     blocks.finish_all()
     return out, lse
 
 
-def _merge_into(blocks: Blocks, launch, out_g: Tensor, lse_g: Tensor) -> None:
+def _merge_into(blocks: Blocks, launch, out_g: Tensor, lse_g: Tensor, heads: int) -> None:
     """Merge a launch's results into its query block's accumulators (now or pending);
     a launch split over blocks merges each block's entries there."""
     group = launch.group
@@ -312,7 +347,13 @@ def _merge_into(blocks: Blocks, launch, out_g: Tensor, lse_g: Tensor) -> None:
         def apply(accs: Tuple[Tensor, Tensor]) -> None:
             merge_rows(accs[0], accs[1], rel, group, out_g, lse_g)
 
-        blocks.add(launch.q_block, 0, apply, out_g.nbytes + lse_g.nbytes)
+        def assign(accs: Tuple[Tensor, Tensor]) -> None:
+            _assign(accs[0], out_g)
+            _assign(accs[1], lse_g)
+
+        whole = covers(launch, blocks.spans[launch.q_block], heads)
+        blocks.add(launch.q_block, 0, apply, out_g.nbytes + lse_g.nbytes,
+                   assign if whole else None)
         return
     # one segment: (b, rows, hq, ...) -> (b, rows * hq, ...), the entries in each block
     flat_out, flat_lse = out_g.flatten(1, 2), lse_g.flatten(1, 2)
@@ -341,7 +382,7 @@ def _forward_remote(q: Tensor, remote: RemoteKeys, blocks: Blocks, opts: KernelO
                     opts.for_launch(launch.id, causal=False),
                     key_mask=None if mask is None else _remote_block(mask, launch),
                 )
-                _merge_into(blocks, launch, out_g, lse_g)
+                _merge_into(blocks, launch, out_g, lse_g, q.shape[2])
                 del q_g, out_g, lse_g
             del buf, mask
 
@@ -358,11 +399,12 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     acc = lse_dtype(q.dtype)
     grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
 
-    def make(block: Block, kind: int) -> Tensor:
+    def make(block: Block, kind: int, init: bool) -> Tensor:
         g, lo, hi = grads[kind], block.lo, block.hi
         if in_output(block, g.dtype):
-            return g[:, lo:hi].zero_()
-        return torch.zeros((g.shape[0], hi - lo) + g.shape[2:], dtype=acc, device=g.device)
+            return g[:, lo:hi].zero_() if init else g[:, lo:hi]
+        new = torch.zeros if init else torch.empty
+        return new((g.shape[0], hi - lo) + g.shape[2:], dtype=acc, device=g.device)
 
     def write(block: Block, kind: int, block_acc: Tensor) -> None:
         if not in_output(block, grads[kind].dtype):
@@ -393,23 +435,26 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
                 dlse=None if dlse is None else gather(dlse, *q_sel),
                 key_mask=_key_mask(key_mask, launch.keys, g),
             )
-            _scatter_into(blocks, launch.q_block, launch.q_split, 0, q_sel, dq_g)
-            _scatter_into(blocks, launch.k_block, launch.k_split, 1, kv_sel, dk_g)
-            _scatter_into(blocks, launch.k_block, launch.k_split, 2, kv_sel, dv_g)
+            whole = covers(launch, blocks.spans[launch.q_block], q.shape[2], keys=True)
+            _scatter_into(blocks, launch.q_block, launch.q_split, 0, q_sel, dq_g, whole)
+            _scatter_into(blocks, launch.k_block, launch.k_split, 1, kv_sel, dk_g, whole)
+            _scatter_into(blocks, launch.k_block, launch.k_split, 2, kv_sel, dv_g, whole)
             del dq_g, dk_g, dv_g  # free before the next launch gathers
         blocks.end_turn(block.index)
     blocks.finish_all()
     return grads
 
 
-def _scatter_into(blocks: Blocks, index: int, split, kind: int, sel, y: Tensor) -> None:
+def _scatter_into(blocks: Blocks, index: int, split, kind: int, sel, y: Tensor,
+                  whole: bool = False) -> None:
     """Add a launch's gradient (b * count, rows, heads, d) into a block (now or pending);
-    a launch split over blocks adds each block's entries there."""
+    a launch split over blocks adds each block's entries there. `whole`: y covers the
+    block (``covers``), and is stored if it is the block's first write."""
     segs, heads, rows_index, stride = sel
     if not split:
         rel = blocks.relative(index, segs)
         blocks.add(index, kind, lambda a: _scatter(a, rel, heads, rows_index, stride, y),
-                   y.nbytes)
+                   y.nbytes, (lambda a: _assign(a, y)) if whole else None)
         return
     # one segment: (b, rows, heads, d) -> (b, rows * heads, d), the entries in each block
     flat = y.flatten(1, 2)

@@ -748,10 +748,15 @@ def _assemble(grid, launches, rounds_by_step, modes, remote_blocks, writes, n) -
         forward.setdefault(min(launch.q_blocks, key=position.__getitem__), []).append(launch)
         first = min(launch.q_blocks + launch.k_blocks, key=position.__getitem__)
         backward.setdefault(first, []).append(launch)
+    # dense launches first: one that covers its whole block writes the accumulators
+    # instead of merging into zeros (launches.covers)
+    for todo in forward.values():
+        todo.sort(key=lambda l: not l.group.identity)
     for here, todo in backward.items():
         # within a block: launches of its own rows, then those whose keys are here (they
         # complete its dK/dV), then those whose queries are here: accumulators end early
-        todo.sort(key=lambda l: (l.q_blocks + l.k_blocks != (here, here), here not in l.k_blocks))
+        todo.sort(key=lambda l: (l.q_blocks + l.k_blocks != (here, here), here not in l.k_blocks,
+                                 not l.group.identity))
     next_id = len(numbered)
     rounds = []
     for step in sorted(rounds_by_step):

@@ -537,7 +537,7 @@ def _make_acc(sim: Blocks, sh: "_Shapes", index: int, kind: int) -> int:
 
 def _sim_blocks(plan, kinds: int, nbytes, backward: bool) -> Blocks:
     """The executor's Blocks, run on sizes only: accumulators are placeholders."""
-    return Blocks(plan, kinds, lambda block, kind: None, lambda block, kind, acc: None,
+    return Blocks(plan, kinds, lambda block, kind, init: None, lambda block, kind, acc: None,
                   nbytes, count_writers(plan, backward=backward))
 
 
