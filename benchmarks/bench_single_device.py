@@ -9,6 +9,7 @@ a machine whose speed drifts slows both sides alike.
     python benchmarks/bench_single_device.py --seq-lens 8192 --repeats 1
     python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --seq-lens 8192 1048576
     python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --max-tokens
+    python benchmarks/bench_single_device.py --device cuda --strided on   # views vs copies on a GPU
 
 Working memory (peak resident memory beyond the inputs: q, k, v, and dout
 for forward + backward; what the call returns, out and in training dq, dk,
@@ -44,6 +45,7 @@ from dilated_attention import dilated_attention
 from dilated_attention.dilated import local_plan
 from dilated_attention.kernels import BACKENDS, KernelOptions, attention_backward
 from dilated_attention.kernels import attention_forward
+from dilated_attention import plan as planning
 from dilated_attention.patterns import gather
 from dilated_attention.tools.bench import PeakMemory
 
@@ -239,8 +241,10 @@ def measure_memory(n: int, dtype_name: str, training: bool) -> float:
     if DEVICE == "cuda":
         return measure_cuda_memory(n, getattr(torch, dtype_name), training)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="2")
+    strided = {True: "on", False: "off"}[planning.STRIDED_VIEWS.get(DEVICE, False)]
     out = subprocess.run(
-        [sys.executable, __file__, "--memory-case", str(n), dtype_name, str(int(training))],
+        [sys.executable, __file__, "--memory-case", str(n), dtype_name, str(int(training)),
+         "--strided", strided],
         env=env, capture_output=True, text=True, check=True,
     )
     return float(out.stdout.strip().splitlines()[-1])
@@ -260,10 +264,16 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", action="store_true",
                         help="CUDA: find the longest sequence whose forward, and whose forward "
                         "+ backward, fit on the device, then exit")
+    parser.add_argument("--strided", default="auto", choices=["auto", "on", "off"],
+                        help="read regular rate-r selections as strided views (on) or gathered "
+                        "copies (off); auto: the library's default for the device "
+                        "(plan.STRIDED_VIEWS)")
     parser.add_argument("--json", default="bench-out/single_device.json")
     parser.add_argument("--memory-case", nargs=3, metavar=("N", "DTYPE", "TRAINING"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.strided != "auto":
+        planning.STRIDED_VIEWS[args.device] = args.strided == "on"
     if args.memory_case:
         n, dtype_name, training = args.memory_case
         print(measure_memory_in_this_process(int(n), getattr(torch, dtype_name),
@@ -276,7 +286,7 @@ def main(argv=None) -> None:
     where = (torch.cuda.get_device_name() if DEVICE == "cuda"
              else f"{torch.get_num_threads()} threads")
     print(f"torch {torch.__version__}, {where}, dtype {args.dtype}, backend {BACKEND}, "
-          f"h={HEADS} d={HEAD_DIM} segments={list(SEGMENTS)} rates={list(RATES)} batch 1, "
+          f"strided views {planning.STRIDED_VIEWS.get(DEVICE, False)}, h={HEADS} d={HEAD_DIM} segments={list(SEGMENTS)} rates={list(RATES)} batch 1, "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     if args.max_tokens:
         if DEVICE != "cuda":
