@@ -8,7 +8,8 @@ read, merged and scattered through ``as_strided`` views (``patterns.Stride``)
 or gathered into dense copies by advanced indexing. ``plan.STRIDED_VIEWS``
 picks per device; this script runs the op with it on and off, alternating
 call by call (a machine whose speed drifts slows both alike), in the LongNet
-setting (12 heads x 64, segments [2048, 4096], rates [1, 2], batch 1), and
+setting (12 heads x 64, segments [2048, 4096], rates [1, 2], batch 1 or
+--batch), and
 prints min/median/max seconds per call and the ratio of the medians.
 """
 
@@ -27,10 +28,10 @@ HEADS, HEAD_DIM = 12, 64
 SEGMENTS, RATES = [2048, 4096], [1, 2]
 
 
-def timed_call(n: int, backward: bool, dtype: torch.dtype, device: str):
+def timed_call(batch: int, n: int, backward: bool, dtype: torch.dtype, device: str):
     """A function that runs one call (forward, or forward + backward) and returns its seconds."""
     # (b, n, h, d)
-    q, k, v = (torch.randn(1, n, HEADS, HEAD_DIM, dtype=dtype, device=device,
+    q, k, v = (torch.randn(batch, n, HEADS, HEAD_DIM, dtype=dtype, device=device,
                            requires_grad=backward) for _ in range(3))
     dout = torch.randn_like(q)
 
@@ -55,15 +56,17 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=1)
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    print(f"torch {torch.__version__}, {args.device}, {args.dtype}, {args.repeats} calls each "
+    print(f"torch {torch.__version__}, {args.device}, {args.dtype}, batch {args.batch}, "
+          f"{args.repeats} calls each "
           f"after a warm-up, strided and gathered taking turns")
     print("| n | pass | strided s (min/med/max) | gathered s (min/med/max) | strided / gathered |")
     print("|---|---|---|---|---|")
     for case in args.cases:
         n, kind = case.split(":")
-        call = timed_call(int(n), kind == "bwd", dtype, args.device)
+        call = timed_call(args.batch, int(n), kind == "bwd", dtype, args.device)
         times = {True: [], False: []}
         for repeat in range(args.repeats + 1):
             for strided in (True, False):
