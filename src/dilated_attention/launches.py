@@ -37,7 +37,8 @@ from torch import Tensor
 
 from .kernels import KernelOptions, attention_backward, attention_forward, lse_dtype
 from .merge import merge_, merge_selected_
-from .patterns import HeadGroup, Segments, Stride, gather, scatter_add_, selection, strided_view
+from .patterns import (HeadGroup, Segments, Stride, gather, is_view, scatter_add_, selection,
+                       strided_view)
 from .plan import Block, Plan, RemoteLaunch, Transfer
 
 # Merges and scatters go in slices of at most this many elements: their
@@ -249,7 +250,7 @@ def merge_rows(acc_out: Tensor, acc_lse: Tensor, segs: Segments, group: HeadGrou
     # (b * s, rows, heads, ...) -> (b, s, rows, heads, ...)
     out_g = out_g.unflatten(0, (acc_out.shape[0], segs.count))
     lse_g = lse_g.unflatten(0, (acc_out.shape[0], segs.count))
-    view = segs.starts is None and group.strided
+    view = is_view(segs, group.q_stride)
     if view:
         # (b, n, h, ...) -> (b, s, rows, hq, ...): the entries the launch computed
         acc_out, acc_lse = (strided_view(x, segs, group.q_stride, *group.q_index.shape)

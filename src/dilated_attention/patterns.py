@@ -360,6 +360,12 @@ def strided_view(x: Tensor, segs: Segments, stride: Stride, rows: int, columns: 
     )
 
 
+def is_view(segs: Segments, stride: Optional[Stride]) -> bool:
+    """Whether a selection is read and written as a view (a strided group on a run of
+    segments), not through an advanced-indexing copy."""
+    return segs.starts is None and stride is not None
+
+
 def gather(x: Tensor, segs: Segments, heads: Tensor, index: Tensor,
            stride: Optional[Stride]) -> Tensor:
     """The rows `index` (rows, heads) of every segment for `heads`: (b * count, rows, heads, ...).
@@ -367,7 +373,7 @@ def gather(x: Tensor, segs: Segments, heads: Tensor, index: Tensor,
     x is (b, n, h, ...) (d, or nothing for lse-like tensors). A run read by
     a strided group is a view; anything else is one advanced-indexing copy.
     """
-    if segs.starts is None and stride is not None:
+    if is_view(segs, stride):
         return strided_view(x, segs, stride, *index.shape).flatten(0, 1)
     # (b, n, h, ...) -> (b, s, rows, heads, ...) at rows starts[s] + index[:, i] of head i
     return x[selection(segs, heads, index)].flatten(0, 1)
@@ -385,7 +391,7 @@ def scatter_add_(x: Tensor, segs: Segments, heads: Tensor, index: Tensor,
     x[those rows of segs, heads] += y (b * count, rows, heads, ...)."""
     # (b * s, rows, heads, ...) -> (b, s, rows, heads, ...)
     y = y.unflatten(0, (x.shape[0], segs.count))
-    if segs.starts is None and stride is not None:
+    if is_view(segs, stride):
         strided_view(x, segs, stride, *index.shape)[:, :, rows].add_(y)
     else:
         # no (row, head) pair repeats within a group, so read-add-write is exact

@@ -63,7 +63,7 @@ from ..distributed.ulysses import HeadSplit
 from ..functional import dilated_attention, ring_attention
 from ..kernels import KernelOptions, lse_dtype
 from ..launches import CHUNK_ELEMENTS, Blocks, count_writers, in_output
-from ..patterns import Heads
+from ..patterns import Heads, is_view
 from ..plan import Launch, Layout, Plan, make_plan, work
 from .settings import MB, check_setting, check_zigzag, default_threads, plural, ring_layout
 
@@ -442,7 +442,7 @@ def _launch_size(launch) -> Tuple[int, int, int, int, bool]:
     g = launch.group
     count = launch.queries.count
     return (count * g.rows, count * g.kv_index.shape[0], g.q_heads.numel(), g.kv_heads.numel(),
-            g.strided and launch.queries.starts is None)
+            is_view(launch.queries, g.q_stride))
 
 
 def _merge_temps(sh: "_Shapes", elements: int, view: bool, in_output: bool = False) -> int:
