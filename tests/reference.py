@@ -67,7 +67,8 @@ def dilated_counts(
 
 
 def attention_with_counts(
-    q: Tensor, k: Tensor, v: Tensor, counts: Tensor, scale: Optional[float] = None
+    q: Tensor, k: Tensor, v: Tensor, counts: Tensor, scale: Optional[float] = None,
+    dropout: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Softmax attention with logits s(t, u) + log c(t, u) (-inf where c == 0), in float64.
 
@@ -76,6 +77,8 @@ def attention_with_counts(
     and lse (b, h, n), both float64; a row with no keys gets out 0 and lse
     -inf. Differentiable, and its gradients are finite everywhere (masked
     entries are chosen with torch.where, never computed as exp(-inf - -inf)).
+    dropout (b, h, n, m): factors multiplying the probabilities before they
+    weight v (0 where dropped, 1 / (1 - p) kept); the lse is the undropped one.
     """
     q, k, v = q.double(), k.double(), v.double()
     b, n, h, d = q.shape
@@ -95,6 +98,8 @@ def attention_with_counts(
     scores = torch.where(allowed, scores, fill)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (b, h, n, 1)
     probs = torch.where(allowed, torch.exp(scores - lse), 0.0)
+    if dropout is not None:
+        probs = probs * dropout
     out = torch.einsum("bhnm,bmhd->bnhd", probs, v_h)
     lse = torch.where(has_keys, lse, -math.inf).squeeze(-1)
     return out, lse
@@ -127,13 +132,14 @@ def reference_dilated_attention(
 
 def reference_attention(
     q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None,
-    key_padding_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None, dropout: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Dense softmax attention in float64: out (b, n, h, d), lse (b, h, n).
 
     q (b, n, h, d), k/v (b, m, hk, d), GQA by head mapping j -> j // (h // hk).
     ``causal``: query t sees keys u <= t (top-left aligned, as SDPA; for
     n == m the usual lower triangle). key_padding_mask (b, m): True = ignore.
+    dropout (b, h, n, m): given dropout factors, as for `attention_with_counts`.
     """
     n, m = q.shape[1], k.shape[1]
     counts = torch.ones(n, m, dtype=torch.int64)
@@ -142,7 +148,7 @@ def reference_attention(
     if key_padding_mask is not None:
         # (n, m) -> (b, 1, n, m) with masked key columns zeroed
         counts = counts[None, None].masked_fill(key_padding_mask[:, None, None, :], 0)
-    return attention_with_counts(q, k, v, counts, scale)
+    return attention_with_counts(q, k, v, counts, scale, dropout)
 
 
 def grads(outputs: Sequence[Tensor], grad_outputs: Sequence[Tensor], inputs: Sequence[Tensor]):

@@ -170,3 +170,61 @@ def test_head_dim_not_unit_stride_is_exact(backend: str) -> None:
     want = torch.autograd.grad(ref_out, (q, k, v), dout)
     for g, w in zip(got, want):
         assert_close(g, w, rtol=1e-9, atol=1e-9)
+
+
+@pytest.fixture
+def default_dtype():
+    """Set torch's default dtype for one test (`default_dtype(dtype)`); restored after it."""
+    saved = torch.get_default_dtype()
+    yield torch.set_default_dtype
+    torch.set_default_dtype(saved)
+
+
+def _dropout_factors(q: torch.Tensor, k: torch.Tensor, opts: KernelOptions) -> torch.Tensor:
+    """(b, h, n, m): the factors the forward applied to each probability, read off the forward.
+
+    With v the identity (d == m), out[b, i, h, j] is the dropped-and-scaled
+    probability of key j, so dividing by the undropped probability gives the
+    forward's own factor: 0 or 1 / (1 - p).
+    """
+    b, m, hk, d = k.shape
+    assert d == m
+    # (m, m) identity -> (b, m, hk, d): key j carries the unit vector e_j
+    eye = torch.eye(m, dtype=k.dtype)[None, :, None, :].expand(b, m, hk, d)
+    scaled, _ = attention_forward(q, k, eye, opts)
+    probs, _ = reference_attention(q, k, eye, scale=opts.scale)
+    # (b, n, h, m) -> (b, h, n, m)
+    return (scaled / probs).transpose(1, 2)
+
+
+@pytest.mark.parametrize("default", [torch.float32, torch.bfloat16, torch.float64])
+def test_dropout_gradients_use_the_forward_mask_and_scale(default, default_dtype) -> None:
+    """fp64 dropout gradients equal the reference with the forward's own mask, whatever
+    torch's default dtype (the backward once scaled in the default dtype: 1e-3 off in bf16)."""
+    p = 0.3
+    q, k, v, dout, dlse = make((1, 8, 8, 4, 2, 8, False), torch.float64, seed=3)
+    opts = KernelOptions(False, 0.4, "blockwise", dropout_p=p, seed=11)
+    default_dtype(default)
+    out, lse = attention_forward(q, k, v, opts)
+    factors = _dropout_factors(q, k, opts)
+    keep = factors * (1 - p)
+    assert_close(keep, keep.round(), rtol=0, atol=1e-12)
+    assert 0 < keep.round().mean() < 1
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = reference_attention(*leaves, scale=0.4, dropout=factors)
+    assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    got = attention_backward(dout, q, k, v, out, lse, opts, dlse=dlse)
+    want = grads([ref_out, ref_lse], [dout, dlse.transpose(1, 2)], leaves)
+    for name, g, w in zip("qkv", got, want):
+        assert_close(g, w, rtol=1e-10, atol=1e-10, msg=lambda m: f"d{name}: {m}")
+
+
+def test_dropout_mask_does_not_depend_on_the_default_dtype(default_dtype) -> None:
+    """The same seed drops the same scores under any default dtype (uniforms drawn in fp32)."""
+    q, k, v, _, _ = make((1, 40, 40, 2, 2, 4, True), torch.float32, seed=4)
+    opts = KernelOptions(True, 0.5, "blockwise", dropout_p=0.5, seed=5)
+    want, _ = attention_forward(q, k, v, opts)
+    for default in (torch.bfloat16, torch.float64):
+        default_dtype(default)
+        got, _ = attention_forward(q, k, v, opts)
+        assert torch.equal(got, want), default

@@ -424,11 +424,19 @@ def _pad_last(x: Tensor, width: int, first: Optional[Tensor] = None) -> Tensor:
 # Pure-PyTorch blockwise kernel: any device, any float dtype, dropout.
 
 
-def _dropout_keep(shape, p: float, seed: int, qi: int, ki: int, device) -> Tensor:
-    """The keep-mask of score block (qi, ki), identical in forward and backward."""
+def _dropout_scale(shape, p: float, seed: int, qi: int, ki: int, device,
+                   dtype: torch.dtype) -> Tensor:
+    """Score block (qi, ki)'s dropout factors in `dtype`: 0 where dropped, else 1 / (1 - p).
+
+    Forward and backward both multiply by this one tensor, so they apply the
+    same rounded scale. The uniforms are drawn in float32 whatever torch's
+    default dtype is: under a half-precision default the keep rate would drift
+    (bf16 uniforms are coarse) and the masks would change with the setting.
+    """
     gen = torch.Generator(device=device)
     gen.manual_seed((seed * 1_000_003 + qi * 65_537 + ki) % (2**63 - 1))
-    return torch.rand(shape, generator=gen, device=device) >= p
+    keep = torch.rand(shape, generator=gen, device=device, dtype=torch.float32) >= p
+    return keep.to(dtype) * (1.0 / (1.0 - p))
 
 
 def _blocks(n: int):
@@ -471,8 +479,7 @@ def _blockwise_forward(q, k, v, *, causal, scale, dropout_p, seed, key_mask=None
             correction = torch.exp(row_max - shift)
             row_sum = row_sum * correction + p.sum(-1, keepdim=True)
             if dropout_p > 0.0:
-                keep = _dropout_keep(p.shape, dropout_p, seed, qi, ki, q.device)
-                p = p * keep / (1.0 - dropout_p)
+                p = p * _dropout_scale(p.shape, dropout_p, seed, qi, ki, q.device, acc)
             o = o * correction + p @ vf[:, :, :, k0:k1]
             row_max = new_max
         # a row with no key at all: out 0, lse -inf
@@ -523,7 +530,7 @@ def _blockwise_backward(dout, q, k, v, out, lse, *, causal, scale, dropout_p, se
             p = torch.exp(s - lsef[:, :, :, q0:q1])
             dp = dof[:, :, :, q0:q1] @ vf[:, :, :, k0:k1].transpose(-1, -2)
             if dropout_p > 0.0:
-                keep = _dropout_keep(p.shape, dropout_p, seed, qi, ki, q.device) / (1.0 - dropout_p)
+                keep = _dropout_scale(p.shape, dropout_p, seed, qi, ki, q.device, acc)
                 dv[:, :, k0:k1] += ((p * keep).transpose(-1, -2) @ dof[:, :, :, q0:q1]).sum(2)
                 dp = dp * keep
             else:
