@@ -244,6 +244,24 @@ def test_auto_picks_the_strategy_with_less_traffic() -> None:
                        + strategies.exchange_bytes(half, Layout.contiguous([8192] * 2))[0])
 
 
+def test_auto_choice_work_grows_linearly_with_ranks(monkeypatch) -> None:
+    # issue 27.3: the Ulysses traffic of every rank is one formula over the head split,
+    # not a sum over the other ranks per rank (O(P^3) head lookups: 17 s at P = 256)
+    calls = []
+    query = HeadSplit.query
+    monkeypatch.setattr(HeadSplit, "query", lambda self, rank: calls.append(rank) or
+                        query(self, rank))
+    for p in (64, 256):
+        calls.clear()
+        shape = _shape([4096] * p, [2048, 4096], [1, 2], h=p, hk=p)
+        assert strategies.auto_choice(shape) == "exchange"
+        assert len(calls) <= 4 * p, (p, len(calls))
+    # a grid: one all-to-all formula per sequence block, one exchange per head rank
+    calls.clear()
+    strategies.traffic("ulysses", _shape([4096] * 64, [16384], [1], h=8, hk=8), (8, 8))
+    assert len(calls) <= 4 * 64
+
+
 def _models_on_a_mesh(group, shape):
     """LongNetLM / LongNet training steps with process_group a DeviceMesh == one process."""
     from test_models import PACKED, _data, _perturb, _step, small_config

@@ -66,32 +66,35 @@ def ulysses_bytes(shape: Shape, lengths: Sequence[int], lse: bool = True) -> Lis
     """Per rank of a head group holding `lengths` rows, the forward bytes its all-to-alls send:
     q and k, v of its rows for the other ranks' heads, then out and lse (without `lse`: out
     only) of the other ranks' rows for its own heads. Backward sends the same gradients
-    the other way."""
-    size = len(lengths)
-    split = HeadSplit.of(size, shape.heads, shape.kv_heads)
+    the other way.
+
+    O(U): rank u sends its rows of every head column but its own (the group's
+    columns less u's), and receives the other ranks' rows (N less its n) of its heads.
+    """
+    split = HeadSplit.of(len(lengths), shape.heads, shape.kv_heads)
     row = shape.batch * shape.head_dim * shape.itemsize  # one row of one head
-    out = []
-    for u, n in enumerate(lengths):
-        others = [v for v in range(size) if v != u]
-        inputs = n * row * sum(len(split.query(v)) + 2 * len(split.kv(v)) for v in others)
-        back = sum(lengths[v] for v in others) * len(split.query(u)) * (
-            row + (shape.batch * shape.lse_itemsize if lse else 0))
-        out.append(inputs + back)
-    return out
+    back_row = row + (shape.batch * shape.lse_itemsize if lse else 0)
+    # head columns (query heads + k and v heads) each rank receives in the first all-to-all
+    columns = [len(split.query(u)) + 2 * len(split.kv(u)) for u in range(len(lengths))]
+    every, total = sum(columns), sum(lengths)
+    return [n * row * (every - columns[u]) + (total - n) * len(split.query(u)) * back_row
+            for u, n in enumerate(lengths)]
 
 
 def traffic(kind: str, shape: Shape, grid: Tuple[int, int], lse: bool = True) -> List[int]:
     """Per rank (piece order), the forward bytes of strategy `kind` over a U x S grid (`lse`:
-    see `ulysses_bytes`)."""
+    see `ulysses_bytes`). O(P) beyond the exchange's own schedule."""
     u_size, s_size = grid
     if kind == "exchange":
         return exchange_bytes(shape, Layout.contiguous(shape.lengths))
     blocks = [shape.lengths[t * u_size:(t + 1) * u_size] for t in range(s_size)]
+    heads = [ulysses_bytes(shape, block, lse) for block in blocks]
+    if s_size == 1:  # no sequence dimension: nothing else travels
+        return heads[0]
     split = HeadSplit.of(u_size, shape.heads, shape.kv_heads)
-    sequence = [exchange_bytes(shape, Layout.contiguous([sum(b) for b in blocks]),
-                               split.local_heads(u)) for u in range(u_size)]
-    return [ulysses_bytes(shape, blocks[t], lse)[u] + sequence[u][t]
-            for t in range(s_size) for u in range(u_size)]
+    layout = Layout.contiguous([sum(b) for b in blocks])
+    sequence = [exchange_bytes(shape, layout, split.local_heads(u)) for u in range(u_size)]
+    return [heads[t][u] + sequence[u][t] for t in range(s_size) for u in range(u_size)]
 
 
 def choose(strategy: str, group: Any, shape: Shape, layout: str) -> str:
