@@ -288,6 +288,15 @@ def test_inputs_are_checked_once_per_call() -> None:
         assert spy.call_count == 1, (name, spy.call_count)
 
 
+def test_all_reduce_gradients_arguments() -> None:
+    from dilated_attention import all_reduce_gradients
+
+    with pytest.raises(TypeError, match=names("process_group", "str", "'bogus'")):
+        all_reduce_gradients(torch.nn.Linear(2, 2), "bogus")
+    with pytest.raises(TypeError, match=names("module", "torch.nn.Module", "str")):
+        all_reduce_gradients("model", None)
+
+
 # ---------------------------------------------------------------- across ranks
 
 
@@ -330,6 +339,47 @@ def _errors_across_ranks(group) -> dict:
             torch.autograd.grad(out.square().sum(), leaves, create_graph=True)
 
         results[name] = _outcome(twice)
+    results.update(_gradient_reductions(group, rank))
+    return results
+
+
+def _parameters(*specs) -> torch.nn.Module:
+    """A module holding a parameter of each (name, shape), in that order, gradients filled."""
+    module = torch.nn.Module()
+    for name, shape in specs:
+        module.register_parameter(name, torch.nn.Parameter(torch.zeros(shape)))
+        module.get_parameter(name).grad = torch.ones(shape)
+    return module
+
+
+class _Wrapper(torch.nn.Module):
+    """Names its child "module", as DDP does."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+def _gradient_reductions(group, rank: int) -> dict:
+    """all_reduce_gradients where rank 1's parameters differ (same element count each time)."""
+    from dilated_attention import all_reduce_gradients
+
+    mine = [("first", (2, 3)), ("second", (3, 2)), ("third", (4,))]
+    other = {
+        "shapes": [("first", (3, 2)), ("second", (2, 3)), ("third", (4,))],
+        "order": [("second", (3, 2)), ("first", (2, 3)), ("third", (4,))],
+        "count": [("first", (2, 3)), ("second", (3, 2)), ("third", (2,)), ("fourth", (2,))],
+    }
+    results = {f"gradients_{case}": _outcome(lambda: all_reduce_gradients(
+        _parameters(*(specs if rank == 1 else mine)), group)) for case, specs in other.items()}
+    # a wrapped model matches an unwrapped one: rank r's gradients r + 1 average to 1.5
+    model = _parameters(*mine)
+    for p in model.parameters():
+        p.grad.fill_(rank + 1)
+    results["gradients_wrapped"] = _outcome(
+        lambda: all_reduce_gradients(_Wrapper(model) if rank == 1 else model, group))
+    results["gradients_wrapped_values"] = sorted({p.grad.unique().item()
+                                                  for p in model.parameters()})
     return results
 
 
@@ -349,6 +399,17 @@ def test_errors_reach_every_rank_and_name_the_argument() -> None:
             message = results[rank][f"double_backward_{path}"]
             assert re.search(names("ValueError", "create_graph=True", "double backward",
                                    "one device"), message), message
+        # the first parameter on which the ranks differ, each rank's, on every rank
+        for case, expected in (
+            ("shapes", ("#0", "rank 0: 'first' (2, 3)", "rank 1: 'first' (3, 2)")),
+            ("order", ("#0", "rank 0: 'first' (2, 3)", "rank 1: 'second' (3, 2)")),
+            ("count", ("#2", "rank 0: 'third' (4,)", "rank 1: 'third' (2,)")),
+        ):
+            message = results[rank][f"gradients_{case}"]
+            assert re.search(names("ValueError", "different parameters", *expected),
+                             message), message
+        assert results[rank]["gradients_wrapped"] == "ok"
+        assert results[rank]["gradients_wrapped_values"] == [1.5]
 
 
 def _one_rank_skips_backward(group) -> None:

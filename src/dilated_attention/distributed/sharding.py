@@ -45,6 +45,7 @@ the (b, n, h, d) layout and is an argument here.
 
 from __future__ import annotations
 
+import hashlib
 from typing import List, Sequence, Tuple
 
 import torch
@@ -236,6 +237,48 @@ def sharded_within(t: Tensor, group) -> bool:
     return bool(set(mesh.mesh.flatten().tolist()) & others)
 
 
+# Path components that wrappers insert into parameter names (DDP and FSDP1: "module",
+# "_fsdp_wrapped_module"; torch.compile: "_orig_mod"; activation checkpointing:
+# "_checkpoint_wrapped_module"): a rank that wrapped its model holds the same parameters
+# as one that did not.
+_WRAPPER_COMPONENTS = frozenset(
+    {"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def _trainable(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+
+
+def _parameter_key(name: str, p: Tensor) -> Tuple[str, Tuple[int, ...], str]:
+    """(name without wrapper components, local shape, dtype): what must match across ranks."""
+    local = local_part(p)
+    plain = ".".join(c for c in name.split(".") if c not in _WRAPPER_COMPONENTS)
+    return plain, tuple(local.shape), str(local.dtype).replace("torch.", "")
+
+
+def _checksum(keys: Sequence[Tuple[str, Tuple[int, ...], str]]) -> str:
+    return hashlib.sha256(repr(list(keys)).encode()).hexdigest()[:16]
+
+
+def _first_difference(lists: Sequence[Sequence[Tuple[str, Tuple[int, ...], str]]]) -> str:
+    """The first parameter position at which the ranks' lists differ, each rank's entry."""
+    at = next(i for i in range(max(map(len, lists)))
+              if len({keys[i] if i < len(keys) else None for keys in lists}) > 1)
+
+    def entry(keys) -> str:
+        if at >= len(keys):
+            return f"no parameter (it has {len(keys)})"
+        name, shape, dtype = keys[at]
+        return f"{name!r} {shape} {dtype}"
+
+    listing = "; ".join(f"rank {r}: {entry(keys)}" for r, keys in enumerate(lists))
+    return (f"all_reduce_gradients: the ranks of process_group hold different parameters, "
+            f"whose gradients would be averaged with unrelated ones; the first difference is "
+            f"trainable parameter #{at} ({listing})")
+
+
 def all_reduce_gradients(module: nn.Module, process_group) -> None:
     """Average the parameter gradients over the ranks of `process_group`, in place.
 
@@ -253,14 +296,24 @@ def all_reduce_gradients(module: nn.Module, process_group) -> None:
     over another mesh dimension); a gradient sharded over ranks of
     `process_group` itself is an error on every rank (FSDP2 has averaged it
     already). A parameter without a gradient counts as zero (so every rank
-    reduces the same buffer). Costs one small agreement collective (every
-    rank must hold the same gradient shapes) and one all-reduce per dtype.
-    """
-    if not comm.is_distributed(process_group):
-        return
-    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    reduces the same buffer).
 
-    def shapes() -> dict:
+    Every rank must hold the same trainable parameters in the same order:
+    names (wrapper components such as DDP's ``module.`` or torch.compile's
+    ``_orig_mod.`` left out, so a wrapped model matches an unwrapped one),
+    shapes and dtypes. One small agreement collective compares a checksum
+    of that list; where the ranks differ, every rank raises a ValueError
+    naming the first differing parameter. Then one all-reduce per dtype.
+    """
+    process_group = comm.resolve_group(process_group, "process_group")
+    if not comm.is_distributed(process_group):
+        _trainable(module)
+        return
+    named: List[Tuple[str, nn.Parameter]] = []
+    keys: List[Tuple[str, Tuple[int, ...], str]] = []
+
+    def parameters() -> dict:
+        named.extend(_trainable(module))
         for name, p in named:
             if sharded_within(p, process_group):
                 raise ValueError(
@@ -269,14 +322,15 @@ def all_reduce_gradients(module: nn.Module, process_group) -> None:
                     f"only over ranks that hold the same shards (the sequence-parallel group "
                     f"when fully_shard runs on the data-parallel mesh dimension), or not at all"
                 )
-        sizes: dict = {}
-        for _, p in named:
-            key = str(local_part(p).dtype)
-            sizes[key] = sizes.get(key, 0) + local_part(p).numel()
-        # every rank must reduce buffers of the same sizes
-        return {"gradient_elements": tuple(sorted(sizes.items()))}
+        keys.extend(_parameter_key(name, p) for name, p in named)
+        # every rank must reduce the same parameters at the same buffer positions
+        return {"parameters": _checksum(keys)}
 
-    comm.agree(process_group, shapes)
+    infos = comm.agree(process_group, parameters, per_rank=("parameters",))
+    if len({info["parameters"] for info in infos}) > 1:
+        # the error path only: every rank's whole list, to name the first difference
+        lists = comm.agree(process_group, {"keys": keys}, per_rank=("keys",))
+        raise ValueError(_first_difference([info["keys"] for info in lists]))
     for _, p in named:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
