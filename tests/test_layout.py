@@ -132,3 +132,25 @@ def test_layers() -> None:
         if ".distributed." in m:
             above = {f"{PACKAGE}.{x}" for x in ("functional", "modules", "models")}
             assert not deps & above, (m, deps & above)
+
+
+# Below the public ops (functional.py, dilated.py): what the ops are built from.
+BELOW_OPS = {f"{PACKAGE}.{m}" for m in ("kernels", "plan", "launches", "patterns", "merge")}
+
+
+def test_modules_reach_ranks_only_through_the_public_ops() -> None:
+    """modules.py passes its group to the public op (which agrees on the call across ranks)
+    and takes its checks from validation.py: it never talks to ranks itself."""
+    graph, _ = _graph()
+    allowed = {f"{PACKAGE}.functional", f"{PACKAGE}.validation"}
+    assert graph[f"{PACKAGE}.modules"] <= allowed, graph[f"{PACKAGE}.modules"] - allowed
+
+
+def test_models_and_integrations_build_on_the_ops() -> None:
+    """The models and the transformers backend use the ops, modules and validation, never the
+    kernels, plans or merges below them."""
+    graph, _ = _graph()
+    above = [m for m in graph if m.startswith((f"{PACKAGE}.models", f"{PACKAGE}.integrations"))]
+    assert len(above) > 2
+    for m in above:
+        assert not graph[m] & BELOW_OPS, (m, graph[m] & BELOW_OPS)

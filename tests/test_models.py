@@ -16,6 +16,7 @@ from dilated_attention import LongNet, LongNetConfig, LongNetLM, dilated_attenti
 from dilated_attention import all_reduce_gradients
 from dilated_attention.dilated import cached_dilated_attention
 from dilated_attention.models import IGNORE_INDEX
+from dilated_attention.models.generation import decode, new_caches
 from dilated_attention.distributed.sharding import shard_sequence
 
 from dist_harness import run_distributed
@@ -282,10 +283,10 @@ def test_generate_with_cache_equals_without():
     torch.testing.assert_close(sampled[0], sampled[1], rtol=0, atol=0)
     assert not torch.equal(sampled[0], greedy)
     # the per-step logits of the cached path equal a full forward over the sequence
-    caches = model._new_caches(prompt, 36)
+    caches = new_caches(model, prompt, 36)
     with torch.no_grad():
-        steps = [model._decode(greedy[:, :6], caches, 0)]
-        steps += [model._decode(greedy[:, i : i + 1], caches, i) for i in range(6, 36)]
+        steps = [decode(model, greedy[:, :6], caches, 0)]
+        steps += [decode(model, greedy[:, i : i + 1], caches, i) for i in range(6, 36)]
         full = model(greedy)[0]
     torch.testing.assert_close(torch.cat(steps, dim=1), full)
     assert model.training  # generate restores the mode it found

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, NoReturn, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -56,6 +56,17 @@ def dropout_seed(dropout_p: float) -> int:
     if dropout_p == 0.0:
         return 0
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def fail_on_every_rank(group, error: Exception) -> NoReturn:
+    """Raise `error` here, and a ValueError naming it on every other rank of `group`.
+
+    For callers above the ops (modules, models) whose own check of their inputs
+    failed before they reached an op: the other ranks wait in that op's
+    agreement, which this rank joins with its error instead of a configuration,
+    so every rank raises and none hangs. Without a group it just raises.
+    """
+    comm.fail_on_all_ranks(comm.resolve_group(group), error)
 
 
 def _tensor_config(q: Tensor, k: Tensor, v: Tensor, key_padding_mask, *,
@@ -252,7 +263,7 @@ def dilated_attention(
             "dropout_p": p,
             "cu_seqlens": check.check_cu_seqlens(cu_seqlens),
             "layout": check_layout(layout),
-            "strategy": strategies.check_strategy(strategy),
+            "strategy": check.check_strategy(strategy),
             # derived from the arguments above (the comm check names the first key that
             # differs, in this order): the kernel, this rank's dropout seed
             "backend": select_backend(q.device, q.dtype, dropout_p=p, backend=backend,

@@ -18,9 +18,7 @@ from typing import Optional, Sequence, Tuple
 from torch import Tensor, nn
 
 from . import validation as check
-from .distributed.comm import fail_on_all_ranks
-from .distributed.strategy import check_strategy
-from .functional import dilated_attention
+from .functional import dilated_attention, fail_on_every_rank
 
 
 class DilatedAttention(nn.Module):
@@ -57,7 +55,7 @@ class DilatedAttention(nn.Module):
             check.check_scale(scale, 1)
         self.scale = None if scale is None else float(scale)
         self.process_group = process_group
-        self.strategy = check_strategy(strategy)
+        self.strategy = check.check_strategy(strategy)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, *,
                 key_padding_mask: Optional[Tensor] = None, cu_seqlens=None) -> Tensor:
@@ -266,7 +264,7 @@ class MultiheadDilatedAttention(nn.Module):
         except (TypeError, ValueError) as error:
             # the other ranks wait in the op's agreement collective: fail there, on all of
             # them (with no process group this just raises `error`)
-            fail_on_all_ranks(self.attention.process_group, error)
+            fail_on_every_rank(self.attention.process_group, error)
         q, k, v = self.project_qkv(query, key, value)
         attn = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask,
                               cu_seqlens=cu_seqlens)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -57,6 +57,16 @@ def check_dropout(dropout_p, name: str = "dropout_p") -> float:
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {dropout_p}")
     return float(dropout_p)
+
+
+# How a sequence-parallel call spreads over its ranks (distributed/strategy.py).
+STRATEGIES = ("auto", "exchange", "ulysses")
+
+
+def check_strategy(strategy: Any) -> str:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    return strategy
 
 
 def check_scale(scale, head_dim: int) -> float:

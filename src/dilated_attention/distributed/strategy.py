@@ -30,14 +30,6 @@ from ..plan import Documents, Layout, transfer_pairs
 from . import comm
 from .ulysses import HeadSplit
 
-STRATEGIES = ("auto", "exchange", "ulysses")
-
-
-def check_strategy(strategy: Any) -> str:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    return strategy
-
 
 @dataclasses.dataclass(frozen=True)
 class Shape:

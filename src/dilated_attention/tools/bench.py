@@ -38,9 +38,9 @@ from torch import Tensor
 from ..distributed import comm
 from ..distributed.sharding import piece_lengths, piece_ranges
 from ..distributed import strategy as strategies
-from ..distributed.strategy import check_strategy
 from ..functional import dilated_attention, ring_attention
 from ..kernels import lse_dtype, recommended_dtype
+from ..validation import check_strategy
 from .settings import (DEFAULT_SEQ_LENS, DEFAULT_WORLD_SIZES, MB, PROG, check_setting,
                        check_zigzag, default_threads, plural, ring_layout)
 

@@ -16,7 +16,7 @@ import shlex
 import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from ..distributed.strategy import STRATEGIES
+from ..validation import STRATEGIES
 from . import launch
 from .settings import DTYPES, PROG
 

@@ -58,13 +58,13 @@ from ..distributed import strategy as strategies
 from ..distributed.ring import SubBlocks
 from ..distributed.sequence_parallel import sp_backward, sp_forward
 from ..distributed.sharding import piece_lengths
-from ..distributed.strategy import check_strategy
 from ..distributed.ulysses import HeadSplit
 from ..functional import dilated_attention, ring_attention
 from ..kernels import KernelOptions, lse_dtype
 from ..launches import CHUNK_ELEMENTS, Blocks, count_writers, in_output
 from ..patterns import Heads, is_view
 from ..plan import Launch, Layout, Plan, make_plan, work
+from ..validation import check_strategy
 from .settings import MB, check_setting, check_zigzag, default_threads, plural, ring_layout
 
 # CPU flash kernel blocking (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp):

@@ -1,0 +1,207 @@
+"""The attention function, and ``register`` which installs it with its mask function.
+
+``register`` puts two functions under one name into transformers' registries
+(transformers >= 5, the ``[hf]`` extra; nothing here imports transformers
+before ``register`` is called):
+
+- the attention function (``transformers.AttentionInterface``), which each
+  attention layer calls with q (b, h, n, d) and k, v (b, hk, n, d);
+- the mask function (``transformers.masking_utils.AttentionMaskInterface``,
+  masks.py), which the model calls once per forward to build what its
+  layers receive as ``attention_mask``. Without it transformers passes
+  ``attention_mask=None`` to a custom backend: padding would be dropped
+  without a word.
+
+Note [generation]
+    ``generate()`` with the default dynamic cache works exactly: the prompt
+    (q_len = k_len) runs through ``dilated_attention``; each new token (q_len
+    = 1, k_len = t + 1) runs through ``cached_dilated_attention``, which
+    equals row t of the causal op over the t + 1 positions (causal dilated
+    attention of a prefix does not depend on what follows), so generated
+    logits equal the full forward's. Refused while decoding: padding (a
+    left-padded batch), a pre-allocated (static) or sliding-window cache
+    (keys the mask function cannot place), sequence parallelism, more than
+    one new token, gradients, dropout.
+
+Each call costs one small agreement collective (validation, padding and
+document facts of every rank) besides the op's own.
+
+Notation: b batch, n rows (this rank's under sequence parallelism), h heads,
+hk key/value heads, d head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ... import validation as check
+from ...dilated import cached_dilated_attention
+from ...distributed import comm
+from ...functional import dilated_attention
+from .documents import agreed_documents, explicit_documents, position_facts
+from .masks import Documents, build_mask
+from .refusals import RESERVED_NAME_PARTS, Refused, check_kwargs, describe
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            "dilated_attention.integrations.transformers needs transformers>=5: "
+            "pip install 'dilated-attention[hf]'"
+        ) from exc
+    major = int(transformers.__version__.split(".")[0])
+    if major < 5:
+        raise ImportError(
+            f"dilated_attention.integrations.transformers needs transformers>=5, found "
+            f"{transformers.__version__}"
+        )
+    return transformers
+
+
+def register(name: str = "dilated_attention", *, segment_lengths: Sequence[int],
+             dilation_rates: Sequence[int], group=None, strategy: str = "auto") -> str:
+    """Make ``attn_implementation=name`` run dilated attention; returns `name`.
+
+    Registers the attention function and its mask function under `name`
+    (registering the same name again replaces its settings). Then
+    ``AutoModelForCausalLM.from_config(config, attn_implementation=name)``
+    or ``model.set_attn_implementation(name)`` routes every attention
+    layer through ``dilated_attention(q, k, v, segment_lengths,
+    dilation_rates, group=group)``. With `group`, every rank registers the
+    same settings and feeds its own slice of the sequence (``shard_inputs``).
+    """
+    tf = _transformers()
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    reserved = [part for part in RESERVED_NAME_PARTS if part in name]
+    if reserved:
+        raise ValueError(
+            f"name must not contain {reserved[0]!r} (transformers gives such names special "
+            f"treatment), got {name!r}"
+        )
+    for registry in (tf.AttentionInterface(), AttentionMaskInterface()):
+        existing = registry.get(name)
+        if existing is not None and not isinstance(existing, _Backend) \
+                and existing is not build_mask:
+            raise ValueError(f"name {name!r} is already registered in transformers' "
+                             f"{type(registry).__name__} by someone else: pick another name")
+    segs, rates = check.check_patterns(segment_lengths, dilation_rates)
+    options = (("strategy", check.check_strategy(strategy)),)
+    tf.AttentionInterface.register(name, _Backend(segs, rates, group, options))
+    AttentionMaskInterface.register(name, build_mask)
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class _Backend:
+    """The attention function registered under a name: the settings of `register`."""
+
+    segment_lengths: Tuple[int, ...]
+    dilation_rates: Tuple[int, ...]
+    group: Any
+    options: Tuple[Tuple[str, Any], ...]  # passed on to dilated_attention (strategy)
+
+    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
+                 dropout: float = 0.0, scaling: Optional[float] = None,
+                 is_causal: Optional[bool] = None, **kwargs) -> Tuple[Tensor, None]:
+        """transformers' attention-function signature: q (b, h, n, d), k, v (b, hk, n, d) ->
+        (out (b, n, h, d), no weights)."""
+        # (b, h, n, d) -> (b, n, h, d): views; the op takes strided q, k, v
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        training = bool(getattr(module, "training", False))
+        # transformers' own backends read the layer's flag when the call gives none
+        causal_arg = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        nq, nk = q.shape[1], k.shape[1]
+        decoding = nq == 1 and nk > 1
+
+        def config() -> Dict[str, Any]:
+            check_kwargs(kwargs)
+            causal = check.check_bool("is_causal", causal_arg)
+            p = check.check_dropout(dropout, "dropout") if training else 0.0
+            mask = _read_mask(attention_mask, q.shape[0], nk)
+            if decoding:
+                _check_decoding(self.group, causal, mask, kwargs, p, (query, key, value))
+            elif nq != nk:
+                raise NotImplementedError(
+                    f"query length {nq} != key length {nk}: only one new token at a time can "
+                    f"attend a KV cache (no chunked prefill or speculative decoding), and "
+                    f"cross-attention is not supported"
+                )
+            return {"causal": causal, "dropout": p, "cu_seqlens": explicit_documents(kwargs),
+                    "n": nk, "padded": isinstance(mask, Tensor),
+                    "overlay": mask.starts if isinstance(mask, Documents) else None,
+                    **position_facts(kwargs.get("position_ids"), q.shape[0], nk, decoding)}
+
+        infos = comm.agree(self.group, config, per_rank=_PER_RANK)
+        if decoding:
+            out = cached_dilated_attention(q, k, v, self.segment_lengths, self.dilation_rates,
+                                           scale=scaling)
+            return out, None
+        call = infos[0]
+        rank = comm.group_rank(self.group)
+        padded = any(info["padded"] for info in infos)
+        documents = agreed_documents(infos, call["cu_seqlens"], use_positions=not padded,
+                               distributed=comm.is_distributed(self.group))
+        key_padding_mask = None
+        if padded:
+            # every rank passes a mask when any rank has one (the op agrees on it)
+            keep = attention_mask if infos[rank]["padded"] else None
+            key_padding_mask = (~keep if keep is not None
+                                else torch.zeros(k.shape[:2], dtype=torch.bool, device=k.device))
+        out = dilated_attention(
+            q, k, v, self.segment_lengths, self.dilation_rates, is_causal=call["causal"],
+            scale=scaling, dropout_p=call["dropout"], group=self.group, cu_seqlens=documents,
+            key_padding_mask=key_padding_mask, **dict(self.options),
+        )
+        return out, None
+
+
+# what may differ between the ranks of a sequence-parallel call
+_PER_RANK = ("n", "padded", "overlay", "first", "last", "restarts", "same_rows")
+
+
+def _read_mask(attention_mask, batch: int, nk: int):
+    """What the mask function sent: None, a (b, nk) bool keep-mask or Documents; else raise."""
+    if attention_mask is None or isinstance(attention_mask, Documents):
+        return attention_mask
+    if isinstance(attention_mask, Refused):
+        raise NotImplementedError(f"attention_mask: dilated attention cannot honour "
+                                  f"{attention_mask.reason}")
+    if isinstance(attention_mask, Tensor) and attention_mask.dtype == torch.bool \
+            and tuple(attention_mask.shape) == (batch, nk):
+        return attention_mask
+    raise ValueError(
+        f"attention_mask must be a 2-D padding mask (a model built with this backend's name "
+        f"makes one from the 2-D attention_mask it is given), got {describe(attention_mask)} "
+        f"for (batch, key length) = {(batch, nk)}; 4-D and float masks cannot be expressed as "
+        f"causal attention, documents and key padding"
+    )
+
+
+def _check_decoding(group, causal: bool, mask, kwargs, dropout_p: float, tensors) -> None:
+    """One new token against a KV cache (Note [generation]): what must hold."""
+    problems = []
+    if comm.is_distributed(group):
+        problems.append("sequence parallelism (group=)")
+    if not causal:
+        problems.append("is_causal=False")
+    if isinstance(mask, Tensor):
+        problems.append("a padding mask (generate without padding, one prompt at a time)")
+    if isinstance(mask, Documents) or kwargs.get("cu_seq_lens_q") is not None:
+        problems.append("packed documents")
+    if dropout_p > 0:
+        problems.append(f"dropout {dropout_p}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        problems.append("gradients (decoding is inference only)")
+    if problems:
+        raise NotImplementedError(
+            f"decoding one token against a KV cache is not supported with {', '.join(problems)}"
+        )

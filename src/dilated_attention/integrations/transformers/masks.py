@@ -1,0 +1,148 @@
+"""The mask function registered with the attention function.
+
+Note [what the mask function returns]
+    None when no key is padded and the mask is plain causal (or
+    bidirectional); the (b, k_len) bool keep-mask when some key is padded
+    (the form transformers' flash-attention mask takes, so model code
+    treats it as it treats that one); ``Documents`` when transformers'
+    packed-sequence detection (use_cache=False, restarting position_ids)
+    wrapped the causal mask, holding the document starts read from that
+    mask; ``Refused`` for anything dilated attention cannot express. The
+    mask function does not raise on what may differ between ranks (the
+    data): under sequence parallelism one rank raising while the others
+    wait in a collective would hang them, so the attention function raises
+    instead, inside its cross-rank agreement. A cache it cannot use is the
+    same on every rank and raises at once.
+
+    transformers describes a mask as a function of (batch, head, q, kv)
+    indices. Plain causal and bidirectional are recognised by identity;
+    any other function is read on O(n) index pairs (each query against
+    itself, its neighbours, its document's first key, the key before it and
+    key 0), which tells causal-within-documents apart from sliding windows,
+    chunks and bidirectional blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .refusals import MASK_KWARGS, REFUSED_HINTS, Refused, describe
+
+
+@dataclasses.dataclass(frozen=True)
+class Documents:
+    """transformers' packed-sequence mask: where this rank's documents start (local rows > 0)."""
+
+    starts: Tuple[int, ...]
+
+
+def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+                 mask_function=None, attention_mask: Optional[Tensor] = None, **kwargs):
+    """The mask function registered with the attention function (see the module docstring)."""
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+
+    unknown = sorted(set(kwargs) - MASK_KWARGS)
+    if unknown:
+        raise TypeError(f"the dilated_attention mask function got unexpected keyword arguments "
+                        f"{unknown} from transformers; update the integration before using them")
+    if kwargs.get("use_vmap"):
+        # transformers sets use_vmap when a model overlays its own mask function
+        # (or_mask_function / and_mask_function), which need not accept index tensors
+        return Refused("the model combines the causal mask with its own mask function "
+                        "(or_mask_function / and_mask_function, e.g. for image tokens)")
+    # A cache's layout is the same on every rank, so these may raise here
+    # (generate() also calls .contiguous() on what a static cache's mask returns).
+    if kv_offset != 0:
+        raise NotImplementedError(f"a KV cache that drops old keys (kv_offset = "
+                                  f"{int(kv_offset)}: a sliding-window cache) is not supported")
+    # q_offset is a 0-d tensor for a static cache
+    seen = int(q_offset) + q_length
+    if seen != kv_length:
+        raise NotImplementedError(
+            f"a KV cache whose keys are not the {seen} tokens seen so far (kv_length = "
+            f"{kv_length}: a pre-allocated static cache) is not supported; use the default "
+            f"dynamic cache"
+        )
+    if kwargs.get("local_size") is not None:
+        return Refused(f"a sliding window or chunks of {kwargs['local_size']} keys; "
+                        f"{REFUSED_HINTS['sliding_window']}")
+    keep = _keep_mask(attention_mask, batch_size, kv_length)
+    if isinstance(keep, Refused):
+        return keep
+    if mask_function is None or mask_function is causal_mask_function \
+            or mask_function is bidirectional_mask_function:
+        return keep
+    device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
+    starts = _read_documents(mask_function, batch_size, q_length, int(q_offset), device)
+    if isinstance(starts, Refused):
+        return starts
+    if not starts:  # causal attention over one document, however it was written
+        return keep
+    if keep is not None:
+        return Refused("padding together with transformers' packed-sequence mask")
+    return Documents(starts)
+
+
+def _keep_mask(attention_mask, batch: int, kv_length: int):
+    """The (b, kv_length) bool keep-mask, None when nothing is padded, or Refused."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2 \
+            or attention_mask.dtype.is_floating_point:
+        return Refused(f"a padding mask that is not a 2-D 0/1 mask: "
+                        f"{describe(attention_mask)}")
+    if tuple(attention_mask.shape) != (batch, kv_length):
+        return Refused(f"a padding mask of shape {tuple(attention_mask.shape)} for "
+                        f"(batch, kv_length) = {(batch, kv_length)}")
+    keep = attention_mask.to(torch.bool)
+    return None if bool(keep.all()) else keep
+
+
+def _read_documents(mask_function, batch: int, q_length: int, q_offset: int, device):
+    """Document starts (rows > 0) of a causal-within-documents mask function, or Refused.
+
+    Reads the function on O(n) (query, key) pairs per batch row, which
+    separates causal attention within documents from sliding windows,
+    chunks and bidirectional blocks (Note [what the mask function returns]).
+    """
+    b = torch.arange(batch, device=device)[:, None]
+    head = torch.zeros((), dtype=torch.long, device=device)
+
+    def allowed(q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        # (m,) index pairs -> (b, m) bool
+        out = mask_function(b, head, q_idx[None], kv_idx[None])
+        return torch.as_tensor(out, device=device).expand(batch, q_idx.numel())
+
+    t = torch.arange(q_offset, q_offset + q_length, device=device)
+    if q_offset > 0:
+        # decoding: the new rows must see every key up to themselves
+        last = t[-1:].expand(q_offset + q_length)
+        if bool(allowed(last, torch.arange(q_offset + q_length, device=device)).all()):
+            return ()
+        return Refused("a mask that hides earlier keys from the new token (a sliding window "
+                        "or chunked attention)")
+    if not bool(allowed(t, t).all()):
+        return Refused("a mask in which a query cannot see its own key")
+    if q_length == 1:
+        return ()
+    if bool(allowed(t[:-1], t[1:]).any()):
+        return Refused("a mask in which a query sees a later key (bidirectional blocks)")
+    cut = ~allowed(t[1:], t[:-1])  # (b, n - 1): query t + 1 cannot see key t
+    if bool((cut != cut[:1]).any()):
+        return Refused("documents that differ between batch rows (dilated attention shares "
+                        "cu_seqlens across the batch)")
+    starts = cut[0].nonzero().flatten() + 1
+    bounds = torch.cat([torch.zeros(1, dtype=starts.dtype, device=device), starts])
+    first = bounds[torch.searchsorted(bounds, t, right=True) - 1]  # each row's document start
+    if not bool(allowed(t, first).all()):
+        return Refused("a mask in which a query cannot see the first key of its document "
+                        "(a sliding window or chunked attention)")
+    later = first > 0
+    if bool(allowed(t[later], first[later] - 1).any()) \
+            or bool(allowed(t[later], torch.zeros_like(first[later])).any()):
+        return Refused("a mask in which a query sees keys of an earlier document")
+    return tuple(starts.tolist())

@@ -1,0 +1,107 @@
+"""What the transformers backend honours and what it refuses, with hints.
+
+Every input reaches dilated attention or is refused with an error naming the
+argument, never silently dropped:
+
+| input | handled as |
+| --- | --- |
+| q, k, v (b, h, n, d) | transposed views (b, n, h, d), no copy; hk < h is GQA, K/V never repeated |
+| ``scaling`` | the softmax scale |
+| ``dropout`` | attention dropout while ``module.training``; 0 in evaluation |
+| ``is_causal`` (or ``module.is_causal``) | causal or not |
+| 2-D padding ``attention_mask`` | ``key_padding_mask`` (left or right padding) |
+| ``position_ids`` that restart (no padding; one process) | packed documents -> ``cu_seqlens`` |
+| ``cu_seq_lens_q`` = ``cu_seq_lens_k`` | packed documents -> ``cu_seqlens`` (global ones under sequence parallelism) |
+| one new token against a KV cache | exact decoding (Note [generation] in backend.py) |
+| ``use_cache``, ``max_length_q/k``, ``num_items_in_batch``, ``output_hidden_states``, ``output_router_logits`` | no effect on attention |
+| a 4-D mask, a float mask, a mask function other than causal within documents (sliding window, chunks, image-token blocks), ``sliding_window``, ``softcap``, ``s_aux`` (sinks), ``seq_idx``, ``output_attentions=True``, any other keyword | refused |
+| q_len != k_len other than decoding one token (chunked prefill, cross-attention), a static or sliding-window cache, decoding with padding | refused |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict
+
+from torch import Tensor
+
+from ... import validation as check
+
+# Keywords transformers' attention layers pass on to the attention function
+# (its `**kwargs`), by what happens to them. Any other keyword is an error:
+# a new one may carry meaning that silently ignoring it would lose.
+USED_KWARGS = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k"})
+
+
+IGNORED_KWARGS = frozenset({
+    "use_cache",             # the layer has already updated its cache
+    "max_length_q",          # kernel sizing hints that come with cu_seq_lens_*
+    "max_length_k",
+    "num_items_in_batch",    # for the loss
+    "output_hidden_states",  # outputs, not attention
+    "output_router_logits",
+})
+
+
+# Accepted only with these values (what a model passes when the feature is off).
+OFF_KWARGS = {"output_attentions": (None, False), "sliding_window": (None,), "softcap": (None,),
+              "s_aux": (None,), "seq_idx": (None,)}
+
+
+ACCEPTED_KWARGS = USED_KWARGS | IGNORED_KWARGS | frozenset(OFF_KWARGS)
+
+
+# Keywords transformers passes to a mask function besides the ones it names.
+MASK_KWARGS = frozenset({"allow_is_causal_skip", "allow_is_bidirectional_skip", "dtype",
+                         "config", "use_vmap", "device", "local_size"})
+
+
+# transformers treats names containing these specially (hub kernels, its own
+# sdpa/flash/flex checks, the paged prefix).
+RESERVED_NAME_PARTS = ("flash", "sdpa", "flex_attention", "eager", "paged", "/", "|")
+
+
+REFUSED_HINTS = {
+    "sliding_window": "set config.sliding_window = None (and use_sliding_window=False where the "
+                      "model has it) to replace the window by the dilated pattern",
+    "output_attentions": "dilated attention never forms the attention weights",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """A mask dilated attention cannot express; the attention function raises `reason`."""
+
+    reason: str
+
+
+def check_kwargs(kwargs: Dict[str, Any]) -> None:
+    unknown = sorted(set(kwargs) - ACCEPTED_KWARGS)
+    if unknown:
+        raise TypeError(
+            f"the dilated_attention attention function got unexpected keyword arguments "
+            f"{unknown} from the model; their meaning cannot be honoured or ignored safely"
+        )
+    for name, allowed in OFF_KWARGS.items():
+        value = kwargs.get(name)
+        if not any(value is a for a in allowed):
+            hint = REFUSED_HINTS.get(name, "dilated attention does not support it")
+            raise NotImplementedError(f"{name}={show(value)} is not supported: {hint}")
+    q_cu, k_cu = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if (q_cu is None) != (k_cu is None) or (
+            q_cu is not None and check.check_cu_seqlens(q_cu) != check.check_cu_seqlens(k_cu)):
+        raise ValueError(f"cu_seq_lens_q and cu_seq_lens_k must be given together and be equal "
+                         f"(self-attention), got {show(q_cu)} and {show(k_cu)}")
+
+
+def describe(x) -> str:
+    if isinstance(x, Tensor):
+        return f"a {x.dim()}-D {x.dtype} tensor of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__}"
+
+
+def show(x) -> str:
+    """A value for an error message: short 1-D tensors by value, other tensors by shape."""
+    if isinstance(x, Tensor):
+        return check.brief(x.tolist()) if x.dim() == 1 else describe(x)
+    return repr(x)

@@ -1,0 +1,20 @@
+"""The LongNet models: a decoder-only language model and the encoder-decoder.
+
+| file | job |
+| --- | --- |
+| ``config.py`` | ``LongNetConfig`` and its presets |
+| ``layers.py`` | feed-forward, cross-attention, the transformer block, positions |
+| ``base.py`` | what both models share: embeddings, head, loss, running the blocks |
+| ``lm.py`` | ``LongNetLM`` (decoder-only) |
+| ``encoder_decoder.py`` | ``LongNet`` (encoder-decoder) |
+| ``generation.py`` | generation with a key/value cache |
+| ``loss.py`` | the token-mean loss over every rank and its gradient convention |
+| ``inputs.py`` | the models' inputs checked on every rank at once; the replica check |
+"""
+
+from .config import LongNetConfig
+from .encoder_decoder import LongNet
+from .lm import LongNetLM
+from .loss import IGNORE_INDEX, token_mean_loss
+
+__all__ = ["LongNetConfig", "LongNetLM", "LongNet", "IGNORE_INDEX", "token_mean_loss"]

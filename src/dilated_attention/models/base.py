@@ -1,0 +1,101 @@
+"""What both LongNet models share: embeddings, positions, the head, the loss, running blocks.
+
+Notation: b batch, n tokens (this rank's piece under sequence parallelism),
+e embed dim, v vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from .. import validation as check
+from ..distributed import comm
+from .config import LongNetConfig
+from .layers import Block, Positions
+from .loss import token_mean_loss
+
+
+class LongNetBase(nn.Module):
+    """What LongNetLM and LongNet share: token and position embeddings, the head and the loss,
+    running a stack of blocks (with activation checkpointing), the replica check."""
+
+    def __init__(self, config: LongNetConfig, device, dtype, process_group, strategy) -> None:
+        super().__init__()
+        if not isinstance(config, LongNetConfig):
+            raise TypeError(f"config must be a LongNetConfig, got {type(config).__name__}")
+        self.config = config
+        self.process_group = process_group
+        self.strategy = check.check_strategy(strategy)
+        # the first training forwards compare parameter checksums across the ranks
+        # (_replica_checksums): a missed gradient reduction shows at the second
+        self._replica_checks_left = 2
+        self._factory = {"device": device, "dtype": dtype}
+        e = config.embed_dim
+        self.embed = nn.Embedding(config.vocab_size, e, **self._factory)
+        nn.init.normal_(self.embed.weight, std=e**-0.5)
+        self.positions = Positions(config, self._factory)
+        self.head = None
+        if not config.tie_embeddings:
+            self.head = nn.Linear(e, config.vocab_size, bias=False, **self._factory)
+            nn.init.normal_(self.head.weight, std=e**-0.5)
+
+    def _replica_check(self) -> Optional[nn.Module]:
+        """This model while it still compares its parameters across ranks (the first two
+        training forwards under a group: one read of every parameter each), else None."""
+        if self._replica_checks_left and torch.is_grad_enabled() and \
+                comm.is_distributed(self.process_group):
+            self._replica_checks_left -= 1
+            return self
+        return None
+
+    def _blocks(self, n: int, *, gamma: float, causal: bool, cross: bool) -> nn.ModuleList:
+        return nn.ModuleList(
+            Block(self.config, gamma=gamma, causal=causal, cross_attention=cross,
+                  factory=self._factory, process_group=self.process_group,
+                  strategy=self.strategy)
+            for _ in range(n)
+        )
+
+    def _norm(self) -> nn.LayerNorm:
+        return nn.LayerNorm(self.config.embed_dim, eps=self.config.layer_norm_eps, **self._factory)
+
+    def embed_at(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """(b, n) ids at positions (n,) -> (b, n, e)."""
+        x = self.embed(tokens)
+        return x + self.positions(positions, x)
+
+    def _check_positions(self, largest: Optional[int]) -> None:
+        """Positions past a learned table: an error on every rank (the caller agreed `largest`)."""
+        if self.positions.table is not None and largest is not None and \
+                largest >= self.config.max_seq_len:
+            raise ValueError(
+                f"positions up to {largest} exceed max_seq_len={self.config.max_seq_len} of the "
+                f"learned position table"
+            )
+
+    def _run(self, layers: nn.ModuleList, x: Tensor, memory: Optional[Tensor] = None,
+             cu_seqlens: Optional[Tuple[int, ...]] = None) -> Tensor:
+        use_checkpoint = self.config.checkpoint_activations and torch.is_grad_enabled()
+        for layer in layers:
+            if use_checkpoint:
+                x = checkpoint(layer, x, memory, cu_seqlens, use_reentrant=False)
+            else:
+                x = layer(x, memory, cu_seqlens)
+        return x
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Final hidden states (b, n, e) -> (b, n, v), through the (tied) head."""
+        if self.head is None:
+            return F.linear(x, self.embed.weight)
+        return self.head(x)
+
+    def _loss(self, logits: Tensor, targets: Optional[Tensor]) -> Optional[Tensor]:
+        if targets is None:
+            return None
+        return token_mean_loss(logits, targets.long(), self.process_group)
+

@@ -1,0 +1,86 @@
+"""LongNet: the encoder-decoder LongNet model.
+
+Notation: b batch, n target tokens, m source tokens (this rank's pieces under
+sequence parallelism), e embed dim, v vocabulary.
+
+Sequence parallelism follows LongNetLM's conventions (models/lm.py); the
+encoder output is also gathered on every rank for the decoder's dense
+cross-attention (O(M e) memory per rank, M the whole source).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..distributed import comm
+from ..distributed.sharding import gather_pieces
+from .base import LongNetBase
+from .config import LongNetConfig
+from .inputs import agree_on_inputs, check_targets, check_tokens, pick_targets
+from .layers import magneto_gamma
+
+
+class LongNet(LongNetBase):
+    """Encoder-decoder LongNet: dilated self-attention in both stacks.
+
+    ``forward(src_tokens, tgt_tokens, targets=None)`` -> ``(logits (b, n_tgt,
+    v), loss)``. The encoder attends bidirectionally, the decoder causally,
+    then (plain dense attention) over the whole encoder output. Source and
+    target share the token embedding (and the head when tied).
+
+    With ``process_group`` set, src/tgt/targets are this rank's pieces; the
+    encoder output is gathered on every rank for the cross-attention. The
+    loss and its gradients follow LongNetLM's convention.
+    """
+
+    def __init__(
+        self, config: LongNetConfig, *, device=None, dtype=None, process_group=None,
+        strategy: str = "auto",
+    ) -> None:
+        super().__init__(config, device, dtype, process_group, strategy)
+        enc_gamma, dec_gamma = magneto_gamma(config.num_layers, config.num_encoder_layers)
+        self.encoder = self._blocks(
+            config.num_encoder_layers, gamma=enc_gamma, causal=False, cross=False
+        )
+        self.encoder_norm = self._norm()
+        self.decoder = self._blocks(config.num_layers, gamma=dec_gamma, causal=True, cross=True)
+        self.decoder_norm = self._norm()
+
+    def forward(
+        self, src_tokens: Tensor, tgt_tokens: Tensor, targets: Optional[Tensor] = None, *,
+        labels: Optional[Tensor] = None,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        group = self.process_group
+        targets, target_name = pick_targets(targets, labels)
+        vocab = self.config.vocab_size
+
+        def inputs() -> Tuple[Tensor, ...]:
+            check_tokens("src_tokens", src_tokens, vocab)
+            check_tokens("tgt_tokens", tgt_tokens, vocab)
+            if src_tokens.shape[0] != tgt_tokens.shape[0]:
+                # cross-attention would broadcast a batch of 1 silently
+                raise ValueError(
+                    f"src_tokens and tgt_tokens must have the same batch size, got "
+                    f"{src_tokens.shape[0]} and {tgt_tokens.shape[0]}"
+                )
+            if targets is not None:
+                check_targets(targets, tgt_tokens, vocab, target_name)
+            return src_tokens, tgt_tokens
+
+        rank, lengths, _ = agree_on_inputs(group, ("src", "tgt"), inputs,
+                                         has_targets=targets is not None, model=self._replica_check())
+        src_start = sum(lengths["src"][:rank])
+        tgt_start = sum(lengths["tgt"][:rank])
+        self._check_positions(max(sum(lengths["src"]), sum(lengths["tgt"])) - 1)
+        device = src_tokens.device
+        src_pos = torch.arange(src_start, src_start + src_tokens.shape[1], device=device)
+        tgt_pos = torch.arange(tgt_start, tgt_start + tgt_tokens.shape[1], device=device)
+        memory = self.encoder_norm(self._run(self.encoder, self.embed_at(src_tokens, src_pos)))
+        if comm.is_distributed(group):
+            memory = gather_pieces(memory, group, lengths["src"])
+        x = self._run(self.decoder, self.embed_at(tgt_tokens, tgt_pos), memory)
+        logits = self.logits(self.decoder_norm(x))
+        return logits, self._loss(logits, targets)

@@ -1,0 +1,202 @@
+"""The models' inputs, checked on every rank at once: token ids, targets, documents, replicas.
+
+Under sequence parallelism one agreement collective per forward carries
+every rank's input facts (``agree_on_inputs``), so a bad input on one rank
+is an error on every rank, never a hang; while training it also compares
+checksums of the ranks' parameters (``_replica_checksums``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..distributed import comm
+from ..distributed.sharding import local_part, sharded_within
+from .loss import IGNORE_INDEX
+
+_ID_DTYPES = (torch.int64, torch.int32)
+
+
+def check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
+    if not isinstance(tokens, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tokens).__name__}")
+    if tokens.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (batch, seq_len), got shape {tuple(tokens.shape)}")
+    if tokens.dtype not in _ID_DTYPES:
+        raise TypeError(f"{name} must hold integer token ids (int64 or int32), got {tokens.dtype}")
+    if tokens.device.type != "meta" and tokens.numel():
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"{name} must be ids in [0, {vocab_size}), got values in [{lo}, {hi}]")
+
+
+def check_targets(targets: Tensor, tokens: Tensor, vocab_size: int, name: str) -> None:
+    """Targets: tokens' shape, int ids in [0, vocab) or IGNORE_INDEX (checked before the
+    forward, so that a bad id is an error on every rank, not in one rank's loss)."""
+    if not isinstance(targets, Tensor) or targets.shape != tokens.shape:
+        shape = tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__
+        raise ValueError(f"{name} must have tokens' shape {tuple(tokens.shape)}, got {shape}")
+    if targets.dtype not in _ID_DTYPES:
+        raise TypeError(f"{name} must hold int64 or int32 ids, got {targets.dtype}")
+    if targets.device.type != "meta" and targets.numel():
+        bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab_size))
+        if bool(bad.any()):
+            value = int(targets[bad][0])
+            raise ValueError(
+                f"{name} must be ids in [0, {vocab_size}) or {IGNORE_INDEX} (ignored), got "
+                f"{value}"
+            )
+
+
+def pick_targets(targets: Optional[Tensor], labels: Optional[Tensor]) -> Tuple[Optional[Tensor],
+                                                                                 str]:
+    """`labels` is `targets` under the name transformers users know; not both."""
+    if targets is not None and labels is not None:
+        raise ValueError("pass targets or labels (the same argument), not both")
+    return (labels, "labels") if labels is not None else (targets, "targets")
+
+
+def document_starts(position_ids: Optional[Tensor], tokens: Tensor,
+                     max_seq_len: Optional[int]) -> Dict[str, object]:
+    """This rank's facts from position_ids (b, n) or (n,): where documents start, the largest
+    position; the rows of a batch must agree (documents are shared by every row)."""
+    if position_ids is None:
+        return {"doc_starts": (), "max_position": None}
+    if not isinstance(position_ids, Tensor) or position_ids.dtype not in _ID_DTYPES:
+        raise TypeError(f"position_ids must be an int64 or int32 tensor, got "
+                        f"{getattr(position_ids, 'dtype', type(position_ids).__name__)}")
+    if position_ids.dim() == 1:
+        position_ids = position_ids[None]
+    if position_ids.dim() != 2 or position_ids.shape[1] != tokens.shape[1]:
+        raise ValueError(
+            f"position_ids must be (batch, seq_len) or (seq_len,) matching tokens "
+            f"{tuple(tokens.shape)}, got {tuple(position_ids.shape)}"
+        )
+    if not bool((position_ids == position_ids[:1]).all()):
+        raise ValueError("position_ids must be the same in every batch row (packed documents "
+                         "are shared by the batch)")
+    row = position_ids[0]
+    if row.numel() and int(row.min()) < 0:
+        raise ValueError(f"position_ids must be >= 0, got {int(row.min())}")
+    return {"doc_starts": tuple((row == 0).nonzero().flatten().tolist()),
+            "max_position": int(row.max()) if row.numel() else None}
+
+
+def agree_on_inputs(
+    group, names: Tuple[str, ...], inputs: Callable[[], Tuple[Tensor, ...]], *, has_targets: bool,
+    facts: Callable[[], Dict[str, object]] = dict, fact_keys: Tuple[str, ...] = (),
+    shared: Optional[Dict[str, object]] = None, model: Optional[nn.Module] = None,
+) -> Tuple[int, Dict[str, Tuple[int, ...]], List[Dict[str, object]]]:
+    """Validate this rank's inputs and learn every rank's piece lengths (and `facts`).
+
+    `inputs` validates and returns the (b, n) tensors called `names`; `facts`
+    returns this rank's own values under `fact_keys` (they may differ between
+    ranks); `shared` values must be equal on every rank. Returns this rank's
+    group rank, {name: every rank's n} and every rank's agreed dict. Under
+    sequence parallelism this is ONE agreement collective, entered even when
+    this rank's inputs are bad (so every rank raises instead of waiting),
+    which also checks that the batch sizes match and that every rank passed
+    targets or none did (only then do all ranks enter the loss all-reduce),
+    and, for `model` while gradients are enabled, that every rank holds the
+    same parameters (`_replica_checksums`).
+    """
+
+    def local() -> dict:
+        shapes = dict(zip(names, (tuple(x.shape) for x in inputs())))
+        return {"targets_passed": has_targets, **(shared or {}), **facts(),
+                "replica": _replica_checksums(model, group),
+                **{f"{k}_batch": s[0] for k, s in shapes.items()},
+                **{f"{k}_len": s[1] for k, s in shapes.items()}}
+
+    infos = comm.agree(group, local,
+                       per_rank=tuple(f"{k}_len" for k in names) + fact_keys + ("replica",))
+    _check_replicas(infos, model, group)
+    lengths = {k: tuple(i[f"{k}_len"] for i in infos) for k in names}
+    return comm.group_rank(group), lengths, infos
+
+
+def _replica_params(model: nn.Module, group) -> List[Tuple[str, Tensor]]:
+    """The (name, local tensor) of each parameter that every rank of `group` must hold alike.
+
+    A DTensor (FSDP2) counts by its local shard; one sharded over ranks of
+    `group` itself is left out (its shards differ by design, and FSDP2
+    keeps them consistent).
+    """
+    out = []
+    for name, p in model.named_parameters():
+        if sharded_within(p, group):
+            continue
+        p = local_part(p)
+        if p.device.type != "meta" and p.numel():
+            out.append((name, p.detach()))
+    return out
+
+
+def _replica_checksums(model: Optional[nn.Module], group) -> Optional[Tuple[int, ...]]:
+    """A checksum of each of `_replica_params`, while training under sequence parallelism.
+
+    The sum of a parameter's bits read as int32, wrapping: exact and
+    independent of the summation order, so equal parameters give equal
+    checksums on every rank (a float sum could differ with the thread
+    count). Costs one read of the parameters (110M float32 parameters,
+    LongNet's base size: 0.1 s on one CPU thread) and a host sync, so the
+    models do it on their first two training forwards only: enough for a
+    model built differently on some rank (the first) and for a gradient
+    reduction that misses the sequence ranks (the second).
+    """
+    if model is None or not comm.is_distributed(group) or not torch.is_grad_enabled():
+        return None
+    sums = []
+    for _, p in _replica_params(model, group):
+        raw = p.reshape(-1).view(torch.uint8)
+        # int32 sums run at memory speed; int64 accumulation of narrower ints is ~20x slower
+        sums.append(raw.view(torch.int32).sum(dtype=torch.int32).long() if raw.numel() % 4 == 0
+                    else raw.sum(dtype=torch.int64))
+    return tuple(torch.stack(sums).tolist()) if sums else None
+
+
+def _check_replicas(infos: List[Dict[str, object]], model: Optional[nn.Module], group) -> None:
+    """Raise if the ranks' parameters differ; every rank sees every checksum, so all raise.
+
+    Skipped when some rank has no checksums (gradients disabled there: the
+    attention op's own agreement on requires_grad reports that).
+    """
+    first = infos[0]["replica"]
+    if any(info["replica"] is None for info in infos):
+        return
+    for r, info in enumerate(infos[1:], start=1):
+        if info["replica"] == first:
+            continue
+        names = [name for (name, _), a, b in zip(_replica_params(model, group), first,
+                                                 info["replica"]) if a != b]
+        raise ValueError(
+            f"the parameters differ between the ranks of process_group (rank 0 and rank {r}, "
+            f"first {names[0] if names else 'the parameter list'!r}); sequence-parallel ranks "
+            f"must hold the same parameters. Either the ranks built the model differently "
+            f"(seed its construction alike on every rank), or the last step's gradients were "
+            f"not reduced over the sequence-parallel ranks: after backward call "
+            f"all_reduce_gradients(model, process_group), or wrap the model in DDP over the "
+            f"data x sequence ranks (not the data-parallel ranks alone), or fully_shard it on a "
+            f"mesh that includes the sequence-parallel ranks (docs/guide.md, Training: "
+            f"gradients across ranks)"
+        )
+
+
+
+def documents_of(infos, pieces: Tuple[int, ...], total: int) -> Optional[Tuple[int, ...]]:
+    """The agreed document boundaries: given as cu_seqlens, or where position_ids restart."""
+    given = infos[0]["cu_seqlens"]
+    if given is not None:
+        if given[-1] != total:
+            raise ValueError(f"cu_seqlens must end at the sequence length {total}, got "
+                             f"{given[-1]}")
+        return given
+    starts = sorted({0} | {sum(pieces[:r]) + s for r, i in enumerate(infos)
+                           for s in i["doc_starts"]})
+    if len(starts) == 1 and not any(i["doc_starts"] for i in infos):
+        return None  # no position_ids: one sequence
+    return tuple(starts) + (total,)
+

@@ -1,0 +1,136 @@
+"""LongNetLM: the decoder-only LongNet language model.
+
+Notation: b batch, n tokens (this rank's piece under sequence parallelism),
+e embed dim, v vocabulary.
+
+Sequence parallelism (``process_group=``): each rank passes its own
+contiguous piece of every sequence (pieces may differ in length or be
+empty). Embeddings, norms, feed-forwards, the head and the token losses work
+on the local piece; only the dilated attention communicates (plus one tiny
+agreement of piece lengths for the global positions and one all-reduce of
+(loss sum, token count)). Parameters are replicated. The loss's value is
+the global one; its gradient is scaled by the group size P so that each
+rank's backward yields P times the gradient through its own tokens and an
+AVERAGE over the sequence-parallel ranks is the full gradient: after
+``backward`` call ``dilated_attention.all_reduce_gradients(model,
+process_group)``, or wrap the model in DDP over the sequence-parallel (or
+data x sequence) ranks, or FSDP2 over a mesh that includes them
+(Note [gradients across ranks] in distributed/sharding.py). While training
+(gradients enabled) every forward checks, inside its agreement, that the
+ranks hold the same parameters: a step whose gradients were not reduced
+over the sequence-parallel ranks (or models built from different seeds)
+is an error on every rank, not a silent divergence.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import validation as check
+from .base import LongNetBase
+from .config import LongNetConfig
+from .generation import generate
+from .inputs import (agree_on_inputs, check_targets, check_tokens, document_starts,
+                     documents_of, pick_targets)
+from .layers import magneto_gamma
+
+
+class LongNetLM(LongNetBase):
+    """Decoder-only LongNet language model.
+
+    ``forward(tokens, targets=None)`` with tokens (b, n) int ids returns
+    ``(logits (b, n, v), loss)``; loss is None without targets, else the mean
+    cross-entropy over every target that is not ``IGNORE_INDEX`` (-100),
+    over the whole sequence of all ranks (0, with zero gradients, when every
+    target is ignored). Targets are aligned with tokens (shift them
+    yourself: targets[:, i] is the token after tokens[:, i]).
+
+    With ``process_group`` set, tokens/targets are this rank's contiguous
+    piece of each sequence, logits are this piece's, and the loss is the
+    global one on every rank (its gradient P times this rank's share:
+    average the gradients over the group, see the module docstring). Every
+    rank must pass targets, or none.
+    """
+
+    def __init__(
+        self, config: LongNetConfig, *, device=None, dtype=None, process_group=None,
+        strategy: str = "auto",
+    ) -> None:
+        super().__init__(config, device, dtype, process_group, strategy)
+        _, gamma = magneto_gamma(config.num_layers)
+        self.layers = self._blocks(config.num_layers, gamma=gamma, causal=True, cross=False)
+        self.norm = self._norm()
+
+    def forward(
+        self, tokens: Tensor, targets: Optional[Tensor] = None, *, labels: Optional[Tensor] = None,
+        cu_seqlens=None, position_ids: Optional[Tensor] = None,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        """tokens (b, n) -> (logits (b, n, v), loss or None).
+
+        Packed documents: ``cu_seqlens`` (global boundaries [0, c1, ..., N],
+        shared by the batch) or ``position_ids`` that restart at 0 where a
+        document starts ((b, n) or (n,), this rank's rows of the global
+        positions). Attention stays inside each document and positions
+        restart at each document's start (with position_ids: they are the
+        positions). ``labels`` is another name for ``targets``.
+        """
+        targets, target_name = pick_targets(targets, labels)
+        vocab = self.config.vocab_size
+
+        def inputs() -> Tuple[Tensor, ...]:
+            check_tokens("tokens", tokens, vocab)
+            if targets is not None:
+                check_targets(targets, tokens, vocab, target_name)
+            if cu_seqlens is not None and position_ids is not None:
+                raise ValueError("pass cu_seqlens or position_ids (restarting at 0), not both")
+            return (tokens,)
+
+        rank, lengths, infos = agree_on_inputs(
+            self.process_group, ("tokens",), inputs, has_targets=targets is not None,
+            facts=lambda: document_starts(position_ids, tokens, self.config.max_seq_len),
+            fact_keys=("doc_starts", "max_position"),
+            shared={"cu_seqlens": check.check_cu_seqlens(cu_seqlens)}, model=self._replica_check(),
+        )
+        pieces = lengths["tokens"]
+        start, total = sum(pieces[:rank]), sum(pieces)
+        documents = documents_of(infos, pieces, total)
+        positions = self._positions_of(tokens, start, documents, position_ids, infos)
+        x = self._run(self.layers, self.embed_at(tokens, positions), cu_seqlens=documents)
+        logits = self.logits(self.norm(x))
+        return logits, self._loss(logits, targets)
+
+    def _positions_of(self, tokens: Tensor, start: int, documents: Optional[Tuple[int, ...]],
+                      position_ids: Optional[Tensor], infos) -> Tensor:
+        """(n,) this rank's positions: given, restarting per document, or global."""
+        if position_ids is not None:
+            self._check_positions(max((i["max_position"] for i in infos
+                                       if i["max_position"] is not None), default=None))
+            return (position_ids if position_ids.dim() == 1 else position_ids[0]).long()
+        n = tokens.shape[1]
+        rows = torch.arange(start, start + n, device=tokens.device)
+        if documents is None:
+            self._check_positions(sum(i["tokens_len"] for i in infos) - 1)
+            return rows
+        cu = torch.tensor(documents, device=tokens.device)
+        # each row minus the start of its document
+        doc_start = cu[torch.searchsorted(cu, rows, right=True) - 1]
+        self._check_positions(max(e - s for s, e in zip(documents[:-1], documents[1:])) - 1)
+        return rows - doc_start
+
+    def generate(self, tokens: Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: Optional[int] = None, use_cache: bool = True,
+                 generator: Optional[torch.Generator] = None) -> Tensor:
+        """Extend tokens (b, n) by max_new_tokens ids -> (b, n + max_new_tokens).
+
+        temperature 0 is greedy; > 0 samples from softmax(logits / T),
+        restricted to the top_k logits when given (generator seeds it).
+        With use_cache (default) each new token runs one position through
+        the layers against cached keys/values (exact: the same result as
+        rerunning the whole sequence, which use_cache=False does).
+        Dropout is off during generation; one process only.
+        """
+        return generate(self, tokens, max_new_tokens, temperature=temperature, top_k=top_k,
+                        use_cache=use_cache, generator=generator)
