@@ -166,6 +166,11 @@ CORNERS = [
     Config(1, 11, 5, 5, 4, (6, 6), (3, 3), True, 0.3, 3),  # same pattern twice counts twice
     Config(1, 9, 3, 1, 4, (9,), (9,), False, None, 4),  # MQA, rate == w: one row per head
     Config(1, 17, 4, 2, 3, (5, 3), (5, 2), True, 1.7, 5),  # tail segment shorter than the rate
+    # values at the end of int64: segments act as the whole sequence, rates as "one row per
+    # head"; views must not overflow (rate x row stride)
+    Config(1, 16, 4, 2, 4, (4, 2**63 - 1), (1, 2**62), True, None, 9),
+    Config(1, 10, 5, 5, 4, (2**62,), (2**62,), False, None, 10),
+    Config(1, 7, 3, 1, 4, (2**63 - 1, 3), (2**63 - 1, 1), True, None, 11),
 ]
 
 
@@ -185,6 +190,19 @@ def test_long_sequence_matches_reference(backend: str) -> None:
     """n > the blockwise kernel's tile (512 rows): several tiles per launch, causal."""
     cfg = Config(1, 1300, 4, 2, 8, (256, 600, 2048), (1, 2, 4), True, None, 8)
     check_against_reference(cfg, torch.float32, backend)
+
+
+def test_decoding_with_huge_pattern_values() -> None:
+    """The cached (decoding) path plans a query row alone: huge rates there too."""
+    from dilated_attention.dilated import cached_dilated_attention
+
+    cfg = CORNERS[-3]
+    q, k, v, _, _ = make_inputs(cfg, torch.float64)
+    full = run_op(cfg, q, k, v, "auto")[0]
+    for t in (0, 5, cfg.n - 1):
+        step = cached_dilated_attention(q[:, t:t + 1], k[:, :t + 1], v[:, :t + 1],
+                                        cfg.segment_lengths, cfg.dilation_rates)
+        assert_close(step[:, 0], full[:, t], msg=lambda m: f"t={t}: {m}")
 
 
 def test_reference_agrees_with_per_pattern_merge() -> None:

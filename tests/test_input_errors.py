@@ -95,6 +95,15 @@ def test_non_integer_dilation_rate(bad) -> None:
         call(segment_lengths=[4], dilation_rates=[bad])
 
 
+@pytest.mark.parametrize("which", ["segment_lengths", "dilation_rates"])
+@pytest.mark.parametrize("bad", [2**63, 2**64 + 3])
+def test_pattern_value_beyond_int64(which: str, bad: int) -> None:
+    kwargs = {"segment_lengths": [4, 2**63 - 1], "dilation_rates": [1, 1]}
+    kwargs[which][1] = bad
+    with pytest.raises(ValueError, match=names(f"{which}[1]", str(bad), "2**63 - 1")):
+        call(**kwargs)
+
+
 def test_rate_larger_than_segment() -> None:
     expected = names("dilation_rates[1]", "5", "segment_lengths[1]", "4")
     with pytest.raises(ValueError, match=expected):

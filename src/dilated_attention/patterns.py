@@ -165,6 +165,12 @@ def cross_head_groups(
     q_rows, k_rows = q_hi - q_lo, k_hi - k_lo
     if q_rows <= 0 or k_rows <= 0:
         return ()
+    # A rate at least every row and head index here selects, per head, the one row equal to
+    # its head index: so does any smaller rate that is still that large. The bound keeps the
+    # strides of views (rate x row stride) within int64 for any rate (up to 2^63 - 1).
+    bound = max(q_hi, k_hi, heads.first + heads.count)
+    if rate > bound:
+        return cross_head_groups(q_lo, q_hi, k_lo, k_hi, bound, heads, device, strided)
     if device != "cpu":
         # index arithmetic is cheapest on the CPU (on meta it would run Python references)
         return tuple(

@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+# the largest row count or stride torch can index (int64)
+INDEX_MAX = 2**63 - 1
 
 
 def check_positive_int(name: str, value) -> int:
@@ -22,6 +24,16 @@ def check_positive_int(name: str, value) -> int:
     if value < 1:
         raise ValueError(f"{name} must be a positive int, got {value}")
     return int(value)
+
+
+def _check_index(name: str, value) -> int:
+    """A positive int within int64 (a segment longer than any sequence acts as the whole
+    sequence, but the value itself must still travel through torch's int64 arguments)."""
+    value = check_positive_int(name, value)
+    if value > INDEX_MAX:
+        raise ValueError(f"{name} must be at most 2**63 - 1 = {INDEX_MAX} (torch indexes with "
+                         f"int64), got {value}")
+    return value
 
 
 def check_patterns(segment_lengths, dilation_rates) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
@@ -37,10 +49,8 @@ def check_patterns(segment_lengths, dilation_rates) -> Tuple[Tuple[int, ...], Tu
             f"{list(segment_lengths)!r} ({len(segment_lengths)}) and {list(dilation_rates)!r} "
             f"({len(dilation_rates)})"
         )
-    segs = tuple(check_positive_int(f"segment_lengths[{i}]", w)
-                 for i, w in enumerate(segment_lengths))
-    rates = tuple(check_positive_int(f"dilation_rates[{i}]", r)
-                  for i, r in enumerate(dilation_rates))
+    segs = tuple(_check_index(f"segment_lengths[{i}]", w) for i, w in enumerate(segment_lengths))
+    rates = tuple(_check_index(f"dilation_rates[{i}]", r) for i, r in enumerate(dilation_rates))
     for i, (w, r) in enumerate(zip(segs, rates)):
         if r > w:
             raise ValueError(
