@@ -56,6 +56,26 @@ def test_usage_errors_are_one_line(argv, message, capsys):
     assert "Traceback" not in err
 
 
+def test_bench_out_is_checked_before_running(tmp_path, capsys, monkeypatch):
+    """--out that cannot be written is a usage error before any rank runs (the results of a
+    whole benchmark were once lost to a traceback at the end)."""
+    ran = []
+    monkeypatch.setattr(cli, "spawn", lambda *args, **kwargs: ran.append(args) or [[]])
+    regular = tmp_path / "file"
+    regular.write_text("")
+    (tmp_path / "taken" / "bench.json").mkdir(parents=True)
+    for out, message in ((regular / "sub", "cannot write there"),
+                         (regular, "cannot write there"),
+                         (tmp_path / "taken", "bench.json exists and is not a file")):
+        assert cli.main(["bench", "--seq-lens", "64", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"error: --out {out}: " in err and message in err, err
+    assert ran == []
+    fresh = tmp_path / "a" / "b"
+    assert cli.main(["bench", "--seq-lens", "64", "--world-sizes", "1", "--out", str(fresh)]) == 0
+    assert len(ran) == 1 and fresh.is_dir()
+
+
 def test_console_entry_point_exit_status():
     # the real process: python -m dilated_attention, as a user runs it
     proc = subprocess.run(

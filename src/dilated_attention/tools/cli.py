@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import tempfile
 import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -282,6 +283,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         seed=args.seed, launched_world_size=launched, strategies=args.strategy,
         meshes=args.mesh,
     )
+    if launched is None or os.environ.get("RANK") == "0":  # the rank that writes the results
+        writable_folder("--out", args.out, ("bench.json", "bench.png"))
     command = shlex.join([PROG] + args.argv)
     load_before = bench.load_average()  # other processes' load, before ours adds to it
     if launched is not None:
@@ -343,6 +346,22 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         mesh=args.mesh,
     )
     return estimate.report(config, trace=args.dry_run, as_json=args.json)
+
+
+def writable_folder(option: str, folder: str, files: Sequence[str]) -> None:
+    """Create `folder` and check that `files` can be written in it, before a long run
+    whose results would otherwise be lost at the end; a UsageError naming `option`."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{option} {folder}: cannot write there ({exc.strerror or exc})") \
+            from None
+    for name in files:
+        path = os.path.join(folder, name)
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise UsageError(f"{option} {folder}: {path} exists and is not a file")
 
 
 def _checked(make_config: Callable, **options: Any) -> Any:
