@@ -297,6 +297,39 @@ def test_inputs_are_checked_once_per_call() -> None:
         assert spy.call_count == 1, (name, spy.call_count)
 
 
+def _forward_mode(attend, x):
+    from torch.autograd import forward_ad
+
+    with forward_ad.dual_level():
+        attend(forward_ad.make_dual(x, torch.ones_like(x)))
+
+
+# each ran into a raw error inside torch (grad, vmap) or lost its tangents silently (jvp)
+TRANSFORMS = {
+    "grad": (lambda f, x: torch.func.grad(lambda x: f(x).sum())(x), "torch.func.grad"),
+    "jacrev": (lambda f, x: torch.func.jacrev(f)(x), "torch.func.grad"),
+    "vmap": (lambda f, x: torch.func.vmap(f)(x[None].expand(2, -1, -1, -1, -1)),
+             "torch.func.vmap"),
+    "jvp": (lambda f, x: torch.func.jvp(f, (x,), (x,)), "torch.func.jvp"),
+    "forward_ad": (_forward_mode, "forward-mode AD"),
+}
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("op", ["dilated_attention", "ring_attention", "DilatedAttention"])
+def test_torch_func_transforms_are_refused(transform: str, op: str) -> None:
+    from dilated_attention import DilatedAttention
+
+    attend = {
+        "dilated_attention": lambda x: dilated_attention(x, x, x, [4], [1]),
+        "ring_attention": lambda x: ring_attention(x, x, x),
+        "DilatedAttention": lambda x: DilatedAttention([4], [1])(x, x, x),
+    }[op]
+    apply, name = TRANSFORMS[transform]
+    with pytest.raises(ValueError, match=names(name, "not support", "torch.autograd.grad")):
+        apply(attend, torch.randn(1, 8, 2, 4, dtype=torch.float64))
+
+
 def test_all_reduce_gradients_arguments() -> None:
     from dilated_attention import all_reduce_gradients
 

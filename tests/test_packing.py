@@ -213,6 +213,7 @@ def test_huge_rate_runs_fast_and_small():
     ([0, 4.5, 10], TypeError, r"cu_seqlens\[1\]"),
     ("0,10", TypeError, "cu_seqlens"),
     (torch.tensor([[0, 10]]), ValueError, "1-D"),
+    (torch.tensor([0, 10], device="meta"), ValueError, "cu_seqlens must hold values.*meta"),
 ])
 def test_bad_cu_seqlens(cu, error, match):
     q, k, v, _, _ = _inputs(1, 10, 2, 2, 4, 0)

@@ -73,6 +73,7 @@ def _tensor_config(q: Tensor, k: Tensor, v: Tensor, key_padding_mask, *,
                    allow_empty: bool) -> Dict[str, Any]:
     """The checked shapes every rank must share, and this rank's own facts (per_rank keys)."""
     check.check_qkv(q, k, v, allow_empty=allow_empty)
+    check.check_no_transform(q, k, v)
     mask = check.check_key_padding_mask(key_padding_mask, q)
     b, n, h, d = q.shape
     # data-dependent facts cannot be read while torch.compile traces (nor on meta tensors):

@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 # the largest row count or stride torch can index (int64)
@@ -139,6 +140,37 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, allow_empty: bool = False) -> 
         raise ValueError(f"seq_len must be at least 1, got q shape {tuple(q.shape)}")
 
 
+# torch.func transforms by the functorch interpreter that runs them. The ops are custom
+# autograd ops without functorch rules: grad and vmap fail deep inside torch, and jvp
+# (forward mode) silently returns zero tangents.
+_TRANSFORMS = {
+    torch._C._functorch.TransformType.Grad: "torch.func.grad (and vjp, jacrev, hessian)",
+    torch._C._functorch.TransformType.Vmap: "torch.func.vmap",
+    torch._C._functorch.TransformType.Jvp: "torch.func.jvp (and jacfwd: forward mode)",
+}
+
+
+def check_no_transform(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Refuse torch.func transforms and forward-mode AD, which the ops do not implement."""
+    if torch.compiler.is_compiling():
+        return
+    for interpreter in torch._C._functorch.get_interpreter_stack() or ():
+        name = _TRANSFORMS.get(interpreter.key())
+        if name is not None:
+            raise ValueError(
+                f"dilated attention does not support {name}: its ops are custom autograd "
+                f"ops without functorch rules. Take gradients with torch.autograd.grad or "
+                f".backward() (with torch.func.functional_call for given parameters), and "
+                f"batch through the batch dimension (dim 0) instead of vmap"
+            )
+    if any(forward_ad.unpack_dual(x).tangent is not None for x in (q, k, v)):
+        raise ValueError(
+            "dilated attention does not support forward-mode AD (dual tensors of "
+            "torch.autograd.forward_ad): its tangents would be lost; use reverse mode "
+            "(torch.autograd.grad or .backward())"
+        )
+
+
 def check_bool(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
@@ -161,6 +193,11 @@ def check_cu_seqlens(cu_seqlens) -> Optional[Tuple[int, ...]]:
         if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or \
                 cu_seqlens.dtype == torch.bool:
             raise TypeError(f"cu_seqlens must hold integers, got a tensor of {cu_seqlens.dtype}")
+        if cu_seqlens.device.type == "meta":
+            raise ValueError(
+                "cu_seqlens must hold values: got a tensor on the meta device (shapes only); "
+                "pass a CPU or GPU tensor or a list of ints"
+            )
         if cu_seqlens.dim() != 1:
             raise ValueError(
                 f"cu_seqlens must be 1-D [0, c1, ..., N], got shape {tuple(cu_seqlens.shape)}"
