@@ -160,6 +160,35 @@ def test_k_and_v_heads_differ() -> None:
         call(q, k, v)
 
 
+LAYOUT_HINT = names("(batch, seq_len, heads, head_dim)", "(batch, heads, seq_len, head_dim)",
+                    "transpose(1, 2)")
+
+
+@pytest.mark.parametrize("case", ["gqa", "key_padding_mask"])
+def test_sdpa_layout_gets_a_hint(case: str) -> None:
+    """(b, h, n, d) tensors that fail a check, and would pass it transposed: the error says
+    what the layout is (issue 27.11). Equal head counts run: that is a valid call."""
+    q, k, v = (x.transpose(1, 2) for x in qkv(n=8, h=4, hk=2))
+    kwargs = {}
+    if case == "key_padding_mask":
+        k, v = q, q
+        kwargs["key_padding_mask"] = torch.zeros(2, 8, dtype=torch.bool)
+    with pytest.raises(ValueError, match=LAYOUT_HINT):
+        call(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("case", ["seq_len", "transposed_too"])
+def test_no_layout_hint_for_other_mistakes(case: str) -> None:
+    if case == "seq_len":
+        q, k, _ = qkv()
+        _, _, v = qkv(n=9)
+    else:  # 6 heads over 4 kv heads: wrong in either layout
+        q, k, v = (x.transpose(1, 2) for x in qkv(n=8, h=6, hk=4))
+    with pytest.raises(ValueError) as error:
+        call(q, k, v)
+    assert "transpose" not in str(error.value)
+
+
 @pytest.mark.parametrize("dim", [0, 1, 2, 3], ids=["batch", "seq_len", "heads", "head_dim"])
 def test_empty_dimension(dim: int) -> None:
     shape = [2, 8, 4, 16]

@@ -112,30 +112,9 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, allow_empty: bool = False) -> 
         raise ValueError(
             f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}"
         )
-    for dim, what in ((0, "batch"), (1, "seq_len"), (3, "head_dim")):
-        # compared, not put in a set: hashing a size that torch.compile traces as dynamic
-        # specialises it to its value (one graph per sequence length)
-        if not q.shape[dim] == k.shape[dim] == v.shape[dim]:
-            raise ValueError(
-                f"q, k, v must share {what} (dim {dim}), got q {tuple(q.shape)}, "
-                f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-            )
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(
-            f"k and v must have the same number of heads, got k {tuple(k.shape)}, "
-            f"v {tuple(v.shape)}"
-        )
-    if 0 in (q.shape[0], q.shape[2], k.shape[2], q.shape[3]):
-        raise ValueError(
-            f"q, k, v must have non-empty batch, heads and head_dim, got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}"
-        )
-    h, hk = q.shape[2], k.shape[2]
-    if h % hk != 0:
-        raise ValueError(
-            f"q has {h} heads, not a multiple of the {hk} key/value heads of k and v "
-            f"(q {tuple(q.shape)}, k {tuple(k.shape)})"
-        )
+    problem = _shape_problem(q.shape, k.shape, v.shape)
+    if problem is not None:
+        raise ValueError(problem + layout_hint(q.shape, k.shape, v.shape))
     if q.shape[1] == 0 and not allow_empty:
         raise ValueError(f"seq_len must be at least 1, got q shape {tuple(q.shape)}")
 
@@ -169,6 +148,39 @@ def check_no_transform(q: Tensor, k: Tensor, v: Tensor) -> None:
             "torch.autograd.forward_ad): its tangents would be lost; use reverse mode "
             "(torch.autograd.grad or .backward())"
         )
+
+
+def _shape_problem(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> Optional[str]:
+    """What is wrong with 4-D shapes q (b, n, h, d), k/v (b, n, hk, d), or None."""
+    for dim, what in ((0, "batch"), (1, "seq_len"), (3, "head_dim")):
+        # compared, not put in a set: hashing a size that torch.compile traces as dynamic
+        # specialises it to its value (one graph per sequence length)
+        if not q[dim] == k[dim] == v[dim]:
+            return (f"q, k, v must share {what} (dim {dim}), got q {tuple(q)}, k {tuple(k)}, "
+                    f"v {tuple(v)}")
+    if k[2] != v[2]:
+        return f"k and v must have the same number of heads, got k {tuple(k)}, v {tuple(v)}"
+    if 0 in (q[0], q[2], k[2], q[3]):
+        return (f"q, k, v must have non-empty batch, heads and head_dim, got q {tuple(q)}, "
+                f"k {tuple(k)}")
+    if q[2] % k[2] != 0:
+        return (f"q has {q[2]} heads, not a multiple of the {k[2]} key/value heads of k and v "
+                f"(q {tuple(q)}, k {tuple(k)})")
+    return None
+
+
+def layout_hint(*shapes: Sequence[int]) -> str:
+    """For an error about q, k, v `shapes` (in that order; a key padding mask's (b, n) may
+    follow): a hint when the same tensors with dims 1 and 2 swapped would be valid, the
+    sign of SDPA's (batch, heads, seq_len, head_dim) layout; else ""."""
+    swapped = [(s[0], s[2], s[1], s[3]) for s in shapes[:3]]
+    if _shape_problem(*swapped) is not None:
+        return ""
+    if len(shapes) > 3 and tuple(shapes[3]) != swapped[0][:2]:
+        return ""
+    return (" (the layout is (batch, seq_len, heads, head_dim); these look like SDPA's "
+            "(batch, heads, seq_len, head_dim): pass q.transpose(1, 2), k.transpose(1, 2), "
+            "v.transpose(1, 2))")
 
 
 def check_bool(name: str, value) -> bool:
@@ -245,7 +257,7 @@ def check_key_padding_mask(mask, q: Tensor) -> Optional[Tensor]:
     if tuple(mask.shape) != tuple(q.shape[:2]):
         raise ValueError(
             f"key_padding_mask must have shape (batch, seq_len) = {tuple(q.shape[:2])}, got "
-            f"{tuple(mask.shape)}"
+            f"{tuple(mask.shape)}" + layout_hint(q.shape, q.shape, q.shape, mask.shape)
         )
     if mask.device != q.device:
         raise ValueError(f"key_padding_mask must be on q's device {q.device}, got {mask.device}")
