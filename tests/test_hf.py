@@ -347,6 +347,14 @@ def _sp_rank(group):
         error = None
     except ValueError as exc:
         error = str(exc)
+    # fewer tokens than ranks: an empty piece, which transformers' models cannot run (Llama's
+    # attention reshapes (b, 0, -1, d)); it once hung the other ranks after an IndexError
+    try:
+        shard_inputs(tokens(1, world - 1), group)
+        empty = None
+    except ValueError as exc:
+        empty = str(exc)
+    error = (error, empty)
     # examples/finetune_hf.py, packed: its loss curve on these ranks and on one process
     example = _example()
     args = example.parse_args(["--seq-len", "96", "--batch-size", "2", "--steps", "3",
@@ -372,7 +380,10 @@ def test_sequence_parallel_equals_one_process(world):
             torch.testing.assert_close(logits, ref_logits, **TOL, msg=lambda m: f"{case}: {m}")
             torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{case}: {m}")
             assert_grads_equal(grads_sp, grads_one, float32_norms=True)
-        assert error is not None and "GLOBAL position_ids" in error
+        positions, empty = error
+        assert positions is not None and "GLOBAL position_ids" in positions
+        assert empty is not None and f"{world - 1} tokens for {world}" in empty, empty
+        assert "empty piece" in empty
 
 
 def test_causal_lm_loss_equals_transformers_loss():

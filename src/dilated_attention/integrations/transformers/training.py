@@ -20,6 +20,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ...distributed import comm
 from ...distributed.sharding import shard_sequence
 from ...models import IGNORE_INDEX, token_mean_loss
 from .documents import restarts
@@ -55,6 +56,14 @@ def shard_inputs(input_ids: Tensor, group, *, labels: Optional[Tensor] = None,
         raise ValueError(f"input_ids must be a (batch, seq_len) tensor, got "
                          f"{describe(input_ids)}")
     b, n = input_ids.shape
+    ranks = comm.group_size(comm.resolve_group(group))
+    if n < ranks:
+        # the same inputs on every rank: every rank raises here, none waits for an empty one
+        raise ValueError(
+            f"input_ids has {n} tokens for {ranks} sequence-parallel ranks: a rank would get "
+            f"an empty piece, which transformers' models cannot run (their attention layers "
+            f"reshape (batch, 0, -1, head_dim)); pass at least {ranks} tokens or use fewer ranks"
+        )
     if position_ids is None:
         position_ids = torch.arange(n, device=input_ids.device)[None]
     if position_ids.dim() == 1:
