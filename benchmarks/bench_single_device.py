@@ -1,15 +1,35 @@
-"""Single-device dilated attention against its floor and against dense SDPA.
+"""Single-device dilated attention against two kernel floors and against dense SDPA.
 
-The floor is the same kernel run on inputs that are already gathered into
-per-launch dense batches: what this op would cost if gathering, scattering and
-merging were free. The op and its floor take turns within one run (A B A B), so
-a machine whose speed drifts slows both sides alike.
+Both floors run the dense kernel on inputs that are already gathered, and do
+nothing else: no gathers, scatters or merges.
+
+- *ideal floor*: for each pattern, ONE batched kernel call on its selected
+  rows: all segments and heads of the pattern at once, (b * segments, w / r,
+  heads, d), head j reading its own offset's rows (j mod r). What any
+  implementation built on this kernel costs at best.
+- *per-launch floor*: one kernel call per launch of the op's own plan (row
+  blocks, head groups), each on its pre-gathered inputs: what the op would
+  cost if moving rows and merging were free. op / ideal measures everything
+  the op adds to the kernel; per-launch / ideal what cutting the work into
+  launches costs.
+
+The op and its floors take turns within one run (A B C A B C), so a machine
+whose speed drifts slows all sides alike.
 
     python benchmarks/bench_single_device.py                      # LongNet setting, 8K..64K
     python benchmarks/bench_single_device.py --seq-lens 8192 --repeats 1
+    python benchmarks/bench_single_device.py --schedule geometric  # 2048..65536 / 1..32
     python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --seq-lens 8192 1048576
+    python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --backend triton
     python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --max-tokens
     python benchmarks/bench_single_device.py --device cuda --strided on   # views vs copies on a GPU
+
+Schedules: ``longnet`` (segments [2048, 4096], rates [1, 2]) and
+``geometric`` (segments 2048, 4096, ..., 65536, rates 1, 2, ..., 32: w / r =
+2048), 12 heads x 64, batch 1. The floors run the kernel named by
+``--floor-backend`` (default: the op's ``--backend``, or ``auto``, the
+device's best dense kernel, for a backend with no per-launch kernel such as
+the fused ``triton``).
 
 Working memory (peak resident memory beyond the inputs: q, k, v, and dout
 for forward + backward; what the call returns, out and in training dq, dk,
@@ -36,7 +56,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -46,16 +66,23 @@ from dilated_attention.dilated import local_plan
 from dilated_attention.kernels import BACKENDS, KernelOptions, attention_backward
 from dilated_attention.kernels import attention_forward
 from dilated_attention import plan as planning
-from dilated_attention.patterns import gather
+from dilated_attention.patterns import Heads, Segments, gather, head_groups
 from dilated_attention.tools.bench import PeakMemory
 
 HEADS, HEAD_DIM = 12, 64
-SEGMENTS, RATES = (2048, 4096), (1, 2)
+SCHEDULES = {
+    "longnet": ((2048, 4096), (1, 2)),
+    "geometric": ((2048, 4096, 8192, 16384, 32768, 65536), (1, 2, 4, 8, 16, 32)),
+}
+SEGMENTS, RATES = SCHEDULES["longnet"]  # set once by main() from --schedule
 CAUSAL = False
+# the op, its two floors: they take turns in this order
+TIMED = ("dilated", "ideal", "per_launch")
 
 
 DEVICE = "cpu"  # set once by main() from --device
-BACKEND = "auto"  # and the kernel from --backend
+BACKEND = "auto"  # the op's kernel, from --backend
+FLOOR_BACKEND = "auto"  # the floors' kernel, from --floor-backend
 
 
 def make_inputs(n: int, dtype: torch.dtype, requires_grad: bool = False):
@@ -81,10 +108,14 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def pregathered(q, k, v):
+# One kernel call of a floor: its q, k, v (b', rows, heads, d), contiguous, and causal
+FloorCall = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]
+
+
+def per_launch_calls(q, k, v) -> List[FloorCall]:
     """Per launch of the op's plan: the dense (b * s, rows, heads, d) blocks it would gather,
     and whether the launch is causal."""
-    blocks = []
+    calls = []
     plan = local_plan(q, k, (SEGMENTS, RATES), CAUSAL, None, None)
     for block in plan.blocks:
         for launch in block.forward:
@@ -92,13 +123,48 @@ def pregathered(q, k, v):
             q_sel = (launch.queries, g.q_heads, g.q_index, g.q_stride)
             kv_sel = (launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
             gathered = (gather(q, *q_sel), gather(k, *kv_sel), gather(v, *kv_sel))
-            blocks.append(tuple(x.contiguous() for x in gathered) + (launch.causal,))
-    return blocks
+            calls.append(tuple(x.contiguous() for x in gathered) + (launch.causal,))
+    return calls
+
+
+def ideal_calls(q, k, v) -> List[FloorCall]:
+    """Per pattern ONE call: every segment and head at once, (b * segments, w / r, h, d),
+    head j on its own offset's rows (j mod r). Segments of another length (a short last
+    one) or heads with another row count, which only lengths that the segments or rates
+    do not divide make, are one more call each."""
+    n, h = q.shape[1], q.shape[2]
+    heads = Heads.of(h, k.shape[2])
+    calls = []
+    for w, r in zip(SEGMENTS, RATES):
+        length = min(w, n)  # W = min(w, n): a pattern longer than the sequence is one segment
+        runs = [Segments(0, n // length, length)]
+        if n % length:
+            runs.append(Segments(n // length * length, 1, n % length))
+        for segs in runs:
+            # one gathered group per row count: the whole pattern, all heads, in one batch
+            for g in head_groups(0, segs.length, r, heads, str(q.device), strided=False):
+                gathered = (gather(q, segs, g.q_heads, g.q_index, None),
+                            gather(k, segs, g.kv_heads, g.kv_index, None),
+                            gather(v, segs, g.kv_heads, g.kv_index, None))
+                calls.append(tuple(x.contiguous() for x in gathered) + (CAUSAL,))
+    return calls
+
+
+def floor_step(calls: Sequence[FloorCall], backward: bool) -> Callable[[], None]:
+    scale = HEAD_DIM**-0.5
+
+    def step():
+        for q_g, k_g, v_g, causal in calls:
+            opts = KernelOptions(causal=causal, scale=scale, backend=FLOOR_BACKEND)
+            out, lse = attention_forward(q_g, k_g, v_g, opts)
+            if backward:
+                attention_backward(out, q_g, k_g, v_g, out, lse, opts)
+
+    return step
 
 
 def run_case(impl: str, n: int, dtype: torch.dtype, backward: bool):
     """Return a callable running one iteration of `impl` at length n."""
-    scale = HEAD_DIM**-0.5
     if impl == "dilated":
         q, k, v = make_inputs(n, dtype, requires_grad=backward)
         dout = torch.randn_like(q)
@@ -111,17 +177,10 @@ def run_case(impl: str, n: int, dtype: torch.dtype, backward: bool):
                     dilated_attention(q, k, v, SEGMENTS, RATES, backend=BACKEND)
 
         return step
-    if impl == "floor":
-        blocks = pregathered(*make_inputs(n, dtype))
-
-        def step():
-            for q_g, k_g, v_g, causal in blocks:
-                opts = KernelOptions(causal=causal, scale=scale, backend=BACKEND)
-                out, lse = attention_forward(q_g, k_g, v_g, opts)
-                if backward:
-                    attention_backward(out, q_g, k_g, v_g, out, lse, opts)
-
-        return step
+    if impl == "ideal":
+        return floor_step(ideal_calls(*make_inputs(n, dtype)), backward)
+    if impl == "per_launch":
+        return floor_step(per_launch_calls(*make_inputs(n, dtype)), backward)
     if impl == "dense_sdpa":
         # (b, n, h, d) -> (b, h, n, d)
         q, k, v = (x.transpose(1, 2) for x in make_inputs(n, dtype, requires_grad=backward))
@@ -168,11 +227,11 @@ def measure_memory_in_this_process(n: int, dtype: torch.dtype, training: bool) -
         dout = torch.randn_like(q) if training else None
         def step():
             if training:
-                out = dilated_attention(q, k, v, SEGMENTS, RATES)
+                out = dilated_attention(q, k, v, SEGMENTS, RATES, backend=BACKEND)
                 out.backward(dout)
                 return out, q.grad, k.grad, v.grad
             with torch.no_grad():
-                return dilated_attention(q, k, v, SEGMENTS, RATES)
+                return dilated_attention(q, k, v, SEGMENTS, RATES, backend=BACKEND)
         return step
 
     call(1024)()  # warm-up: imports, first ops
@@ -235,7 +294,7 @@ def max_tokens(dtype: torch.dtype, training: bool, start: int = 1 << 20,
     return lo
 
 
-def measure_memory(n: int, dtype_name: str, training: bool) -> float:
+def measure_memory(n: int, dtype_name: str, training: bool, schedule: str) -> float:
     """`measure_memory_in_this_process` in a fresh process (no earlier allocations);
     on CUDA the allocator's peak in this process."""
     if DEVICE == "cuda":
@@ -244,23 +303,34 @@ def measure_memory(n: int, dtype_name: str, training: bool) -> float:
     strided = {True: "on", False: "off"}[planning.STRIDED_VIEWS.get(DEVICE, False)]
     out = subprocess.run(
         [sys.executable, __file__, "--memory-case", str(n), dtype_name, str(int(training)),
-         "--strided", strided],
+         "--strided", strided, "--schedule", schedule, "--backend", BACKEND],
         env=env, capture_output=True, text=True, check=True,
     )
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def _spread(ts: Sequence[float]) -> str:
+    return "/".join(f"{x:.4f}" for x in (ts[0], statistics.median(ts), ts[-1]))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    parser.add_argument("--schedule", default="longnet", choices=sorted(SCHEDULES),
+                        help="longnet: segments [2048, 4096], rates [1, 2]; geometric: "
+                        "segments 2048..65536, rates 1..32 (w / r = 2048)")
     parser.add_argument("--dense-max", type=int, default=16384,
                         help="skip dense SDPA above this length (it is quadratic)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory-only", action="store_true", help="skip the timings")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--backend", default="auto", choices=BACKENDS,
-                        help="the kernel, for the op and its floor alike")
+                        help="the op's kernel (backend= of dilated_attention)")
+    parser.add_argument("--floor-backend", choices=BACKENDS,
+                        help="the floors' dense kernel (default: --backend, or auto for a "
+                        "backend with no per-launch kernel, such as triton)")
     parser.add_argument("--max-tokens", action="store_true",
                         help="CUDA: find the longest sequence whose forward, and whose forward "
                         "+ backward, fit on the device, then exit")
@@ -272,6 +342,10 @@ def main(argv=None) -> None:
     parser.add_argument("--memory-case", nargs=3, metavar=("N", "DTYPE", "TRAINING"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    global DEVICE, BACKEND, FLOOR_BACKEND, SEGMENTS, RATES
+    SEGMENTS, RATES = SCHEDULES[args.schedule]
+    BACKEND = args.backend
+    FLOOR_BACKEND = args.floor_backend or (BACKEND if BACKEND != "triton" else "auto")
     if args.strided != "auto":
         planning.STRIDED_VIEWS[args.device] = args.strided == "on"
     if args.memory_case:
@@ -279,15 +353,15 @@ def main(argv=None) -> None:
         print(measure_memory_in_this_process(int(n), getattr(torch, dtype_name),
                                              bool(int(training))))
         return
-    global DEVICE, BACKEND
-    DEVICE, BACKEND = args.device, args.backend
+    DEVICE = args.device
     dtype = getattr(torch, args.dtype)
     rows = []
     where = (torch.cuda.get_device_name() if DEVICE == "cuda"
              else f"{torch.get_num_threads()} threads")
-    print(f"torch {torch.__version__}, {where}, dtype {args.dtype}, backend {BACKEND}, "
-          f"strided views {planning.STRIDED_VIEWS.get(DEVICE, False)}, h={HEADS} d={HEAD_DIM} segments={list(SEGMENTS)} rates={list(RATES)} batch 1, "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"torch {torch.__version__}, {where}, dtype {args.dtype}, backend {BACKEND} "
+          f"(floors: {FLOOR_BACKEND}), strided views {planning.STRIDED_VIEWS.get(DEVICE, False)}, "
+          f"h={HEADS} d={HEAD_DIM} schedule {args.schedule}: segments={list(SEGMENTS)} "
+          f"rates={list(RATES)} batch 1, load average {os.getloadavg()[0]:.2f}", flush=True)
     if args.max_tokens:
         if DEVICE != "cuda":
             parser.error("--max-tokens needs --device cuda")
@@ -295,40 +369,50 @@ def main(argv=None) -> None:
             n = max_tokens(dtype, training)
             print(f"longest {'forward + backward' if training else 'forward'}: {n:,} tokens "
                   f"({n / 2**20:.2f} Mi)", flush=True)
-            rows.append(dict(max_tokens=n, backward=training, dtype=args.dtype))
+            rows.append(dict(max_tokens=n, backward=training, dtype=args.dtype,
+                             schedule=args.schedule, backend=BACKEND))
         _write_json(args.json, rows)
         return
-    header = ("n", "pass", "dilated s (min/med/max)", "floor s (min/med/max)",
-              "dilated/floor (median)", "dense s", "tokens/s", "TFLOP/s",
+    header = ("n", "pass", "op s (min/med/max)", "ideal floor s", "per-launch floor s",
+              "op/ideal", "op/per-launch", "per-launch/ideal", "dense s", "tokens/s", "TFLOP/s",
               "working memory (x input)", "bytes/token")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for n in args.seq_lens:
         input_bytes = n * HEADS * HEAD_DIM * torch.tensor([], dtype=dtype).element_size()
         for backward in (False, True):
-            mem = measure_memory(n, args.dtype, backward) / input_bytes
             row = dict(n=n, backward=backward, dtype=args.dtype, device=DEVICE,
-                       memory_inputs=mem, memory_bytes_per_token=mem * input_bytes / n)
-            cells = ["-"] * 6
+                       schedule=args.schedule, backend=BACKEND, floor_backend=FLOOR_BACKEND)
+            mem: Optional[float] = None
+            if not args.no_memory:
+                mem = measure_memory(n, args.dtype, backward, args.schedule) / input_bytes
+                row.update(memory_inputs=mem, memory_bytes_per_token=mem * input_bytes / n)
+            cells = ["-"] * 10
             if not args.memory_only:
-                t = time_cases({impl: run_case(impl, n, dtype, backward)
-                                for impl in ("dilated", "floor")}, args.repeats)
+                t = time_cases({impl: run_case(impl, n, dtype, backward) for impl in TIMED},
+                               args.repeats)
                 dense = None
                 if n <= args.dense_max:
                     dense = statistics.median(time_cases(
                         {"dense": run_case("dense_sdpa", n, dtype, backward)}, args.repeats)["dense"])
                 med = {impl: statistics.median(ts) for impl, ts in t.items()}
-                row.update(dilated_s=t["dilated"], floor_s=t["floor"],
-                           ratio=med["dilated"] / med["floor"], dense_sdpa_s=dense,
-                           tokens_per_s=n / med["dilated"],
+                row.update(dilated_s=t["dilated"], ideal_s=t["ideal"],
+                           per_launch_s=t["per_launch"],
+                           ratio_ideal=med["dilated"] / med["ideal"],
+                           ratio_per_launch=med["dilated"] / med["per_launch"],
+                           per_launch_over_ideal=med["per_launch"] / med["ideal"],
+                           dense_sdpa_s=dense, tokens_per_s=n / med["dilated"],
                            tflops=useful_flops(n, backward) / med["dilated"] / 1e12)
-                cells = ["/".join(f"{x:.4f}" for x in (ts[0], med[i], ts[-1]))
-                         for i, ts in t.items()]
-                cells += [f"{row['ratio']:.3f}", "-" if dense is None else f"{dense:.4f}",
+                cells = [_spread(t[impl]) for impl in TIMED]
+                cells += [f"{row[key]:.3f}" for key in
+                          ("ratio_ideal", "ratio_per_launch", "per_launch_over_ideal")]
+                cells += ["-" if dense is None else f"{dense:.4f}",
                           f"{row['tokens_per_s']:.0f}", f"{row['tflops']:.2f}"]
             rows.append(row)
-            print(f"| {n} | {'fwd+bwd' if backward else 'fwd'} | " + " | ".join(cells) +
-                  f" | {mem:.2f} | {row['memory_bytes_per_token']:.0f} |", flush=True)
+            memory_cells = (["-", "-"] if mem is None
+                            else [f"{mem:.2f}", f"{row['memory_bytes_per_token']:.0f}"])
+            print(f"| {n} | {'fwd+bwd' if backward else 'fwd'} | " + " | ".join(cells + memory_cells)
+                  + " |", flush=True)
     _write_json(args.json, rows)
 
 
