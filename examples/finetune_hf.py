@@ -48,7 +48,9 @@ def build_model(args: argparse.Namespace, group):
     """A 2-layer Llama (4 heads, 2 key/value heads) whose attention is dilated."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    name = register(segment_lengths=SEGMENT_LENGTHS, dilation_rates=DILATION_RATES, group=group)
+    # one name per group: a name's settings hold for every model built with it
+    name = register("dilated_attention" if group is None else "dilated_attention_sp",
+                    segment_lengths=SEGMENT_LENGTHS, dilation_rates=DILATION_RATES, group=group)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=176,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=args.seq_len + max(args.packed, 1),

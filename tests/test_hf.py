@@ -595,9 +595,22 @@ def test_register_checks_its_arguments():
     with pytest.raises(ValueError, match=r"strategy must be one of \('auto', 'exchange', "
                                          r"'ulysses'\), got 'heads'"):
         register("dilated_bad_test", segment_lengths=[8], dilation_rates=[1], strategy="heads")
-    # registering a name again replaces its settings
+    # the same settings again: nothing changes; other settings would change every model
+    # built with the name (they look it up at every call): only with replace=True
     name = register("dilated_again_test", segment_lengths=[8], dilation_rates=[1])
-    assert register(name, segment_lengths=[4], dilation_rates=[2]) == name
+    assert register(name, segment_lengths=[8], dilation_rates=[1]) == name
+    model = build(name)
+    ids = tokens(1, 12)
+    with torch.no_grad():
+        before = model(ids).logits
+        with pytest.raises(ValueError, match=r"'dilated_again_test' is already registered with "
+                                             r"segment_lengths \[8\].*replace=True"):
+            register(name, segment_lengths=[4], dilation_rates=[2])
+        torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
+        assert register(name, segment_lengths=[4], dilation_rates=[2], replace=True) == name
+        assert not torch.allclose(model(ids).logits, before)
+    with pytest.raises(TypeError, match="replace must be a bool"):
+        register(name, segment_lengths=[4], dilation_rates=[1], replace="yes")
     assert AttentionInterface()[name].segment_lengths == (4,)
 
 

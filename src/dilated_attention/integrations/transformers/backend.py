@@ -65,16 +65,22 @@ def _transformers():
 
 
 def register(name: str = "dilated_attention", *, segment_lengths: Sequence[int],
-             dilation_rates: Sequence[int], group=None, strategy: str = "auto") -> str:
+             dilation_rates: Sequence[int], group=None, strategy: str = "auto",
+             replace: bool = False) -> str:
     """Make ``attn_implementation=name`` run dilated attention; returns `name`.
 
-    Registers the attention function and its mask function under `name`
-    (registering the same name again replaces its settings). Then
-    ``AutoModelForCausalLM.from_config(config, attn_implementation=name)``
+    Registers the attention function and its mask function under `name`.
+    Then ``AutoModelForCausalLM.from_config(config, attn_implementation=name)``
     or ``model.set_attn_implementation(name)`` routes every attention
     layer through ``dilated_attention(q, k, v, segment_lengths,
     dilation_rates, group=group)``. With `group`, every rank registers the
     same settings and feeds its own slice of the sequence (``shard_inputs``).
+
+    Models look their attention function up by name at every call, so new
+    settings under a name would change every model already built with it:
+    registering a name again with other settings is a ValueError unless
+    ``replace=True`` (the same settings again return `name`). Register other
+    names for models that need other settings.
     """
     tf = _transformers()
     from transformers.masking_utils import AttentionMaskInterface
@@ -95,7 +101,16 @@ def register(name: str = "dilated_attention", *, segment_lengths: Sequence[int],
                              f"{type(registry).__name__} by someone else: pick another name")
     segs, rates = check.check_patterns(segment_lengths, dilation_rates)
     options = (("strategy", check.check_strategy(strategy)),)
-    tf.AttentionInterface.register(name, _Backend(segs, rates, group, options))
+    backend = _Backend(segs, rates, group, options)
+    current = tf.AttentionInterface().get(name)
+    if isinstance(current, _Backend) and current != backend \
+            and not check.check_bool("replace", replace):
+        raise ValueError(
+            f"name {name!r} is already registered with {current.describe()}; models built with "
+            f"it would run {backend.describe()} from their next call on: pass replace=True to "
+            f"change them all, or register another name for the new settings"
+        )
+    tf.AttentionInterface.register(name, backend)
     AttentionMaskInterface.register(name, build_mask)
     return name
 
@@ -108,6 +123,11 @@ class _Backend:
     dilation_rates: Tuple[int, ...]
     group: Any
     options: Tuple[Tuple[str, Any], ...]  # passed on to dilated_attention (strategy)
+
+    def describe(self) -> str:
+        settings = [f"segment_lengths {list(self.segment_lengths)}",
+                    f"dilation_rates {list(self.dilation_rates)}", f"group {self.group!r}"]
+        return ", ".join(settings + [f"{key} {value!r}" for key, value in self.options])
 
     def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
                  dropout: float = 0.0, scaling: Optional[float] = None,
