@@ -19,7 +19,9 @@ information across the sequence.
 With --world-size P every rank registers the backend with the process group,
 feeds its own contiguous slice of each sequence with the GLOBAL position_ids
 (``shard_inputs``), computes the token-weighted loss over all ranks
-(``causal_lm_loss``; ranks without a query position have no target) and
+(``causal_lm_loss`` from the body's hidden states and ``lm_head``, split by
+``causal_lm_parts``: over chunks of rows, without the logits; ranks without a
+query position have no target) and
 averages the gradients (``all_reduce_gradients``: each rank's backward
 yields P times its own tokens' part, Note [gradients across ranks]). With --packed K the
 documents' position_ids restart at 0, which makes them independent
@@ -34,7 +36,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from dilated_attention.integrations.transformers import causal_lm_loss, register, shard_inputs
+from dilated_attention.integrations.transformers import (causal_lm_loss, causal_lm_parts, register,
+                                                          shard_inputs)
 from dilated_attention.models import IGNORE_INDEX
 # the task, its arguments and the training loop, from the example next to this one (a
 # script's folder is on sys.path, in spawned ranks too)
@@ -94,11 +97,12 @@ def evaluate(model, args: argparse.Namespace, group) -> float:
 def train(args: argparse.Namespace, group=None) -> Dict[str, object]:
     """Train on this process's slice of every sequence; returns the loss curve and accuracy."""
     model = build_model(args, group).train()
+    body, lm_head = causal_lm_parts(model)  # the Llama body and its nn.Linear head
 
     def batch_loss(step: int) -> torch.Tensor:
         ids, labels, pos = recall_batch(args, step)
         inputs, targets = shard_inputs(ids, group, labels=labels, position_ids=pos)
-        return causal_lm_loss(model(**inputs).logits, targets, group)
+        return causal_lm_loss(body(**inputs).last_hidden_state, targets, group, lm_head=lm_head)
 
     result = fit(model, args, group, batch_loss)
     return {**result, "accuracy": evaluate(model, args, group)}

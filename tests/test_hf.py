@@ -31,8 +31,8 @@ from dilated_attention import all_reduce_gradients, dilated_attention
 from dilated_attention.distributed import comm
 from dilated_attention.distributed.sharding import piece_ranges
 from dilated_attention.integrations import transformers as hf
-from dilated_attention.integrations.transformers import (causal_lm_loss, build_mask, register,
-                                                          shard_inputs)
+from dilated_attention.integrations.transformers import (causal_lm_loss, causal_lm_parts,
+                                                          build_mask, register, shard_inputs)
 from dilated_attention.integrations.transformers.masks import Documents
 from dist_harness import run_distributed
 
@@ -314,6 +314,8 @@ def _sp_case_inputs(case: str, n: int):
 
 
 SP_CASES = ("plain", "left_padding", "packed", "last_token_only")
+# sharded, these compute the loss from the hidden states and lm_head (causal_lm_parts)
+CHUNKED_CASES = ("packed", "last_token_only")
 
 
 def _sp_rank(group):
@@ -333,8 +335,16 @@ def _sp_rank(group):
             model = build(impl)
             inputs, targets = shard_inputs(ids, g, labels=labels, position_ids=pos,
                                            attention_mask=mask)
-            logits = model(**inputs).logits
-            loss = causal_lm_loss(logits, targets, g)
+            if g is not None and case in CHUNKED_CASES:
+                # the body's hidden states and lm_head: the loss over chunks of 3 rows
+                body, head = causal_lm_parts(model)
+                hidden = body(**inputs).last_hidden_state
+                logits = head(hidden)
+                loss = causal_lm_loss(hidden, targets, g, lm_head=head,
+                                      chunk_bytes=3 * VOCAB * 8)
+            else:
+                logits = model(**inputs).logits
+                loss = causal_lm_loss(logits, targets, g)
             loss.backward()
             all_reduce_gradients(model, g)
             out[label] = (logits.detach(), loss.detach(), grads(model))
@@ -398,6 +408,37 @@ def test_causal_lm_loss_equals_transformers_loss():
                                                 labels[:, 1:].flatten(), ignore_index=-100)
     torch.testing.assert_close(ours, shifted, **TOL)
     torch.testing.assert_close(ours, theirs.double(), rtol=1e-6, atol=0)
+
+
+def test_causal_lm_loss_from_hidden_states_and_lm_head():
+    """causal_lm_parts + causal_lm_loss(hidden, ..., lm_head=): the loss and gradients of the
+    logits path, tied and untied heads; what it refuses."""
+    ids, labels, _, _ = _sp_case_inputs("plain", 23)
+    for tie in (False, True):
+        model = build(DILATED, tie_word_embeddings=tie)
+        inputs, targets = shard_inputs(ids, None, labels=labels)
+        runs = []
+        for chunked in (False, True):
+            model.zero_grad(set_to_none=True)
+            if chunked:
+                body, head = causal_lm_parts(model)
+                loss = causal_lm_loss(body(**inputs).last_hidden_state, targets, None,
+                                      lm_head=head, chunk_bytes=5 * VOCAB * 8)
+            else:
+                loss = causal_lm_loss(model(**inputs).logits, targets, None)
+            loss.backward()
+            runs.append((loss.detach(), grads(model)))
+        torch.testing.assert_close(runs[1][0], runs[0][0], **TOL)
+        assert_grads_equal(runs[1][1], runs[0][1])
+    with pytest.raises(ValueError, match=r"hidden states \(batch, seq_len, 32\) for lm_head"):
+        causal_lm_loss(torch.zeros(1, 4, VOCAB), torch.zeros(1, 4), None, lm_head=head)
+    with pytest.raises(TypeError, match="lm_head must be the model's torch.nn.Linear head"):
+        causal_lm_loss(torch.zeros(1, 4, 32), torch.zeros(1, 4), None, lm_head=body)
+    capped = build(DILATED, final_logit_softcapping=30.0)
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
+        causal_lm_parts(capped)
+    with pytest.raises(ValueError, match="no nn.Linear output head"):
+        causal_lm_parts(body)
 
 
 def test_shard_inputs_masks_document_ends():

@@ -92,7 +92,7 @@ def test_lm_shapes_and_loss(tie):
     model = LongNetLM(small_config(tie_embeddings=tie, num_kv_heads=2))
     assert (model.head is None) == tie
     tokens, targets = _data(2, 29, 23)
-    logits, loss = model(tokens, targets)
+    logits, loss = model(tokens, targets, return_logits=True)
     assert logits.shape == (2, 29, 23)
     expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
     torch.testing.assert_close(loss, expected)
@@ -117,7 +117,7 @@ def test_encoder_decoder_shapes():
     model = LongNet(small_config())
     src, _ = _data(2, 19, 23, seed=1)
     tgt, targets = _data(2, 11, 23, seed=2)
-    logits, loss = model(src, tgt, targets)
+    logits, loss = model(src, tgt, targets, return_logits=True)
     assert logits.shape == (2, 11, 23) and loss.ndim == 0
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
@@ -144,9 +144,12 @@ def test_dtype_plumbing():
     model = LongNetLM(small_config(), dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     tokens, targets = _data(1, 17, 23)
-    logits, loss = model(tokens, targets)
+    logits, loss = model(tokens, targets, return_logits=True)
     assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
     assert torch.isfinite(loss)
+    _, chunked = model(tokens, targets)  # the head in bfloat16, the loss in float32
+    assert chunked.dtype == torch.float32
+    torch.testing.assert_close(chunked, loss)
 
 
 def test_magneto_gains():
@@ -209,7 +212,8 @@ def test_packed_documents_equal_training_them_one_by_one(how):
     _perturb(model)
     tokens, targets = _data(2, 37, 23, seed=4)
     kwargs = {"cu_seqlens": PACKED} if how == "cu_seqlens" else {"position_ids": _restarts(37)}
-    logits, loss = model(tokens, targets, **kwargs)
+    logits, loss = model(tokens, targets, return_logits=True, **kwargs)
+    torch.testing.assert_close(model(tokens, targets, **kwargs)[1], loss, rtol=1e-12, atol=0)
     total, count = 0.0, 0
     for s, e in zip(PACKED[:-1], PACKED[1:]):
         if e == s:
@@ -314,26 +318,33 @@ def _restarts(n: int) -> torch.Tensor:
     return rows - cu[torch.searchsorted(cu, rows, right=True) - 1]
 
 
-def _step(model, group, tokens, targets, *extra, **kwargs):
+def _step(model, group, tokens, targets, *extra, return_logits=False, **kwargs):
     """One training step's loss and full parameter gradients, on this rank's pieces."""
     model.zero_grad(set_to_none=True)
     pieces = [shard_sequence(x, group) for x in (*extra, tokens, targets)]
     if "position_ids" in kwargs:
         kwargs = {"position_ids": shard_sequence(kwargs["position_ids"], group, dim=0)}
-    _, loss = model(*pieces, **kwargs)
+    _, loss = model(*pieces, return_logits=return_logits, **kwargs)
     loss.backward()
     all_reduce_gradients(model, group)
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+# the loss over chunks of 3 rows (float64, vocabulary 23), several in every piece
+CHUNKS = dict(loss_chunk_bytes=3 * 23 * 8)
+
+
 def _sp_cases(group):
+    """Each case: the sharded model's loss (over chunks, no logits) and gradients equal one
+    process's loss from its logits."""
     cases = [
-        ("lm", dict(), 37),  # 37 tokens: uneven pieces
-        ("lm", dict(num_kv_heads=2, positions="learned", max_seq_len=40, tie_embeddings=False), 40),
+        ("lm", CHUNKS, 37),  # 37 tokens: uneven pieces
+        ("lm", dict(num_kv_heads=2, positions="learned", max_seq_len=40, tie_embeddings=False,
+                    **CHUNKS), 40),
         ("lm", dict(checkpoint_activations=True, segment_lengths=(64,), dilation_rates=(1,)), 31),
         ("encdec", dict(num_kv_heads=3), 26),
         ("lm", dict(), 2),  # 3 ranks: the last piece is empty
-        ("packed", dict(positions="learned", max_seq_len=20), 37),  # documents cross pieces
+        ("packed", dict(positions="learned", max_seq_len=20, **CHUNKS), 37),  # cross pieces
         ("restart", dict(), 37),  # the same documents, given as restarting position_ids
     ]
     done = []
@@ -348,7 +359,7 @@ def _sp_cases(group):
         tokens, targets = _data(2, n, config.vocab_size, seed=n)
         extra = () if kind != "encdec" else (_data(2, n + 5, config.vocab_size, seed=1)[0],)
         docs = {"packed": dict(cu_seqlens=PACKED), "restart": dict(position_ids=_restarts(n))}
-        ref_loss, ref_grads = _step(models[0], None, tokens, targets, *extra,
+        ref_loss, ref_grads = _step(models[0], None, tokens, targets, *extra, return_logits=True,
                                     **docs.get(kind, {}))
         loss, grads = _step(models[1], group, tokens, targets, *extra, **docs.get(kind, {}))
         torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)

@@ -1,4 +1,4 @@
-"""What both LongNet models share: embeddings, positions, the head, the loss, running blocks.
+"""What both LongNet models share: embeddings, positions, the head and loss, running blocks.
 
 Notation: b batch, n tokens (this rank's piece under sequence parallelism),
 e embed dim, v vocabulary.
@@ -17,7 +17,7 @@ from .. import validation as check
 from ..distributed import comm
 from .config import LongNetConfig
 from .layers import Block, Positions
-from .loss import token_mean_loss
+from .loss import chunked_token_mean_loss, token_mean_loss
 
 
 class LongNetBase(nn.Module):
@@ -88,14 +88,30 @@ class LongNetBase(nn.Module):
                 x = layer(x, memory, cu_seqlens)
         return x
 
+    def head_weight(self) -> Tensor:
+        """(v, e): the head's weight, the token embedding's when tied."""
+        return self.embed.weight if self.head is None else self.head.weight
+
     def logits(self, x: Tensor) -> Tensor:
         """Final hidden states (b, n, e) -> (b, n, v), through the (tied) head."""
         if self.head is None:
             return F.linear(x, self.embed.weight)
         return self.head(x)
 
-    def _loss(self, logits: Tensor, targets: Optional[Tensor]) -> Optional[Tensor]:
+    def _head_and_loss(self, x: Tensor, targets: Optional[Tensor],
+                       return_logits: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """Final hidden states (b, n, e) -> (logits or None, loss or None).
+
+        With targets and not return_logits the loss runs over chunks of rows
+        and no logits exist (Note [chunked head loss] in loss.py).
+        """
+        check.check_bool("return_logits", return_logits)
+        if targets is not None and not return_logits:
+            return None, chunked_token_mean_loss(x, self.head_weight(), targets.long(),
+                                                 self.process_group,
+                                                 chunk_bytes=self.config.loss_chunk_bytes)
+        logits = self.logits(x)
         if targets is None:
-            return None
-        return token_mean_loss(logits, targets.long(), self.process_group)
+            return logits, None
+        return logits, token_mean_loss(logits, targets.long(), self.process_group)
 

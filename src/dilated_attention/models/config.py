@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 import torch.nn.functional as F
 
 from .. import validation as check
+from .loss import LOSS_CHUNK_BYTES
 
 ACTIVATIONS = types.MappingProxyType({"gelu": F.gelu, "relu": F.relu, "silu": F.silu})
 POSITIONS = ("sinusoidal", "learned")
@@ -27,6 +28,12 @@ class LongNetConfig:
     num_layers is the decoder depth; num_encoder_layers is used by the
     encoder-decoder ``LongNet`` only. max_seq_len bounds the global positions
     of ``positions="learned"`` (sinusoidal positions have no bound).
+
+    Training memory (results are the same whatever they are):
+    ``checkpoint_activations`` recomputes each block in backward;
+    ``loss_chunk_bytes`` bounds one chunk of the logits that the loss
+    computes with targets (fp32 for half-precision models), Note [chunked
+    head loss] in models/loss.py.
     """
 
     vocab_size: int = 64
@@ -47,10 +54,11 @@ class LongNetConfig:
     bias: bool = True
     tie_embeddings: bool = True
     checkpoint_activations: bool = False
+    loss_chunk_bytes: int = LOSS_CHUNK_BYTES
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "ffn_dim",
-                     "num_encoder_layers", "max_seq_len"):
+                     "num_encoder_layers", "max_seq_len", "loss_chunk_bytes"):
             check.check_optional_positive_int(name, getattr(self, name))
         check.check_optional_positive_int("num_kv_heads", self.num_kv_heads)
         if self.embed_dim % self.num_heads:

@@ -27,7 +27,8 @@ class LongNet(LongNetBase):
     """Encoder-decoder LongNet: dilated self-attention in both stacks.
 
     ``forward(src_tokens, tgt_tokens, targets=None)`` -> ``(logits (b, n_tgt,
-    v), loss)``. The encoder attends bidirectionally, the decoder causally,
+    v), None)`` without targets, ``(None, loss)`` with them (the loss over
+    chunks of rows, as LongNetLM's; ``return_logits=True``: both). The encoder attends bidirectionally, the decoder causally,
     then (plain dense attention) over the whole encoder output. Source and
     target share the token embedding (and the head when tied).
 
@@ -51,8 +52,8 @@ class LongNet(LongNetBase):
 
     def forward(
         self, src_tokens: Tensor, tgt_tokens: Tensor, targets: Optional[Tensor] = None, *,
-        labels: Optional[Tensor] = None,
-    ) -> Tuple[Tensor, Optional[Tensor]]:
+        labels: Optional[Tensor] = None, return_logits: bool = False,
+    ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         group = self.process_group
         targets, target_name = pick_targets(targets, labels)
         vocab = self.config.vocab_size
@@ -82,5 +83,4 @@ class LongNet(LongNetBase):
         if comm.is_distributed(group):
             memory = gather_pieces(memory, group, lengths["src"])
         x = self._run(self.decoder, self.embed_at(tgt_tokens, tgt_pos), memory)
-        logits = self.logits(self.decoder_norm(x))
-        return logits, self._loss(logits, targets)
+        return self._head_and_loss(self.decoder_norm(x), targets, return_logits)

@@ -41,12 +41,15 @@ from .layers import magneto_gamma
 class LongNetLM(LongNetBase):
     """Decoder-only LongNet language model.
 
-    ``forward(tokens, targets=None)`` with tokens (b, n) int ids returns
-    ``(logits (b, n, v), loss)``; loss is None without targets, else the mean
-    cross-entropy over every target that is not ``IGNORE_INDEX`` (-100),
-    over the whole sequence of all ranks (0, with zero gradients, when every
-    target is ignored). Targets are aligned with tokens (shift them
-    yourself: targets[:, i] is the token after tokens[:, i]).
+    ``forward(tokens)`` with tokens (b, n) int ids returns ``(logits (b, n,
+    v), None)``; ``forward(tokens, targets)`` returns ``(None, loss)``: the
+    mean cross-entropy over every target that is not ``IGNORE_INDEX``
+    (-100), over the whole sequence of all ranks (0, with zero gradients,
+    when every target is ignored), computed over chunks of rows without
+    ever holding the (b, n, v) logits (``return_logits=True`` computes and
+    returns them too, at their memory cost). Targets are aligned with
+    tokens (shift them yourself: targets[:, i] is the token after
+    tokens[:, i]).
 
     With ``process_group`` set, tokens/targets are this rank's contiguous
     piece of each sequence, logits are this piece's, and the loss is the
@@ -66,9 +69,10 @@ class LongNetLM(LongNetBase):
 
     def forward(
         self, tokens: Tensor, targets: Optional[Tensor] = None, *, labels: Optional[Tensor] = None,
-        cu_seqlens=None, position_ids: Optional[Tensor] = None,
-    ) -> Tuple[Tensor, Optional[Tensor]]:
-        """tokens (b, n) -> (logits (b, n, v), loss or None).
+        cu_seqlens=None, position_ids: Optional[Tensor] = None, return_logits: bool = False,
+    ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """tokens (b, n) -> (logits (b, n, v) or None, loss or None): logits without targets
+        or with return_logits, the loss with targets.
 
         Packed documents: ``cu_seqlens`` (global boundaries [0, c1, ..., N],
         shared by the batch) or ``position_ids`` that restart at 0 where a
@@ -99,8 +103,7 @@ class LongNetLM(LongNetBase):
         documents = documents_of(infos, pieces, total)
         positions = self._positions_of(tokens, start, documents, position_ids, infos)
         x = self._run(self.layers, self.embed_at(tokens, positions), cu_seqlens=documents)
-        logits = self.logits(self.norm(x))
-        return logits, self._loss(logits, targets)
+        return self._head_and_loss(self.norm(x), targets, return_logits)
 
     def _positions_of(self, tokens: Tensor, start: int, documents: Optional[Tuple[int, ...]],
                       position_ids: Optional[Tensor], infos) -> Tensor:

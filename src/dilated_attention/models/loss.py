@@ -1,19 +1,63 @@
 """The language-model loss: token-mean cross-entropy over every rank, and its gradient convention.
 
-Under sequence parallelism each rank holds its own tokens' logits; the loss
-is the global token mean on every rank and its gradient P times this rank's
-share (Note [gradients across ranks] in distributed/sharding.py).
+Under sequence parallelism each rank holds its own tokens; the loss is the
+global token mean on every rank and its gradient P times this rank's share
+(Note [gradients across ranks] in distributed/sharding.py).
+
+Two ways to the same loss: ``token_mean_loss`` from logits, and
+``chunked_token_mean_loss`` from the final hidden states and the head's
+weight, which never holds the logits (Note [chunked head loss]).
+
+Notation: b batch, n tokens (this rank's piece), e embed dim, v vocabulary,
+r rows of one chunk.
+
+Note [chunked head loss]
+    The logits of n tokens take n v accumulator-dtype numbers (fp32 for
+    half-precision models): 4.2 GB for 32K tokens of a 32K vocabulary, and
+    autograd keeps them, their fp32 copy and their gradient alive together.
+    ``chunked_token_mean_loss`` computes the summed cross-entropy r rows at
+    a time (r chosen so that one chunk's accumulator logits take at most
+    ``chunk_bytes``): per chunk the logits, their log-sum-exp and the
+    picked target logit, then the chunk is dropped; it saves only the
+    hidden states (b n, e), which the head would have saved anyway, and
+    the per-row log-sum-exp (b n). Backward recomputes each chunk's logits,
+    forms softmax - onehot(target) scaled by the incoming gradient (zero on
+    ignored rows), and accumulates d hidden chunk by chunk and d weight
+    (and d bias) over the chunks, in the accumulator dtype. Peak extra
+    memory: about one chunk's logits plus one (v, e) accumulator, whatever n.
+    The matmuls run in the model's dtype and the softmax in the accumulator
+    dtype, as the plain path (``F.linear`` then ``token_mean_loss``) does,
+    so the loss and gradients equal the plain ones to rounding (fp64 tests).
 """
 
 from __future__ import annotations
+
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import validation as check
 from ..distributed.sharding import sum_across_ranks
 
 IGNORE_INDEX = -100
+
+# One chunk's accumulator logits (Note [chunked head loss]): at most 64 MiB; 167 rows of
+# LongNet's 100,277-id vocabulary, 524 rows of a 32,000-id one (fp32).
+LOSS_CHUNK_BYTES = 64 * 2**20
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the loss is computed in: fp32 for half-precision logits, fp64 stays fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def loss_chunk_rows(vocab_size: int, dtype: torch.dtype,
+                    chunk_bytes: int = LOSS_CHUNK_BYTES) -> int:
+    """Rows per chunk: the most whose accumulator-dtype logits fit in chunk_bytes (at least 1)."""
+    itemsize = torch.empty((), dtype=accumulator_dtype(dtype)).element_size()
+    return max(1, chunk_bytes // (itemsize * vocab_size))
 
 
 def token_mean_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
@@ -28,14 +72,134 @@ def token_mean_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
     gradients over the group (all_reduce_gradients, DDP, FSDP2) sums the
     shares (Note [gradients across ranks] in distributed/sharding.py).
     """
-    # fp32 for half-precision logits (fp64 stays fp64)
-    acc = torch.promote_types(logits.dtype, torch.float32)
-    # (b, n, v) -> (b * n, v)
-    total = F.cross_entropy(
-        logits.to(acc).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    count = (targets != IGNORE_INDEX).sum().to(acc)
+    # (b, n, v) -> (b n, v)
+    total = F.cross_entropy(logits.to(accumulator_dtype(logits.dtype)).flatten(0, 1),
+                            targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return _mean_over_ranks(total, targets, group)
+
+
+def chunked_token_mean_loss(hidden: Tensor, weight: Tensor, targets: Tensor, group, *,
+                            bias: Optional[Tensor] = None,
+                            chunk_bytes: int = LOSS_CHUNK_BYTES) -> Tensor:
+    """``token_mean_loss(F.linear(hidden, weight, bias), targets, group)`` without the logits.
+
+    hidden (b, n, e) the final hidden states, weight (v, e) the head's (the
+    token embedding when tied), bias (v,) or None, targets (b, n). The
+    cross-entropy runs over chunks of rows whose accumulator-dtype logits
+    take at most `chunk_bytes`, recomputed in backward (Note [chunked head
+    loss]); value, gradients and the sequence-parallel convention are
+    ``token_mean_loss``'s. Under autocast the head runs in the autocast
+    dtype, as ``F.linear`` would.
+    """
+    chunk_bytes = check.check_positive_int("chunk_bytes", chunk_bytes)
+    compute = _linear_dtype(hidden)
+    rows = loss_chunk_rows(weight.shape[0], compute, chunk_bytes)
+    # (b, n, e) -> (b n, e); (b, n) -> (b n,)
+    total = _ChunkedHeadLoss.apply(hidden.flatten(0, 1), weight, bias, targets.flatten(), rows,
+                                   compute)
+    return _mean_over_ranks(total, targets, group)
+
+
+def _linear_dtype(hidden: Tensor) -> torch.dtype:
+    """The dtype ``F.linear(hidden, ...)`` computes in here: autocast's, else hidden's."""
+    kind = hidden.device.type
+    if hidden.dtype != torch.float64 and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return hidden.dtype
+
+
+def _mean_over_ranks(total: Tensor, targets: Tensor, group) -> Tensor:
+    """The global token mean from this rank's summed loss: one all-reduce of (sum, count)."""
+    count = (targets != IGNORE_INDEX).sum().to(total.dtype)
     summed = sum_across_ranks(torch.stack([total, count]), group)
     # count 0 means total 0 (an empty sum): 0 / 1 instead of NaN; count >= 1 is unchanged
     return summed[0] / summed[1].clamp(min=1)
 
+
+def head_loss_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
+                      rows: int) -> Tuple[Tensor, Tensor]:
+    """hidden (N, e), targets (N,) -> (summed cross-entropy of the non-ignored rows, lse (N,)).
+
+    hidden, weight and bias in one dtype (the model's); the sums in its accumulator dtype.
+    """
+    acc = accumulator_dtype(hidden.dtype)
+    total = torch.zeros((), dtype=acc, device=hidden.device)
+    lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+    for start in range(0, hidden.shape[0], rows):
+        stop = min(start + rows, hidden.shape[0])
+        logits = F.linear(hidden[start:stop], weight, bias).to(acc)  # (r, v)
+        t = targets[start:stop]
+        torch.logsumexp(logits, dim=-1, out=lse[start:stop])
+        # (r,) -> (r, 1) indices: each row's target logit (ignored rows read column 0)
+        picked = logits.gather(1, t.clamp(min=0)[:, None])[:, 0]
+        total += torch.where(t != IGNORE_INDEX, lse[start:stop] - picked, 0).sum()
+    return total, lse
+
+
+def head_loss_backward(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                       targets: Tensor, lse: Tensor, rows: int,
+                       needs: Tuple[bool, bool, bool]) -> Tuple[Optional[Tensor], ...]:
+    """Gradients of ``grad * total`` w.r.t. (hidden, weight, bias), those `needs` asks for.
+
+    d logits = grad (softmax - onehot(target)) on kept rows, 0 on ignored
+    ones, cast to the model's dtype (as the plain path casts it back); then
+    d hidden = d logits @ weight chunk by chunk, and d weight += d logits^T
+    hidden and d bias += its column sums over the chunks, summed in the
+    accumulator dtype (returned in it: the caller casts).
+    """
+    acc = lse.dtype
+    need_h, need_w, need_b = needs
+    dh = torch.empty_like(hidden) if need_h else None
+    dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+    db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+    for start in range(0, hidden.shape[0], rows):
+        stop = min(start + rows, hidden.shape[0])
+        h, t = hidden[start:stop], targets[start:stop]
+        keep = t != IGNORE_INDEX
+        # the softmax in place: exp(logits - lse), (r, v)
+        d = F.linear(h, weight, bias).to(acc).sub_(lse[start:stop, None]).exp_()
+        # (r,) -> (r, 1): minus one at each kept row's target
+        d.scatter_add_(1, t.clamp(min=0)[:, None], -keep.to(acc)[:, None])
+        d = d.mul_((grad * keep)[:, None]).to(hidden.dtype)
+        if need_h:
+            torch.mm(d, weight, out=dh[start:stop])
+        if need_w:
+            if d.dtype == acc:
+                dw.addmm_(d.t(), h)
+            else:  # half precision: each chunk's product in it, their sum in fp32
+                dw += torch.mm(d.t(), h)
+        if need_b:
+            db += d.sum(0, dtype=acc)
+    return dh, dw, db
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """hidden (N, e), weight (v, e), bias, targets (N,) -> summed cross-entropy.
+
+    The head runs in `compute` (the model's dtype, or autocast's) with
+    autocast off inside, in forward and backward alike; gradients come back
+    in each input's own dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, rows, compute):
+        with torch.autocast(hidden.device.type, enabled=False):
+            total, lse = head_loss_forward(*_cast(compute, hidden, weight, bias), targets, rows)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.rows, ctx.compute = rows, compute
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        needs = tuple(ctx.needs_input_grad[:3])
+        with torch.autocast(hidden.device.type, enabled=False):
+            grads = head_loss_backward(grad, *_cast(ctx.compute, hidden, weight, bias), targets,
+                                       lse, ctx.rows, needs)
+        dh, dw, db = (None if g is None else g.to(x.dtype)
+                      for g, x in zip(grads, (hidden, weight, bias)))
+        return dh, dw, db, None, None, None
+
+
+def _cast(dtype: torch.dtype, *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    return tuple(None if t is None else t.to(dtype) for t in tensors)

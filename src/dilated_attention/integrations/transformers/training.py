@@ -11,6 +11,12 @@ gradient convention; after ``backward`` average the parameter gradients over
 the sequence-parallel ranks with ``dilated_attention.all_reduce_gradients(model,
 pg)`` (or wrap the model in DDP / FSDP2 over ranks that include them; Note
 [gradients across ranks] in distributed/sharding.py).
+
+Long sequences: the logits of n tokens take n v floats (the loss upcasts them
+to fp32). ``causal_lm_parts`` splits a causal LM into its body and its
+``lm_head``; ``causal_lm_loss(hidden_states, targets, pg, lm_head=lm_head)``
+then computes the same loss over chunks of rows, never holding the logits
+(Note [chunked head loss] in models/loss.py).
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ...distributed import comm
 from ...distributed.sharding import shard_sequence
-from ...models import IGNORE_INDEX, token_mean_loss
+from ...models.loss import (IGNORE_INDEX, LOSS_CHUNK_BYTES, chunked_token_mean_loss,
+                            token_mean_loss)
 from .documents import restarts
 from .refusals import describe
 
@@ -98,8 +105,17 @@ def shard_inputs(input_ids: Tensor, group, *, labels: Optional[Tensor] = None,
     return inputs, shard_sequence(targets, group)
 
 
-def causal_lm_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
-    """Token-weighted mean cross-entropy over every rank's (logits, targets) of `shard_inputs`.
+def causal_lm_loss(outputs: Tensor, targets: Tensor, group, *,
+                   lm_head: Optional[nn.Linear] = None,
+                   chunk_bytes: int = LOSS_CHUNK_BYTES) -> Tensor:
+    """Token-weighted mean cross-entropy over every rank's (outputs, targets) of `shard_inputs`.
+
+    `outputs` are the logits (b, n, v) (``model(**inputs).logits``) or,
+    with `lm_head` (the model's ``nn.Linear`` head, see
+    ``causal_lm_parts``), the final hidden states (b, n, e) that lm_head
+    maps to the logits: the loss then runs over chunks of rows whose fp32
+    logits take at most `chunk_bytes`, recomputed in backward, and the
+    (b, n, v) logits never exist (same value and gradients, to rounding).
 
     The same value on every rank, equal to the single-process loss. Every
     rank must call it (one whose targets are all -100 too: no hang). Its
@@ -111,8 +127,62 @@ def causal_lm_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
     the ranks' parameters stay equal (the attention backend does not see
     the parameters): LongNetLM's forward does.
     """
-    if not isinstance(logits, Tensor) or not isinstance(targets, Tensor) \
-            or logits.dim() != 3 or tuple(targets.shape) != tuple(logits.shape[:2]):
-        raise ValueError(f"logits must be (batch, seq_len, vocab) and targets (batch, seq_len), "
-                         f"got {describe(logits)} and {describe(targets)}")
-    return token_mean_loss(logits, targets.long(), group)
+    width = None
+    if lm_head is not None:
+        if not isinstance(lm_head, nn.Linear):
+            raise TypeError(f"lm_head must be the model's torch.nn.Linear head, got "
+                            f"{type(lm_head).__name__}")
+        width = lm_head.in_features
+    if not isinstance(outputs, Tensor) or not isinstance(targets, Tensor) \
+            or outputs.dim() != 3 or tuple(targets.shape) != tuple(outputs.shape[:2]) \
+            or width not in (None, outputs.shape[2]):
+        what = "logits (batch, seq_len, vocab)" if lm_head is None else \
+            f"hidden states (batch, seq_len, {width}) for lm_head"
+        raise ValueError(f"outputs must be the {what} and targets (batch, seq_len), got "
+                         f"{describe(outputs)} and {describe(targets)}")
+    if lm_head is None:
+        return token_mean_loss(outputs, targets.long(), group)
+    return chunked_token_mean_loss(outputs, lm_head.weight, targets.long(), group,
+                                   bias=lm_head.bias, chunk_bytes=chunk_bytes)
+
+
+# Config fields with which a causal LM's forward changes the logits after lm_head.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                     "lm_head_multiplier")
+
+
+def causal_lm_parts(model: nn.Module) -> Tuple[nn.Module, nn.Linear]:
+    """(body, lm_head) of a transformers causal LM whose logits are
+    ``lm_head(body(**inputs).last_hidden_state)``, for ``causal_lm_loss(..., lm_head=)``.
+
+        body, lm_head = causal_lm_parts(model)
+        hidden = body(**inputs).last_hidden_state
+        loss = causal_lm_loss(hidden, targets, pg, lm_head=lm_head)
+
+    That is the forward of the Llama-style ``...ForCausalLM`` classes
+    (Llama, Mistral, Qwen2/3, Phi-3, ...; tested: Llama), whose body is
+    ``model.base_model`` and whose head ``model.get_output_embeddings()`` is
+    an ``nn.Linear``. Refused with a ValueError: a model without such a
+    head or body, and configs that scale or cap the logits after the head
+    (Gemma 2/3 ``final_logit_softcapping``, Cohere ``logit_scale``, Granite
+    ``logits_scaling``, Falcon-H1 ``lm_head_multiplier``): for those
+    compute ``model(**inputs).logits``. The body runs without the outer
+    model's module hooks: under FSDP2 the chunked loss reads
+    ``lm_head.weight`` directly, so use it with DDP or
+    ``all_reduce_gradients``, not with a sharded head.
+    """
+    name = type(model).__name__
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    body = getattr(model, "base_model", model)
+    if not isinstance(head, nn.Linear) or body is model:
+        raise ValueError(f"causal_lm_parts: {name} has no nn.Linear output head "
+                         f"(get_output_embeddings()) and base_model body; pass "
+                         f"model(**inputs).logits to causal_lm_loss instead")
+    config = getattr(model, "config", None)
+    for field in _LOGIT_TRANSFORMS:
+        value = getattr(config, field, None)
+        if value is not None and value != 1:
+            raise ValueError(f"causal_lm_parts: {name} transforms its logits after lm_head "
+                             f"({field}={value!r}); pass model(**inputs).logits to "
+                             f"causal_lm_loss instead")
+    return body, head
