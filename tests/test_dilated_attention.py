@@ -194,7 +194,7 @@ def test_long_sequence_matches_reference(backend: str) -> None:
 
 def test_decoding_with_huge_pattern_values() -> None:
     """The cached (decoding) path plans a query row alone: huge rates there too."""
-    from dilated_attention.dilated import cached_dilated_attention
+    from dilated_attention.decoding import cached_dilated_attention
 
     cfg = CORNERS[-3]
     q, k, v, _, _ = make_inputs(cfg, torch.float64)

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 
 from dilated_attention import LongNet, LongNetConfig, LongNetLM, dilated_attention
 from dilated_attention import all_reduce_gradients
-from dilated_attention.dilated import cached_dilated_attention
+from dilated_attention.decoding import cached_dilated_attention
 from dilated_attention.models import IGNORE_INDEX
-from dilated_attention.models.generation import decode, new_caches
+from dilated_attention.decoding import CachePlan
+from dilated_attention.models.generation import decode_token, prefill
 from dilated_attention.distributed.sharding import shard_sequence
 
 from dist_harness import run_distributed
@@ -287,13 +288,129 @@ def test_generate_with_cache_equals_without():
     torch.testing.assert_close(sampled[0], sampled[1], rtol=0, atol=0)
     assert not torch.equal(sampled[0], greedy)
     # the per-step logits of the cached path equal a full forward over the sequence
-    caches = new_caches(model, prompt, 36)
     with torch.no_grad():
-        steps = [decode(model, greedy[:, :6], caches, 0)]
-        steps += [decode(model, greedy[:, i : i + 1], caches, i) for i in range(6, 36)]
+        hidden, caches = prefill(model.eval(), greedy[:, :6], CachePlan.of(6, 30, 1, 0))
+        steps = [hidden]
+        steps += [decode_token(model, greedy[:, i], i, caches) for i in range(6, 36)]
         full = model(greedy)[0]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full)
+        model.train()
+    torch.testing.assert_close(model.logits(model.norm(torch.stack(steps, dim=1))), full[:, 5:])
     assert model.training  # generate restores the mode it found
+
+
+@pytest.mark.parametrize("n, new, size", [(37, 12, 3), (2, 9, 3), (5, 1, 4), (16, 17, 2), (1, 1, 1)])
+def test_cache_plan_places_every_row_once_and_balances(n, new, size):
+    plans = [CachePlan.of(n, new, size, rank) for rank in range(size)]
+    rows = sorted(p for plan in plans for part in (plan.prompt, plan.block)
+                  for p in range(*part))
+    assert rows == list(range(n + new))
+    counts = [sum(stop - start for start, stop in (p.prompt, p.block)) for p in plans]
+    assert max(counts) - min(counts) <= 1  # (n + new) / P each, the first ranks one more
+    assert all(plans[0].owner(t) == r for r, p in enumerate(plans) for t in range(*p.block))
+    with pytest.raises(ValueError, match=f"position {n + new} is outside"):
+        plans[0].owner(n + new)
+
+
+# ---------------------------------------------------------------------------
+# Sharded generation: P spawned gloo ranks generate what one process generates
+
+
+GEN_CASES = [
+    # (config overrides, batch, prompt length, new tokens): the patterns (4, 8, 16) cross
+    # the pieces and the blocks of new rows; a prompt shorter than P leaves pieces empty
+    (dict(), 2, 23, 12),
+    (dict(num_kv_heads=2, positions="learned", max_seq_len=40, tie_embeddings=False), 1, 29, 11),
+    (dict(segment_lengths=(3, 5, 64), dilation_rates=(1, 2, 3), num_kv_heads=3), 3, 2, 14),
+    (dict(), 1, 1, 6),
+]
+
+
+def _generation_models(group, overrides):
+    """The same fp64 model twice: on one process, and over `group`."""
+    models = []
+    for g in (None, group):
+        torch.manual_seed(0)
+        model = LongNetLM(small_config(**overrides), dtype=torch.float64, process_group=g)
+        _perturb(model)
+        models.append(model)
+    return models
+
+
+def _sharded_generation(group):
+    from dilated_attention.distributed import comm
+
+    rank, size = comm.group_rank(group), comm.group_size(group)
+    results = []
+    for case, (overrides, b, n, new) in enumerate(GEN_CASES):
+        one, sharded = _generation_models(group, overrides)
+        prompt, _ = _data(b, n, 23, seed=n)
+        modes = (dict(), dict(temperature=0.9, top_k=7), dict(use_cache=False))
+        for kwargs in modes if case < 2 else modes[:2]:
+            outs = []
+            for model in (one, sharded):
+                if "temperature" in kwargs:
+                    kwargs["generator"] = torch.Generator().manual_seed(5)
+                outs.append(model.generate(prompt, new, **kwargs))
+            assert torch.equal(outs[1], outs[0]), (overrides, n, kwargs)
+            results.append(outs[1])
+        # the cache: this rank's rows only; traffic per decode step: one all-gather per layer
+        plan = CachePlan.of(n, new - 1, size, rank)
+        with torch.no_grad():
+            sharded.eval()
+            hidden, caches = prefill(sharded, outs[1][:, :n], plan)
+            assert all(sum(r.count for r in c.rows()) == plan.prompt[1] - plan.prompt[0]
+                       for c in caches)
+            with comm.count_communication() as stats:
+                decode_token(sharded, outs[1][:, n], n, caches)
+        layers, heads = sharded.config.num_layers, sharded.config.num_heads
+        head_dim = sharded.config.embed_dim // heads
+        assert stats.agreements == 0
+        assert stats.messages == stats.messages_of("all_gather") == layers
+        # (out, lse) of b x h query heads in fp64 accumulators, to P - 1 ranks
+        assert stats.bytes_sent == layers * (size - 1) * b * heads * (head_dim + 1) * 8
+    return results
+
+
+def _generation_errors(group):
+    """A mistake on one rank is an error on every rank, not a hang or a silent divergence."""
+    from dilated_attention.distributed import comm
+
+    rank = comm.group_rank(group)
+    _, model = _generation_models(group, dict(positions="learned", max_seq_len=20))
+    prompt, _ = _data(1, 9, 23)
+    errors = []
+    for kwargs, match in [
+        (dict(tokens=prompt if rank else (prompt + 1) % 23), "ranks disagree on 'tokens'"),
+        (dict(max_new_tokens=3 + rank), "ranks disagree on 'max_new_tokens'"),
+        (dict(temperature=1.0, generator=torch.Generator().manual_seed(rank)),
+         "ranks disagree on 'sampling state'"),
+        (dict(max_new_tokens=12), "sequences of 21 tokens, past max_seq_len=20"),
+        (dict(tokens=prompt[:, :0] if rank == 1 else prompt),
+         "at least one id per row" if rank == 1 else "rank 1"),
+    ]:
+        kwargs = {"tokens": prompt, "max_new_tokens": 3, **kwargs}
+        with pytest.raises(ValueError, match=match):
+            model.generate(kwargs.pop("tokens"), kwargs.pop("max_new_tokens"), **kwargs)
+        errors.append(match)
+    # ranks whose parameters differ would generate different ids: an error on every rank
+    with torch.no_grad():
+        model.embed.weight[0, 0] += rank
+    with pytest.raises(ValueError, match="parameters differ between the ranks"):
+        model.generate(prompt, 3)
+    return errors
+
+
+def _generation_rank(group):
+    return _sharded_generation(group), _generation_errors(group)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_generation_equals_one_process(world_size):
+    results = run_distributed(_generation_rank, world_size, timeout=300)
+    for ids, _ in results[1:]:  # every rank returns the same ids
+        assert all(torch.equal(a, b) for a, b in zip(ids, results[0][0]))
+    assert all(len(errors) == 5 for _, errors in results)
 
 
 # ---------------------------------------------------------------------------

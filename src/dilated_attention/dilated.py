@@ -1,4 +1,4 @@
-"""Exact dilated attention on one device: forward, backward, autograd, and decoding.
+"""Exact dilated attention on one device: forward, backward, autograd.
 
 Notation: b batch, n sequence, h query heads, hk key/value heads, d head dim;
 a pattern is (w, r) = (segment length, dilation rate).
@@ -16,18 +16,15 @@ a sequence-parallel one, is ``functional.dilated_attention``.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import launches
-from . import validation as check
-from .kernels import (KernelOptions, attention_forward, lse_dtype, save_for_backward,
-                      saved_for_backward)
-from .merge import empty_accumulators
-from .patterns import Heads, Patterns, Segments, cross_head_groups, gather
-from .plan import STRIDED_VIEWS, Documents, Layout, Plan, make_plan
+from .kernels import KernelOptions, lse_dtype, save_for_backward, saved_for_backward
+from .patterns import Heads, Patterns
+from .plan import Documents, Layout, Plan, make_plan
 
 
 def local_plan(q: Tensor, k: Tensor, patterns: Patterns, causal: bool, heads: Optional[Heads],
@@ -168,40 +165,3 @@ def dilated_attention_local(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns,
     return _forward_op(q, k, v, list(patterns[0]), list(patterns[1]), opts.causal, opts.scale,
                        opts.backend, opts.dropout_p, opts.seed, heads.first, list(heads.kv_of),
                        None if documents is None else list(documents), key_mask)
-
-
-def cached_dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths: Sequence[int],
-                             dilation_rates: Sequence[int], *,
-                             scale: Optional[float] = None) -> Tensor:
-    """Causal dilated attention of the LAST position against all earlier keys (decoding).
-
-    q (b, 1, h, d) is the query at position t = m - 1; k, v (b, m, hk, d)
-    hold positions 0..t. Equals row t of the causal op over the m positions:
-    per pattern (w, r) the segment of t starts at a = (t // w) * w (also
-    right when w > t: the segment is then min(w, m) = m long and starts at
-    0), and its heads read the rows of the slice [a, t] that
-    ``patterns.cross_head_groups`` selects for the query row t - a. Patterns
-    merge by log-sum-exp. Inference only (no gradient).
-    """
-    b, _, h, d = q.shape
-    m, hk = k.shape[1], k.shape[2]
-    t = m - 1
-    opts = KernelOptions(causal=False, scale=check.check_scale(scale, d))
-    heads = Heads.of(h, hk)
-    acc_out, acc_lse = empty_accumulators((b, 1, h, d), q.dtype, q.device)
-    query = Segments(0, 1, 1)
-    for w, r in zip(segment_lengths, dilation_rates):
-        a = (t // w) * w
-        keys = Segments(a, 1, t - a + 1)
-        # the query row t - a of the segment against its key rows 0 .. t - a
-        for g in cross_head_groups(t - a, t - a + 1, 0, t - a + 1, r, heads, str(q.device),
-                                   STRIDED_VIEWS.get(q.device.type, False)):
-            # query indices are relative to the query row: row 0 of q
-            out_g, lse_g = attention_forward(
-                gather(q, query, g.q_heads, g.q_index, g.q_stride),
-                gather(k, keys, g.kv_heads, g.kv_index, g.kv_stride),
-                gather(v, keys, g.kv_heads, g.kv_index, g.kv_stride),
-                opts,
-            )
-            launches.merge_rows(acc_out, acc_lse, query, g, out_g, lse_g)
-    return acc_out.to(q.dtype)

@@ -1,37 +1,59 @@
-"""Generation with LongNetLM: a key/value cache per layer, decoding, sampling.
+"""Generation with LongNetLM: one process or the context sharded over ranks; sampling.
 
-Notation: b batch, n tokens, e embed dim, v vocabulary, hk key/value heads,
-d head dim.
+Notation: b batch, n prompt tokens (n_p this rank's piece), e embed dim, v
+vocabulary, hk key/value heads, d head dim; P ranks.
 
-The prompt runs through the full causal op; each new token at position t
-then attends the cache by the incremental rule (``cached_dilated_attention``:
-row t of the causal op over t + 1 positions, which does not depend on what
-follows t), so generating with the cache equals rerunning the whole sequence.
+The prompt runs through the layers as in a forward (sequence-parallel under
+a process group: each rank its ``shard_sequence`` piece), keeping each
+layer's keys and values; each new token at position t then runs alone
+through the layers against them by the incremental rule
+(``decoding.decode``: row t of the causal op over t + 1 positions, which
+does not depend on what follows t), so generating with the cache equals
+rerunning the whole sequence. Under a group each rank keeps only its rows
+of the cache and the partial results merge exactly over the ranks (Note
+[sharded generation] in decoding.py); every rank returns the same ids as
+one process.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .. import validation as check
-from ..dilated import cached_dilated_attention
+from ..decoding import CachedRows, CachePlan, decode
 from ..distributed import comm
-from .inputs import check_tokens
+from ..distributed.sharding import piece_lengths, piece_ranges
+from .inputs import agree_on_replicated_inputs, check_tokens, digest
 from .layers import Block
 
 
-@dataclass
-class KVCache:
-    """Projected keys and values of one layer for generation: (b, capacity, hk, d)."""
+class LayerCache:
+    """One layer's cached keys and values on this rank: its prompt piece, then its block of
+    new rows (Note [sharded generation]); (b, rows, hk, d) each."""
 
-    k: Tensor
-    v: Tensor
+    def __init__(self, plan: CachePlan, k: Tensor, v: Tensor) -> None:
+        self.plan = plan
+        (start, stop), (first, end) = plan.prompt, plan.block
+        self.prompt = CachedRows(k, v, start, stop - start)
+        # never-written room costs no memory until the rows arrive
+        shape = (k.shape[0], end - first) + tuple(k.shape[2:])
+        self.block = CachedRows(k.new_empty(shape), v.new_empty(shape), first, 0)
+
+    def store(self, t: int, k: Tensor, v: Tensor) -> None:
+        """Keep the row of position t (k, v (b, 1, hk, d)) if it falls in this rank's block."""
+        first, end = self.plan.block
+        if first <= t < end:
+            self.block.k[:, t - first] = k[:, 0]
+            self.block.v[:, t - first] = v[:, 0]
+            self.block = self.block._replace(count=t - first + 1)
+
+    def rows(self) -> List[CachedRows]:
+        return [self.prompt, self.block]
 
 
 @torch.no_grad()
@@ -39,25 +61,7 @@ def generate(model: nn.Module, tokens: Tensor, max_new_tokens: int, *, temperatu
              top_k: Optional[int], use_cache: bool,
              generator: Optional[torch.Generator]) -> Tensor:
     """``LongNetLM.generate``: tokens (b, n) -> (b, n + max_new_tokens), dropout off."""
-    if comm.is_distributed(model.process_group):
-        raise ValueError("generate runs on one process; build the model without process_group")
-    check_tokens("tokens", tokens, model.config.vocab_size)
-    if tokens.shape[1] == 0:
-        raise ValueError(
-            f"tokens must hold at least one id per row, got shape {tuple(tokens.shape)}"
-        )
-    max_new_tokens = check.check_positive_int("max_new_tokens", max_new_tokens)
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a float >= 0, got {temperature!r}")
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite float >= 0, got {temperature}")
-    top_k = check.check_optional_positive_int("top_k", top_k)
-    check.check_bool("use_cache", use_cache)
-    total = tokens.shape[1] + max_new_tokens
-    if model.config.positions == "learned" and total > model.config.max_seq_len:
-        raise ValueError(
-            f"generating to {total} tokens exceeds max_seq_len={model.config.max_seq_len}"
-        )
+    _agree(model, tokens, max_new_tokens, temperature, top_k, use_cache, generator)
     was_training = model.training
     model.eval()
     try:
@@ -66,63 +70,124 @@ def generate(model: nn.Module, tokens: Tensor, max_new_tokens: int, *, temperatu
         model.train(was_training)
 
 
+def _agree(model: nn.Module, tokens: Tensor, max_new_tokens, temperature, top_k, use_cache,
+           generator) -> None:
+    """Check the arguments, and under a group that every rank passed the same ones and holds
+    the same parameters: one agreement, so a mistake on one rank is an error on all."""
+
+    def config() -> dict:
+        check_tokens("tokens", tokens, model.config.vocab_size)
+        if tokens.shape[1] == 0:
+            raise ValueError(
+                f"tokens must hold at least one id per row, got shape {tuple(tokens.shape)}"
+            )
+        new = check.check_positive_int("max_new_tokens", max_new_tokens)
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+            raise TypeError(f"temperature must be a float >= 0, got {temperature!r}")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite float >= 0, got {temperature}")
+        k = check.check_optional_positive_int("top_k", top_k)
+        check.check_bool("use_cache", use_cache)
+        total = tokens.shape[1] + new
+        if model.config.positions == "learned" and total > model.config.max_seq_len:
+            raise ValueError(
+                f"generating {new} tokens after a prompt of {tokens.shape[1]} makes sequences "
+                f"of {total} tokens, past max_seq_len={model.config.max_seq_len} of the "
+                f"learned position table"
+            )
+        # every rank must compute on the same prompt and draw the same samples
+        return {"tokens": digest(tokens), "max_new_tokens": new,
+                "temperature": float(temperature), "top_k": k, "use_cache": use_cache,
+                "sampling state": _sampling_state(tokens, generator) if temperature else None}
+
+    agree_on_replicated_inputs(model.process_group, config, model)
+
+
+def _sampling_state(tokens: Tensor, generator: Optional[torch.Generator]) -> str:
+    """A digest of the generator that sampling draws from (the device's default one)."""
+    if generator is not None:
+        state = generator.get_state()
+    elif tokens.device.type == "cuda":
+        state = torch.cuda.get_rng_state(tokens.device)
+    else:
+        state = torch.get_rng_state()
+    return digest(state)
+
+
 def _generate(model, tokens, max_new_tokens, temperature, top_k, use_cache, generator) -> Tensor:
+    group = model.process_group
+    n = tokens.shape[1]
+    plan = None
+    if use_cache:
+        # the last new token is never fed back: n + max_new_tokens - 1 rows
+        plan = CachePlan.of(n, max_new_tokens - 1, comm.group_size(group), comm.group_rank(group))
+    hidden, caches = prefill(model, tokens, plan)
     out = tokens
-    caches = new_caches(model, tokens, tokens.shape[1] + max_new_tokens) if use_cache else None
-    logits = decode(model, tokens, caches, 0) if use_cache else model(tokens)[0]
     for step in range(max_new_tokens):
-        nxt = _sample(logits[:, -1], temperature, top_k, generator)
+        logits = model.logits(model.norm(hidden))
+        nxt = _sample(logits, temperature, top_k, generator)
         out = torch.cat([out, nxt[:, None]], dim=1)
         if step + 1 == max_new_tokens:
             break
         if use_cache:
-            logits = decode(model, nxt[:, None], caches, out.shape[1] - 1)
+            hidden = decode_token(model, nxt, out.shape[1] - 1, caches)
         else:
-            logits = model(out)[0]
+            hidden, _ = prefill(model, out, None)
     return out
 
 
-def new_caches(model: nn.Module, tokens: Tensor, capacity: int) -> List[KVCache]:
-    """One empty cache per layer for tokens' batch, `capacity` positions long."""
-    attn = model.layers[0].self_attn
-    ref = model.embed.weight
-    shape = (tokens.shape[0], capacity, attn.num_kv_heads, attn.head_dim)
-    return [KVCache(ref.new_zeros(shape), ref.new_zeros(shape)) for _ in range(len(model.layers))]
+def prefill(model: nn.Module, tokens: Tensor,
+            plan: Optional[CachePlan]) -> Tuple[Tensor, List[LayerCache]]:
+    """The whole sequence tokens (b, n) through the layers, this rank's piece under a group.
 
-
-def decode(model: nn.Module, tokens: Tensor, caches: List[KVCache], start: int) -> Tensor:
-    """Logits (b, n, v) of tokens (b, n) at positions [start, start + n), caching k/v."""
-    x = model.embed_at(tokens, torch.arange(start, start + tokens.shape[1], device=tokens.device))
-    for layer, cache in zip(model.layers, caches):
-        x = _decode_block(layer, x, cache, start)
-    return model.logits(model.norm(x))
-
-
-def _decode_block(block: Block, x: Tensor, cache: KVCache, start: int) -> Tensor:
-    """Positions [start, start + n) of a causal block, keys/values cached.
-
-    x (b, n, e) -> (b, n, e). With start == 0 (the prompt) the full op runs;
-    later tokens attend the cache by the incremental rule.
+    Returns the final hidden state of the last position (b, e), the same on
+    every rank, and with a plan each layer's cache of this rank's piece.
     """
+    group = model.process_group
+    n = tokens.shape[1]
+    (start, stop), = piece_ranges(n, comm.group_size(group), comm.group_rank(group))
+    x = model.embed_at(tokens[:, start:stop], torch.arange(start, stop, device=tokens.device))
+    caches = []
+    for block in model.layers:
+        attn = block.self_attn
+        h = block.attn_norm(x)
+        q, k, v = attn.project_qkv(h, h, h)
+        if plan is not None:
+            caches.append(LayerCache(plan, k, v))
+        out = attn.attention(q, k, v, is_causal=True)
+        x = x + block.dropout(attn.project_out(out))
+        x = block.after_attention(x, None)
+    return _last_row(x, n, group), caches
+
+
+def _last_row(x: Tensor, n: int, group) -> Tensor:
+    """Row n - 1 of the sequence's hidden states (b, e), on every rank: the rank holding it
+    broadcasts it (identical bits everywhere, so every rank computes the same logits)."""
+    if not comm.is_distributed(group):
+        return x[:, -1]
+    holder = max(p for p, length in enumerate(piece_lengths(n, comm.group_size(group)))
+                 if length)
+    row = x[:, -1].contiguous() if comm.group_rank(group) == holder else \
+        x.new_empty((x.shape[0], x.shape[2]))
+    return comm.broadcast_(row, holder, group)
+
+
+def decode_token(model: nn.Module, token: Tensor, t: int, caches: List[LayerCache]) -> Tensor:
+    """The final hidden state (b, e) of token (b,) at position t, its keys and values cached."""
+    x = model.embed_at(token[:, None], torch.tensor([t], device=token.device))
+    for block, cache in zip(model.layers, caches):
+        x = _decode_block(block, x, t, cache, model.process_group)
+    return x[:, -1]
+
+
+def _decode_block(block: Block, x: Tensor, t: int, cache: LayerCache, group) -> Tensor:
+    """x (b, 1, e) at position t -> (b, 1, e): the block with its attention over the cache."""
     attn = block.self_attn
     h = block.attn_norm(x)
     q, k, v = attn.project_qkv(h, h, h)
-    n = x.shape[1]
-    cache.k[:, start : start + n] = k
-    cache.v[:, start : start + n] = v
-    if start == 0:
-        out = attn.attention(q, k, v, is_causal=True)
-    else:
-        out = torch.cat(
-            [
-                cached_dilated_attention(
-                    q[:, i : i + 1], cache.k[:, : start + i + 1], cache.v[:, : start + i + 1],
-                    attn.segment_lengths, attn.dilation_rates, scale=attn.attention.scale,
-                )
-                for i in range(n)
-            ],
-            dim=1,
-        )
+    cache.store(t, k, v)
+    out = decode(q, cache.rows(), t, (attn.segment_lengths, attn.dilation_rates),
+                 scale=attn.attention.scale, group=group)
     x = x + block.dropout(attn.project_out(out))
     return block.after_attention(x, None)
 

@@ -2,12 +2,14 @@
 
 Under sequence parallelism one agreement collective per forward carries
 every rank's input facts (``agree_on_inputs``), so a bad input on one rank
-is an error on every rank, never a hang; while training it also compares
-checksums of the ranks' parameters (``_replica_checksums``).
+is an error on every rank, never a hang; while training (and generation's
+one agreement, ``agree_on_replicated_inputs``) it also compares checksums of
+the ranks' parameters (``_replica_checksums``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -118,6 +120,31 @@ def agree_on_inputs(
     return comm.group_rank(group), lengths, infos
 
 
+def agree_on_replicated_inputs(group, config: Callable[[], Dict[str, object]],
+                               model: nn.Module) -> Dict[str, object]:
+    """Validate inputs that every rank passes whole (generation's prompt); return the agreed dict.
+
+    `config` validates and returns plain values (tensors as `digest`s) that
+    every rank must share. Under sequence parallelism this is ONE agreement
+    collective, entered even when this rank's inputs are bad, which also
+    checks that every rank holds the same parameters of `model`
+    (`_replica_checksums`, one read of them): ranks that computed on
+    different prompts or weights would return different results silently.
+    """
+    infos = comm.agree(group, lambda: {**config(), "replica": _replica_checksums(model, group)},
+                       per_rank=("replica",))
+    _check_replicas(infos, model, group)
+    return infos[0]
+
+
+def digest(x: Tensor) -> str:
+    """A short hash of a tensor's dtype, shape and values: equal tensors, equal digests."""
+    data = x.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{data.dtype} {tuple(data.shape)}".encode())
+    h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return h.hexdigest()[:16]
+
+
 def _replica_params(model: nn.Module, group) -> List[Tuple[str, Tensor]]:
     """The (name, local tensor) of each parameter that every rank of `group` must hold alike.
 
@@ -136,18 +163,19 @@ def _replica_params(model: nn.Module, group) -> List[Tuple[str, Tensor]]:
 
 
 def _replica_checksums(model: Optional[nn.Module], group) -> Optional[Tuple[int, ...]]:
-    """A checksum of each of `_replica_params`, while training under sequence parallelism.
+    """A checksum of each of `_replica_params` under sequence parallelism (None without).
 
     The sum of a parameter's bits read as int32, wrapping: exact and
     independent of the summation order, so equal parameters give equal
     checksums on every rank (a float sum could differ with the thread
     count). Costs one read of the parameters (110M float32 parameters,
     LongNet's base size: 0.1 s on one CPU thread) and a host sync, so the
-    models do it on their first two training forwards only: enough for a
-    model built differently on some rank (the first) and for a gradient
-    reduction that misses the sequence ranks (the second).
+    models do it on their first two training forwards only (enough for a
+    model built differently on some rank, the first, and for a gradient
+    reduction that misses the sequence ranks, the second) and once per
+    ``generate`` call.
     """
-    if model is None or not comm.is_distributed(group) or not torch.is_grad_enabled():
+    if model is None or not comm.is_distributed(group):
         return None
     sums = []
     for _, p in _replica_params(model, group):

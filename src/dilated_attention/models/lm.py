@@ -133,7 +133,15 @@ class LongNetLM(LongNetBase):
         With use_cache (default) each new token runs one position through
         the layers against cached keys/values (exact: the same result as
         rerunning the whole sequence, which use_cache=False does).
-        Dropout is off during generation; one process only.
+        Dropout is off during generation.
+
+        With ``process_group`` set, every rank passes the SAME whole tokens
+        (and the same generator state when sampling); the prompt runs
+        sequence-parallel, each rank keeps only its rows of the cache (about
+        (n + max_new_tokens) / P of them) and every rank returns the ids one
+        process returns (Note [sharded generation] in decoding.py). One
+        agreement first checks that the ranks passed the same arguments and
+        hold the same parameters: a mismatch is an error on every rank.
         """
         return generate(self, tokens, max_new_tokens, temperature=temperature, top_k=top_k,
                         use_cache=use_cache, generator=generator)

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from ... import validation as check
-from ...dilated import cached_dilated_attention
+from ...decoding import cached_dilated_attention
 from ...distributed import comm
 from ...functional import dilated_attention
 from .documents import agreed_documents, explicit_documents, position_facts
