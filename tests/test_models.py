@@ -298,6 +298,59 @@ def test_generate_with_cache_equals_without():
     assert model.training  # generate restores the mode it found
 
 
+def _left_padded(b: int, n: int, pads, seed: int = 0):
+    """(tokens, attention_mask): rows of random ids, row i with pads[i] padding ids (0) first."""
+    tokens, _ = _data(b, n, 23, seed=seed)
+    mask = torch.ones(b, n, dtype=torch.long)
+    for i, pad in enumerate(pads):
+        mask[i, :pad] = 0
+        tokens[i, :pad] = 0
+    return tokens, mask
+
+
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+def test_left_padded_rows_generate_what_they_generate_alone(positions):
+    torch.manual_seed(0)
+    model = LongNetLM(small_config(num_kv_heads=2, positions=positions, max_seq_len=40),
+                      dtype=torch.float64)
+    _perturb(model)
+    pads = (0, 7, 18, 3)
+    tokens, mask = _left_padded(4, 21, pads)
+    for use_cache in (True, False):
+        padded = model.generate(tokens, 12, attention_mask=mask, use_cache=use_cache)
+        for i, pad in enumerate(pads):
+            alone = model.generate(tokens[i:i + 1, pad:], 12, use_cache=use_cache)
+            assert torch.equal(padded[i, pad:], alone[0]), (i, use_cache)
+        assert torch.equal(padded[:, :21], tokens)
+    # a mask of ones is no padding at all; bool masks work like 0/1 ones
+    assert torch.equal(model.generate(tokens, 5, attention_mask=torch.ones_like(mask)),
+                       model.generate(tokens, 5))
+    assert torch.equal(model.generate(tokens, 5, attention_mask=mask.bool()),
+                       model.generate(tokens, 5, attention_mask=mask))
+
+
+def test_padding_mask_errors():
+    model = LongNetLM(small_config(positions="learned", max_seq_len=16))
+    tokens, mask = _left_padded(2, 10, (0, 4))
+    # the longest row counts: 10 real tokens + 7 > 16; 6 + 7 would fit
+    with pytest.raises(ValueError, match="prompt of 10 makes sequences of 17 tokens"):
+        model.generate(tokens, 7, attention_mask=mask)
+    model.generate(tokens[1:], 7, attention_mask=mask[1:])
+    right = mask.flip(1)
+    with pytest.raises(ValueError, match="pad on the left.*row 1"):
+        model.generate(tokens, 2, attention_mask=right)
+    empty = mask.clone()
+    empty[1] = 0
+    with pytest.raises(ValueError, match="row 1 is all padding"):
+        model.generate(tokens, 2, attention_mask=empty)
+    with pytest.raises(ValueError, match=r"tokens' shape \(2, 10\), got \(2, 9\)"):
+        model.generate(tokens, 2, attention_mask=mask[:, 1:])
+    with pytest.raises(TypeError, match="bool or integer 0/1 tensor, got torch.float32"):
+        model.generate(tokens, 2, attention_mask=mask.float())
+    with pytest.raises(ValueError, match="0 \\(padding\\) and 1"):
+        model.generate(tokens, 2, attention_mask=mask * 2)
+
+
 @pytest.mark.parametrize("n, new, size", [(37, 12, 3), (2, 9, 3), (5, 1, 4), (16, 17, 2), (1, 1, 1)])
 def test_cache_plan_places_every_row_once_and_balances(n, new, size):
     plans = [CachePlan.of(n, new, size, rank) for rank in range(size)]
@@ -316,12 +369,16 @@ def test_cache_plan_places_every_row_once_and_balances(n, new, size):
 
 
 GEN_CASES = [
-    # (config overrides, batch, prompt length, new tokens): the patterns (4, 8, 16) cross
-    # the pieces and the blocks of new rows; a prompt shorter than P leaves pieces empty
-    (dict(), 2, 23, 12),
-    (dict(num_kv_heads=2, positions="learned", max_seq_len=40, tie_embeddings=False), 1, 29, 11),
-    (dict(segment_lengths=(3, 5, 64), dilation_rates=(1, 2, 3), num_kv_heads=3), 3, 2, 14),
-    (dict(), 1, 1, 6),
+    # (config overrides, batch, prompt length, new tokens, left padding of each row): the
+    # patterns (4, 8, 16) cross the pieces and the blocks of new rows; a prompt shorter than
+    # P leaves pieces empty; padding that ends on another rank's piece
+    (dict(), 2, 23, 12, None),
+    (dict(num_kv_heads=2, positions="learned", max_seq_len=40, tie_embeddings=False), 1, 29, 11,
+     None),
+    (dict(segment_lengths=(3, 5, 64), dilation_rates=(1, 2, 3), num_kv_heads=3), 3, 2, 14,
+     None),
+    (dict(), 1, 1, 6, None),
+    (dict(num_kv_heads=2), 3, 21, 10, (0, 9, 20)),
 ]
 
 
@@ -341,16 +398,17 @@ def _sharded_generation(group):
 
     rank, size = comm.group_rank(group), comm.group_size(group)
     results = []
-    for case, (overrides, b, n, new) in enumerate(GEN_CASES):
+    for case, (overrides, b, n, new, pads) in enumerate(GEN_CASES):
         one, sharded = _generation_models(group, overrides)
-        prompt, _ = _data(b, n, 23, seed=n)
+        prompt, mask = _left_padded(b, n, pads or (0,) * b, seed=n)
+        padding = dict(attention_mask=mask) if pads else {}
         modes = (dict(), dict(temperature=0.9, top_k=7), dict(use_cache=False))
-        for kwargs in modes if case < 2 else modes[:2]:
+        for kwargs in modes if case in (0, 1, 4) else modes[:2]:
             outs = []
             for model in (one, sharded):
                 if "temperature" in kwargs:
                     kwargs["generator"] = torch.Generator().manual_seed(5)
-                outs.append(model.generate(prompt, new, **kwargs))
+                outs.append(model.generate(prompt, new, **kwargs, **padding))
             assert torch.equal(outs[1], outs[0]), (overrides, n, kwargs)
             results.append(outs[1])
         # the cache: this rank's rows only; traffic per decode step: one all-gather per layer

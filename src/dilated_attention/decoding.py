@@ -162,7 +162,7 @@ def decode_partial(q: Tensor, rows: Sequence[CachedRows], t: int, patterns: Patt
     heads = Heads.of(h, rows[0].k.shape[2])
     opts = KernelOptions(causal=False, scale=check.check_scale(scale, d))
     device = str(q.device)
-    for lo, hi, origin in _origin_runs(origins, b):
+    for lo, hi, origin in origin_runs(origins, b):
         for w, r in zip(*patterns):
             a = origin + (t - origin) // w * w
             launches = _taking_part((t - a) % r, r, heads, device)
@@ -215,9 +215,9 @@ def _stride(first: int, last: int, rate: int) -> slice:
     return slice(first, last + 1, rate) if last > first else slice(first, first + 1)
 
 
-def _origin_runs(origins: Optional[Sequence[int]], batch: int) -> List[Tuple[int, int, int]]:
-    """(first row, end row, origin) of each run of consecutive batch rows sharing an origin:
-    rows of one run launch together (their cached rows are views, never copies)."""
+def origin_runs(origins: Optional[Sequence[int]], batch: int) -> List[Tuple[int, int, int]]:
+    """(first row, end row, origin) of each run of consecutive batch rows sharing an origin
+    (None: all rows at 0): a run's rows compute together, their rows views, never copies."""
     if origins is None:
         return [(0, batch, 0)]
     runs: List[Tuple[int, int, int]] = []

@@ -65,7 +65,7 @@ class LongNetBase(nn.Module):
         return nn.LayerNorm(self.config.embed_dim, eps=self.config.layer_norm_eps, **self._factory)
 
     def embed_at(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        """(b, n) ids at positions (n,) -> (b, n, e)."""
+        """(b, n) ids at positions (n,) (or (b, n), one row each) -> (b, n, e)."""
         x = self.embed(tokens)
         return x + self.positions(positions, x)
 

@@ -1,7 +1,8 @@
 """Generation with LongNetLM: one process or the context sharded over ranks; sampling.
 
 Notation: b batch, n prompt tokens (n_p this rank's piece), e embed dim, v
-vocabulary, hk key/value heads, d head dim; P ranks.
+vocabulary, hk key/value heads, d head dim; P ranks; s_i where row i's real
+tokens start (its left padding).
 
 The prompt runs through the layers as in a forward (sequence-parallel under
 a process group: each rank its ``shard_sequence`` piece), keeping each
@@ -13,6 +14,13 @@ rerunning the whole sequence. Under a group each rank keeps only its rows
 of the cache and the partial results merge exactly over the ranks (Note
 [sharded generation] in decoding.py); every rank returns the same ids as
 one process.
+
+Left-padded prompts (``attention_mask``, zeros then ones per row, as
+transformers pads them): row i's real tokens take the positions 0, 1, ...
+of the row alone, and its attention runs over its own tokens only, with
+segments starting at its first real token (``decoding``'s origins), so each
+row generates exactly what it generates alone. Its pad positions compute
+nothing that a real token reads.
 """
 
 from __future__ import annotations
@@ -25,10 +33,10 @@ import torch
 from torch import Tensor, nn
 
 from .. import validation as check
-from ..decoding import CachedRows, CachePlan, decode
+from ..decoding import CachedRows, CachePlan, decode, origin_runs
 from ..distributed import comm
 from ..distributed.sharding import piece_lengths, piece_ranges
-from .inputs import agree_on_replicated_inputs, check_tokens, digest
+from .inputs import agree_on_replicated_inputs, check_tokens, digest, left_padding
 from .layers import Block
 
 
@@ -57,23 +65,26 @@ class LayerCache:
 
 
 @torch.no_grad()
-def generate(model: nn.Module, tokens: Tensor, max_new_tokens: int, *, temperature: float,
-             top_k: Optional[int], use_cache: bool,
-             generator: Optional[torch.Generator]) -> Tensor:
+def generate(model: nn.Module, tokens: Tensor, max_new_tokens: int, *,
+             attention_mask: Optional[Tensor], temperature: float, top_k: Optional[int],
+             use_cache: bool, generator: Optional[torch.Generator]) -> Tensor:
     """``LongNetLM.generate``: tokens (b, n) -> (b, n + max_new_tokens), dropout off."""
-    _agree(model, tokens, max_new_tokens, temperature, top_k, use_cache, generator)
+    origins = _agree(model, tokens, attention_mask, max_new_tokens, temperature, top_k,
+                     use_cache, generator)
     was_training = model.training
     model.eval()
     try:
-        return _generate(model, tokens, max_new_tokens, temperature, top_k, use_cache, generator)
+        return _generate(model, tokens, origins, max_new_tokens, temperature, top_k, use_cache,
+                         generator)
     finally:
         model.train(was_training)
 
 
-def _agree(model: nn.Module, tokens: Tensor, max_new_tokens, temperature, top_k, use_cache,
-           generator) -> None:
+def _agree(model: nn.Module, tokens: Tensor, attention_mask, max_new_tokens, temperature, top_k,
+           use_cache, generator) -> Optional[Tuple[int, ...]]:
     """Check the arguments, and under a group that every rank passed the same ones and holds
-    the same parameters: one agreement, so a mistake on one rank is an error on all."""
+    the same parameters: one agreement, so a mistake on one rank is an error on all.
+    Returns where each row's real tokens start (None: no padding)."""
 
     def config() -> dict:
         check_tokens("tokens", tokens, model.config.vocab_size)
@@ -81,6 +92,7 @@ def _agree(model: nn.Module, tokens: Tensor, max_new_tokens, temperature, top_k,
             raise ValueError(
                 f"tokens must hold at least one id per row, got shape {tuple(tokens.shape)}"
             )
+        origins = left_padding(attention_mask, tokens)
         new = check.check_positive_int("max_new_tokens", max_new_tokens)
         if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
             raise TypeError(f"temperature must be a float >= 0, got {temperature!r}")
@@ -88,19 +100,22 @@ def _agree(model: nn.Module, tokens: Tensor, max_new_tokens, temperature, top_k,
             raise ValueError(f"temperature must be a finite float >= 0, got {temperature}")
         k = check.check_optional_positive_int("top_k", top_k)
         check.check_bool("use_cache", use_cache)
-        total = tokens.shape[1] + new
-        if model.config.positions == "learned" and total > model.config.max_seq_len:
+        longest = tokens.shape[1] - min(origins or (0,))  # the longest row's real tokens
+        if model.config.positions == "learned" and longest + new > model.config.max_seq_len:
             raise ValueError(
-                f"generating {new} tokens after a prompt of {tokens.shape[1]} makes sequences "
-                f"of {total} tokens, past max_seq_len={model.config.max_seq_len} of the "
+                f"generating {new} tokens after a prompt of {longest} makes sequences of "
+                f"{longest + new} tokens, past max_seq_len={model.config.max_seq_len} of the "
                 f"learned position table"
             )
         # every rank must compute on the same prompt and draw the same samples
-        return {"tokens": digest(tokens), "max_new_tokens": new,
-                "temperature": float(temperature), "top_k": k, "use_cache": use_cache,
-                "sampling state": _sampling_state(tokens, generator) if temperature else None}
+        return {"tokens": digest(tokens),
+                "attention_mask": None if attention_mask is None else digest(attention_mask),
+                "max_new_tokens": new, "temperature": float(temperature), "top_k": k,
+                "use_cache": use_cache,
+                "sampling state": _sampling_state(tokens, generator) if temperature else None,
+                "origins": origins}
 
-    agree_on_replicated_inputs(model.process_group, config, model)
+    return agree_on_replicated_inputs(model.process_group, config, model)["origins"]
 
 
 def _sampling_state(tokens: Tensor, generator: Optional[torch.Generator]) -> str:
@@ -114,14 +129,15 @@ def _sampling_state(tokens: Tensor, generator: Optional[torch.Generator]) -> str
     return digest(state)
 
 
-def _generate(model, tokens, max_new_tokens, temperature, top_k, use_cache, generator) -> Tensor:
+def _generate(model, tokens, origins, max_new_tokens, temperature, top_k, use_cache,
+              generator) -> Tensor:
     group = model.process_group
     n = tokens.shape[1]
     plan = None
     if use_cache:
         # the last new token is never fed back: n + max_new_tokens - 1 rows
         plan = CachePlan.of(n, max_new_tokens - 1, comm.group_size(group), comm.group_rank(group))
-    hidden, caches = prefill(model, tokens, plan)
+    hidden, caches = prefill(model, tokens, plan, origins)
     out = tokens
     for step in range(max_new_tokens):
         logits = model.logits(model.norm(hidden))
@@ -130,23 +146,28 @@ def _generate(model, tokens, max_new_tokens, temperature, top_k, use_cache, gene
         if step + 1 == max_new_tokens:
             break
         if use_cache:
-            hidden = decode_token(model, nxt, out.shape[1] - 1, caches)
+            hidden = decode_token(model, nxt, out.shape[1] - 1, caches, origins)
         else:
-            hidden, _ = prefill(model, out, None)
+            hidden, _ = prefill(model, out, None, origins)
     return out
 
 
-def prefill(model: nn.Module, tokens: Tensor,
-            plan: Optional[CachePlan]) -> Tuple[Tensor, List[LayerCache]]:
+def prefill(model: nn.Module, tokens: Tensor, plan: Optional[CachePlan],
+            origins: Optional[Tuple[int, ...]] = None) -> Tuple[Tensor, List[LayerCache]]:
     """The whole sequence tokens (b, n) through the layers, this rank's piece under a group.
 
     Returns the final hidden state of the last position (b, e), the same on
     every rank, and with a plan each layer's cache of this rank's piece.
+    origins: where each row's real tokens start (left padding).
     """
     group = model.process_group
     n = tokens.shape[1]
     (start, stop), = piece_ranges(n, comm.group_size(group), comm.group_rank(group))
-    x = model.embed_at(tokens[:, start:stop], torch.arange(start, stop, device=tokens.device))
+    rows = torch.arange(start, stop, device=tokens.device)
+    if origins is not None:
+        # (b, n_p): each row's positions count from its first real token; pads sit at 0
+        rows = (rows - torch.tensor(origins, device=rows.device)[:, None]).clamp(min=0)
+    x = model.embed_at(tokens[:, start:stop], rows)
     caches = []
     for block in model.layers:
         attn = block.self_attn
@@ -154,10 +175,26 @@ def prefill(model: nn.Module, tokens: Tensor,
         q, k, v = attn.project_qkv(h, h, h)
         if plan is not None:
             caches.append(LayerCache(plan, k, v))
-        out = attn.attention(q, k, v, is_causal=True)
+        out = _prompt_attention(attn.attention, q, k, v, start, origins)
         x = x + block.dropout(attn.project_out(out))
         x = block.after_attention(x, None)
     return _last_row(x, n, group), caches
+
+
+def _prompt_attention(attention: nn.Module, q: Tensor, k: Tensor, v: Tensor, start: int,
+                      origins: Optional[Tuple[int, ...]]) -> Tensor:
+    """Causal attention of this rank's rows [start, start + n_p) (q (b, n_p, h, d)), each
+    batch row over its own tokens only: rows sharing an origin s attend [s, n) as one
+    sequence (one call of the op, sequence-parallel under a group); pads get zeros."""
+    if origins is None:
+        return attention(q, k, v, is_causal=True)
+    out = torch.zeros_like(q)
+    for lo, hi, origin in origin_runs(origins, q.shape[0]):
+        # this rank's rows at or after the origin: a suffix of its piece (maybe empty)
+        first = min(max(origin - start, 0), q.shape[1])
+        out[lo:hi, first:] = attention(q[lo:hi, first:], k[lo:hi, first:], v[lo:hi, first:],
+                                       is_causal=True)
+    return out
 
 
 def _last_row(x: Tensor, n: int, group) -> Tensor:
@@ -172,22 +209,28 @@ def _last_row(x: Tensor, n: int, group) -> Tensor:
     return comm.broadcast_(row, holder, group)
 
 
-def decode_token(model: nn.Module, token: Tensor, t: int, caches: List[LayerCache]) -> Tensor:
+def decode_token(model: nn.Module, token: Tensor, t: int, caches: List[LayerCache],
+                 origins: Optional[Tuple[int, ...]] = None) -> Tensor:
     """The final hidden state (b, e) of token (b,) at position t, its keys and values cached."""
-    x = model.embed_at(token[:, None], torch.tensor([t], device=token.device))
+    position = torch.tensor([t], device=token.device)
+    if origins is not None:
+        # (b, 1): each row's own position
+        position = (position - torch.tensor(origins, device=token.device))[:, None]
+    x = model.embed_at(token[:, None], position)
     for block, cache in zip(model.layers, caches):
-        x = _decode_block(block, x, t, cache, model.process_group)
+        x = _decode_block(block, x, t, cache, model.process_group, origins)
     return x[:, -1]
 
 
-def _decode_block(block: Block, x: Tensor, t: int, cache: LayerCache, group) -> Tensor:
+def _decode_block(block: Block, x: Tensor, t: int, cache: LayerCache, group,
+                  origins: Optional[Tuple[int, ...]]) -> Tensor:
     """x (b, 1, e) at position t -> (b, 1, e): the block with its attention over the cache."""
     attn = block.self_attn
     h = block.attn_norm(x)
     q, k, v = attn.project_qkv(h, h, h)
     cache.store(t, k, v)
     out = decode(q, cache.rows(), t, (attn.segment_lengths, attn.dilation_rates),
-                 scale=attn.attention.scale, group=group)
+                 scale=attn.attention.scale, group=group, origins=origins)
     x = x + block.dropout(attn.project_out(out))
     return block.after_attention(x, None)
 

@@ -159,7 +159,7 @@ class Positions(nn.Module):
             nn.init.normal_(self.table.weight, std=config.embed_dim**-0.5)
 
     def forward(self, positions: Tensor, like: Tensor) -> Tensor:
-        """(n,) positions -> (n, e) embeddings in like's dtype/device.
+        """(n,) positions -> (n, e) embeddings in like's dtype/device; (b, n) -> (b, n, e).
 
         The caller checks positions against max_seq_len (on every rank at once).
         """
@@ -172,8 +172,8 @@ class Positions(nn.Module):
             torch.arange(half, device=like.device, dtype=torch.float64)
             * (-math.log(10000.0) / half)
         )
-        angles = pos[:, None] * freq[None, :]
-        # (n, e/2) sin and (n, e/2) cos -> (n, e), zero-padded for odd e
+        angles = pos[..., None] * freq
+        # (..., n, e/2) sin and (..., n, e/2) cos -> (..., n, e), zero-padded for odd e
         out = torch.cat([angles.sin(), angles.cos()], dim=-1)
         if out.shape[-1] < self.embed_dim:
             out = F.pad(out, (0, self.embed_dim - out.shape[-1]))

@@ -123,7 +123,8 @@ class LongNetLM(LongNetBase):
         self._check_positions(max(e - s for s, e in zip(documents[:-1], documents[1:])) - 1)
         return rows - doc_start
 
-    def generate(self, tokens: Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+    def generate(self, tokens: Tensor, max_new_tokens: int, *,
+                 attention_mask: Optional[Tensor] = None, temperature: float = 0.0,
                  top_k: Optional[int] = None, use_cache: bool = True,
                  generator: Optional[torch.Generator] = None) -> Tensor:
         """Extend tokens (b, n) by max_new_tokens ids -> (b, n + max_new_tokens).
@@ -135,6 +136,12 @@ class LongNetLM(LongNetBase):
         rerunning the whole sequence, which use_cache=False does).
         Dropout is off during generation.
 
+        attention_mask (b, n), 1 for real tokens and 0 for padding on the
+        left (as transformers pads a batch of prompts): each row generates
+        exactly what it generates alone (its real tokens take the positions
+        0, 1, ... and its segments start at its first real token); the
+        padding stays in the returned ids.
+
         With ``process_group`` set, every rank passes the SAME whole tokens
         (and the same generator state when sampling); the prompt runs
         sequence-parallel, each rank keeps only its rows of the cache (about
@@ -143,5 +150,6 @@ class LongNetLM(LongNetBase):
         agreement first checks that the ranks passed the same arguments and
         hold the same parameters: a mismatch is an error on every rank.
         """
-        return generate(self, tokens, max_new_tokens, temperature=temperature, top_k=top_k,
-                        use_cache=use_cache, generator=generator)
+        return generate(self, tokens, max_new_tokens, attention_mask=attention_mask,
+                        temperature=temperature, top_k=top_k, use_cache=use_cache,
+                        generator=generator)
