@@ -84,3 +84,48 @@ def test_recommended_dtype_follows_compute_capability() -> None:
         assert recommended_dtype("cuda") == torch.float16
     else:
         assert recommended_dtype("cuda") == torch.float32
+
+
+@pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_merge_kernel_on_cuda_matches_eager_merge(acc_dtype) -> None:
+    """merge_ on CUDA runs the Triton kernel where triton is installed: exact to fp32
+    rounding against the eager chain, rows with no keys included; a half-precision
+    accumulator (the output itself) rounds once, as the fp32 accumulator written out."""
+    triton = pytest.importorskip("triton")  # noqa: F841
+    from unittest import mock
+
+    from dilated_attention import merge, merge_kernel
+
+    gen = torch.Generator().manual_seed(0)
+    # (b, segments, rows, heads, d), a strided view: every other row of a (b, n, h, d) tensor
+    acc_full = torch.randn(2, 512, 6, 64, generator=gen).cuda()
+    lse_full = 3 * torch.randn(2, 512, 6, generator=gen).cuda()
+    lse_full[:, ::7] = -float("inf")
+    acc_full[:, ::7] = 0.0
+    out = torch.randn(2, 4, 64, 6, 64, generator=gen).cuda().to(
+        torch.float32 if acc_dtype == torch.float32 else acc_dtype)
+    lse = 3 * torch.randn(2, 4, 64, 6, generator=gen).cuda()
+    lse[:, :, ::5] = -float("inf")
+
+    def view(x):  # (b, n, h, ...) -> (b, 4, 64, h, ...): rows 0, 2, ... of 128-row segments
+        return x.unflatten(1, (4, 128))[:, :, ::2]
+
+    results = []
+    for use_kernel, dtype in ((True, acc_dtype), (False, acc_dtype), (True, torch.float32)):
+        acc, acc_lse = acc_full.to(dtype).clone(), lse_full.clone()
+        with mock.patch.dict(merge.MERGE_KERNEL, {"cuda": use_kernel}), \
+                mock.patch.object(merge_kernel, "merge_", wraps=merge_kernel.merge_) as spy:
+            merge.merge_(view(acc), view(acc_lse), out, lse)
+        assert spy.called == use_kernel
+        results.append((acc, acc_lse))
+    (got, got_lse), (want, want_lse), (fp32, fp32_lse) = results
+    assert not torch.isnan(got).any() and torch.equal(torch.isinf(got_lse), torch.isinf(want_lse))
+    ulps = 4 * torch.finfo(torch.float32).eps
+    torch.testing.assert_close(got_lse, want_lse, rtol=ulps, atol=ulps)
+    if acc_dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=ulps, atol=ulps)
+    else:
+        assert torch.equal(got, fp32.to(acc_dtype))  # rounded once
+        info = torch.finfo(acc_dtype)
+        torch.testing.assert_close(got.float(), want.float(), rtol=info.eps,
+                                   atol=info.smallest_normal * info.eps)
