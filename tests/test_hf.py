@@ -370,7 +370,65 @@ def _sp_rank(group):
     args = example.parse_args(["--seq-len", "96", "--batch-size", "2", "--steps", "3",
                                "--packed", "2", "--dtype", "float64", "--eval-batches", "1"])
     curves = (example.train(args, group)["losses"], example.train(args, None)["losses"])
-    return results, error, curves
+    return results, error, curves, _sharded_generation(group)
+
+
+GENERATION_CASES = [
+    # (batch, prompt length, new tokens, generate arguments)
+    (2, 21, 9, dict(do_sample=False)),
+    (1, 30, 6, dict(do_sample=True, top_k=5)),  # the same seed on every rank
+    (2, 1, 7, dict(do_sample=False)),  # fewer tokens than ranks: the prompt runs whole
+]
+
+
+def _sharded_generation(group):
+    """hf.generate on these ranks returns what model.generate returns on one process."""
+    world, rank = comm.group_size(group), comm.group_rank(group)
+    name = register("dilated_generate_test", segment_lengths=SEGMENTS, dilation_rates=RATES,
+                    group=group)
+    one, sharded = build(DILATED), build(name)
+    done = []
+    for b, n, new, kwargs in GENERATION_CASES:
+        ids = tokens(b, n, seed=n)
+        outs = []
+        for model, g in ((one, None), (sharded, group)):
+            torch.manual_seed(3)
+            outs.append(hf.generate(model, ids, group=g, max_new_tokens=new, pad_token_id=0,
+                                    **kwargs))
+        assert torch.equal(outs[1], outs[0]), (n, kwargs)
+        done.append(outs[1])
+    # traffic: each step beyond the first token sends one all-gather per layer, no agreement
+    ids = tokens(2, 21, seed=21)
+    counts = []
+    for new in (1, 5):
+        with comm.count_communication() as stats:
+            hf.generate(sharded, ids, group=group, max_new_tokens=new, pad_token_id=0)
+        counts.append(stats)
+    layers, heads = CONFIG.num_hidden_layers, CONFIG.num_attention_heads
+    head_dim = CONFIG.hidden_size // heads
+    steps = 4 * layers
+    assert counts[1].agreements == counts[0].agreements
+    assert counts[1].messages - counts[0].messages == steps
+    assert counts[1].messages_of("all_gather") - counts[0].messages_of("all_gather") == steps
+    assert counts[1].bytes_sent - counts[0].bytes_sent == \
+        steps * (world - 1) * 2 * heads * (head_dim + 1) * 8
+    # a mistake on one rank is an error on every rank
+    for args, kwargs, error, match in [
+        ((sharded, ids if rank else ids % 7), {}, ValueError, "ranks disagree on 'input_ids'"),
+        ((one, ids), {}, ValueError, "registered with group=None"),
+        ((sharded, ids), dict(num_beams=2), NotImplementedError, "beam search"),
+        ((sharded, ids), dict(cache_implementation="static"), ValueError, "cache_implementation"),
+        ((sharded, ids[:, :0]), {}, ValueError, "at least one token"),
+    ]:
+        with pytest.raises(error, match=match):
+            hf.generate(*args, group=group, max_new_tokens=3, pad_token_id=0, **kwargs)
+    # decoding under the group outside hf.generate is refused (the cache is not sharded)
+    inputs, _ = shard_inputs(ids, group)
+    cache = DynamicCache(config=sharded.config)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="outside dilated_attention"):
+        sharded(**{**inputs, "use_cache": True}, cache=cache)
+        sharded(ids[:, -1:], position_ids=torch.tensor([[21]]), cache=cache)
+    return done
 
 
 def _example():
@@ -384,7 +442,9 @@ def _example():
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
 def test_sequence_parallel_equals_one_process(world):
-    for results, error, (sharded, single) in run_distributed(_sp_rank, world, timeout=300.0):
+    outputs = run_distributed(_sp_rank, world, timeout=300.0)
+    for results, error, (sharded, single), generated in outputs:
+        assert all(torch.equal(a, b) for a, b in zip(generated, outputs[0][3]))
         torch.testing.assert_close(torch.tensor(sharded), torch.tensor(single), **TOL)
         for case, logits, ref_logits, loss, ref_loss, grads_sp, grads_one in results:
             torch.testing.assert_close(logits, ref_logits, **TOL, msg=lambda m: f"{case}: {m}")

@@ -11,18 +11,23 @@
 | ``documents.py`` | packed documents from position_ids, cu_seq_lens and masks, agreed over ranks |
 | ``refusals.py`` | what is honoured, what is refused, and the hints |
 | ``training.py`` | sequence-parallel fine-tuning: ``shard_inputs``, ``causal_lm_loss``, ``causal_lm_parts`` |
+| ``generation.py`` | ``generate``: the prompt and the key/value cache sharded over ranks |
+| ``cache.py`` | the cache of sharded generation: a transformers ``Cache`` of this rank's rows |
 
 Sequence-parallel fine-tuning (``register(..., group=pg)``): every rank feeds
 its own contiguous slice of ``input_ids`` with the GLOBAL ``position_ids``
 (``shard_inputs``) and computes the loss with ``causal_lm_loss`` (from the
 hidden states and ``lm_head`` of ``causal_lm_parts``: without the logits).
+Sharded generation: ``generate(model, input_ids, group=pg, max_new_tokens=...)``
+on every rank returns what ``model.generate`` returns on one process.
 """
 
 from .backend import register
 from .documents import restarts
+from .generation import generate
 from .masks import build_mask
 from .refusals import ACCEPTED_KWARGS, IGNORED_KWARGS, MASK_KWARGS, OFF_KWARGS, USED_KWARGS
 from .training import causal_lm_loss, causal_lm_parts, shard_inputs
 
-__all__ = ["register", "build_mask", "shard_inputs", "causal_lm_loss", "causal_lm_parts",
-           "restarts", "USED_KWARGS", "IGNORED_KWARGS", "OFF_KWARGS", "ACCEPTED_KWARGS", "MASK_KWARGS"]
+__all__ = ["register", "generate", "build_mask", "shard_inputs", "causal_lm_loss",
+           "causal_lm_parts", "restarts", "USED_KWARGS", "IGNORED_KWARGS", "OFF_KWARGS", "ACCEPTED_KWARGS", "MASK_KWARGS"]

@@ -15,13 +15,17 @@ before ``register`` is called):
 Note [generation]
     ``generate()`` with the default dynamic cache works exactly: the prompt
     (q_len = k_len) runs through ``dilated_attention``; each new token (q_len
-    = 1, k_len = t + 1) runs through ``cached_dilated_attention``, which
-    equals row t of the causal op over the t + 1 positions (causal dilated
-    attention of a prefix does not depend on what follows), so generated
-    logits equal the full forward's. Refused while decoding: padding (a
-    left-padded batch), a pre-allocated (static) or sliding-window cache
-    (keys the mask function cannot place), sequence parallelism, more than
-    one new token, gradients, dropout.
+    = 1, k_len = t + 1) runs through ``decoding.decode``, which equals row t
+    of the causal op over the t + 1 positions (causal dilated attention of a
+    prefix does not depend on what follows), so generated logits equal the
+    full forward's. Under a group, ``generate(model, ..., group=)``
+    (generation.py) shards the cache: it makes its ``ShardedCache`` the
+    active one (``serving``), the prompt then runs sequence-parallel, and
+    each step's attention function reads this rank's rows from that cache
+    and merges its partial over the ranks. Refused while decoding: padding
+    (a left-padded batch), a pre-allocated (static) or sliding-window cache
+    (keys the mask function cannot place), sequence parallelism outside
+    that ``generate``, more than one new token, gradients, dropout.
 
 Each call costs one small agreement collective (validation, padding and
 document facts of every rank) besides the op's own.
@@ -32,14 +36,16 @@ hk key/value heads, d head dim.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from ... import validation as check
-from ...decoding import cached_dilated_attention
+from ...decoding import CachedRows, decode
 from ...distributed import comm
 from ...functional import dilated_attention
 from .documents import agreed_documents, explicit_documents, position_facts
@@ -140,7 +146,14 @@ class _Backend:
         # transformers' own backends read the layer's flag when the call gives none
         causal_arg = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         nq, nk = q.shape[1], k.shape[1]
-        decoding = nq == 1 and nk > 1
+        sharded = _SERVING.get()
+        if sharded is not None and sharded.group is not self.group:
+            sharded = None  # another model's generation
+        # a step of sharded generation: one new token, the cache's rows spread over the ranks
+        stepping = sharded is not None and sharded.decoding
+        decoding = stepping or (nq == 1 and nk > 1)
+        # a prompt shorter than the ranks runs whole on every rank (see generation.py)
+        group = sharded.prefill_group if sharded is not None and not stepping else self.group
 
         def config() -> Dict[str, Any]:
             check_kwargs(kwargs)
@@ -148,7 +161,8 @@ class _Backend:
             p = check.check_dropout(dropout, "dropout") if training else 0.0
             mask = _read_mask(attention_mask, q.shape[0], nk)
             if decoding:
-                _check_decoding(self.group, causal, mask, kwargs, p, (query, key, value))
+                _check_decoding(comm.is_distributed(group) and not stepping, causal, mask, kwargs,
+                                p, (query, key, value))
             elif nq != nk:
                 raise NotImplementedError(
                     f"query length {nq} != key length {nk}: only one new token at a time can "
@@ -160,16 +174,16 @@ class _Backend:
                     "overlay": mask.starts if isinstance(mask, Documents) else None,
                     **position_facts(kwargs.get("position_ids"), q.shape[0], nk, decoding)}
 
-        infos = comm.agree(self.group, config, per_rank=_PER_RANK)
+        # a sharded step checks here only: generate agreed on its inputs, which every rank
+        # then computes alike (one all-gather per layer is all a step sends)
+        infos = [config()] if stepping else comm.agree(group, config, per_rank=_PER_RANK)
         if decoding:
-            out = cached_dilated_attention(q, k, v, self.segment_lengths, self.dilation_rates,
-                                           scale=scaling)
-            return out, None
+            return self._decode(module, q, k, v, scaling, sharded if stepping else None), None
         call = infos[0]
-        rank = comm.group_rank(self.group)
+        rank = comm.group_rank(group)
         padded = any(info["padded"] for info in infos)
         documents = agreed_documents(infos, call["cu_seqlens"], use_positions=not padded,
-                               distributed=comm.is_distributed(self.group))
+                               distributed=comm.is_distributed(group))
         key_padding_mask = None
         if padded:
             # every rank passes a mask when any rank has one (the op agrees on it)
@@ -178,10 +192,54 @@ class _Backend:
                                 else torch.zeros(k.shape[:2], dtype=torch.bool, device=k.device))
         out = dilated_attention(
             q, k, v, self.segment_lengths, self.dilation_rates, is_causal=call["causal"],
-            scale=scaling, dropout_p=call["dropout"], group=self.group, cu_seqlens=documents,
+            scale=scaling, dropout_p=call["dropout"], group=group, cu_seqlens=documents,
             key_padding_mask=key_padding_mask, **dict(self.options),
         )
         return out, None
+
+    def _decode(self, module, q: Tensor, k: Tensor, v: Tensor, scale: Optional[float],
+                sharded) -> Tensor:
+        """One new token (q (b, 1, h, d)) against the cache (Note [generation]): the whole
+        cache k, v (b, t + 1, hk, d), or this rank's rows of a sharded one."""
+        patterns = (self.segment_lengths, self.dilation_rates)
+        if sharded is None:
+            t = k.shape[1] - 1
+            return decode(q, [CachedRows(k, v, 0, t + 1)], t, patterns, scale=scale)
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int):
+            raise NotImplementedError(
+                f"sharded generation needs the attention layer's layer_idx (the index of its "
+                f"cache), which {type(module).__name__} does not have"
+            )
+        return decode(q, sharded.rows(layer), sharded.position(layer), patterns, scale=scale,
+                      group=self.group)
+
+
+# The sharded cache of a running ``generate(model, ..., group=)`` (generation.py): transformers
+# hands the attention function the layer, not the cache, so a decoding step finds the layer's
+# rows here. Set only for the duration of that call (a ContextVar: threads stay apart).
+_SERVING: contextvars.ContextVar[Any] = contextvars.ContextVar("dilated_attention_serving",
+                                                                default=None)
+
+
+@contextlib.contextmanager
+def serving(cache) -> Iterator[None]:
+    """While the block runs, the attention functions of `cache.group` run its prefill over
+    `cache.prefill_group` and, once `cache.decoding`, each step over `cache.rows(layer)`."""
+    token = _SERVING.set(cache)
+    try:
+        yield
+    finally:
+        _SERVING.reset(token)
+
+
+def backend_of(model) -> Optional["_Backend"]:
+    """The dilated attention function a transformers model runs, or None."""
+    import transformers
+
+    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    found = transformers.AttentionInterface().get(name) if isinstance(name, str) else None
+    return found if isinstance(found, _Backend) else None
 
 
 # what may differ between the ranks of a sequence-parallel call
@@ -206,11 +264,14 @@ def _read_mask(attention_mask, batch: int, nk: int):
     )
 
 
-def _check_decoding(group, causal: bool, mask, kwargs, dropout_p: float, tensors) -> None:
+def _check_decoding(unserved_group: bool, causal: bool, mask, kwargs, dropout_p: float,
+                    tensors) -> None:
     """One new token against a KV cache (Note [generation]): what must hold."""
     problems = []
-    if comm.is_distributed(group):
-        problems.append("sequence parallelism (group=)")
+    if unserved_group:
+        problems.append("sequence parallelism (group=) outside dilated_attention.integrations."
+                        "transformers.generate(model, input_ids, group=...), which shards the "
+                        "cache")
     if not causal:
         problems.append("is_causal=False")
     if isinstance(mask, Tensor):
