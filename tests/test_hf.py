@@ -264,6 +264,31 @@ def test_dilated_decoding_equals_full_forward():
     assert torch.equal(out, seq)
 
 
+def test_left_padded_rows_generate_what_they_generate_alone():
+    """generate() pads on the left and numbers each row's real tokens from 0: the backend
+    starts the row's segments there too, so each row is the row alone, prompt and steps."""
+    b, n = 3, 23
+    ids, mask = tokens(b, n, seed=4), padding("left", b, n)
+    ids[mask == 0] = 0
+    model = build(DILATED)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # generate()'s for left padding
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, **kwargs)
+        logits = model(ids, attention_mask=mask, position_ids=positions).logits
+        for i in range(b):
+            pad = 3 * i
+            assert torch.equal(out[i, pad:], model.generate(ids[i:i + 1, pad:], **kwargs)[0])
+            alone = model(ids[i:i + 1, pad:]).logits[0]
+            torch.testing.assert_close(logits[i, pad:], alone, **TOL)
+        # positions that count the padding (no position_ids given) keep it in the segments,
+        # masked: the row alone only where no segment reaches the padding
+        counted = model(ids, attention_mask=mask).logits
+        assert not torch.allclose(counted[2, 6:], logits[2, 6:])
+        reference = reference_logits(model, ids, key_padding_mask=~mask.bool())
+        torch.testing.assert_close(counted[mask.bool()], reference[mask.bool()], **TOL)
+
+
 # --------------------------------------------------------------------------
 # Packed sequences == each document alone
 
@@ -378,6 +403,9 @@ GENERATION_CASES = [
     (2, 21, 9, dict(do_sample=False)),
     (1, 30, 6, dict(do_sample=True, top_k=5)),  # the same seed on every rank
     (2, 1, 7, dict(do_sample=False)),  # fewer tokens than ranks: the prompt runs whole
+    # left padding (rows of 23, 20 and 6 real tokens) ending on another rank's piece
+    (3, 23, 8, dict(do_sample=False, attention_mask=torch.tensor([0, 3, 17])[:, None]
+                    <= torch.arange(23)[None])),
 ]
 
 
@@ -390,6 +418,9 @@ def _sharded_generation(group):
     done = []
     for b, n, new, kwargs in GENERATION_CASES:
         ids = tokens(b, n, seed=n)
+        if "attention_mask" in kwargs:
+            ids[~kwargs["attention_mask"]] = 0
+            kwargs = {**kwargs, "attention_mask": kwargs["attention_mask"].long()}
         outs = []
         for model, g in ((one, None), (sharded, group)):
             torch.manual_seed(3)
@@ -601,8 +632,8 @@ def test_refuses_what_it_cannot_honour():
         model(ids[:, :14], past_key_values=cache)
         with pytest.raises(NotImplementedError, match="query length 6 != key length 20"):
             model(ids[:, 14:], past_key_values=cache)
-        mask = padding("left", 2, 10)
-        with pytest.raises(NotImplementedError, match="decoding .* a padding mask"):
+        mask = padding("right", 2, 10)  # generate continues after the padding: a hole
+        with pytest.raises(NotImplementedError, match="padding after a row's first real token"):
             model.generate(ids[:, :10], attention_mask=mask, max_new_tokens=2, do_sample=False,
                            pad_token_id=0)
         with pytest.raises(NotImplementedError, match="pre-allocated static cache"):

@@ -22,10 +22,13 @@ Note [generation]
     (generation.py) shards the cache: it makes its ``ShardedCache`` the
     active one (``serving``), the prompt then runs sequence-parallel, and
     each step's attention function reads this rank's rows from that cache
-    and merges its partial over the ranks. Refused while decoding: padding
-    (a left-padded batch), a pre-allocated (static) or sliding-window cache
-    (keys the mask function cannot place), sequence parallelism outside
-    that ``generate``, more than one new token, gradients, dropout.
+    and merges its partial over the ranks. Left-padded batches generate
+    each row as the row alone (padding.py: generate numbers a row's real
+    tokens from 0, and its segments start there too). Refused while
+    decoding: padding after a row's first real token (right padding,
+    holes), a pre-allocated (static) or sliding-window cache (keys the mask
+    function cannot place), sequence parallelism outside that
+    ``generate``, more than one new token, gradients, dropout.
 
 Each call costs one small agreement collective (validation, padding and
 document facts of every rank) besides the op's own.
@@ -45,11 +48,12 @@ import torch
 from torch import Tensor
 
 from ... import validation as check
-from ...decoding import CachedRows, decode
+from ...decoding import CachedRows, decode, origin_runs
 from ...distributed import comm
 from ...functional import dilated_attention
 from .documents import agreed_documents, explicit_documents, position_facts
 from .masks import Documents, build_mask
+from .padding import agreed_origins, decoding_origins, first_real_tokens
 from .refusals import RESERVED_NAME_PARTS, Refused, check_kwargs, describe
 
 
@@ -154,12 +158,15 @@ class _Backend:
         decoding = stepping or (nq == 1 and nk > 1)
         # a prompt shorter than the ranks runs whole on every rank (see generation.py)
         group = sharded.prefill_group if sharded is not None and not stepping else self.group
+        layer = _layer_index(module) if stepping else None
+        # the keys a step attends: the whole sequence so far, wherever its rows are
+        kv_length = sharded.position(layer) + 1 if stepping else nk
 
         def config() -> Dict[str, Any]:
             check_kwargs(kwargs)
             causal = check.check_bool("is_causal", causal_arg)
             p = check.check_dropout(dropout, "dropout") if training else 0.0
-            mask = _read_mask(attention_mask, q.shape[0], nk)
+            mask = _read_mask(attention_mask, q.shape[0], kv_length)
             if decoding:
                 _check_decoding(comm.is_distributed(group) and not stepping, causal, mask, kwargs,
                                 p, (query, key, value))
@@ -169,50 +176,85 @@ class _Backend:
                     f"attend a KV cache (no chunked prefill or speculative decoding), and "
                     f"cross-attention is not supported"
                 )
+            facts = position_facts(kwargs.get("position_ids"), q.shape[0], nk, decoding)
+            keep = mask if isinstance(mask, Tensor) and not decoding else None
             return {"causal": causal, "dropout": p, "cu_seqlens": explicit_documents(kwargs),
                     "n": nk, "padded": isinstance(mask, Tensor),
-                    "overlay": mask.starts if isinstance(mask, Documents) else None,
-                    **position_facts(kwargs.get("position_ids"), q.shape[0], nk, decoding)}
+                    "overlay": mask.starts if isinstance(mask, Documents) else None, **facts,
+                    "real_from": first_real_tokens(keep, _rows(kwargs.get("position_ids")),
+                                                   q.shape[0])}
 
         # a sharded step checks here only: generate agreed on its inputs, which every rank
         # then computes alike (one all-gather per layer is all a step sends)
         infos = [config()] if stepping else comm.agree(group, config, per_rank=_PER_RANK)
         if decoding:
-            return self._decode(module, q, k, v, scaling, sharded if stepping else None), None
+            keep = attention_mask if isinstance(attention_mask, Tensor) else None
+            origins, keep = decoding_origins(keep, kwargs.get("position_ids"), kv_length - 1)
+            patterns = (self.segment_lengths, self.dilation_rates)
+            if stepping:
+                rows, merge_over = sharded.rows(layer), self.group
+            else:
+                rows, merge_over = [CachedRows(k, v, 0, nk)], None
+            out = decode(q, rows, kv_length - 1, patterns, scale=scaling, group=merge_over,
+                         origins=origins, keep=keep)
+            return out, None
+        return self._prompt(q, k, v, attention_mask, scaling, infos, group), None
+
+    def _prompt(self, q: Tensor, k: Tensor, v: Tensor, attention_mask, scale: Optional[float],
+                infos, group) -> Tensor:
+        """Queries against keys of the same rows (q_len = k_len), this rank's under `group`:
+        one call of the op, or one per run of left-padded rows sharing an origin
+        (padding.py)."""
         call = infos[0]
         rank = comm.group_rank(group)
         padded = any(info["padded"] for info in infos)
         documents = agreed_documents(infos, call["cu_seqlens"], use_positions=not padded,
-                               distributed=comm.is_distributed(group))
+                                     distributed=comm.is_distributed(group))
         key_padding_mask = None
         if padded:
             # every rank passes a mask when any rank has one (the op agrees on it)
             keep = attention_mask if infos[rank]["padded"] else None
             key_padding_mask = (~keep if keep is not None
                                 else torch.zeros(k.shape[:2], dtype=torch.bool, device=k.device))
-        out = dilated_attention(
-            q, k, v, self.segment_lengths, self.dilation_rates, is_causal=call["causal"],
-            scale=scaling, dropout_p=call["dropout"], group=group, cu_seqlens=documents,
-            key_padding_mask=key_padding_mask, **dict(self.options),
-        )
-        return out, None
 
-    def _decode(self, module, q: Tensor, k: Tensor, v: Tensor, scale: Optional[float],
-                sharded) -> Tensor:
-        """One new token (q (b, 1, h, d)) against the cache (Note [generation]): the whole
-        cache k, v (b, t + 1, hk, d), or this rank's rows of a sharded one."""
-        patterns = (self.segment_lengths, self.dilation_rates)
-        if sharded is None:
-            t = k.shape[1] - 1
-            return decode(q, [CachedRows(k, v, 0, t + 1)], t, patterns, scale=scale)
-        layer = getattr(module, "layer_idx", None)
-        if not isinstance(layer, int):
-            raise NotImplementedError(
-                f"sharded generation needs the attention layer's layer_idx (the index of its "
-                f"cache), which {type(module).__name__} does not have"
-            )
-        return decode(q, sharded.rows(layer), sharded.position(layer), patterns, scale=scale,
-                      group=self.group)
+        def attend(rows: slice, first: int) -> Tensor:
+            return dilated_attention(
+                q[rows, first:], k[rows, first:], v[rows, first:], self.segment_lengths,
+                self.dilation_rates, is_causal=call["causal"], scale=scale,
+                dropout_p=call["dropout"], group=group, cu_seqlens=documents,
+                key_padding_mask=None if key_padding_mask is None
+                else key_padding_mask[rows, first:], **dict(self.options))
+
+        origins = agreed_origins(infos, q.shape[0]) if padded else None
+        if origins is None:
+            return attend(slice(None), 0)
+        if documents is not None:
+            raise NotImplementedError("packed documents together with left-padded rows whose "
+                                      "positions start at their first token")
+        # each run of rows attends its own suffix of the sequence; its padding gets zeros
+        start = sum(info["n"] for info in infos[:rank])
+        out = torch.zeros_like(q)
+        for lo, hi, origin in origin_runs(origins, q.shape[0]):
+            first = min(max(origin - start, 0), q.shape[1])
+            out[lo:hi, first:] = attend(slice(lo, hi), first)
+        return out
+
+
+def _layer_index(module) -> int:
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise NotImplementedError(
+            f"sharded generation needs the attention layer's layer_idx (the index of its "
+            f"cache), which {type(module).__name__} does not have"
+        )
+    return layer
+
+
+def _rows(position_ids) -> Optional[Tensor]:
+    """position_ids as (rows, n) (rows 1 or b), once position_facts has checked them."""
+    if isinstance(position_ids, Tensor) and position_ids.dim() == 1:
+        return position_ids[None]
+    return position_ids
 
 
 # The sharded cache of a running ``generate(model, ..., group=)`` (generation.py): transformers
@@ -243,7 +285,7 @@ def backend_of(model) -> Optional["_Backend"]:
 
 
 # what may differ between the ranks of a sequence-parallel call
-_PER_RANK = ("n", "padded", "overlay", "first", "last", "restarts", "same_rows")
+_PER_RANK = ("n", "padded", "overlay", "first", "last", "restarts", "same_rows", "real_from")
 
 
 def _read_mask(attention_mask, batch: int, nk: int):
@@ -274,8 +316,6 @@ def _check_decoding(unserved_group: bool, causal: bool, mask, kwargs, dropout_p:
                         "cache")
     if not causal:
         problems.append("is_causal=False")
-    if isinstance(mask, Tensor):
-        problems.append("a padding mask (generate without padding, one prompt at a time)")
     if isinstance(mask, Documents) or kwargs.get("cu_seq_lens_q") is not None:
         problems.append("packed documents")
     if dropout_p > 0:

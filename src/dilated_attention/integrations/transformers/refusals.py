@@ -9,13 +9,13 @@ argument, never silently dropped:
 | ``scaling`` | the softmax scale |
 | ``dropout`` | attention dropout while ``module.training``; 0 in evaluation |
 | ``is_causal`` (or ``module.is_causal``) | causal or not |
-| 2-D padding ``attention_mask`` | ``key_padding_mask`` (left or right padding) |
+| 2-D padding ``attention_mask`` | ``key_padding_mask`` (left or right padding); a left-padded row whose first real token has position 0 (``generate``'s numbering) is computed as the row alone (padding.py) |
 | ``position_ids`` that restart (no padding; one process) | packed documents -> ``cu_seqlens`` |
 | ``cu_seq_lens_q`` = ``cu_seq_lens_k`` | packed documents -> ``cu_seqlens`` (global ones under sequence parallelism) |
-| one new token against a KV cache | exact decoding (Note [generation] in backend.py) |
+| one new token against a KV cache | exact decoding, left-padded batches and ``generate(..., group=)`` included (Note [generation] in backend.py) |
 | ``use_cache``, ``max_length_q/k``, ``num_items_in_batch``, ``output_hidden_states``, ``output_router_logits`` | no effect on attention |
 | a 4-D mask, a float mask, a mask function other than causal within documents (sliding window, chunks, image-token blocks), ``sliding_window``, ``softcap``, ``s_aux`` (sinks), ``seq_idx``, ``output_attentions=True``, any other keyword | refused |
-| q_len != k_len other than decoding one token (chunked prefill, cross-attention), a static or sliding-window cache, decoding with padding | refused |
+| q_len != k_len other than decoding one token (chunked prefill, cross-attention), a static or sliding-window cache, decoding with padding after a row's first real token | refused |
 """
 
 from __future__ import annotations
