@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 
 import pytest
 import torch
@@ -89,6 +90,17 @@ def _comm_cases(group):
     res["exchange"] = recvs
     res["exchange_stats"] = (stats.messages, stats.bytes_sent)
 
+    # a finished exchange lets its send buffers go: a request that is waited on but kept
+    # (a handle alive while received keys are used) once held them (issue 27.12)
+    sent = torch.ones(1000)
+    gone = weakref.ref(sent)
+    handle = comm.post_exchange({(rank + 1) % size: sent}, {(rank - 1) % size: torch.empty(1000)},
+                                group)
+    del sent
+    comm.wait_exchange(handle)
+    res["send_released"] = gone() is None
+    del handle
+
     # empty tensors are skipped on both sides
     with comm.count_communication() as stats:
         comm.exchange({(rank + 1) % size: torch.empty(0, 4)},
@@ -153,6 +165,7 @@ def test_comm_on_gloo(world):
         sent_bytes = sum((rank + 1) * (p + 1) * 4 + 8 for p in range(world) if p != rank)
         assert res["exchange_stats"] == (2 * (world - 1), sent_bytes)
         assert res["empty_stats"] == 0
+        assert res["send_released"]
 
         expect = torch.cat([
             torch.arange(n * 2, dtype=torch.float32).reshape(1, n, 2) + 100 * r

@@ -299,10 +299,48 @@ class Transfer(NamedTuple):
 
 
 class Round(NamedTuple):
-    """One exchange: this rank's key parts out, other ranks' key parts in."""
+    """One exchange: this rank's key parts out, other ranks' key parts in.
+
+    packed: per send, the index of the first send with the same wire content
+    (the same key rows and columns, e.g. one part that every other rank
+    reads whole): one packed buffer goes to all of them.
+    """
 
     sends: Tuple[Transfer, ...]
     recvs: Tuple[Transfer, ...]
+    packed: Tuple[int, ...]
+
+    @property
+    def distinct_sends(self) -> Tuple[Transfer, ...]:
+        """The sends that are packed (the others reuse one of their buffers)."""
+        return tuple(t for i, t in enumerate(self.sends) if self.packed[i] == i)
+
+
+def _same_wire(a: Transfer, b: Transfer) -> bool:
+    """Whether two sends carry the same columns of the same key rows.
+
+    The wire is the groups' (offset, kv head) pairs in order, each pair's rows
+    of the key part; which rows a pair selects follows from the part, the
+    segment's start and the pattern's rate, not from the reading queries.
+    """
+    def wire(t: Transfer) -> tuple:
+        return (t.keys.start, t.keys.stop, t.pattern, t.segment,
+                tuple(pair for g in t.groups for pair in g.pairs))
+
+    return wire(a) == wire(b)
+
+
+def _packed(sends: Sequence[Transfer]) -> Tuple[int, ...]:
+    """Round.packed of `sends`."""
+    firsts: List[int] = []
+    packed = []
+    for i, t in enumerate(sends):
+        first = next((j for j in firsts if _same_wire(sends[j], t)), None)
+        if first is None:
+            firsts.append(i)
+            first = i
+        packed.append(first)
+    return tuple(packed)
 
 
 class Block(NamedTuple):
@@ -766,7 +804,7 @@ def _assemble(grid, launches, rounds_by_step, modes, remote_blocks, writes, n) -
             remote = tuple(RemoteLaunch(next_id + i, *spec) for i, spec in enumerate(t.launches))
             next_id += len(remote)
             numbered_recvs.append(t._replace(launches=remote))
-        rounds.append(Round(tuple(sends), tuple(numbered_recvs)))
+        rounds.append(Round(tuple(sends), tuple(numbered_recvs), _packed(sends)))
     blocks = tuple(
         Block(i, grid[i][2], grid[i][2] + grid[i][1] - grid[i][0], tuple(forward.get(i, ())),
               tuple(backward.get(i, ())), i in remote_blocks, writes[i])

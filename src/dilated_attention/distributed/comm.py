@@ -542,8 +542,13 @@ def post_exchange(
 
 
 def wait_exchange(handle: List[Any]) -> None:
-    """Block until a `post_exchange` is done (its receive buffers are filled)."""
+    """Block until a `post_exchange` is done (its receive buffers are filled).
+
+    Empties `handle`: a finished request still holds its tensor, so a send
+    buffer would otherwise live as long as the caller keeps the handle.
+    """
     _wait(handle)
+    handle.clear()
 
 
 def exchange(

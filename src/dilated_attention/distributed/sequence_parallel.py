@@ -67,7 +67,11 @@ class Exchange:
 
     Round 0 is posted by `post` (before any local launch); later rounds
     (rotate mode) are exchanged when their turn comes. A received (2, b,
-    columns, d) buffer lives until the launches on it are done.
+    columns, d) buffer lives until the launches on it are done. What the
+    posted round holds during the local launches is its receive buffers and
+    one packed buffer per distinct send (``Round.packed``: a part that every
+    other rank reads whole is packed once, not once per reader); the sends
+    are freed when the round has arrived.
     """
 
     def __init__(self, plan: Plan, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
@@ -82,14 +86,17 @@ class Exchange:
         sends: Dict[int, List[Tensor]] = {}
         recvs: Dict[int, List[Tensor]] = {}
         buffers = []
-        for t in rnd.sends:
-            # (2, b, columns, d): k then v; the mask's columns travel as a second tensor
-            sends.setdefault(t.queries.rank, []).append(
-                torch.stack([pack(self.k, t), pack(self.v, t)]))
-            if self.key_mask is not None:
-                # (b, n) -> (b, n, hk) like k; as uint8, which every backend sends
-                mask = self.key_mask[:, :, None].expand(-1, -1, self.k.shape[2])
-                sends[t.queries.rank].append(pack(mask, t).to(torch.uint8))
+        packed: Dict[int, List[Tensor]] = {}
+        for i, (t, first) in enumerate(zip(rnd.sends, rnd.packed)):
+            if first == i:
+                # (2, b, columns, d): k then v; the mask's columns travel as a second tensor
+                packed[i] = [torch.stack([pack(self.k, t), pack(self.v, t)])]
+                if self.key_mask is not None:
+                    # (b, n) -> (b, n, hk) like k; as uint8, which every backend sends
+                    mask = self.key_mask[:, :, None].expand(-1, -1, self.k.shape[2])
+                    packed[i].append(pack(mask, t).to(torch.uint8))
+            # the same content for several readers: one buffer, sent to each
+            sends.setdefault(t.queries.rank, []).extend(packed[first])
         for t in rnd.recvs:
             buf = self.k.new_empty((2, b, t.columns, d))
             mask = None

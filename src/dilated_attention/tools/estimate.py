@@ -575,7 +575,8 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
         return sh.rows(nq, hq, s) + sh.rows(nq, hq, a, 1)
 
     rounds = plan.rounds
-    posted = wire(rounds[0].sends) + wire(rounds[0].recvs) if rounds else 0
+    # one packed buffer per distinct send (Round.packed), and the receive buffers
+    posted = wire(rounds[0].distinct_sends) + wire(rounds[0].recvs) if rounds else 0
     phases: Dict[str, Dict[str, int]] = {}
     fwd_bytes = sum(wire(r.sends) for r in rounds)
     fwd_msgs = sum(1 for r in rounds for t in r.sends if t.columns)
@@ -601,7 +602,10 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
                             sim.add(index, 0, lambda acc: None, nbytes)
                 phases[f"forward, exchange round {i}"] = {
                     **shards, OUTPUT: output, WORKSPACE: max(peak, _alive(sim)),
-                    COMM: wire(rnd.sends) + wire(rnd.recvs) + (pack_temp(rnd.sends) if i else 0)}
+                    # the sends are freed once the round arrives (round 0's were posted
+                    # before the local launches); a later round packs and posts here
+                    COMM: wire(rnd.recvs) + (wire(rnd.distinct_sends) + pack_temp(rnd.sends)
+                                             if i else 0)}
             remote_done = True
         sim.turn(block.index)
         peak = 0
