@@ -55,16 +55,18 @@ from dilated_attention.tools.settings import default_threads
 
 def parse_args(argv: Optional[List[str]] = None,
                description: Optional[str] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--steps", type=int, default=200)
+    p = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--keys", type=int, default=8, help="distinct keys (chance = 1/keys)")
     p.add_argument("--key-len", type=int, default=32,
                    help="the key is written as a run of this many tokens at the start")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and data")
+    p.add_argument("--eval-batches", type=int, default=4,
+                   help="batches of the recall accuracy after training")
     p.add_argument("--world-size", type=int, default=1,
                    help="gloo ranks to split the sequence over")
     p.add_argument("--mesh", type=_mesh_shape, default=None, metavar="DPxSP",
@@ -79,7 +81,8 @@ def parse_args(argv: Optional[List[str]] = None,
     p.add_argument("--check-unpacked", action="store_true",
                    help="with --packed: also train on the same documents one at a time and "
                         "compare the losses")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                   help="parameter and activation dtype")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per process (0: cores / world size)")
     args = p.parse_args(argv)

@@ -422,6 +422,19 @@ def test_bench_plots_against_ranks_for_one_length():
     assert [r["world_size"] for r in series["ring, N=8,192"]] == [1, 2, 4]
 
 
+def test_bench_plot_names_the_lines_at_zero_traffic():
+    """The communication panel says which lines send nothing and why: lines at 0 MB lie on
+    one another and on the axis (the 1-rank line always, with segments inside the pieces
+    more)."""
+    rows = [_row(n, p, [1.0]) for p in (1, 2, 4) for n in (8192, 16384)]
+    rows[4]["comm_mb"] = 6.29  # P = 4, N = 8192: segments cross the 2048-row pieces
+    note = bench.zero_traffic_note(bench.plot_series(rows)[1])
+    assert note.startswith("at 0 MB: dilated, P=1; dilated, P=2\n")
+    assert "one rank" in note and "stay inside a rank's piece" in note
+    rows[0]["comm_mb"] = rows[2]["comm_mb"] = rows[3]["comm_mb"] = 1.0
+    assert bench.zero_traffic_note(bench.plot_series(rows)[1]) is None
+
+
 def test_out_help_shows_its_default(capsys):
     assert cli.main(["bench", "--help"]) == 0
     help_text = " ".join(capsys.readouterr().out.split())

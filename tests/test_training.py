@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib
 import pathlib
+import re
 import sys
 from typing import Dict, List, Optional
 
@@ -246,6 +247,19 @@ def test_data_x_sequence_mistakes_raise_on_every_rank():
             assert "parameters differ between the ranks of process_group" in mesh[how], how
         msg = mesh["fully_shard flattened + all_reduce_gradients"]
         assert msg is not None and "sharded (FSDP2) over ranks of process_group" in msg
+
+
+def test_example_help_shows_every_default(capsys):
+    """examples/train_long_context.py --help (and finetune_hf.py, which shares its
+    arguments) states each option's default."""
+    with pytest.raises(SystemExit):
+        _example().parse_args(["--help"])
+    options = capsys.readouterr().out.split("options:")[1]
+    # one entry per option: its name line and the indented help lines below it
+    entries = re.split(r"\n  (?=--)", options)[1:]
+    assert len(entries) > 10
+    for entry in entries:
+        assert "(default: " in " ".join(entry.split()), entry
 
 
 @pytest.mark.distributed

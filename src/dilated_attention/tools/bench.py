@@ -633,6 +633,16 @@ def plot_series(rows: List[Dict[str, object]]) -> Tuple[str, Dict[str, List[Dict
                   for (impl, value), points in sorted(grouped.items())}
 
 
+def zero_traffic_note(series: Dict[str, List[Dict[str, object]]]) -> Optional[str]:
+    """The communication panel's note naming the lines that send nothing, and why (None when
+    every line sends something): lines at 0 lie on one another and on the axis."""
+    zero = [label for label, points in series.items() if not any(r["comm_mb"] for r in points)]
+    if not zero:
+        return None
+    return (f"at 0 MB: {'; '.join(zero)}\n(one rank, or segments that stay inside a rank's "
+            f"piece: nothing is sent)")
+
+
 def plot(rows: List[Dict[str, object]], config: BenchConfig, path: str) -> bool:
     """Time (median, min-max bars), per-rank peak memory and per-rank traffic against N or P
     (``plot_series``), one line per implementation and value of the other."""
@@ -646,17 +656,24 @@ def plot(rows: List[Dict[str, object]], config: BenchConfig, path: str) -> bool:
         return False
     axis, series = plot_series(rows)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for label, points in series.items():
+    for i, (label, points) in enumerate(series.items()):
         xs = [r[axis] for r in points]
         times = [r["time_ms"] for r in points]
+        # a marker shape per line, and each later line's markers smaller: lines that
+        # coincide (several at 0 MB of traffic) stay visible inside one another
+        style = dict(marker="osD^vP*X"[i % 8], markersize=max(3.0, 9.0 - 1.5 * i), label=label)
         # bars from the fastest to the slowest pass
         bars = [[t - r["time_min_ms"] for t, r in zip(times, points)],
                 [r["time_max_ms"] - t for t, r in zip(times, points)]]
-        axes[0].errorbar(xs, times, yerr=bars, marker="o", capsize=3, label=label)
+        axes[0].errorbar(xs, times, yerr=bars, capsize=3, **style)
         mem = [(x, r["peak_mem_mb"]) for x, r in zip(xs, points) if r["peak_mem_mb"] is not None]
         if mem:
-            axes[1].plot(*zip(*mem), marker="o", label=label)
-        axes[2].plot(xs, [r["comm_mb"] for r in points], marker="o", label=label)
+            axes[1].plot(*zip(*mem), **style)
+        axes[2].plot(xs, [r["comm_mb"] for r in points], **style)
+    note = zero_traffic_note(series)
+    if note is not None:
+        axes[2].text(0.02, 0.97, note, transform=axes[2].transAxes, va="top", fontsize=7)
+    top = max((r["comm_mb"] for r in rows), default=0.0) or 1.0
     titles = ("time (ms): median, min to max", "peak memory per rank (MB)",
               "communication per rank per pass (MB)")
     for ax, ylabel in zip(axes, titles):
@@ -666,8 +683,8 @@ def plot(rows: List[Dict[str, object]], config: BenchConfig, path: str) -> bool:
                 lambda x, _: f"{x:g}"))
         if ax is not axes[2]:
             ax.set_yscale("log")
-        else:  # traffic is often 0: a linear scale from 0 shows it
-            ax.set_ylim(bottom=0)
+        else:  # traffic is often 0: a linear scale, 0 lifted off the axis (room for the note)
+            ax.set_ylim(-0.05 * top, 1.35 * top)
         ax.set_xlabel(_AXES[axis][0])
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
