@@ -1,0 +1,473 @@
+"""The fused kernel's plan: tiles of rows that share their key spans, as int32 tables.
+
+Pure PyTorch (no Triton): the kernels in ``triton_kernels`` read these tables,
+``fused`` launches them, and the tests check them against the count matrix
+without a kernel.
+
+Note [fused kernel]
+~~~~~~~~~~~~~~~~~~~
+Merging the patterns by their softmax denominators is ONE softmax over the
+union of the keys the patterns select for a query, a key that m patterns
+select counting m times (logit s + log m; docs/spec.md, "Merging the
+patterns"). So one online-softmax pass per query row, over the keys every
+selecting pattern reads, each with its multiplicity, is exact: no gathers,
+no per-pattern outputs, no merges.
+
+Cells. The segment starts of every pattern (they restart at each document)
+cut the sequence into *cells*; inside a cell each pattern's segment
+[a_i, b_i) is fixed. Pattern i selects row t for query head j when
+(t - a_i) mod r_i == (first + j) mod r_i, so the set S of patterns that
+select a row depends on its residues only, and the rows of a cell fall into
+a few *classes* of equal S:
+
+    one cell of LongNet's [2048, 4096] / [1, 2], head 0, cell = first half
+    of a 4096-segment:
+      rows:     0  1  2  3  4  5 ...  2047
+      S:        AB A  AB A  AB A ...  A        (A: w 2048 r 1, B: w 4096 r 2)
+      class AB: rows 0, 2, 4, ...   keys: [0, 2048) every key (A), the even
+                ones counting twice (A and B), and [2048, 4096) at stride 2 (B)
+      class A:  rows 1, 3, 5, ...   keys: [0, 2048)
+
+Rows of one class share their keys exactly (all of them are congruent to
+a_i + offset mod r_i for each i in S, so pattern i reads the same keys
+for each): the key side of a class is a short list of *spans* (start,
+stride, count). Where several patterns' segments overlap, a span of the
+pattern with the smallest rate holds the keys of every pattern whose rate
+it divides (their keys are a sub-progression of its own: they share the
+class's residue), and carries those patterns as *extras* (period, phase):
+key i of the span counts 1 + #{extras with i mod period == phase} times,
+a per-key log m bias. So a key two patterns select is loaded and
+multiplied once, not twice: in the example class AB reads 3072 keys, not
+4096 (0.833 of the per-pattern work for LongNet's setting, computed by
+``occupancy``). Rates that do not divide each other (3 and 5) get a span
+each, whose counts add up.
+
+Tiles. Classes are cut into tiles of at most BLOCK_M rows (a table of rows,
+ascending; a class is not always an arithmetic progression: rates 2 and 3
+give {t : t = 0 mod 2, t != 0 mod 3}), and one program computes one tile
+for one batch row: it loads its q rows in place and runs the online softmax
+over its spans, BLOCK_N keys at a time (strided loads), with the causal mask
+and the key padding mask per element. Rows no pattern selects form classes
+with no span: their tiles write out 0 and lse -inf, so every (row, head) is
+written exactly once and nothing is zero-filled first.
+
+Templates. Cells with the same geometry (length, and each pattern's segment
+relative to the cell) have the same classes and spans, relative to the cell
+start: the tables hold each geometry once and a tile names its cell start.
+A long regular sequence has a handful of geometries (LongNet's setting 2,
+the geometric schedule 2048..65536 / 1..32 32), so the plan costs what its
+distinct cells cost, not n; many packed documents of distinct lengths cost
+about n rows of vectorised work.
+
+dK/dV (``keys=True``). The relation "t reads u" is symmetric but for the
+causal mask, so the same construction with key rows as tiles and query
+rows as spans gives the transposed plan: a tile holds key rows of one
+key/value head whose classes agree for every query head of its GQA group,
+and lists, per query head, the spans of queries that read them (u <= t when
+causal). A program accumulates dK/dV of its rows over all of them in
+registers and writes them once: no atomics.
+
+Causal. A span's keys beyond the cell's last row are dropped here (the
+transposed plan: queries before its first); inside the cell the kernel
+bounds each span by its tile's last (first) row and masks per element.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .patterns import Heads, Patterns
+from .plan import Documents, segments_between
+
+# Columns of the tables (the kernels read them by these positions).
+TILE_COLUMNS = ("cell", "row_lo", "rows", "head", "span_lo", "span_hi")
+SPAN_COLUMNS = ("head", "start", "stride", "count", "extra_lo", "extra_hi")
+EXTRA_COLUMNS = ("period", "phase")
+
+# Bits of a class key packed per int64 word (the sign bit stays clear).
+_WORD_BITS = 62
+_BIG = 1 << 62
+
+
+class TilePlan(NamedTuple):
+    """What the kernels loop over, as int32 tables (on the device they run on).
+
+    tiles (T, 6) (T = 0 only for an empty sequence): cell start (absolute row), first entry in ``rows``, row
+    count (1..BLOCK_M), head of the rows (query head; key/value head in a
+    ``keys`` plan), first span, span end. rows (R,): rows relative to their
+    cell start, ascending within a tile. spans (S, 6): the other side's head
+    (key/value head; query head in a ``keys`` plan), start relative to the
+    cell, stride, count, first extra, extra end. extras (E, 2): period and
+    phase of each extra count (Note [fused kernel]). Tables never empty:
+    an unused one holds a row of zeros, so the kernels get a valid pointer.
+    """
+
+    tiles: Tensor
+    rows: Tensor
+    spans: Tensor
+    extras: Tensor
+    block_m: int
+
+    def to(self, device) -> "TilePlan":
+        return self._replace(**{name: getattr(self, name).to(device)
+                                for name in ("tiles", "rows", "spans", "extras")})
+
+
+def tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, causal: bool,
+              documents: Documents, block_m: int, keys: bool, device: str = "cpu") -> TilePlan:
+    """The query tiles (``keys=False``: forward and dq) or key tiles (dK/dV) of a call.
+
+    Cached per shape and device: a training step's forward and backward, and
+    every step of equal shape, build it once.
+    """
+    if device != "cpu":
+        return _device_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys,
+                            device)
+    return _tile_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys,
+                 device) -> TilePlan:
+    return _tile_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m,
+                      keys).to(device)
+
+
+def dense_plan(n: int, m: int, heads: Heads, num_kv_heads: int, block_m: int, keys: bool,
+               device: str = "cpu") -> TilePlan:
+    """Plain attention of n query rows against m key rows, as a plan (kernels.py's
+    per-launch kernel): tiles of consecutive rows, one span of all the other side's
+    rows per head."""
+    return _dense_plan(n, m, heads, num_kv_heads, block_m, keys, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_plan(n, m, heads, num_kv_heads, block_m, keys, device) -> TilePlan:
+    groups = _groups(heads, num_kv_heads, keys)
+    rows = m if keys else n
+    other = n if keys else m
+    tiles, spans = [], []
+    for row_head, members, span_heads in groups:
+        span_lo = len(spans)
+        spans += [(head, 0, 1, other, 0, 0) for head in span_heads]
+        for lo in range(0, rows, block_m):
+            tiles.append((0, lo, min(block_m, rows - lo), row_head, span_lo, len(spans)))
+    return TilePlan(torch.tensor(tiles, dtype=torch.int32).reshape(-1, 6),
+                    torch.arange(max(rows, 1), dtype=torch.int32),
+                    _table(spans, 6), _table([], 2), block_m).to(device)
+
+
+def _table(entries: Sequence[Tuple[int, ...]], width: int) -> Tensor:
+    return _nonempty(torch.tensor(entries, dtype=torch.int32).reshape(-1, width))
+
+
+def _groups(heads: Heads, num_kv_heads: int, keys: bool
+            ) -> List[Tuple[int, Tuple[int, ...], Tuple[int, ...]]]:
+    """(head of the tile rows, query heads whose selections define its classes, the span
+    head of each): per query head for query tiles, per key/value head (its GQA group of
+    query heads) for key tiles."""
+    if not keys:
+        return [(j, (j,), (kv,)) for j, kv in enumerate(heads.kv_of)]
+    groups = []
+    for kv in range(num_kv_heads):
+        members = tuple(j for j, of in enumerate(heads.kv_of) if of == kv)
+        groups.append((kv, members, members))
+    return groups
+
+
+# --------------------------------------------------------------------------
+# Cells and their geometries
+
+
+class _Cells(NamedTuple):
+    """starts (C,): each cell's first row; shape (C,): its geometry's index;
+    length (U,), seg_lo (U, P), seg_hi (U, P): each geometry's length and every
+    pattern's segment relative to the cell start (seg_lo <= 0 < length <= seg_hi)."""
+
+    starts: Tensor
+    shape: Tensor
+    length: Tensor
+    seg_lo: Tensor
+    seg_hi: Tensor
+
+
+def _cells(n: int, patterns: Patterns, documents: Documents) -> _Cells:
+    segments = [segments_between(0, n, w, documents, n) for w in patterns[0]]
+    # every segment start (they include every non-empty document's start) and n
+    bounds = torch.unique(torch.cat([starts for starts, _ in segments]
+                                    + [torch.tensor([n], dtype=torch.int64)]))
+    starts, stops = bounds[:-1], bounds[1:]
+    geometry = [stops - starts]
+    seg_lo, seg_hi = [], []
+    for seg_starts, seg_lengths in segments:
+        # the segment holding each cell: the last one starting at or before it
+        i = torch.searchsorted(seg_starts, starts, right=True) - 1
+        seg_lo.append(seg_starts[i] - starts)
+        seg_hi.append(seg_starts[i] + seg_lengths[i] - starts)
+    # (C, 1 + 2P): length, segment starts, segment ends; equal rows = equal geometry
+    key = torch.stack(geometry + seg_lo + seg_hi, dim=1)
+    unique, shape = torch.unique(key, dim=0, return_inverse=True)
+    p = len(patterns[0])
+    return _Cells(starts, shape, unique[:, 0], unique[:, 1:1 + p], unique[:, 1 + p:])
+
+
+# --------------------------------------------------------------------------
+# Classes: rows of a cell (and group of heads) that the same patterns select
+
+
+class _Classes(NamedTuple):
+    """Rows of every geometry sorted by class, one group of heads.
+
+    rows (R,): row relative to its cell, sorted by (class, row); size (K,):
+    rows per class; shape (K,), first (K,): each class's geometry and first
+    row; selected (K, m, P): which patterns select the class for each member.
+    """
+
+    rows: Tensor
+    size: Tensor
+    shape: Tensor
+    first: Tensor
+    selected: Tensor
+
+
+class _Rows(NamedTuple):
+    """Every row of every geometry: shape (R,) its geometry, row (R,) its row relative to
+    the cell, residue (R, P) its index in each pattern's segment modulo the rate."""
+
+    shape: Tensor
+    row: Tensor
+    residue: Tensor
+
+    @classmethod
+    def of(cls, cells: _Cells, rates: Tensor) -> "_Rows":
+        length = cells.length
+        shape = torch.repeat_interleave(torch.arange(length.numel()), length)
+        row = torch.arange(shape.numel()) - (torch.cumsum(length, 0) - length)[shape]
+        return cls(shape, row, (row[:, None] - cells.seg_lo[shape]) % rates)
+
+
+def _classes(rows: _Rows, offsets: Tensor) -> _Classes:
+    """offsets (m, P): each member head's offset per pattern (m may be 0)."""
+    shape, row = rows.shape, rows.row
+    # (R, 1, P) vs (1, m, P) -> (R, m, P): pattern i selects the row for member j
+    selected = rows.residue[:, None, :] == offsets[None]
+    cls = shape
+    bits = selected.flatten(1)
+    for w0 in range(0, bits.shape[1], _WORD_BITS):
+        chunk = bits[:, w0:w0 + _WORD_BITS].long()
+        word = (chunk << torch.arange(chunk.shape[1])).sum(1)
+        # (class so far, word) -> one dense id: 1-D uniques only (unique(dim=0) is slow)
+        _, word = torch.unique(word, return_inverse=True)
+        _, cls = torch.unique(cls * shape.numel() + word, return_inverse=True)
+    # classes are numbered in (geometry, bits) order; rows stay ascending inside a class
+    order = torch.sort(cls, stable=True).indices
+    size = torch.bincount(cls)
+    first = order[torch.cumsum(size, 0) - size]
+    return _Classes(row[order], size, shape[first], row[first], selected[first])
+
+
+# --------------------------------------------------------------------------
+# Spans: the keys (queries, for key tiles) each class reads, per member head
+
+
+class _Spans(NamedTuple):
+    """reader (S,): which (class, member) reader a span belongs to, ascending; table
+    (S, 6) int64 and extras (E, 2) int64 in the layout of TilePlan."""
+
+    reader: Tensor
+    table: Tensor
+    extras: Tensor
+
+
+def _spans(selected: Tensor, first: Tensor, seg_lo: Tensor, seg_hi: Tensor, length: Tensor,
+           rates: Tensor, heads: Tensor, causal: bool, keys: bool) -> _Spans:
+    """The spans of `D` readers: selected (D, P) the patterns selecting the reader's rows,
+    first (D,) one of its rows, seg_lo/seg_hi (D, P) the segments, length (D,) the cell's
+    rows, heads (D,) the span head; all relative to the cell start."""
+    d, p = selected.shape
+    # Intervals of the other axis between consecutive segment bounds of the selecting
+    # patterns (and the causal limit): inside one, a fixed set of patterns reads.
+    if not causal:
+        limit = torch.full((d, 1), _BIG)
+    elif keys:
+        limit = torch.zeros(d, 1, dtype=torch.int64)  # key tiles: no query before the cell
+    else:
+        limit = length[:, None]  # query tiles: no key after the cell
+    cuts = torch.cat([torch.where(selected, seg_lo, _BIG), torch.where(selected, seg_hi, _BIG),
+                      limit], dim=1).sort(dim=1).values
+    lo, hi = cuts[:, :-1], cuts[:, 1:]  # (D, I)
+    # (D, I, P): pattern i reads interval [lo, hi)
+    active = (selected[:, None, :] & (seg_lo[:, None, :] <= lo[..., None])
+              & (hi[..., None] <= seg_hi[:, None, :]) & (lo < hi)[..., None])
+    if causal:
+        active &= ((lo >= 0) if keys else (hi <= length[:, None]))[..., None]
+    # Each active pattern's leader: the active pattern of least rate (then index) that
+    # divides its rate. Leaders make spans; the others are extra counts on their leader's.
+    divides = rates[:, None] % rates[None, :] == 0  # (P_i, P_k): r_k divides r_i
+    rank = rates * p + torch.arange(p)  # (P,) least rate first, then index
+    candidate = active[..., None, :] & divides  # (D, I, P_i, P_k)
+    leader = torch.where(candidate, rank, _BIG).argmin(-1)  # (D, I, P)
+    leads = active & (leader == torch.arange(p))
+    reader, interval, pattern = leads.nonzero(as_tuple=True)
+    stride = rates[pattern]
+    lo_s = lo[reader, interval]
+    start = lo_s + (first[reader] - lo_s) % stride
+    count = torch.clamp(-((start - hi[reader, interval]) // stride), min=0)
+    keep = count > 0
+    span_id = torch.full(leads.shape, -1, dtype=torch.int64)
+    span_id[reader[keep], interval[keep], pattern[keep]] = torch.arange(int(keep.sum()))
+    reader, pattern, start, stride, count = (x[keep] for x in (reader, pattern, start, stride,
+                                                               count))
+    # extras: (reader, interval, i) active but led by another pattern, on their leader's span
+    e_reader, e_interval, e_pattern = (active & ~leads).nonzero(as_tuple=True)
+    owner = span_id[e_reader, e_interval, leader[e_reader, e_interval, e_pattern]]
+    e_keep = owner >= 0
+    owner, e_pattern = owner[e_keep], e_pattern[e_keep]
+    period = rates[e_pattern] // stride[owner]
+    # key idx of the span (key start + stride * idx) is the pattern's when it is congruent
+    # to the reader's rows modulo its rate (start already is, modulo the leader's)
+    phase = ((first[reader[owner]] - start[owner]) // stride[owner]) % period
+    order = torch.sort(owner, stable=True).indices
+    per_span = torch.bincount(owner, minlength=start.numel())
+    extra_hi = torch.cumsum(per_span, 0)
+    table = torch.stack([heads[reader], start, stride, count, extra_hi - per_span, extra_hi],
+                        dim=1)
+    return _Spans(reader, table, torch.stack([period[order], phase[order]], dim=1))
+
+
+# --------------------------------------------------------------------------
+# The plan
+
+
+@functools.lru_cache(maxsize=64)
+def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, causal: bool,
+               documents: Documents, block_m: int, keys: bool) -> TilePlan:
+    cells = _cells(n, patterns, documents)
+    rates = torch.tensor(patterns[1], dtype=torch.int64)
+    every_row = _Rows.of(cells, rates)
+    by_offsets = {}  # heads of equal offsets (LongNet's rates 1, 2: two kinds) share classes
+    # per group of heads: its classes; then the spans of every (class, member) at once
+    rows: List[Tensor] = []
+    class_of: List[Tuple[Tensor, int]] = []  # per group: (classes' geometry, tile row head)
+    sizes: List[Tensor] = []
+    readers: List[Tuple[Tensor, ...]] = []
+    members_per_class: List[Tensor] = []
+    for row_head, members, span_heads in _groups(heads, num_kv_heads, keys):
+        offsets = tuple(tuple((heads.first + j) % r for r in patterns[1]) for j in members)
+        if offsets not in by_offsets:
+            by_offsets[offsets] = _classes(every_row, torch.tensor(
+                offsets, dtype=torch.int64).reshape(len(members), len(patterns[1])))
+        classes = by_offsets[offsets]
+        rows.append(classes.rows)
+        sizes.append(classes.size)
+        class_of.append((classes.shape, row_head))
+        k, m = classes.size.numel(), len(members)
+        members_per_class.append(torch.full((k,), m, dtype=torch.int64))
+        # (K, m) readers, class-major
+        readers.append((classes.selected.flatten(0, 1),
+                        classes.first.repeat_interleave(m),
+                        classes.shape.repeat_interleave(m),
+                        torch.tensor(span_heads, dtype=torch.int64).repeat(k)))
+    selected, first, shape, span_heads = (torch.cat(x) for x in zip(*readers))
+    spans = _spans(selected, first, cells.seg_lo[shape], cells.seg_hi[shape],
+                   cells.length[shape], rates, span_heads, causal, keys)
+
+    # span range of each class: its readers' spans (readers, and so spans, are class-major)
+    size = torch.cat(sizes)
+    class_of_reader = torch.repeat_interleave(torch.arange(size.numel()),
+                                              torch.cat(members_per_class))
+    per_class = torch.bincount(class_of_reader[spans.reader], minlength=size.numel())
+    class_span_hi = torch.cumsum(per_class, 0)
+    class_span_lo = class_span_hi - per_class
+
+    # template tiles: each class cut into tiles of at most block_m rows
+    class_shape = torch.cat([s for s, _ in class_of])
+    class_head = torch.cat([torch.full_like(s, head) for s, head in class_of])
+    class_row_lo = torch.cumsum(size, 0) - size
+    tiles_per_class = -(-size // block_m)
+    cls = torch.repeat_interleave(torch.arange(size.numel()), tiles_per_class)
+    index = torch.arange(cls.numel()) - (torch.cumsum(tiles_per_class, 0) - tiles_per_class)[cls]
+    row_lo = class_row_lo[cls] + index * block_m
+    template = torch.stack([row_lo, torch.clamp(size[cls] - index * block_m, max=block_m),
+                            class_head[cls], class_span_lo[cls], class_span_hi[cls]], dim=1)
+    # templates by geometry (then head and class), then each cell takes its geometry's
+    by_shape = torch.sort(class_shape[cls], stable=True)
+    template = template[by_shape.indices]
+    per_shape = torch.bincount(by_shape.values, minlength=cells.length.numel())
+    shape_lo = torch.cumsum(per_shape, 0) - per_shape
+    count = per_shape[cells.shape]
+    cell = torch.repeat_interleave(torch.arange(cells.starts.numel()), count)
+    within = torch.arange(cell.numel()) - (torch.cumsum(count, 0) - count)[cell]
+    tiles = torch.cat([cells.starts[cell, None], template[shape_lo[cells.shape][cell] + within]],
+                      dim=1)
+    return TilePlan(_int32(tiles), _int32(_nonempty(torch.cat(rows))),
+                    _int32(_nonempty(spans.table)), _int32(_nonempty(spans.extras)), block_m)
+
+
+def _nonempty(table: Tensor) -> Tensor:
+    """`table`, or one row of zeros in its place if it has none (a valid kernel pointer)."""
+    return table if table.shape[0] else torch.zeros((1,) + table.shape[1:], dtype=table.dtype)
+
+
+def _int32(x: Tensor) -> Tensor:
+    if x.numel() and int(x.abs().max()) >= 2**31:
+        raise ValueError(f"a fused-kernel plan needs indices below 2^31, got {int(x.max())}")
+    return x.to(torch.int32)
+
+
+# --------------------------------------------------------------------------
+# What a plan computes, against the per-pattern floor (pure arithmetic)
+
+
+class Occupancy(NamedTuple):
+    """(row, key) pairs per batch row: `computed` by the kernel (its tiles padded to
+    block_m rows and its spans to block_n keys, after the causal bound of each tile),
+    `visited` (the tiles' rows times those keys, no padding; causal: the masked pairs
+    inside the bound included) and `floor`: every pattern's dense kernel on its
+    gathered rows alone (docs/spec.md's per-pattern work; causal: the lower triangles)."""
+
+    computed: int
+    visited: int
+    floor: int
+
+    @property
+    def ratio(self) -> float:
+        return self.computed / self.floor
+
+
+def occupancy(n: int, patterns: Patterns, heads: Heads, causal: bool, documents: Documents,
+              block_m: int, block_n: int) -> Occupancy:
+    """The query plan's work against the per-pattern floor (forward; dq does the same)."""
+    plan = _tile_plan(n, patterns, heads, max(heads.kv_of) + 1, causal, documents, block_m,
+                      False)
+    tiles, rows, spans = plan.tiles.long(), plan.rows.long(), plan.spans.long()
+    per_tile = tiles[:, 5] - tiles[:, 4]
+    tile = torch.repeat_interleave(torch.arange(tiles.shape[0]), per_tile)
+    span = torch.arange(tile.numel()) - (torch.cumsum(per_tile, 0) - per_tile)[tile] \
+        + tiles[tile, 4]
+    count = spans[span, 3]
+    if causal:
+        # keys up to the tile's last row: what the kernel loops over
+        last = rows[tiles[tile, 1] + tiles[tile, 2] - 1]
+        reach = last - spans[span, 1]
+        count = torch.minimum(count, torch.where(reach >= 0, reach // spans[span, 2] + 1, 0))
+    padded = -(-count // block_n) * block_n
+    computed = int((padded * block_m).sum())
+    visited = int((count * tiles[tile, 2]).sum())
+    return Occupancy(computed, visited, _floor(n, patterns, heads, causal, documents))
+
+
+def _floor(n: int, patterns: Patterns, heads: Heads, causal: bool, documents: Documents) -> int:
+    total = 0
+    for w, r in zip(*patterns):
+        _, lengths = segments_between(0, n, w, documents, n)
+        for j in range(heads.count):
+            offset = (heads.first + j) % r
+            # rows of each segment at local index = offset mod r
+            k = torch.clamp(-((offset - lengths) // r), min=0)
+            total += int((k * (k + 1) // 2 if causal else k * k).sum())
+    return total

@@ -1,0 +1,159 @@
+"""The fused kernel's plan against the count matrix, with no kernel (runs without triton).
+
+A plan (fused_plan.py, Note [fused kernel]) is expanded here into what the
+kernels do with it: every tile's rows, against every span's elements, each
+counted 1 + (matching extras) times, under the causal mask the kernels apply.
+That must equal the count matrix c(t, u) of tests/reference.py for every
+(head, row, key), and every (row, head) must belong to exactly one tile.
+
+Notation: n rows, h query heads, hk key/value heads; counts (h, n, n) [j, t, u].
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dilated_attention.fused_plan import TilePlan, dense_plan, occupancy, tile_plan
+from dilated_attention.patterns import Heads
+from reference import dilated_counts
+
+
+def expand(plan: TilePlan, n: int, m: int, heads: Heads, num_kv_heads: int, causal: bool,
+           keys: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(counts (h, n, m) [j, t, u] the plan makes the kernels visit, writes (tile heads, rows)).
+
+    Also checks the table invariants the kernels rely on: at most block_m rows per tile,
+    ascending, spans of the right heads, every element inside the sequence.
+    """
+    tiles, rows, spans, extras = (x.long() for x in plan[:4])
+    h = heads.count
+    counts = torch.zeros(h, n, m, dtype=torch.int64)
+    writes = torch.zeros(num_kv_heads if keys else h, m if keys else n, dtype=torch.int64)
+    for cell, lo, count, head, span_lo, span_hi in tiles.tolist():
+        assert 1 <= count <= plan.block_m
+        r = cell + rows[lo:lo + count]
+        assert bool((r[1:] > r[:-1]).all()), "tile rows ascend"
+        writes[head, r] += 1
+        for other, start, stride, elements, extra_lo, extra_hi in spans[span_lo:span_hi].tolist():
+            assert elements > 0 and stride > 0
+            idx = torch.arange(elements)
+            e = cell + start + stride * idx  # the span's keys (queries, for key tiles)
+            assert 0 <= int(e.min()) and int(e.max()) < (n if keys else m)
+            mult = torch.ones(elements, dtype=torch.int64)
+            for period, phase in extras[extra_lo:extra_hi].tolist():
+                mult += (idx % period == phase).long()
+            # (rows, elements): what one program adds, under the kernels' causal mask
+            visits = mult.expand(count, -1)
+            if keys:
+                assert heads.kv_of[other] == head
+                if causal:
+                    visits = visits * (r[:, None] <= e[None, :])
+                counts[other][e[None, :].expand(count, -1), r[:, None].expand(-1, elements)] \
+                    += visits
+            else:
+                assert heads.kv_of[head] == other
+                if causal:
+                    visits = visits * (e[None, :] <= r[:, None])
+                counts[head][r[:, None].expand(-1, elements), e[None, :].expand(count, -1)] \
+                    += visits
+    return counts, writes
+
+
+@st.composite
+def plan_cases(draw):
+    n = draw(st.integers(1, 60))
+    num_patterns = draw(st.integers(1, 4))
+    segs = tuple(draw(st.one_of(st.integers(1, 12), st.integers(1, 80)))
+                 for _ in range(num_patterns))
+    # small rates (the interesting overlaps), any rate up to w, and repeats
+    rates = tuple(draw(st.one_of(st.integers(1, min(w, 6)), st.integers(1, w))) for w in segs)
+    hk = draw(st.integers(1, 3))
+    h = hk * draw(st.integers(1, 3))
+    cuts = sorted(draw(st.lists(st.integers(0, n), max_size=4)))
+    documents = draw(st.sampled_from([None, tuple([0] + cuts + [n])]))
+    return dict(n=n, patterns=(segs, rates), h=h, hk=hk, first=draw(st.integers(0, 7)),
+                causal=draw(st.booleans()), documents=documents,
+                block_m=draw(st.sampled_from([1, 3, 4, 16])))
+
+
+def check_plan(n: int, patterns, h: int, hk: int, first: int, causal: bool,
+               documents: Optional[Tuple[int, ...]], block_m: int,
+               kv_of: Optional[Tuple[int, ...]] = None) -> None:
+    heads = Heads(first, kv_of) if kv_of else Heads.of(h, hk, first)
+    want = dilated_counts(n, h, patterns[0], patterns[1], causal, documents, first_head=first)
+    for keys in (False, True):
+        plan = tile_plan(n, patterns, heads, hk, causal, documents, block_m, keys)
+        got, writes = expand(plan, n, n, heads, hk, causal, keys)
+        assert bool((writes == 1).all()), f"keys={keys}: every (row, head) in one tile"
+        mismatch = (got != want).nonzero()
+        assert not mismatch.numel(), (
+            f"keys={keys}: (head, row, key) {mismatch[0].tolist()} visited "
+            f"{int(got[tuple(mismatch[0])])} times, counted {int(want[tuple(mismatch[0])])}")
+
+
+@settings(max_examples=300)
+@given(case=plan_cases())
+def test_plan_visits_the_count_matrix(case) -> None:
+    check_plan(**case)
+
+
+PLAN_CORNERS = [
+    # LongNet-like, n not a multiple of the segments
+    dict(n=50, patterns=((8, 16, 32), (1, 2, 4)), h=4, hk=2, first=0, causal=True),
+    # rates without 1 (unread rows: tiles with no span), heads of a Ulysses rank (first 5)
+    dict(n=40, patterns=((8,), (4,)), h=3, hk=1, first=5, causal=False),
+    # lcm not a power of two, rates that divide each other and rates that do not
+    dict(n=60, patterns=((9, 18, 30), (3, 6, 5)), h=6, hk=3, first=0, causal=True),
+    # duplicates, and a segment longer than n
+    dict(n=33, patterns=((6, 6, 100), (2, 2, 3)), h=4, hk=4, first=1, causal=False),
+    # documents, one of them empty, one shorter than every segment
+    dict(n=45, patterns=((8, 20), (1, 4)), h=4, hk=1, first=0, causal=True,
+         documents=(0, 3, 3, 30, 45)),
+]
+
+
+@pytest.mark.parametrize("block_m", [2, 64])
+@pytest.mark.parametrize("case", PLAN_CORNERS)
+def test_plan_corners(case, block_m: int) -> None:
+    check_plan(**{"documents": None, **case}, block_m=block_m)
+
+
+def test_plan_of_uneven_head_slices() -> None:
+    """A head-parallel rank's heads: query heads reading kv heads unevenly (kv_of not the
+    j // g map), and a kv head no query head reads (its dK/dV tiles: zero spans)."""
+    check_plan(30, ((6, 12), (1, 3)), 3, 3, 2, True, None, 4, kv_of=(1, 1, 0))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n,m", [(7, 7), (40, 40), (5, 13), (13, 5)])
+def test_dense_plan(n: int, m: int, causal: bool) -> None:
+    if causal and n != m:
+        pytest.skip("causal blocks are square")
+    heads = Heads.of(6, 2)
+    want = torch.ones(6, n, m, dtype=torch.int64)
+    if causal:
+        want = torch.tril(want)
+    for keys in (False, True):
+        plan = dense_plan(n, m, heads, 2, 16, keys)
+        got, writes = expand(plan, n, m, heads, 2, causal, keys)
+        assert bool((writes == 1).all())
+        assert torch.equal(got, want)
+
+
+def test_occupancy_below_the_per_pattern_floor() -> None:
+    """A key that two patterns select is computed once (Note [fused kernel]): LongNet's
+    setting at 64K computes 5/6 of the per-pattern floor's pairs; the geometric schedule
+    (2048..65536 / 1..32) 0.754 with 64-row tiles. Pure arithmetic on the plan."""
+    heads = Heads.of(12, 12)
+    longnet = occupancy(65536, ((2048, 4096), (1, 2)), heads, False, None, 128, 64)
+    assert longnet.computed * 6 == longnet.floor * 5
+    geometric = occupancy(65536, ((2048, 4096, 8192, 16384, 32768, 65536),
+                                  (1, 2, 4, 8, 16, 32)), heads, False, None, 64, 64)
+    assert 0.75 < geometric.ratio < 0.76
+    causal = occupancy(65536, ((2048, 4096), (1, 2)), heads, True, None, 64, 64)
+    assert causal.ratio < 0.9
