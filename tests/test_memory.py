@@ -1,17 +1,25 @@
-"""Training memory of the models: the chunked head loss (Note [chunked head loss]), equal to
-the plain computation in float64."""
+"""Training memory of the models: the chunked head loss (Note [chunked head loss]) and the
+checkpoint modes (Note [checkpoint modes]), each equal to the plain computation in float64."""
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
-from dilated_attention import LongNet, LongNetConfig, LongNetLM
+from dilated_attention import LongNet, LongNetConfig, LongNetLM, all_reduce_gradients
+from dilated_attention.distributed.sharding import shard_sequence
 from dilated_attention.models import IGNORE_INDEX
+from dilated_attention.models.checkpointing import CHECKPOINT_MODES, HostOffload, PendingCopy
 from dilated_attention.models.loss import (chunked_token_mean_loss, loss_chunk_rows,
                                            token_mean_loss)
+
+from dist_harness import run_distributed
 
 SMALL = dict(vocab_size=23, embed_dim=24, num_heads=6, ffn_dim=32, num_layers=2,
              num_encoder_layers=2, segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4))
@@ -166,3 +174,135 @@ def test_config_checks_the_chunk_size():
     with pytest.raises(ValueError, match="chunk_bytes must be a positive int, got -1"):
         chunked_token_mean_loss(torch.zeros(1, 2, 3), torch.zeros(4, 3),
                                 torch.zeros(1, 2, dtype=torch.long), None, chunk_bytes=-1)
+
+
+# ---------------------------------------------------------------------------
+# Checkpoint modes
+
+
+@pytest.mark.parametrize("kind", ["lm", "encdec"])
+@pytest.mark.parametrize("mode", ["layers", "offload"])
+def test_checkpoint_modes_give_the_same_gradients(kind, mode):
+    """fp64: "layers" and "offload" (on CPU: "layers") equal "none", with packed documents
+    (lm) and the encoder output as every decoder block's memory (encdec)."""
+    cls = LongNetLM if kind == "lm" else LongNet
+    tokens, targets = _data(2, 33, 23)
+    args = (tokens, targets) if kind == "lm" else (_data(2, 21, 23, seed=2)[0], tokens, targets)
+    kwargs = dict(cu_seqlens=(0, 5, 20, 33)) if kind == "lm" else {}
+    runs = [_loss_and_grads(_build(cls, small_config(num_kv_heads=3, checkpoint=m)), *args,
+                            **kwargs) for m in ("none", mode)]
+    _assert_same(runs[1], runs[0], tol=dict(rtol=0, atol=0))
+
+
+@pytest.mark.parametrize("mode", ["layers", "offload"])
+def test_checkpointing_replays_the_dropout_masks(mode):
+    """Recomputation draws the same masks as the forward: nn.Dropout and the attention op's
+    dropout (its seed comes from torch's default generator, whose state checkpoint restores)."""
+    runs = {}
+    for m, attention_dropout in (("none", 0.2), (mode, 0.2), ("none", 0.0)):
+        model = _build(LongNetLM, small_config(dropout=0.1, attention_dropout=attention_dropout,
+                                               checkpoint=m))
+        torch.manual_seed(7)
+        runs[m, attention_dropout] = _loss_and_grads(model, *_data(2, 33, 23))
+    _assert_same(runs[mode, 0.2], runs["none", 0.2], tol=dict(rtol=0, atol=0))
+    assert runs["none", 0.0][1] != runs["none", 0.2][1]  # the attention's dropout was on
+
+
+class CloningCopies:
+    """Host "copies" that are clones (this machine has no accelerator), with a log."""
+
+    def __init__(self) -> None:
+        self.log = []
+
+    def to_host(self, t):
+        self.log.append("out")
+        return PendingCopy(t.detach().clone(), None)
+
+    def to_device(self, host, device, ahead):
+        self.log.append("ahead" if ahead else "in")
+        return PendingCopy(host.tensor.clone(), None)
+
+    def wait(self, copy):
+        return copy.tensor
+
+
+def test_host_offload_moves_block_inputs_and_fetches_ahead():
+    """HostOffload around checkpointed blocks: one copy out per block input, backward fetches
+    block k - 1's input while it unpacks block k's; the gradients are unchanged."""
+    model = _build(LongNetLM, small_config(num_layers=3))
+    x0 = torch.randn(2, 19, 24, dtype=torch.float64, requires_grad=True)
+
+    def run(offload):
+        x = x0
+        with offload:
+            for layer in model.layers:
+                x = checkpoint(functools.partial(layer), x, use_reentrant=False,
+                               early_stop=False)
+        model.zero_grad(set_to_none=True)
+        x.pow(2).sum().backward()
+        return [p.grad.clone() for p in model.layers.parameters()]
+
+    plain = run(contextlib.nullcontext())
+    copies = CloningCopies()
+    offloaded = run(HostOffload(torch.device("cpu"), copies=copies))
+    assert copies.log == ["out"] * 3 + ["ahead", "in", "ahead"]
+    for got, want in zip(offloaded, plain):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_checkpoint_mode_is_checked():
+    with pytest.raises(ValueError, match=r"checkpoint must be one of \('none', 'layers', "
+                                         r"'offload'\), got 'all'"):
+        small_config(checkpoint="all")
+
+
+# ---------------------------------------------------------------------------
+# Sequence parallel: one spawn of 2 gloo ranks for every case
+
+
+def _sharded_step(model, group, tokens, targets, *extra, seed=None, **kwargs):
+    model.zero_grad(set_to_none=True)
+    if seed is not None:
+        torch.manual_seed(seed)
+    _, loss = model(*(shard_sequence(x, group) for x in (*extra, tokens, targets)), **kwargs)
+    loss.backward()
+    all_reduce_gradients(model, group)
+    return None, loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _sp_rank(group):
+    """Each case's sharded checkpointed step == one process without checkpointing (the loss
+    from its logits), and with dropout the sharded step without checkpointing."""
+    done = []
+    cases = [("lm", "layers", {}, 31), ("lm", "offload", dict(cu_seqlens=(0, 4, 20, 31)), 31),
+             ("encdec", "layers", {}, 26), ("lm", "layers", {}, 1)]  # 1 token: rank 1 empty
+    for kind, mode, kwargs, n in cases:
+        cls = LongNetLM if kind == "lm" else LongNet
+        tokens, targets = _data(2, n, 23, seed=n)
+        extra = () if kind == "lm" else (_data(2, n + 5, 23, seed=1)[0],)
+        one = _build(cls, small_config(num_kv_heads=2))
+        want = _sharded_step(one, None, tokens, targets, *extra, return_logits=True, **kwargs)
+        torch.manual_seed(0)
+        sharded = cls(small_config(num_kv_heads=2, checkpoint=mode), dtype=torch.float64,
+                      process_group=group)
+        sharded.load_state_dict(one.state_dict())
+        _assert_same(_sharded_step(sharded, group, tokens, targets, *extra, **kwargs), want)
+        done.append((kind, mode, n))
+    # dropout: the recomputation on every rank replays that rank's masks
+    tokens, targets = _data(2, 30, 23, seed=5)
+    runs = []
+    for mode in CHECKPOINT_MODES:
+        torch.manual_seed(0)
+        model = LongNetLM(small_config(dropout=0.1, attention_dropout=0.2, checkpoint=mode),
+                          dtype=torch.float64, process_group=group)
+        runs.append(_sharded_step(model, group, tokens, targets, seed=11))
+    for run in runs[1:]:
+        _assert_same(run, runs[0], tol=dict(rtol=0, atol=0))
+    done.append("dropout")
+    return done
+
+
+@pytest.mark.distributed
+def test_checkpoint_modes_sequence_parallel_equal_one_process():
+    for done in run_distributed(_sp_rank, 2, timeout=240):
+        assert len(done) == 5, done

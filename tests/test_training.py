@@ -43,10 +43,10 @@ def _batch(step: int, kind: str):
     return (source, tokens, targets) if kind == "encdec" else (tokens, targets)
 
 
-def _build(kind: str, sp):
+def _build(kind: str, sp, **overrides):
     torch.manual_seed(0)  # the same initial parameters on every rank and in the reference
     cls = LongNet if kind == "encdec" else LongNetLM
-    model = cls(LongNetConfig(**CONFIG), dtype=torch.float64, process_group=sp)
+    model = cls(LongNetConfig(**{**CONFIG, **overrides}), dtype=torch.float64, process_group=sp)
     with torch.no_grad():
         for p in model.parameters():  # norms and biases away from 1 and 0
             p.add_(torch.randn_like(p) * 0.05)
@@ -150,6 +150,9 @@ def _mesh_cases(group):
     model = _build("lm", sp)
     _shard(model, mesh["dp"])
     out["fully_shard on dp, all_reduce_gradients over sp"] = run(model, model, reduce=sp)
+    model = _build("lm", sp, checkpoint="layers")  # FSDP2 unshards again in the recomputation
+    _shard(model, mesh["dp"])
+    out["fully_shard on dp, checkpointed blocks"] = run(model, model, reduce=sp)
     model = _build("lm", sp)
     _shard(model, flat)
     out["fully_shard on dp x sp flattened"] = run(model, model)
@@ -227,7 +230,8 @@ def test_unreduced_gradients_raise_at_the_next_step(world):
 
 
 MESH_WAYS = ("ddp over dp x sp", "all_reduce_gradients over dp x sp",
-             "fully_shard on dp, all_reduce_gradients over sp", "fully_shard on dp x sp flattened")
+             "fully_shard on dp, all_reduce_gradients over sp", "fully_shard on dp x sp flattened",
+             "fully_shard on dp, checkpointed blocks")
 
 
 @pytest.mark.distributed

@@ -5,10 +5,11 @@
 | ``config.py`` | ``LongNetConfig`` and its presets |
 | ``layers.py`` | feed-forward, cross-attention, the transformer block, positions |
 | ``base.py`` | what both models share: embeddings, head, loss, running the blocks |
+| ``checkpointing.py`` | running the blocks in training: activation checkpointing, offload |
 | ``lm.py`` | ``LongNetLM`` (decoder-only) |
 | ``encoder_decoder.py`` | ``LongNet`` (encoder-decoder) |
 | ``generation.py`` | generation with a key/value cache |
-| ``loss.py`` | the token-mean loss over every rank and its gradient convention |
+| ``loss.py`` | the token-mean loss over every rank, its gradient convention, the chunked loss |
 | ``inputs.py`` | the models' inputs checked on every rank at once; the replica check |
 """
 

@@ -11,10 +11,10 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from .. import validation as check
 from ..distributed import comm
+from .checkpointing import run_blocks
 from .config import LongNetConfig
 from .layers import Block, Positions
 from .loss import chunked_token_mean_loss, token_mean_loss
@@ -80,13 +80,7 @@ class LongNetBase(nn.Module):
 
     def _run(self, layers: nn.ModuleList, x: Tensor, memory: Optional[Tensor] = None,
              cu_seqlens: Optional[Tuple[int, ...]] = None) -> Tensor:
-        use_checkpoint = self.config.checkpoint_activations and torch.is_grad_enabled()
-        for layer in layers:
-            if use_checkpoint:
-                x = checkpoint(layer, x, memory, cu_seqlens, use_reentrant=False)
-            else:
-                x = layer(x, memory, cu_seqlens)
-        return x
+        return run_blocks(layers, x, self.config.checkpoint, memory=memory, cu_seqlens=cu_seqlens)
 
     def head_weight(self) -> Tensor:
         """(v, e): the head's weight, the token embedding's when tied."""

@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 import torch.nn.functional as F
 
 from .. import validation as check
+from .checkpointing import CHECKPOINT_MODES
 from .loss import LOSS_CHUNK_BYTES
 
 ACTIVATIONS = types.MappingProxyType({"gelu": F.gelu, "relu": F.relu, "silu": F.silu})
@@ -30,7 +31,9 @@ class LongNetConfig:
     of ``positions="learned"`` (sinusoidal positions have no bound).
 
     Training memory (results are the same whatever they are):
-    ``checkpoint_activations`` recomputes each block in backward;
+    ``checkpoint`` is "none", "layers" (recompute each block in backward,
+    keep only its input) or "offload" ("layers" with the kept inputs in host
+    memory), Note [checkpoint modes] in models/checkpointing.py;
     ``loss_chunk_bytes`` bounds one chunk of the logits that the loss
     computes with targets (fp32 for half-precision models), Note [chunked
     head loss] in models/loss.py.
@@ -53,7 +56,7 @@ class LongNetConfig:
     layer_norm_eps: float = 1e-5
     bias: bool = True
     tie_embeddings: bool = True
-    checkpoint_activations: bool = False
+    checkpoint: str = "none"
     loss_chunk_bytes: int = LOSS_CHUNK_BYTES
 
     def __post_init__(self) -> None:
@@ -81,8 +84,12 @@ class LongNetConfig:
             )
         check.check_dropout(self.dropout, "dropout")
         check.check_dropout(self.attention_dropout, "attention_dropout")
-        for name in ("bias", "tie_embeddings", "checkpoint_activations"):
+        for name in ("bias", "tie_embeddings"):
             check.check_bool(name, getattr(self, name))
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(
+                f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}"
+            )
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> "LongNetConfig":

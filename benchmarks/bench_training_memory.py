@@ -1,0 +1,146 @@
+"""Peak memory and time of one LongNetLM training step, per checkpoint mode.
+
+    python benchmarks/bench_training_memory.py                   # tiny, vocab 32,000, N = 8,192
+    python benchmarks/bench_training_memory.py --seq-len 2048 --repeats 1
+    python benchmarks/bench_training_memory.py --modes none layers --repeats 5   # time cost
+    python benchmarks/bench_training_memory.py --return-logits   # the loss from whole logits
+
+A step is forward, backward and an AdamW step on one sequence of
+--seq-len tokens with random targets. Each case runs in a fresh subprocess:
+one warm-up step on 64 tokens (imports, AdamW's state, first-use costs),
+the heap's free memory handed back (malloc_trim), then the measured steps. Peak memory is the growth above the process
+before the step's forward (CPU: /proc/self/clear_refs and VmHWM, the
+package's PeakMemory; CUDA: the allocator's peak), through backward
+("fwd+bwd") and through the optimizer step too ("step": its own peak on top
+of the gradients backward left), in MiB and in units of one fp32 logits
+tensor (batch x tokens x vocabulary x 4 bytes), the unit of issue 26's
+target. Times (the whole step): min and median over --repeats steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+import torch
+
+from dilated_attention import LongNetConfig, LongNetLM
+from dilated_attention.tools.bench import PeakMemory
+
+MODES = ("none", "layers", "offload")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny", choices=("tiny", "base"))
+    p.add_argument("--vocab", type=int, default=32_000)
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layers", type=int, default=0, help="override the preset's num_layers")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--return-logits", action="store_true",
+                   help="compute the loss from the whole logits (the path before issue 26)")
+    p.add_argument("--repeats", type=int, default=1, help="measured steps per case")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # a subprocess's one case
+    return p.parse_args(argv)
+
+
+def run_case(args: argparse.Namespace, mode: str) -> Dict[str, object]:
+    """One mode's measured steps, in this process."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    layers = {"num_layers": args.layers} if args.layers else {}
+    config = LongNetConfig.from_name(args.preset, vocab_size=args.vocab, checkpoint=mode,
+                                     max_seq_len=max(args.seq_len, 256), **layers)
+    torch.manual_seed(0)
+    model = LongNetLM(config, device=device, dtype=dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1)
+
+    def step(n: int, measure: bool = False) -> Dict[str, int]:
+        tokens, targets = torch.randint(0, args.vocab, (2, args.batch, n), generator=gen).to(device)
+        opt.zero_grad(set_to_none=True)
+        activations = PeakMemory(args.device)
+        activations.start()
+        _, loss = model(tokens, targets, return_logits=args.return_logits)
+        loss.backward()
+        sync()
+        backward = activations.peak_bytes()  # before the next start() resets the high-water mark
+        update = PeakMemory(args.device)
+        update.start()
+        opt.step()
+        sync()
+        if not measure or backward is None:
+            return {}
+        # the optimizer's peak sits on what backward left (the gradients)
+        return {"backward": backward,
+                "step": max(backward, update.base - activations.base + update.peak_bytes())}
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    step(64)
+    _release_free_heap()
+    times: List[float] = []
+    peaks: Dict[str, int] = {}
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        for key, value in step(args.seq_len, measure=True).items():
+            peaks[key] = max(peaks.get(key, 0), value)
+        times.append(time.perf_counter() - start)
+    logits_bytes = args.batch * args.seq_len * args.vocab * 4
+    return {"mode": mode, **{f"{key}_bytes": value for key, value in peaks.items()},
+            **{f"{key}_logits": value / logits_bytes for key, value in peaks.items()},
+            "min_s": min(times), "median_s": statistics.median(times)}
+
+
+def _release_free_heap() -> None:
+    """Return the C heap's free memory to the system (glibc), so that the measured step's
+    allocations show in the RSS instead of reusing what the warm-up freed."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.case is not None:
+        print(json.dumps(run_case(args, args.case)))
+        return 0
+    passed = list(argv if argv is not None else sys.argv[1:])
+    print(f"LongNetLM {args.preset}, vocabulary {args.vocab}, {args.batch} x {args.seq_len} "
+          f"tokens, {args.dtype} on {args.device}; loss "
+          f"{'from whole logits' if args.return_logits else 'over chunks'}; one fp32 logits "
+          f"tensor = {args.batch * args.seq_len * args.vocab * 4 / 2**20:.0f} MiB")
+    print(f"{'checkpoint':>10}  {'fwd+bwd peak':>12}  {'/ logits':>8}  {'step peak':>12}  "
+          f"{'/ logits':>8}  {'min s':>8}  {'median s':>8}")
+    for mode in args.modes:
+        out = subprocess.run([sys.executable, __file__, *passed, "--case", mode],
+                             capture_output=True, text=True)
+        if out.returncode:
+            sys.exit(f"case {mode} failed:\n{out.stderr}")
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        cells = [f"{row[f'{key}_bytes'] / 2**20:8.0f} MiB  {row[f'{key}_logits']:8.3f}"
+                 if f"{key}_bytes" in row else f"{'n/a':>12}  {'n/a':>8}"
+                 for key in ("backward", "step")]
+        print(f"{mode:>10}  {'  '.join(cells)}  {row['min_s']:8.3f}  {row['median_s']:8.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
