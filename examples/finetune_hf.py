@@ -26,6 +26,8 @@ averages the gradients (``all_reduce_gradients``: each rank's backward
 yields P times its own tokens' part, Note [gradients across ranks]). With --packed K the
 documents' position_ids restart at 0, which makes them independent
 sequences (``shard_inputs`` passes their boundaries as cu_seq_lens_q/k).
+--checkpoint layers (or offload, the same on a CPU model) turns on
+transformers' activation checkpointing (``activation_checkpointing_enable``).
 """
 
 from __future__ import annotations
@@ -97,6 +99,10 @@ def evaluate(model, args: argparse.Namespace, group) -> float:
 def train(args: argparse.Namespace, group=None) -> Dict[str, object]:
     """Train on this process's slice of every sequence; returns the loss curve and accuracy."""
     model = build_model(args, group).train()
+    if args.checkpoint != "none":
+        # transformers' own activation checkpointing; its offload=True pins host memory,
+        # which needs an accelerator: on this CPU model "offload" is "layers", as for LongNet
+        model.activation_checkpointing_enable({"use_reentrant": False})
     body, lm_head = causal_lm_parts(model)  # the Llama body and its nn.Linear head
 
     def batch_loss(step: int) -> torch.Tensor:

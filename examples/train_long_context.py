@@ -15,6 +15,7 @@ information across the whole sequence.
     python examples/train_long_context.py --world-size 2 --compare  # and diff against 1 process
     python examples/train_long_context.py --mesh 2x2 --compare  # data x sequence on 4 ranks
     python examples/train_long_context.py --packed 4 --check-unpacked  # 4 documents a sequence
+    python examples/train_long_context.py --seq-len 65536 --batch-size 1 --checkpoint layers
 
 With --world-size P every rank holds a contiguous piece of every sequence;
 only the dilated attention communicates, the loss is the token-weighted mean
@@ -33,6 +34,13 @@ all_reduce_gradients averages them over "sp" (Note [gradients across ranks]
 in dilated_attention/distributed/sharding.py); the reported loss is the
 replicas' mean, which is the whole batch's (every row has as many targets),
 so --compare again checks against one process training on the whole batch.
+
+--checkpoint none|layers|offload is LongNetConfig's checkpoint mode (what
+each block keeps for backward; Note [checkpoint modes] in
+dilated_attention/models/checkpointing.py); the loss never holds the
+logits. Every run reports each rank's peak memory during training: the
+growth of its resident memory (VmHWM) over the process before the first
+step, which includes AdamW's state and the gradients.
 """
 
 from __future__ import annotations
@@ -48,7 +56,9 @@ import torch
 from dilated_attention import LongNetConfig, LongNetLM, all_reduce_gradients, shard_sequence
 from dilated_attention.distributed import comm
 from dilated_attention.models import IGNORE_INDEX
+from dilated_attention.models.checkpointing import CHECKPOINT_MODES
 from dilated_attention.tools import launch
+from dilated_attention.tools.bench import PeakMemory
 from dilated_attention.tools.cli import Progress
 from dilated_attention.tools.settings import default_threads
 
@@ -83,6 +93,9 @@ def parse_args(argv: Optional[List[str]] = None,
                         "compare the losses")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                    help="parameter and activation dtype")
+    p.add_argument("--checkpoint", choices=CHECKPOINT_MODES, default="none",
+                   help="what each block keeps for backward: everything, only its input "
+                        "(recomputing the block), or its input in host memory")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per process (0: cores / world size)")
     args = p.parse_args(argv)
@@ -126,10 +139,10 @@ def _mesh_shape(text: str) -> Tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def model_config() -> LongNetConfig:
+def model_config(args: argparse.Namespace) -> LongNetConfig:
     # the tiny preset: 2 layers, width 64, 4 heads; segments 128, 512, 2048 with rates
     # 1, 2, 4 (every rate <= heads, so every position takes part in every pattern)
-    return LongNetConfig.from_name("tiny", vocab_size=VOCAB)
+    return LongNetConfig.from_name("tiny", vocab_size=VOCAB, checkpoint=args.checkpoint)
 
 
 def make_batch(args: argparse.Namespace, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +242,7 @@ def train(args: argparse.Namespace, group=None, unpacked: bool = False,
     """
     torch.manual_seed(args.seed)  # the same initial parameters on every rank
     dtype = getattr(torch, args.dtype)
-    model = LongNetLM(model_config(), dtype=dtype, process_group=group)
+    model = LongNetLM(model_config(args), dtype=dtype, process_group=group)
     dp = None
     if mesh is not None:
         from torch.distributed.fsdp import fully_shard
@@ -255,7 +268,7 @@ def fit(model: torch.nn.Module, args: argparse.Namespace, group,
     """AdamW over args.steps steps of ``batch_loss(step)`` (this rank's part of the global
     loss); gradients averaged over the sequence-parallel `group` (after FSDP2 averaged them
     over the data-parallel `dp`, if any). Returns the loss curve (the mean of the replicas'
-    losses) and the seconds taken."""
+    losses), the seconds taken and this process's peak memory growth while training."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     warmup = max(1, args.steps // 10)
 
@@ -268,6 +281,8 @@ def fit(model: torch.nn.Module, args: argparse.Namespace, group,
     bar = (Progress(args.steps, "train", use_tqdm=group is None and dp is None, every=10)
            if comm.group_rank(group) == 0 and comm.group_rank(dp) == 0 else None)
     losses: List[float] = []
+    memory = PeakMemory("cpu")
+    memory.start()
     start = time.perf_counter()
     for step in range(args.steps):
         opt.zero_grad(set_to_none=True)
@@ -282,9 +297,10 @@ def fit(model: torch.nn.Module, args: argparse.Namespace, group,
         losses.append(comm.all_reduce_(loss.detach().clone(), dp, op="avg").item())
         if bar is not None:
             bar.step(f"loss {losses[-1]:.4f}")
+    seconds = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    return {"losses": losses, "seconds": time.perf_counter() - start}
+    return {"losses": losses, "seconds": seconds, "peak_bytes": [memory.peak_bytes()]}
 
 
 def _train_rank(group, args: argparse.Namespace) -> Dict[str, object]:
@@ -304,7 +320,7 @@ def train_distributed(args: argparse.Namespace,
     results = launch.spawn(
         train_rank, args.world_size, (args,), timeout=3600.0, pg_timeout=300.0, threads=threads
     )
-    return results[0]
+    return {**results[0], "peak_bytes": [r["peak_bytes"][0] for r in results]}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -358,8 +374,14 @@ def report(what: str, result: Dict[str, object], chance: float) -> None:
     losses = result["losses"]
     print(
         f"{what}: {len(losses)} steps in {result['seconds']:.1f} s; loss {losses[0]:.3f} -> "
-        f"{losses[-1]:.3f}; recall accuracy {result['accuracy']:.3f} (chance {chance:.3f})"
+        f"{losses[-1]:.3f}; recall accuracy {result['accuracy']:.3f} (chance {chance:.3f}); "
+        f"peak memory per rank {_mebibytes(result['peak_bytes'])}"
     )
+
+
+def _mebibytes(peaks: List[Optional[int]]) -> str:
+    """Each rank's peak growth in MiB ("n/a" where this system cannot tell)."""
+    return ", ".join("n/a" if p is None else f"{p / 2**20:.0f} MiB" for p in peaks)
 
 
 if __name__ == "__main__":

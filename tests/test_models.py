@@ -534,12 +534,14 @@ def _sp_cases(group):
 
 def _example_curves(group):
     example = _example()
-    args = example.parse_args(["--seq-len", "96", "--batch-size", "2", "--steps", "3",
-                               "--dtype", "float64", "--eval-batches", "1"])
-    sharded = example.train(args, group)
-    single = example.train(args, None)
+    argv = ["--seq-len", "96", "--batch-size", "2", "--steps", "3", "--dtype", "float64",
+            "--eval-batches", "1"]
+    # sharded and with --checkpoint layers: the one-process curve without checkpointing
+    sharded = example.train(example.parse_args(argv + ["--checkpoint", "layers"]), group)
+    single = example.train(example.parse_args(argv), None)
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]),
                                rtol=1e-10, atol=1e-12)
+    assert len(sharded["peak_bytes"]) == 1  # this rank's, reported by fit
     return sharded["losses"]
 
 
