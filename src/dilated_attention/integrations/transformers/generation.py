@@ -114,7 +114,8 @@ def generate(model, input_ids: Tensor, *, group, max_new_tokens: int,
         if generate_kwargs.get("num_beams", 1) != 1:
             raise NotImplementedError("beam search reorders the cache, which sharded "
                                       "generation keeps in place: pass num_beams=1")
-        sampling = generate_kwargs.get("do_sample", model.generation_config.do_sample)
+        settings = generate_kwargs.get("generation_config") or model.generation_config
+        sampling = generate_kwargs.get("do_sample", getattr(settings, "do_sample", False))
         return {"input_ids": digest(input_ids),
                 "attention_mask": None if attention_mask is None else digest(attention_mask),
                 "max_new_tokens": new, "generate_kwargs": _plain(generate_kwargs),
