@@ -166,6 +166,8 @@ def decode_partial(q: Tensor, rows: Sequence[CachedRows], t: int, patterns: Patt
         for w, r in zip(*patterns):
             a = origin + (t - origin) // w * w
             launches = _taking_part((t - a) % r, r, heads, device)
+            if not launches:
+                continue  # no head selects row t in this pattern
             for run in rows:
                 # the selected rows of [a, t] in this run: a + (t - a) mod r + r i
                 first = max(a, run.start)

@@ -55,6 +55,7 @@ class LayerCache:
     def store(self, t: int, k: Tensor, v: Tensor) -> None:
         """Keep the row of position t (k, v (b, 1, hk, d)) if it falls in this rank's block."""
         first, end = self.plan.block
+        self.plan.owner(t)  # a position past the planned rows is an error on every rank
         if first <= t < end:
             self.block.k[:, t - first] = k[:, 0]
             self.block.v[:, t - first] = v[:, 0]
