@@ -1,0 +1,425 @@
+"""The GPU suite: every check and measurement a CUDA device session needs, one report.
+
+    python benchmarks/gpu_suite.py --commit $(git rev-parse --short HEAD)       # everything
+    python benchmarks/gpu_suite.py --part tests strided                         # some parts
+    python benchmarks/gpu_suite.py --list                                       # parts, commands
+
+Parts, each a list of commands run from the repository root (their output is
+printed as it comes and kept for the report), with the minutes each took on
+an H100 as a guide (about 25 in all; one device call may run at most 10, so
+a session runs the parts in two to four calls):
+
+- ``tests``: the CUDA tests (``pytest -m cuda``: tests/test_cuda.py and the
+  other CUDA-marked tests), tests/test_compile.py, the fused kernel's tests
+  (tests/test_fused*.py) on the GPU.
+- ``strided``: may the CUDA kernels read strided views instead of gathered
+  copies (``plan.STRIDED_VIEWS["cuda"]``)? Per SDPA kernel (cuDNN, flash,
+  memory-efficient) and dtype, forward and backward on the views a rate-2
+  launch reads: equal to the same call on contiguous copies (bit for bit),
+  and whether the call launches a copy of its own; the whole op with views
+  on and off against the float64 reference; then their times
+  (bench_strided.py).
+- ``bench-auto`` / ``bench-triton``: bench_single_device.py in bf16 for the
+  backend (the default SDPA path; the fused Triton kernel), 8K to 1M tokens,
+  the LongNet setting and the geometric schedule: op / ideal floor, op /
+  per-launch floor, working memory per length.
+- ``memory``: working memory at 64K and 1M (both backends), the longest
+  sequence on the device, and ``dilated-attention estimate --device cuda``'s
+  dry run for the same 64K calls.
+- ``profile``: torch.profiler tables (CUDA kernels by time) of one 1M-token
+  call, forward and forward + backward, per backend.
+
+The report (markdown: device, driver, CUDA, cuDNN, torch, triton, commit,
+then per part its commands, their output and the minutes taken) goes to
+--out (default bench-out/gpu_suite.md, which .gitignore covers, and a copy
+to $OUT/gpu_suite.md when $OUT is set, as on the lent device machines). Runs
+in parts accumulate: a part run again replaces its own section, so a
+session can run the parts call by call and fetch one report at the end.
+Without a CUDA device it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+SEQ_LENS = ["8192", "16384", "32768", "65536", "131072", "262144", "524288", "1048576"]
+BENCH = [PY, "benchmarks/bench_single_device.py", "--device", "cuda", "--dtype", "bfloat16"]
+
+
+def bench_commands(backend: str) -> List[List[str]]:
+    """The backend's bench_single_device runs: both schedules, 8K to 1M."""
+    return [BENCH + ["--backend", backend, "--schedule", schedule, "--seq-lens", *SEQ_LENS,
+                     "--repeats", "5", "--dense-max", "32768",
+                     "--json", f"bench-out/gpu_{backend}_{schedule}.json"]
+            for schedule in ("longnet", "geometric")]
+
+
+def parts() -> Dict[str, List[List[str]]]:
+    """Part name -> its commands, in order."""
+    fused_tests = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_fused*.py"))
+    estimate = [PY, "-m", "dilated_attention", "estimate", "--device", "cuda", "--dtype",
+                "bfloat16", "--seq-len", "65536", "--dry-run"]
+    return {
+        "tests": [
+            [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "tests"],
+            [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_compile.py"],
+        ] + ([[PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", *fused_tests]]
+             if fused_tests else []),
+        "strided": [
+            [PY, "benchmarks/gpu_suite.py", "--strided-check"],
+            [PY, "benchmarks/bench_strided.py", "--device", "cuda", "--dtype", "bfloat16",
+             "--cases", "65536:fwd", "65536:bwd", "1048576:fwd", "1048576:bwd"],
+        ],
+        "bench-auto": bench_commands("auto"),
+        "bench-triton": bench_commands("triton"),
+        "memory": [
+            BENCH + ["--backend", backend, "--seq-lens", "65536", "1048576", "--memory-only",
+                     "--json", f"bench-out/gpu_memory_{backend}.json"]
+            for backend in ("auto", "triton")
+        ] + [
+            BENCH + ["--max-tokens", "--json", "bench-out/gpu_max_tokens.json"],
+            estimate,
+            estimate + ["--training"],
+        ],
+        "profile": [[PY, "benchmarks/gpu_suite.py", "--profile-case", backend]
+                    for backend in ("auto", "triton")],
+    }
+
+
+# --------------------------------------------------------------------------
+# Running commands and writing the report
+
+
+def run(command: Sequence[str], timeout: float) -> Tuple[str, int, float]:
+    """Run `command` from the repository root, printing its output as it comes;
+    (output, exit status, seconds). A command past `timeout` is killed (status 124)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "src"), str(ROOT / "tests")] + env.get("PYTHONPATH", "").split(os.pathsep))
+    print(f"$ {' '.join(command)}", flush=True)
+    start = time.perf_counter()
+    lines: List[str] = []
+    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        watchdog = threading.Timer(timeout, proc.kill)
+        watchdog.start()
+        try:
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+                lines.append(line)
+            status = proc.wait()
+        finally:
+            watchdog.cancel()
+    seconds = time.perf_counter() - start
+    if seconds >= timeout:
+        lines.append(f"\n[killed after {timeout:.0f} s]\n")
+        status = 124
+    return "".join(lines), status, seconds
+
+
+def environment(commit: str) -> str:
+    """The report's header: what ran where."""
+    import torch
+
+    def version(module: str) -> str:
+        try:
+            return __import__(module).__version__
+        except ImportError:
+            return "not installed"
+
+    driver = "unknown"
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True)
+        driver = smi.stdout.strip() or driver
+    props = torch.cuda.get_device_properties(0)
+    if commit == "unknown":
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                             capture_output=True, text=True)
+        commit = git.stdout.strip() or "unknown (no git here: pass --commit)"
+    return "\n".join([
+        "# GPU suite report",
+        "",
+        f"- device: {torch.cuda.get_device_name(0)} ({props.multi_processor_count} SMs, "
+        f"{props.total_memory / 2**30:.1f} GiB, compute capability {props.major}.{props.minor})",
+        f"- driver {driver}; CUDA {torch.version.cuda}; cuDNN "
+        f"{torch.backends.cudnn.version()}",
+        f"- torch {torch.__version__}; triton {version('triton')}; Python "
+        f"{sys.version.split()[0]}",
+        f"- commit {commit}",
+        "",
+    ])
+
+
+SECTION = re.compile(r"^## Part: (\S+)", re.M)
+
+
+def write_report(path: Path, header: str, sections: Dict[str, str]) -> None:
+    """Merge `sections` (part -> markdown) into the report at `path`: a part already there
+    is replaced, others kept; the header is this run's."""
+    old: Dict[str, str] = {}
+    if path.exists():
+        text = path.read_text()
+        starts = [(m.start(), m.group(1)) for m in SECTION.finditer(text)]
+        for (start, name), (stop, _) in zip(starts, starts[1:] + [(len(text), "")]):
+            old[name] = text[start:stop].rstrip() + "\n"
+    old.update(sections)
+    order = list(parts())
+    body = [old[name] for name in sorted(old, key=lambda n: order.index(n) if n in order else 99)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(header + "\n" + "\n".join(body))
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(out) / path.name)
+
+
+def run_part(name: str, commands: List[List[str]], timeout: float) -> str:
+    """Run a part's commands; its report section."""
+    start = time.perf_counter()
+    chunks = []
+    for command in commands:
+        output, status, seconds = run(command, timeout)
+        shown = " ".join(c if c != PY else "python" for c in command)
+        chunks.append(f"### `{shown}`\n\nexit status {status}, {seconds:.0f} s\n\n```\n"
+                      f"{output.rstrip()}\n```\n")
+    minutes = (time.perf_counter() - start) / 60
+    print(f"== part {name}: {minutes:.1f} min", flush=True)
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    return f"## Part: {name}\n\n{minutes:.1f} min, run {when}.\n\n" + "\n".join(chunks)
+
+
+# --------------------------------------------------------------------------
+# Checks that run as commands of their own (so that a crash is one command's failure)
+
+
+def strided_check() -> None:
+    """Per SDPA kernel and dtype: the kernel on the strided views of a rate-2 launch against
+    the same call on contiguous copies, forward and backward; then the op with views on
+    and off against the float64 reference."""
+    import torch
+
+    from dilated_attention import dilated_attention, plan
+    from dilated_attention.kernels import KernelOptions, attention_backward, attention_forward
+    from dilated_attention.kernels import select_backend
+    from dilated_attention.patterns import Heads, Segments, gather, head_groups, strided_view
+    from reference import reference_dilated_attention
+
+    b, n, h, d, w, r = 1, 16384, 12, 64, 4096, 2
+    segs = Segments(0, n // w, w)
+    # the offset-0 heads of a rate-2 pattern: (b * segments, w / 2, 6, d) views, the row
+    # stride 2 h d and the head stride 2 d (patterns.Stride)
+    group = head_groups(0, w, r, Heads.of(h, h), "cuda", strided=True)[0]
+    assert group.strided
+    print(f"views: rows {list(group.q_index[:, 0][:3].tolist())}... of heads "
+          f"{group.q_heads.tolist()} in each {w}-row segment, n = {n}, d = {d}\n")
+    print("| kernel | dtype | pass | bit-equal to contiguous | max abs diff | copies in the "
+          "call (aten ops; CUDA copy kernels) | copies on contiguous inputs |")
+    print("|---|---|---|---|---|---|---|")
+    for backend in ("cuda_cudnn", "cuda_flash", "cuda_efficient"):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            try:
+                select_backend(torch.device("cuda"), dtype, backend=backend)
+            except ValueError:
+                continue
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            # (b, n, h, d): q, k, v, dout, and out / lse for the backward
+            q, k, v, dout, out = (torch.randn(b, n, h, d, device="cuda", dtype=dtype,
+                                              generator=gen) for _ in range(5))
+            lse = torch.empty(b, n, h, device="cuda", dtype=torch.float32)
+            opts = KernelOptions(causal=False, scale=d**-0.5, backend=backend)
+
+            def sel(x):  # a view (is_view: strided group on a run of segments)
+                return gather(x, segs, group.q_heads, group.q_index, group.q_stride)
+
+            views = [sel(x) for x in (q, k, v)]
+            dense = [x.contiguous() for x in views]
+            fwd_v, ops_v = _profiled(lambda: attention_forward(*views, opts))
+            fwd_c, ops_c = _profiled(lambda: attention_forward(*dense, opts))
+            # the op's backward reads out and lse through the same views
+            strided_view(out, segs, group.q_stride, *group.q_index.shape).copy_(
+                fwd_v[0].unflatten(0, (b, -1)))
+            strided_view(lse, segs, group.q_stride, *group.q_index.shape).copy_(
+                fwd_v[1].unflatten(0, (b, -1)))
+            args_v = [sel(x) for x in (dout, q, k, v, out, lse)]
+            args_c = [x.contiguous() for x in args_v]
+            bwd_v, bops_v = _profiled(lambda: attention_backward(*args_v, opts))
+            bwd_c, bops_c = _profiled(lambda: attention_backward(*args_c, opts))
+            for name, got, want, ops, base in (("forward", fwd_v, fwd_c, ops_v, ops_c),
+                                                ("backward", bwd_v, bwd_c, bops_v, bops_c)):
+                equal = all(torch.equal(x, y) for x, y in zip(got, want))
+                diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(got, want))
+                print(f"| {backend} | {str(dtype)[6:]} | {name} | {equal} | {diff:.3g} | {ops} "
+                      f"| {base} |", flush=True)
+    print("\nThe op, views on and off (LongNet setting, b 1, n 4096, 12 heads x 64, GQA 12/4, "
+          "forward + backward), max |error| / max |reference| against float64:\n")
+    print("| backend | dtype | strided views | out | dq | dk | dv |")
+    print("|---|---|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(1)
+    ref_in = [torch.randn(1, 4096, heads, 64, generator=gen, dtype=torch.float64)
+              for heads in (12, 4, 4)]
+    ref_in = [x.requires_grad_() for x in ref_in]
+    dout = torch.randn(1, 4096, 12, 64, generator=gen, dtype=torch.float64)
+    ref_out, _ = reference_dilated_attention(*ref_in, [2048, 4096], [1, 2])
+    ref = [ref_out] + list(torch.autograd.grad(ref_out, ref_in, dout))
+    for backend in ("auto", "cuda_cudnn", "cuda_flash", "cuda_efficient"):
+        for dtype in (torch.bfloat16, torch.float16):
+            try:
+                select_backend(torch.device("cuda"), dtype, backend=backend)
+            except ValueError:
+                continue
+            for strided in (False, True):
+                dev = [x.detach().to("cuda", dtype).requires_grad_() for x in ref_in]
+                with _patched(plan.STRIDED_VIEWS, "cuda", strided):
+                    got_out = dilated_attention(*dev, [2048, 4096], [1, 2], backend=backend)
+                    got = [got_out] + list(torch.autograd.grad(got_out, dev,
+                                                               dout.to("cuda", dtype)))
+                errors = [(g.double().cpu() - w).abs().max().item() / w.abs().max().item()
+                          for g, w in zip(got, ref)]
+                print(f"| {backend} | {str(dtype)[6:]} | {strided} | "
+                      + " | ".join(f"{e:.2e}" for e in errors) + " |", flush=True)
+
+
+class _patched:
+    """dict[key] = value for a with block."""
+
+    def __init__(self, table: dict, key, value) -> None:
+        self.table, self.key, self.value = table, key, value
+
+    def __enter__(self) -> None:
+        self.old = self.table.get(self.key)
+        self.table[self.key] = self.value
+
+    def __exit__(self, *exc) -> None:
+        self.table[self.key] = self.old
+
+
+_COPY_OPS = ("aten::copy_", "aten::contiguous", "aten::clone", "aten::_to_copy")
+
+
+def _profiled(call):
+    """(call's result, "n aten copies; CUDA copy kernels") of one call after a warm-up."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        result = call()
+        torch.cuda.synchronize()
+    events = prof.events()
+    copies = sum(1 for e in events if e.name in _COPY_OPS)
+    kernels = sorted({e.name[:40] for e in events
+                      if e.device_type == torch.autograd.DeviceType.CUDA
+                      and "copy" in e.name.lower()})
+    return result, f"{copies}; {', '.join(kernels) or 'none'}"
+
+
+def profile_case(backend: str) -> None:
+    """torch.profiler tables of one 1M-token call (LongNet setting, bf16), forward and
+    forward + backward: CUDA kernels by total time, and the op count."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from dilated_attention import dilated_attention
+    from dilated_attention.kernels import select_backend
+
+    try:
+        select_backend(torch.device("cuda"), torch.bfloat16, backend=backend)
+    except ValueError as e:
+        print(f"backend {backend!r} does not run here: {e}")
+        return
+    n = 1 << 20
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    # (b, n, h, d)
+    q, k, v, dout = (torch.randn(1, n, 12, 64, device="cuda", dtype=torch.bfloat16,
+                                 generator=gen) for _ in range(4))
+    for training in (False, True):
+        def call():
+            if training:
+                qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+                dilated_attention(qq, kk, vv, [2048, 4096], [1, 2], backend=backend).backward(dout)
+            else:
+                with torch.no_grad():
+                    dilated_attention(q, k, v, [2048, 4096], [1, 2], backend=backend)
+
+        call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            call()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        ops = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU
+                  and e.name.startswith("aten::"))
+        print(f"\n{'forward + backward' if training else 'forward'}, backend {backend}, "
+              f"1M tokens, bf16: {wall * 1e3:.1f} ms wall under the profiler, {ops} aten ops\n")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15,
+                                        max_name_column_width=60))
+
+
+# --------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    names = list(parts())
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", nargs="+", default=["all"], choices=["all"] + names,
+                        help="which parts to run (default all)")
+    parser.add_argument("--out", default="bench-out/gpu_suite.md",
+                        help="the report; parts already there from an earlier run are kept "
+                        "(default bench-out/gpu_suite.md; copied to $OUT when set)")
+    parser.add_argument("--commit", default="unknown",
+                        help="the commit measured (default: git rev-parse, where .git exists)")
+    parser.add_argument("--timeout", type=float, default=540,
+                        help="seconds after which one command is stopped (default 540)")
+    parser.add_argument("--list", action="store_true", help="print the parts' commands and exit")
+    parser.add_argument("--strided-check", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile-case", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    todo = names if "all" in args.part else [n for n in names if n in args.part]
+    if args.list:
+        for name in todo:
+            print(f"{name}:")
+            for command in parts()[name]:
+                print("    " + " ".join(c if c != PY else "python" for c in command))
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: torch.cuda.is_available() is False (torch "
+              f"{torch.__version__}); the GPU suite has nothing to run here.")
+        return 0
+    sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+    if args.strided_check:
+        strided_check()
+        return 0
+    if args.profile_case:
+        profile_case(args.profile_case)
+        return 0
+    header = environment(args.commit)
+    print(header, flush=True)
+    out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
+    start = time.perf_counter()
+    for name in todo:
+        section = run_part(name, parts()[name], args.timeout)
+        write_report(out, header, {name: section})  # after each part: a stopped run keeps it
+    print(f"== {', '.join(todo)}: {(time.perf_counter() - start) / 60:.1f} min; report {out}",
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

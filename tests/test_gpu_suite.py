@@ -1,0 +1,60 @@
+"""benchmarks/gpu_suite.py off a GPU: it says so and exits 0; its report and runner work."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SUITE = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_suite.py"
+
+
+@pytest.fixture(scope="module")
+def suite():
+    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for machines without CUDA")
+def test_without_cuda_it_says_so_and_exits_0():
+    done = subprocess.run([sys.executable, str(SUITE)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "no CUDA device" in done.stdout
+
+
+def test_list_names_every_part(suite, capsys):
+    assert suite.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("tests", "strided", "bench-auto", "bench-triton", "memory", "profile"):
+        assert f"{name}:" in out
+    assert "--schedule geometric" in out and "--max-tokens" in out and "-m cuda" in out
+
+
+def test_report_keeps_parts_and_replaces_a_part_run_again(suite, tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    report = tmp_path / "report.md"
+    suite.write_report(report, "# header 1\n", {"memory": "## Part: memory\n\nfirst\n"})
+    suite.write_report(report, "# header 2\n", {"tests": "## Part: tests\n\nok\n"})
+    suite.write_report(report, "# header 3\n", {"memory": "## Part: memory\n\nsecond\n"})
+    text = report.read_text()
+    assert text.startswith("# header 3")
+    # parts in the suite's order, the memory part replaced
+    assert text.index("## Part: tests") < text.index("## Part: memory")
+    assert "second" in text and "first" not in text
+    assert (tmp_path / "out" / "report.md").read_text() == text
+
+
+def test_run_records_output_status_and_stops_at_the_timeout(suite):
+    output, status, _ = suite.run([sys.executable, "-c", "print('hello'); raise SystemExit(3)"],
+                                  timeout=60)
+    assert output == "hello\n" and status == 3
+    output, status, seconds = suite.run([sys.executable, "-c", "import time; time.sleep(30)"],
+                                        timeout=1)
+    assert status == 124 and "killed after 1 s" in output and seconds < 20
