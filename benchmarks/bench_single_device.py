@@ -294,7 +294,8 @@ def max_tokens(dtype: torch.dtype, training: bool, start: int = 1 << 20,
     return lo
 
 
-def measure_memory(n: int, dtype_name: str, training: bool, schedule: str) -> float:
+def measure_memory(n: int, dtype_name: str, training: bool, schedule: str,
+                   block_rows: Optional[int]) -> float:
     """`measure_memory_in_this_process` in a fresh process (no earlier allocations);
     on CUDA the allocator's peak in this process."""
     if DEVICE == "cuda":
@@ -303,7 +304,8 @@ def measure_memory(n: int, dtype_name: str, training: bool, schedule: str) -> fl
     strided = {True: "on", False: "off"}[planning.STRIDED_VIEWS.get(DEVICE, False)]
     out = subprocess.run(
         [sys.executable, __file__, "--memory-case", str(n), dtype_name, str(int(training)),
-         "--strided", strided, "--schedule", schedule, "--backend", BACKEND],
+         "--strided", strided, "--schedule", schedule, "--backend", BACKEND]
+        + (["--block-rows", str(block_rows)] if block_rows else []),
         env=env, capture_output=True, text=True, check=True,
     )
     return float(out.stdout.strip().splitlines()[-1])
@@ -338,6 +340,10 @@ def main(argv=None) -> None:
                         help="read regular rate-r selections as strided views (on) or gathered "
                         "copies (off); auto: the library's default for the device "
                         "(plan.STRIDED_VIEWS)")
+    parser.add_argument("--block-rows", type=int,
+                        help="rows per block for the device (plan.ROWS_PER_BLOCK; on CUDA a "
+                        "launch is a block: 131072 gives the sizes before the 64K memory "
+                        "bound)")
     parser.add_argument("--json", default="bench-out/single_device.json")
     parser.add_argument("--memory-case", nargs=3, metavar=("N", "DTYPE", "TRAINING"),
                         help=argparse.SUPPRESS)
@@ -348,6 +354,8 @@ def main(argv=None) -> None:
     FLOOR_BACKEND = args.floor_backend or (BACKEND if BACKEND != "triton" else "auto")
     if args.strided != "auto":
         planning.STRIDED_VIEWS[args.device] = args.strided == "on"
+    if args.block_rows:
+        planning.ROWS_PER_BLOCK[args.device] = args.block_rows
     if args.memory_case:
         n, dtype_name, training = args.memory_case
         print(measure_memory_in_this_process(int(n), getattr(torch, dtype_name),
@@ -360,6 +368,7 @@ def main(argv=None) -> None:
              else f"{torch.get_num_threads()} threads")
     print(f"torch {torch.__version__}, {where}, dtype {args.dtype}, backend {BACKEND} "
           f"(floors: {FLOOR_BACKEND}), strided views {planning.STRIDED_VIEWS.get(DEVICE, False)}, "
+          f"block rows {planning.ROWS_PER_BLOCK.get(DEVICE)} (or n / {planning.MAX_BLOCKS}), "
           f"h={HEADS} d={HEAD_DIM} schedule {args.schedule}: segments={list(SEGMENTS)} "
           f"rates={list(RATES)} batch 1, load average {os.getloadavg()[0]:.2f}", flush=True)
     if args.max_tokens:
@@ -385,7 +394,8 @@ def main(argv=None) -> None:
                        schedule=args.schedule, backend=BACKEND, floor_backend=FLOOR_BACKEND)
             mem: Optional[float] = None
             if not args.no_memory:
-                mem = measure_memory(n, args.dtype, backward, args.schedule) / input_bytes
+                mem = measure_memory(n, args.dtype, backward, args.schedule,
+                                     args.block_rows) / input_bytes
                 row.update(memory_inputs=mem, memory_bytes_per_token=mem * input_bytes / n)
             cells = ["-"] * 10
             if not args.memory_only:

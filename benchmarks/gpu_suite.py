@@ -22,7 +22,9 @@ a session runs the parts in two to four calls):
 - ``bench-auto`` / ``bench-triton``: bench_single_device.py in bf16 for the
   backend (the default SDPA path; the fused Triton kernel), 8K to 1M tokens,
   the LongNet setting and the geometric schedule: op / ideal floor, op /
-  per-launch floor, working memory per length.
+  per-launch floor, working memory per length; bench-auto also runs the
+  LongNet setting with the CUDA row blocks from before the 64K memory bound
+  (131,072 rows), which says what the bound costs in time.
 - ``memory``: working memory at 64K and 1M (both backends), the longest
   sequence on the device, and ``dilated-attention estimate --device cuda``'s
   dry run for the same 64K calls.
@@ -82,7 +84,10 @@ def parts() -> Dict[str, List[List[str]]]:
             [PY, "benchmarks/bench_strided.py", "--device", "cuda", "--dtype", "bfloat16",
              "--cases", "65536:fwd", "65536:bwd", "1048576:fwd", "1048576:bwd"],
         ],
-        "bench-auto": bench_commands("auto"),
+        # and the CUDA row blocks before the 64K memory bound (131072 rows): what it costs
+        "bench-auto": bench_commands("auto") + [
+            BENCH + ["--seq-lens", *SEQ_LENS[:6], "--repeats", "5", "--dense-max", "0",
+                     "--block-rows", "131072", "--json", "bench-out/gpu_auto_blocks131072.json"]],
         "bench-triton": bench_commands("triton"),
         "memory": [
             BENCH + ["--backend", backend, "--seq-lens", "65536", "1048576", "--memory-only",

@@ -166,9 +166,12 @@ def test_estimate_command_labels_estimates(capsys):
 
 
 def test_estimate_models_cuda_sizes_and_kernels(capsys):
-    # CUDA: 131072-row blocks (one block at 64K), the cuDNN kernel for bf16, no CPU scratch
+    # CUDA: 4096-row blocks of whole segments at 64K (no fp32 accumulators in bf16), each
+    # block one launch per pattern and head group, the cuDNN kernel for bf16, no CPU scratch
     cuda = estimate.make_config(seq_len=65536, dtype="bfloat16", device="cuda")
-    assert {b.hi - b.lo for b in estimate.plan_for(cuda, cuda.lengths(), 0).blocks} == {65536}
+    blocks = estimate.plan_for(cuda, cuda.lengths(), 0).blocks
+    assert [(b.hi - b.lo, b.entry_writes) for b in blocks] == [(4096, 2)] * 16
+    assert {sum(l.queries.rows for l in b.forward if l.group.identity) for b in blocks} == {4096}
     assert estimate.backend_for(cuda) == "cuda_cudnn"
     cpu = estimate.make_config(seq_len=65536, dtype="bfloat16", threads=1)
     # two patterns: blocks of the longer segment (4096 rows), whole: no fp32 accumulators
@@ -176,15 +179,17 @@ def test_estimate_models_cuda_sizes_and_kernels(capsys):
     assert [(b.hi - b.lo, b.entry_writes) for b in blocks] == [(4096, 2)] * 16
     f = estimate.formula(cuda)
     assert estimate.CUDA_SCRATCH in f.breakdown and estimate.SCRATCH not in f.breakdown
-    # The H100 measured 5.05 / 16.14 input-sized tensors beyond the inputs (forward /
-    # training) when the whole-output fp32 accumulators (2.0, and 3 x 2.0 in backward) were
-    # still made; the one 65,536-row block now accumulates in the bf16 output itself. Not yet
-    # measured on a GPU: hold the formula to the dry run (the real code on meta tensors).
+    # Working memory (beyond q, k, v and in training dout) under the targets of 1.25 / 4.5
+    # input-sized tensors (forward / training) by the dry run, the real code on meta
+    # tensors: 1.18 / 4.43 (131,072-row blocks held 3.13 / 10.16; the H100 measured 5.05 /
+    # 16.14 with whole-output fp32 accumulators). Not yet measured on a GPU. The formula
+    # counts the first launch of a block as a merge through an fp32 copy where the op stores
+    # it (launches.covers): 1.31 forward, 3% of the peak above the dry run.
     input_bytes = 65536 * 12 * 64 * 2
     for config, inputs in ((cuda, 3), (dataclasses.replace(cuda, training=True), 4)):
         formula, dry = estimate.formula(config), estimate.dry_run(config)
-        assert formula.peak_bytes == pytest.approx(dry.peak_bytes, rel=0.01)
-        assert (formula.peak_bytes - inputs * input_bytes) / input_bytes < (3.2, 10.2)[inputs - 3]
+        assert formula.peak_bytes == pytest.approx(dry.peak_bytes, rel=0.05)
+        assert (dry.peak_bytes - inputs * input_bytes) / input_bytes <= (1.25, 4.5)[inputs - 3]
     assert cli.main(["estimate", "--seq-len", "64k", "--device", "cuda", "--dtype",
                      "bfloat16"]) == 0
     out = capsys.readouterr().out

@@ -422,12 +422,28 @@ def test_plan_sizes_for_another_device_type():
     patterns, heads = ((2048, 4096), (1, 2)), Heads.of(4, 4)
     cpu = make_plan(layout, patterns, False, heads, 0, "meta")
     cuda = make_plan(layout, patterns, False, heads, 0, "meta", device_type="cuda")
-    assert {b.hi - b.lo for b in cpu.blocks} == {2**15}  # n / 32 rows (above the CPU's 2048)
-    assert {b.hi - b.lo for b in cuda.blocks} == {2**17}  # the CUDA minimum, 131072
-    # CUDA launches batch 64 segments of 2048 rows (131072 rows), the CPU one
-    assert cuda.launches < cpu.launches // 16
+    # n / 32 rows for both (above the minimums, 2048 and 4096 rows)
+    assert {b.hi - b.lo for b in cpu.blocks} == {b.hi - b.lo for b in cuda.blocks} == {2**15}
+    # a CUDA launch batches a block's 16 segments of 2048 rows (it covers the block), a
+    # CPU launch one
+    assert {l.queries.rows for b in cuda.blocks for l in b.forward if l.group.identity} == {2**15}
+    assert cuda.launches < cpu.launches // 8
     index = cuda.blocks[0].forward[-1].group.q_index
     assert index.device.type == "meta"
+
+
+def test_cuda_launches_stay_large_for_the_geometric_schedule():
+    """4096-row CUDA blocks (the 64K memory bound) cut the long segments of LongNet's
+    geometric schedule; parts whose heads read under 2048 rows of a block run whole
+    (plan._sparse), so launches stay GPU-sized: 63 launches of at least 12,288 query
+    entries (rows x heads) at 64K, where cutting them by blocks made 273, half of them
+    6144 entries or fewer."""
+    patterns = ((2048, 4096, 8192, 16384, 32768, 65536), (1, 2, 4, 8, 16, 32))
+    cuda = make_plan(Layout.contiguous([2**16]), patterns, False, Heads.of(12, 12), 0, "meta",
+                     device_type="cuda")
+    entries = [l.queries.count * l.group.rows * l.group.q_heads.numel()
+               for b in cuda.blocks for l in b.forward]
+    assert len(cuda.blocks) == 16 and len(entries) <= 64 and min(entries) >= 12288
 
 
 @pytest.mark.parametrize("world", [4, 8])

@@ -72,17 +72,23 @@ from torch import Tensor
 from .patterns import HeadGroup, Heads, Patterns, Segments, cross_head_groups, head_groups
 from .patterns import selected_pairs, split_heads
 
-# Rows per block (and so per launch): at least this many rows (a GPU needs far
-# more rows in flight than a CPU to hide its launch latency), and at most
+# Rows per block (and so per launch): at least this many rows, and at most
 # MAX_BLOCKS blocks per rank, so that the accumulators of a block stay a small
 # fraction of the rank's rows while the per-launch Python overhead stays
 # constant in n (which also keeps shape-only dry runs on meta tensors fast).
-ROWS_PER_BLOCK = {"cpu": 2048, "cuda": 131072}
+# CUDA: 4096 rows (12 heads: 49,152 query rows, about 3 waves of the H100's
+# 132 SMs) keeps working memory at 64K tokens under 1.25 / 4.5 input-sized
+# tensors (forward / training, bf16: a launch's outputs, and in backward the
+# kernel's fp32 dq, are a sixteenth of an input each); blocks of 131,072 rows
+# held 3.13 / 10.16 there (estimate --device cuda --dry-run). From 128K tokens
+# on, blocks are n / MAX_BLOCKS rows.
+ROWS_PER_BLOCK = {"cpu": 2048, "cuda": 4096}
 MAX_BLOCKS = 32
 # Segments batched into one launch hold at most this many rows (a longer
 # segment is one launch): a launch's gathers, outputs and the kernel's own
-# scratch stay a fraction of a block.
-ROWS_PER_LAUNCH = {"cpu": 2048, "cuda": 131072}
+# scratch stay a fraction of a block. None: a whole block (the block already
+# bounds them; a GPU wants the largest launches that fit).
+ROWS_PER_LAUNCH = {"cpu": 2048, "cuda": None}
 # A launch on gathered rows copies its q, k, v and allocates its output (in
 # backward also dout, out and three gradients), where a launch on a view
 # allocates only its output: a gathered launch holds at most this share of a
@@ -506,14 +512,15 @@ def make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, ra
     """
     kind = device_type or torch.device(device).type
     rows = _block_rows(layout.rows_of(rank), patterns[0], kind)
-    launch_rows = ROWS_PER_LAUNCH.get(kind, ROWS_PER_LAUNCH["cpu"])
+    launch_rows = ROWS_PER_LAUNCH.get(kind, ROWS_PER_LAUNCH["cpu"]) or rows
+    min_part = MIN_ROWS_PER_BLOCK_PART.get(kind, MIN_ROWS_PER_BLOCK_PART["cpu"])
     return _make_plan(layout, patterns, causal, heads, rank, device, documents, rows, launch_rows,
-                      STRIDED_VIEWS.get(kind, False))
+                      min_part, STRIDED_VIEWS.get(kind, False))
 
 
 @functools.lru_cache(maxsize=64)
 def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, rank: int,
-               device: str, documents: Documents, rows: int, launch_rows: int,
+               device: str, documents: Documents, rows: int, launch_rows: int, min_part: int,
                strided: bool) -> Plan:
     chunks = layout.of_rank(rank)
     n = sum(c.stop - c.start for c in chunks)
@@ -579,7 +586,7 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
                 # this block's chunk's part of the segment
                 (part,) = [c for c in layout.split(a, a + length)
                            if c.rank == rank and max(c.start, lo) < min(c.stop, hi)]
-                if _sparse(part, r, launch_rows, rows):
+                if _sparse(part, r, launch_rows, rows, min_part):
                     # few rows per head: the chunk's whole part in one launch per group,
                     # its outputs split over the blocks it crosses (once, not per block)
                     if (pattern, a, part.start) not in sparse_done:
@@ -619,7 +626,7 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
                 continue
             directory = _columns(groups)
             remote = []
-            if _sparse(dst, r, launch_rows, rows):
+            if _sparse(dst, r, launch_rows, rows, min_part):
                 # the whole query part at once, its outputs split over its blocks
                 q_segs = Segments(local(dst.start), 1, dst.stop - dst.start)
                 cpu_groups = cross_head_groups(dst.start - a, dst.stop - a, src.start - a,
@@ -644,18 +651,20 @@ def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, r
 
 
 # Below this many rows per head in a block's share of a segment, launches per pair of
-# blocks would be tiny: such a segment part runs whole (Note [plan], sparse parts).
-MIN_ROWS_PER_BLOCK_PART = 256
+# blocks would be tiny: such a segment part runs whole (Note [plan], sparse parts). A
+# GPU's launches must be larger: with 4096-row blocks, LongNet's geometric schedule
+# (2048..65536 / 1..32) at 64K tokens made 273 launches of 6144 query rows (median)
+# with 256, 63 of 12,288 with 2048.
+MIN_ROWS_PER_BLOCK_PART = {"cpu": 256, "cuda": 2048}
 
 
-def _sparse(part: Chunk, rate: int, launch_rows: int, block_rows: int) -> bool:
-    """A segment part that crosses blocks, whose heads read few rows per block but at most a
-    launch's rows in all: one launch (per head group) covers it, instead of one per pair of
-    blocks (LongNet's long patterns, w / r = 2048)."""
+def _sparse(part: Chunk, rate: int, launch_rows: int, block_rows: int, min_part: int) -> bool:
+    """A segment part that crosses blocks, whose heads read fewer than `min_part` rows per
+    block but at most a launch's rows in all: one launch (per head group) covers it,
+    instead of one per pair of blocks (LongNet's long patterns, w / r = 2048)."""
     length = part.stop - part.start
     crosses = part.start // block_rows != (part.stop - 1) // block_rows
-    return (crosses and block_rows // rate < MIN_ROWS_PER_BLOCK_PART
-            and -(-length // rate) <= launch_rows)
+    return (crosses and block_rows // rate < min_part and -(-length // rate) <= launch_rows)
 
 
 def _by_block(values: Tensor, los: Sequence[int]) -> Tuple[Tensor, Tensor, Dict[int, slice]]:
