@@ -171,3 +171,35 @@ def close(got: Tensor, want: Tensor, dtype: torch.dtype, what: str = "") -> None
     finite = want[torch.isfinite(want)]
     size = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
     assert_close(got.double(), want, rtol=rtol, atol=atol * size, msg=lambda m: f"{what}: {m}")
+
+
+def window_counts(n: int, window: Tuple[int, int], causal: bool = False,
+                  cu_seqlens: Optional[Sequence[int]] = None) -> Tensor:
+    """c (n, n) int64: 1 where query t attends key u under a sliding window (SPEC.md,
+    "Sliding windows"): t - left <= u <= t + right (-1 unbounded; causal: right = 0),
+    both in one document of `cu_seqlens`."""
+    left, right = window
+    right = 0 if causal else right
+    t, u = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    allowed = torch.ones(n, n, dtype=torch.bool)
+    if left >= 0:
+        allowed &= u >= t - left
+    if right >= 0:
+        allowed &= u <= t + right
+    if cu_seqlens is not None:
+        doc = torch.bucketize(torch.arange(n), torch.as_tensor(cu_seqlens[1:-1]), right=True)
+        allowed &= doc[:, None] == doc[None, :]
+    return allowed.long()
+
+
+def reference_window_attention(
+    q: Tensor, k: Tensor, v: Tensor, window: Tuple[int, int], causal: bool = False,
+    scale: Optional[float] = None, cu_seqlens: Optional[Sequence[int]] = None,
+    key_padding_mask: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Sliding-window attention in float64: out (b, n, h, d), lse (b, h, n)."""
+    counts = window_counts(q.shape[1], window, causal, cu_seqlens)
+    if key_padding_mask is not None:
+        # (n, n) -> (b, 1, n, n) with masked key columns zeroed
+        counts = counts[None, None].masked_fill(key_padding_mask[:, None, None, :], 0)
+    return attention_with_counts(q, k, v, counts, scale)

@@ -45,6 +45,7 @@ from .distributed.ulysses import ulysses_attention
 from .kernels import KernelOptions, lse_dtype, select_backend
 from .patterns import Heads, Patterns
 from .plan import Documents, Layout, unread_rows
+from .window import window_attention_local
 
 # Dropout seeds of the head-parallel ranks of a 2-D mesh or Ulysses call: each rank's
 # launches draw their own masks (they compute different heads with equal launch ids).
@@ -180,6 +181,22 @@ def _documents(cu_seqlens: Optional[Tuple[int, ...]], total: int) -> Documents:
     return None if len(cu_seqlens) == 2 else cu_seqlens
 
 
+def _no_window(window_size) -> Tuple[int, int]:
+    """dilated_attention takes no sliding window: anything but (-1, -1) is a ValueError."""
+    if isinstance(window_size, (tuple, list)) and tuple(window_size) == (-1, -1) and \
+            all(type(side) is int for side in window_size):
+        return (-1, -1)
+    raise ValueError(
+        f"window_size={window_size!r}: dilated_attention takes no sliding window; "
+        f"ring_attention(q, k, v, window_size=(left, right)) computes exact sliding-window "
+        f"attention (one device and sequence-parallel)")
+
+
+def _effective_window(window: Tuple[int, int], total: int) -> Tuple[int, int]:
+    """The agreed window with each side that reaches the whole sequence as -1 (unbounded)."""
+    return tuple(-1 if side >= total - 1 else side for side in window)
+
+
 def dilated_attention(
     q: Tensor,
     k: Tensor,
@@ -197,6 +214,7 @@ def dilated_attention(
     key_padding_mask: Optional[Tensor] = None,
     layout: str = "contiguous",
     strategy: str = "auto",
+    window_size: Tuple[int, int] = (-1, -1),
 ):
     """Exact LongNet dilated attention (see docs/spec.md).
 
@@ -238,6 +256,8 @@ def dilated_attention(
             ``distributed.strategy``). A 2-D mesh always runs Ulysses over its
             first dimension and the exchange over its second ("auto" or
             "ulysses").
+        window_size: only (-1, -1): a sliding window is ``ring_attention``'s
+            (``window_size=``); any other value is a ValueError.
 
     Returns:
         out (batch, seq_len, heads, head_dim), or (out, lse) with lse float32
@@ -265,6 +285,7 @@ def dilated_attention(
             "cu_seqlens": check.check_cu_seqlens(cu_seqlens),
             "layout": check_layout(layout),
             "strategy": check.check_strategy(strategy),
+            "window_size": _no_window(window_size),
             # derived from the arguments above (the comm check names the first key that
             # differs, in this order): the kernel, this rank's dropout seed
             "backend": select_backend(q.device, q.dtype, dropout_p=p, backend=backend,
@@ -374,6 +395,7 @@ def ring_attention(
     backend: str = "auto",
     cu_seqlens=None,
     key_padding_mask: Optional[Tensor] = None,
+    window_size: Tuple[int, int] = (-1, -1),
 ):
     """Exact dense attention over the whole sequence spread across `group`.
 
@@ -410,9 +432,11 @@ def ring_attention(
 
     def config() -> Dict[str, Any]:
         tensors = _tensor_config(q, k, v, key_padding_mask, allow_empty=distributed)
+        causal = check.check_bool("is_causal", is_causal)
         return {
             **tensors,
-            "is_causal": check.check_bool("is_causal", is_causal),
+            "is_causal": causal,
+            "window_size": check.check_window(window_size, causal),
             "return_lse": check.check_bool("return_lse", return_lse),
             "scale": check.check_scale(scale, q.shape[-1]),
             "layout": check_layout(layout),
@@ -426,20 +450,30 @@ def ring_attention(
     lengths = _agreed_lengths(infos)
     check_piece_lengths(lengths, layout)
     documents = _documents(call["cu_seqlens"], sum(lengths))
-    opts = KernelOptions(call["is_causal"], call["scale"], call["backend"])
+    window = _effective_window(call["window_size"], sum(lengths))
+    # a window unbounded on the left and ending at the query is causal attention
+    windowed = window not in ((-1, -1), (-1, 0))
+    opts = KernelOptions(call["is_causal"] or window == (-1, 0), call["scale"], call["backend"])
     dense_patterns = ((sum(lengths),), (1,))
     # a 2-D mesh: Ulysses over its heads dimension, the ring over its sequence dimension
     route = _Route.of("ulysses" if isinstance(group, comm.Grid) else "exchange", group, layout,
-                      _shape(call, lengths, dense_patterns, call["is_causal"], documents))
+                      _shape(call, lengths, dense_patterns, opts.causal, documents))
 
     def dense(q: Tensor, k: Tensor, v: Tensor, heads: Optional[Heads], mask: Optional[Tensor],
               opts: KernelOptions, group, lengths) -> Tuple[Tensor, Tensor]:
-        """Dense attention of these rows over `group` (the ring), or locally."""
+        """Dense or windowed attention of these rows over `group` (the ring, the halo
+        exchange or the dilated exchange), or locally."""
+        if (windowed or (mask is None and documents is None)) and heads is not None \
+                and not heads.grouped:
+            # a head-parallel rank's query heads read its kv heads unevenly: give each
+            # query head its own copy (the kernels broadcast only j -> j // g)
+            k, v = k[:, :, list(heads.kv_of)], v[:, :, list(heads.kv_of)]
+        if windowed:
+            if comm.is_distributed(group):
+                raise NotImplementedError("window_size with a group of several ranks")
+            return window_attention_local(q, k, v, window, opts, documents=documents,
+                                          key_mask=mask)
         if mask is None and documents is None:
-            if heads is not None and not heads.grouped:
-                # a head-parallel rank's query heads read its kv heads unevenly: give each
-                # query head its own copy (the kernels broadcast only j -> j // g)
-                k, v = k[:, :, list(heads.kv_of)], v[:, :, list(heads.kv_of)]
             return RingAttentionFunction.apply(q, k, v, opts, group, layout, lengths)
         if not comm.is_distributed(group):
             return dilated_attention_local(q, k, v, dense_patterns, opts, heads=heads,

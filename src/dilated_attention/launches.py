@@ -180,6 +180,64 @@ class Blocks:
         return segs._replace(starts=segs.starts + by)
 
 
+def output_accumulators(q: Tensor) -> Tuple[Tensor, Tensor, Callable, Callable, Callable]:
+    """The forward's outputs out (b, n, h, d) and lse (b, n, h), uninitialised, and the
+    ``make``, ``write`` and ``nbytes`` of their block accumulators (`Blocks`, one kind:
+    (out, lse))."""
+    b, n, h, d = q.shape
+    acc = lse_dtype(q.dtype)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, n, h), dtype=acc, device=q.device)
+
+    def make(block: Block, kind: int, init: bool) -> Tuple[Tensor, Tensor]:
+        # the merge's identity (0, -inf); lse is written in place, out too where it can
+        lo, hi = block.lo, block.hi
+        acc_out = (out[:, lo:hi] if in_output(block, out.dtype)
+                   else torch.empty((b, hi - lo, h, d), dtype=acc, device=q.device))
+        acc_lse = lse[:, lo:hi]
+        if init:
+            acc_out.zero_()
+            acc_lse.fill_(-float("inf"))
+        return acc_out, acc_lse
+
+    def write(block: Block, kind: int, accs: Tuple[Tensor, Tensor]) -> None:
+        if not in_output(block, out.dtype):
+            out[:, block.lo:block.hi] = accs[0]
+
+    def nbytes(block: Block, kind: int) -> int:
+        if in_output(block, out.dtype):
+            return 0
+        return b * (block.hi - block.lo) * h * d * torch.finfo(acc).bits // 8
+
+    return out, lse, make, write, nbytes
+
+
+def gradient_accumulators(*inputs: Tensor) -> Tuple[Tuple[Tensor, ...], Callable, Callable,
+                                                    Callable]:
+    """The backward's gradients, one per input (dq, dK, dV: kinds 0, 1, 2), uninitialised,
+    and the ``make``, ``write`` and ``nbytes`` of their block accumulators (`Blocks`)."""
+    acc = lse_dtype(inputs[0].dtype)
+    grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in inputs)
+
+    def make(block: Block, kind: int, init: bool) -> Tensor:
+        g, lo, hi = grads[kind], block.lo, block.hi
+        if in_output(block, g.dtype):
+            return g[:, lo:hi].zero_() if init else g[:, lo:hi]
+        new = torch.zeros if init else torch.empty
+        return new((g.shape[0], hi - lo) + g.shape[2:], dtype=acc, device=g.device)
+
+    def write(block: Block, kind: int, block_acc: Tensor) -> None:
+        if not in_output(block, grads[kind].dtype):
+            grads[kind][:, block.lo:block.hi] = block_acc
+
+    def nbytes(block: Block, kind: int) -> int:
+        g = grads[kind]
+        per_row = g[:, :1].numel() * torch.finfo(acc).bits // 8
+        return 0 if in_output(block, g.dtype) else (block.hi - block.lo) * per_row
+
+    return grads, make, write, nbytes
+
+
 def count_writers(plan: Plan, backward: bool) -> Dict[Tuple[int, int], int]:
     """How many writes each (block, kind) gets: launches, remote launches, dK/dV home.
 
@@ -239,7 +297,7 @@ def _assign(acc: Tensor, y: Tensor) -> None:
     acc.unflatten(1, (-1, y.shape[1])).copy_(y.unflatten(0, (acc.shape[0], -1)))
 
 
-def _row_slices(rows: int, per_row: int, device: torch.device) -> List[slice]:
+def row_slices(rows: int, per_row: int, device: torch.device) -> List[slice]:
     step = max(1, chunk_elements(device) // max(per_row, 1))
     return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
 
@@ -255,7 +313,7 @@ def merge_rows(acc_out: Tensor, acc_lse: Tensor, segs: Segments, group: HeadGrou
         # (b, n, h, ...) -> (b, s, rows, hq, ...): the entries the launch computed
         acc_out, acc_lse = (strided_view(x, segs, group.q_stride, *group.q_index.shape)
                             for x in (acc_out, acc_lse))
-    for rows in _row_slices(out_g.shape[2], out_g[:, :, 0].numel(), out_g.device):
+    for rows in row_slices(out_g.shape[2], out_g[:, :, 0].numel(), out_g.device):
         if view:
             merge_(acc_out[:, :, rows], acc_lse[:, :, rows], out_g[:, :, rows], lse_g[:, :, rows])
         else:
@@ -268,7 +326,7 @@ def _scatter(acc: Tensor, segs: Segments, heads: Tensor, index: Tensor, stride: 
     """acc[rows of segs, heads] += y (b * count, rows, heads, d), in slices of rows."""
     # (b * s, rows, heads, d) -> (b, s, rows, heads, d)
     y = y.unflatten(0, (acc.shape[0], segs.count))
-    for rows in _row_slices(y.shape[2], y[:, :, 0].numel(), y.device):
+    for rows in row_slices(y.shape[2], y[:, :, 0].numel(), y.device):
         scatter_add_(acc, segs, heads, index, stride, y[:, :, rows].flatten(0, 1), rows=rows)
 
 
@@ -288,32 +346,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, *,
             key_mask: Optional[Tensor] = None,
             remote: Optional[RemoteKeys] = None) -> Tuple[Tensor, Tensor]:
     """q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse (b, n, h) fp32 (fp64)."""
-    b, n, h, d = q.shape
-    acc = lse_dtype(q.dtype)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, n, h), dtype=acc, device=q.device)
-
-    def make(block: Block, kind: int, init: bool) -> Tuple[Tensor, Tensor]:
-        # the merge's identity (0, -inf); lse is written in place, out too where it can
-        lo, hi = block.lo, block.hi
-        acc_out = (out[:, lo:hi] if in_output(block, out.dtype)
-                   else torch.empty((b, hi - lo, h, d), dtype=acc, device=q.device))
-        acc_lse = lse[:, lo:hi]
-        if init:
-            acc_out.zero_()
-            acc_lse.fill_(-float("inf"))
-        return acc_out, acc_lse
-
-    def write(block: Block, kind: int, accs: Tuple[Tensor, Tensor]) -> None:
-        if not in_output(block, out.dtype):
-            out[:, block.lo:block.hi] = accs[0]
-
-    def nbytes(block: Block, kind: int) -> int:
-        if in_output(block, out.dtype):
-            return 0
-        return b * (block.hi - block.lo) * h * d * torch.finfo(acc).bits // 8
-
-    blocks = Blocks(plan, 1, make, write, nbytes, count_writers(plan, backward=False))
+    out, lse, *accumulators = output_accumulators(q)
+    blocks = Blocks(plan, 1, *accumulators, count_writers(plan, backward=False))
     if remote is not None:
         remote.post()
     for block in plan.blocks:
@@ -331,7 +365,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, *,
                 key_mask=_key_mask(key_mask, launch.keys, g),
             )
             del q_g, k_g, v_g
-            _merge_into(blocks, launch, out_g, lse_g, h)
+            _merge_into(blocks, launch, out_g, lse_g, q.shape[2])
             del out_g, lse_g  # free before the next launch gathers
         blocks.end_turn(block.index)
     blocks.finish_all()
@@ -362,7 +396,7 @@ def _merge_into(blocks: Blocks, launch, out_g: Tensor, lse_g: Tensor, heads: int
         part_out, part_lse = flat_out[:, split.index], flat_lse[:, split.index]
 
         def apply(accs, split=split, part_out=part_out, part_lse=part_lse) -> None:
-            for e in _row_slices(split.index.numel(), part_out[:, :1].numel(),
+            for e in row_slices(split.index.numel(), part_out[:, :1].numel(),
                                  part_out.device):
                 merge_selected_(accs[0], accs[1], (slice(None), split.rows[e], split.heads[e]),
                                 part_out[:, e], part_lse[:, e])
@@ -397,26 +431,8 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
              key_mask: Optional[Tensor] = None,
              remote: Optional[RemoteKeys] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of `forward`, given its final out (b, n, h, d) and lse (b, n, h)."""
-    acc = lse_dtype(q.dtype)
-    grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-
-    def make(block: Block, kind: int, init: bool) -> Tensor:
-        g, lo, hi = grads[kind], block.lo, block.hi
-        if in_output(block, g.dtype):
-            return g[:, lo:hi].zero_() if init else g[:, lo:hi]
-        new = torch.zeros if init else torch.empty
-        return new((g.shape[0], hi - lo) + g.shape[2:], dtype=acc, device=g.device)
-
-    def write(block: Block, kind: int, block_acc: Tensor) -> None:
-        if not in_output(block, grads[kind].dtype):
-            grads[kind][:, block.lo:block.hi] = block_acc
-
-    def nbytes(block: Block, kind: int) -> int:
-        g = grads[kind]
-        per_row = g[:, :1].numel() * torch.finfo(acc).bits // 8
-        return 0 if in_output(block, g.dtype) else (block.hi - block.lo) * per_row
-
-    blocks = Blocks(plan, 3, make, write, nbytes, count_writers(plan, backward=True))
+    grads, *accumulators = gradient_accumulators(q, k, v)
+    blocks = Blocks(plan, 3, *accumulators, count_writers(plan, backward=True))
     saved = (dout, q, out, lse, dlse)
     if remote is not None:
         remote.post()

@@ -193,6 +193,28 @@ def check_optional_positive_int(name: str, value: Optional[int]) -> Optional[int
     return None if value is None else check_positive_int(name, value)
 
 
+def check_window(window_size, is_causal: bool) -> Tuple[int, int]:
+    """A sliding window (left, right) of ints >= -1 (-1: unbounded on that side), flash-attn's
+    convention; with `is_causal` the right side is 0 (an unbounded one becomes 0, a positive
+    one is an error). Every problem is a ValueError naming window_size."""
+    if isinstance(window_size, (str, bytes)) or not isinstance(window_size, Sequence) \
+            or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right) of ints >= -1 (-1: "
+                         f"unbounded), got {window_size!r}")
+    for side, value in zip(("left", "right"), window_size):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < -1:
+            raise ValueError(f"window_size must be a pair (left, right) of ints >= -1 (-1: "
+                             f"unbounded), got {side} = {value!r} in {tuple(window_size)!r}")
+    left, right = (int(x) for x in window_size)
+    if is_causal:
+        if right > 0:
+            raise ValueError(f"window_size = {(left, right)} looks {right} keys ahead, but "
+                             f"is_causal=True attends no key after the query: pass "
+                             f"window_size=({left}, 0) (or -1 on the right), or is_causal=False")
+        right = 0
+    return left, right
+
+
 def check_cu_seqlens(cu_seqlens) -> Optional[Tuple[int, ...]]:
     """Document boundaries [0, c1, ..., N] (an int tensor or a sequence of ints), non-decreasing.
 
