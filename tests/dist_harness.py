@@ -21,9 +21,13 @@ ranks managed to report.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence
+import time
+from typing import Any, Callable, List, Sequence, Tuple
+
+import torch
 
 from dilated_attention.distributed import comm
+from dilated_attention.distributed.sharding import piece_ranges
 from dilated_attention.tools import launch
 
 PG_TIMEOUT_S = 30.0
@@ -36,6 +40,32 @@ class RankFailure(RuntimeError):
 def subgroup(ranks: Sequence[int]):
     """A gloo subgroup of `ranks` (call on every rank); None on non-members."""
     return comm.new_group(ranks)
+
+
+def case_ranges(case: dict, world: int, rank: int) -> List[Tuple[int, int]]:
+    """The global row ranges a rank holds in a test case: ``case["layout"]`` "zigzag" over
+    ``case["n"]`` rows, else the contiguous pieces ``case["lengths"]``."""
+    if case["layout"] == "zigzag":
+        return piece_ranges(case["n"], world, rank, "zigzag")
+    start = sum(case["lengths"][:rank])
+    return [(start, start + case["lengths"][rank])]
+
+
+def rows_of(x: torch.Tensor, ranges, dim: int = 1) -> torch.Tensor:
+    """Those rows of a full tensor, in the rank's local order."""
+    return torch.cat([x.narrow(dim, a, z - a) for a, z in ranges], dim=dim)
+
+
+def error_of(fn: Callable[[], Any]) -> Tuple[str, float]:
+    """("ValueError: ..." or "TypeError: ...", seconds) of calling `fn`; "no error" if it
+    returns. The seconds show that a rank whose call failed elsewhere did not wait for a
+    timeout."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - t0
+    return "no error", time.monotonic() - t0
 
 
 def run_distributed(

@@ -8,7 +8,6 @@ cut to that rank's rows, and checks the exact traffic of every call.
 from __future__ import annotations
 
 import math
-import time
 from typing import Dict, List, Optional, Tuple
 
 import pytest
@@ -17,9 +16,9 @@ import torch
 from dilated_attention.distributed import comm
 from dilated_attention import ring_attention
 from dilated_attention.distributed.ring import RingAttentionFunction, SubBlocks
-from dilated_attention.distributed.sharding import piece_lengths, piece_ranges
+from dilated_attention.distributed.sharding import piece_lengths
 from dilated_attention.kernels import KernelOptions
-from dist_harness import run_distributed, subgroup
+from dist_harness import case_ranges, error_of, rows_of, run_distributed, subgroup
 from reference import grads, reference_attention
 
 
@@ -89,22 +88,11 @@ def _full_inputs(case: Dict) -> Tuple[torch.Tensor, ...]:
             randn(b, h, n))
 
 
-def _ranges(case: Dict, world: int, rank: int) -> List[Tuple[int, int]]:
-    if case["layout"] == "zigzag":
-        return piece_ranges(case["n"], world, rank, "zigzag")
-    start = sum(case["lengths"][:rank])
-    return [(start, start + case["lengths"][rank])]
-
-
-def _rows(x: torch.Tensor, ranges, dim: int = 1) -> torch.Tensor:
-    return torch.cat([x.narrow(dim, a, b_ - a) for a, b_ in ranges], dim=dim)
-
-
 def _run_case(group, case: Dict) -> Dict:
     world, rank = comm.group_size(group), comm.group_rank(group)
     q, k, v, dout, dlse = _full_inputs(case)
-    ranges = _ranges(case, world, rank)
-    q, k, v = (_rows(x, ranges).requires_grad_() for x in (q, k, v))
+    ranges = case_ranges(case, world, rank)
+    q, k, v = (rows_of(x, ranges).requires_grad_() for x in (q, k, v))
     with comm.count_communication() as fwd:
         if case["sub"] is None:
             out, lse = ring_attention(q, k, v, is_causal=case["causal"], group=group,
@@ -116,7 +104,7 @@ def _run_case(group, case: Dict) -> Dict:
                                                    _lengths(case, world), case["sub"])
             lse = lse.transpose(1, 2)  # (b, n, h) -> (b, h, n), as ring_attention returns
     upstream = [out, lse] if case["dlse"] else [out]
-    grad_up = [_rows(dout, ranges), _rows(dlse, ranges, dim=2)][: len(upstream)]
+    grad_up = [rows_of(dout, ranges), rows_of(dlse, ranges, dim=2)][: len(upstream)]
     with comm.count_communication() as bwd:
         torch.autograd.backward(upstream, grad_up)
     return dict(out=out, lse=lse, dq=q.grad, dk=k.grad, dv=v.grad,
@@ -124,28 +112,19 @@ def _run_case(group, case: Dict) -> Dict:
                 bwd=(bwd.messages, bwd.bytes_sent, bwd.agreements))
 
 
-def _raises(fn) -> Tuple[str, float]:
-    t0 = time.monotonic()
-    try:
-        fn()
-    except (ValueError, TypeError) as exc:
-        return f"{type(exc).__name__}: {exc}", time.monotonic() - t0
-    return "no error", time.monotonic() - t0
-
-
 def _ring_cases(group, world_cases):
     world, rank = comm.group_size(group), comm.group_rank(group)
     results = {"cases": [_run_case(group, case) for case in world_cases]}
     x = torch.randn(1, 4, 2, 8, dtype=torch.float64)
     # ranks disagree on the configuration
-    results["causal_mismatch"] = _raises(
+    results["causal_mismatch"] = error_of(
         lambda: ring_attention(x, x, x, is_causal=rank == 1, group=group))
-    results["scale_mismatch"] = _raises(
+    results["scale_mismatch"] = error_of(
         lambda: ring_attention(x, x, x, scale=0.5 if rank == 0 else 0.25, group=group))
     # one rank's input is bad before the collective
     bad = x[..., :4] if rank == world - 1 else x
-    results["bad_tensor"] = _raises(lambda: ring_attention(x, bad, x, group=group))
-    results["zigzag_uneven"] = _raises(
+    results["bad_tensor"] = error_of(lambda: ring_attention(x, bad, x, group=group))
+    results["zigzag_uneven"] = error_of(
         lambda: ring_attention(x[:, : 2 + 2 * (rank == 0)], x[:, : 2 + 2 * (rank == 0)],
                                x[:, : 2 + 2 * (rank == 0)], group=group, layout="zigzag"))
     # a subgroup of ranks 1..P-1: its ring runs over group ranks, not global ones
@@ -192,14 +171,14 @@ def _check_case(case: Dict, world: int, rank: int, got: Dict) -> None:
     out, lse = reference_attention(q, k, v, causal=case["causal"])
     upstream = [out, lse] if case["dlse"] else [out]
     dq, dk, dv = grads(upstream, [dout.double(), dlse.double()][: len(upstream)], [q, k, v])
-    ranges = _ranges(case, world, rank)
+    ranges = case_ranges(case, world, rank)
     tol = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=2e-5, rtol=2e-5),
            torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}[case["dtype"]]
     where = f"case {case['seed']} rank {rank}"
     for name, want, dim in (("out", out, 1), ("lse", lse, 2), ("dq", dq, 1), ("dk", dk, 1),
                             ("dv", dv, 1)):
         have = got[name].double()
-        torch.testing.assert_close(have, _rows(want, ranges, dim).detach(), **tol,
+        torch.testing.assert_close(have, rows_of(want, ranges, dim).detach(), **tol,
                                    msg=lambda m: f"{where} {name}: {m}")
     assert got["out"].dtype == case["dtype"]
     fwd, bwd = _expected_traffic(case, world, rank)

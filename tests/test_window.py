@@ -1,20 +1,26 @@
 """Sliding-window attention (``ring_attention(window_size=...)``) against the fp64 reference.
 
-The tiles partition the band exactly; one device gives out, lse, dq, dk and dv of the
-brute-force window reference.
+The tiles partition the band exactly; one device and spawned gloo ranks (the halo
+exchange, Note [halo exchange]) give out, lse, dq, dk and dv of the brute-force window
+reference, and every rank's traffic is counted exactly: the bytes a rank sends are
+its rows that other ranks' windows read, whatever N is.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
 
 from dilated_attention import dilated_attention, ring_attention
 from dilated_attention import window as windows
+from dilated_attention.distributed import comm
+from dilated_attention.distributed.sharding import piece_lengths
 from dilated_attention.plan import Chunk
+from dist_harness import case_ranges, error_of, rows_of, run_distributed
 from reference import close, grads, reference_window_attention, window_counts
 
 
@@ -170,6 +176,232 @@ def test_window_input_errors():
         dilated_attention(x, x, x, [4], [1], window_size=(3, 0))
     # -1 on the right with is_causal is the causal window
     ring_attention(x, x, x, window_size=(2, -1), is_causal=True)
+
+
+# --------------------------------------------------------------------------
+# Sequence parallel: the halo exchange on spawned ranks
+
+
+def _case(seed, *, window, causal=False, lengths=None, n=None, layout="contiguous", h=4, hk=2,
+          b=2, dtype=torch.float64, documents=None, padded=False, with_lse=True,
+          sizes=None) -> Dict:
+    return dict(seed=seed, window=window, causal=causal, lengths=lengths, n=n, layout=layout,
+                h=h, hk=hk, b=b, dtype=dtype, documents=documents, padded=padded,
+                with_lse=with_lse, sizes=sizes)
+
+
+def _cases(world: int) -> List[Dict]:
+    uneven = {2: [3, 9], 3: [5, 0, 9], 4: [1, 6, 0, 7]}[world]
+    return [
+        _case(1, window=(3, 0), causal=True, lengths=[6] * world),
+        _case(2, window=(4, 2), lengths=uneven, hk=1, with_lse=False),
+        # a window longer than the pieces: halos from several ranks away
+        _case(3, window=(7, 5), lengths={2: [2, 12], 3: [2, 3, 12], 4: [2, 3, 1, 12]}[world],
+              hk=4),
+        _case(4, window=(5, 0), causal=True, n=8 * world, layout="zigzag"),
+        _case(5, window=(3, 4), n=6 * world, layout="zigzag", hk=1),
+        # documents spanning ranks, padding
+        _case(6, window=(4, 3), lengths=uneven, documents=[0, 2, 9, sum(uneven)], padded=True),
+        # small blocks, stripes and runs
+        _case(7, window=(6, 2), lengths=[9] * world, dtype=torch.float32, sizes=(2, 4, 4)),
+        _case(8, window=(5, 0), causal=True, n=8 * world, layout="zigzag", dtype=torch.bfloat16,
+              sizes=(3, 6, 6)),
+        # an unbounded side: halos in rounds, one chunk distance each
+        _case(9, window=(-1, 2), lengths=uneven, documents=[0, 4, sum(uneven)]),
+        # the same window over twice the rows: the same bytes (cases 10, 11)
+        _case(10, window=(2, 1), lengths=[5] * world),
+        _case(11, window=(2, 1), lengths=[10] * world),
+    ]
+
+
+def _lengths(case: Dict, world: int) -> List[int]:
+    if case["layout"] == "zigzag":
+        return piece_lengths(case["n"], world, "zigzag")
+    return list(case["lengths"])
+
+
+def _full(case: Dict, world: int):
+    n = sum(_lengths(case, world))
+    q, k, v, dout, dlse = _inputs(n, case["h"], case["hk"], case["b"], case["dtype"],
+                                  case["seed"])
+    mask = None
+    if case["padded"]:
+        mask = torch.rand(case["b"], n, generator=torch.Generator().manual_seed(2)) < 0.3
+    return q, k, v, dout, dlse, mask
+
+
+def _run_case(group, case: Dict) -> Dict:
+    world, rank = comm.group_size(group), comm.group_rank(group)
+    q, k, v, dout, dlse, mask = _full(case, world)
+    ranges = case_ranges(case, world, rank)
+    q, k, v = (rows_of(x, ranges).requires_grad_() for x in (q, k, v))
+    sizes = small_sizes(*case["sizes"]) if case["sizes"] else contextlib.nullcontext()
+    with sizes:
+        with comm.count_communication() as fwd:
+            out, lse = ring_attention(
+                q, k, v, is_causal=case["causal"], window_size=case["window"], group=group,
+                return_lse=True, layout=case["layout"], cu_seqlens=case["documents"],
+                key_padding_mask=None if mask is None else rows_of(mask, ranges))
+        upstream = [out, lse] if case["with_lse"] else [out]
+        with comm.count_communication() as bwd:
+            torch.autograd.backward(upstream, [rows_of(dout, ranges),
+                                               rows_of(dlse, ranges, dim=2)][:len(upstream)])
+    return dict(out=out, lse=lse, dq=q.grad, dk=k.grad, dv=v.grad,
+                fwd=(fwd.messages, fwd.bytes_sent, fwd.agreements),
+                bwd=(bwd.messages, bwd.bytes_sent, bwd.agreements))
+
+
+# 2 x 2 mesh cases (Ulysses over the heads, then the halo exchange): lengths by piece
+MESH_CASES = [
+    _case(21, window=(3, 2), lengths=[5, 3, 6, 4], h=4, hk=2, documents=[0, 7, 18],
+          padded=True),
+    _case(22, window=(4, 0), causal=True, lengths=[0, 7, 2, 9], h=6, hk=3),
+]
+
+
+def _mesh_case(mesh, piece: int, case: Dict) -> Dict:
+    q, k, v, dout, dlse, mask = _full(case, 4)
+    ranges = case_ranges(case, 4, piece)
+    q, k, v = (rows_of(x, ranges).requires_grad_() for x in (q, k, v))
+    out, lse = ring_attention(q, k, v, is_causal=case["causal"], window_size=case["window"],
+                              group=mesh, return_lse=True, cu_seqlens=case["documents"],
+                              key_padding_mask=None if mask is None else rows_of(mask, ranges))
+    torch.autograd.backward([out, lse], [rows_of(dout, ranges), rows_of(dlse, ranges, dim=2)])
+    return dict(out=out, lse=lse, dq=q.grad, dk=k.grad, dv=v.grad)
+
+
+def _window_ranks(group, cases):
+    rank = comm.group_rank(group)
+    results = {"cases": [_run_case(group, case) for case in cases]}
+    if comm.group_size(group) == 4:
+        mesh = comm.init_device_mesh((2, 2))
+        u, s = mesh.get_coordinate()
+        results["mesh"] = (s * 2 + u, [_mesh_case(mesh, s * 2 + u, c) for c in MESH_CASES])
+    x = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    results["mismatch"] = error_of(
+        lambda: ring_attention(x, x, x, window_size=(2, rank), group=group))
+    results["bad"] = error_of(
+        lambda: ring_attention(x, x, x, window_size=(2, -3) if rank == 1 else (2, 0),
+                               group=group))
+    results["causal_right"] = error_of(
+        lambda: ring_attention(x, x, x, window_size=(2, 1), is_causal=True, group=group))
+    results["dilated"] = error_of(
+        lambda: dilated_attention(x, x, x, [4], [1], window_size=(1, 0) if rank == 0
+                                  else (-1, -1), group=group))
+    return results
+
+
+def _expected_traffic(case: Dict, world: int, rank: int):
+    """(messages, bytes, agreements) of the forward and the backward on `rank`, brute force
+    from the reference's mask: it sends each other rank the rows of its chunks that the
+    other's queries read, one message per run of them (k and v together; with padding the
+    mask rows as a second), fetches its own halos again in backward and sends their dK/dV
+    (fp32, fp64 for fp64) back, one message per run."""
+    n = sum(_lengths(case, world))
+    counts = window_counts(n, case["window"], case["causal"], case["documents"])
+    owner = torch.empty(n, dtype=torch.long)
+    for r in range(world):
+        for a, z in case_ranges(case, world, r):
+            owner[a:z] = r
+
+    def halos(src: int, dst: int) -> Tuple[int, int]:
+        """(runs, rows) of src's rows that dst's queries read."""
+        read = counts[owner == dst].sum(0) > 0
+        chunks = [read[a:z] for a, z in case_ranges(case, world, src)]
+        return sum(_runs(c) for c in chunks), sum(int(c.sum()) for c in chunks)
+
+    row = case["b"] * case["hk"] * 8  # one key row of all kv heads, in elements
+    item = torch.empty(0, dtype=case["dtype"]).element_size()
+    acc_item = 8 if case["dtype"] == torch.float64 else 4
+    sent = [halos(rank, dst) for dst in range(world) if dst != rank]
+    received = [halos(src, rank) for src in range(world) if src != rank]
+    runs, rows = sum(r for r, _ in sent), sum(x for _, x in sent)
+    per_halo = 2 if case["padded"] else 1
+    fwd_bytes = 2 * rows * row * item + (rows * case["b"] if case["padded"] else 0)
+    fwd = (per_halo * runs, fwd_bytes, 1)
+    bwd = (per_halo * runs + sum(r for r, _ in received),
+           fwd_bytes + 2 * sum(x for _, x in received) * row * acc_item, 0)
+    return fwd, bwd
+
+
+def _runs(flags: torch.Tensor) -> int:
+    """Maximal runs of True."""
+    f = torch.cat([torch.zeros(1, dtype=torch.long), flags.long()])
+    return int(((f[1:] - f[:-1]) == 1).sum())
+
+
+def _check_case(case: Dict, world: int, rank: int, got: Dict, traffic: bool = True) -> None:
+    q, k, v, dout, dlse, mask = _full(case, world)
+    want = _reference(q, k, v, dout, dlse, case["window"], case["causal"], case["documents"],
+                      mask, case["with_lse"])
+    ranges = case_ranges(case, world, rank)
+    where = f"case {case['seed']} rank {rank}"
+    for name, x, dim in zip(("out", "lse", "dq", "dk", "dv"), want, (1, 2, 1, 1, 1)):
+        close(got[name], rows_of(x.detach(), ranges, dim), case["dtype"], f"{where} {name}")
+    if traffic:
+        # (messages, bytes, agreements) of the forward and of the backward
+        expected = _expected_traffic(case, world, rank)
+        assert (got["fwd"], got["bwd"]) == expected, f"{where}: traffic != {expected}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_halo_exchange_equals_one_process(world):
+    cases = _cases(world)
+    for rank, res in enumerate(run_distributed(_window_ranks, world, cases, timeout=240)):
+        for case, got in zip(cases, res["cases"]):
+            _check_case(case, world, rank, got)
+        # the same window over twice the rows sends the same bytes
+        assert res["cases"][-1]["fwd"] == res["cases"][-2]["fwd"]
+        msg, secs = res["mismatch"]
+        assert msg.startswith("ValueError") and "window_size" in msg and secs < 10, msg
+        msg, secs = res["bad"]
+        assert msg.startswith("ValueError") and "window_size" in msg and secs < 10, msg
+        if rank != 1:
+            assert "rank 1" in msg
+        msg, _ = res["causal_right"]
+        assert msg.startswith("ValueError") and "window_size" in msg, msg
+        msg, _ = res["dilated"]
+        assert msg.startswith("ValueError") and "window_size" in msg, msg
+        if world == 4:
+            piece, mesh_results = res["mesh"]
+            for case, got in zip(MESH_CASES, mesh_results):
+                _check_case(case, 4, piece, got, traffic=False)
+
+
+_FAKE_SCRIPT = """
+import torch, torch.distributed as dist
+from dilated_attention import ring_attention
+from dilated_attention.distributed import comm
+dist.init_process_group("fake", rank=1, world_size=4)
+W, hk, d = 64, 2, 16
+row = 2 * hk * d * 4  # one key row and one value row, fp32
+sent = []
+for n in (2048, 8192):
+    q = torch.empty(1, n // 4, 8, d, device="meta", requires_grad=True)
+    k, v = (torch.empty(1, n // 4, hk, d, device="meta", requires_grad=True) for _ in range(2))
+    with comm.count_communication() as fwd:
+        out = ring_attention(q, k, v, is_causal=True, window_size=(W, 0), group=dist.group.WORLD)
+    with comm.count_communication() as bwd:
+        out.sum().backward()
+    assert out.is_meta and k.grad.shape == k.shape
+    # rank 1 sends its last W rows to rank 2 (one message), again in backward, and the
+    # fp32 dK/dV of the W rows it read of rank 0 back to it
+    assert (fwd.messages, fwd.bytes_sent) == (1, W * row), fwd
+    assert (bwd.messages, bwd.bytes_sent) == (2, 2 * W * row), bwd
+    assert fwd.messages_of("all_gather") == 0
+print("ok")
+"""
+
+
+def test_halo_bytes_follow_the_window_not_n():
+    """The dry-run path: 4 fake ranks on meta tensors, N = 2K and 8K, window 64."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FAKE_SCRIPT], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
 def test_cuda_plan_on_meta_tensors():

@@ -38,6 +38,7 @@ from . import validation as check
 from .dilated import dilated_attention_local
 from .distributed import comm
 from .distributed import strategy as strategies
+from .distributed.halo import halo_attention
 from .distributed.ring import RingAttentionFunction
 from .distributed.sequence_parallel import sequence_parallel_dilated_attention
 from .distributed.sharding import check_layout, check_piece_lengths
@@ -469,10 +470,11 @@ def ring_attention(
             # query head its own copy (the kernels broadcast only j -> j // g)
             k, v = k[:, :, list(heads.kv_of)], v[:, :, list(heads.kv_of)]
         if windowed:
-            if comm.is_distributed(group):
-                raise NotImplementedError("window_size with a group of several ranks")
-            return window_attention_local(q, k, v, window, opts, documents=documents,
-                                          key_mask=mask)
+            if not comm.is_distributed(group):
+                return window_attention_local(q, k, v, window, opts, documents=documents,
+                                              key_mask=mask)
+            return halo_attention(q, k, v, window, opts, group, _layout(layout, lengths),
+                                  documents=documents, key_mask=mask)
         if mask is None and documents is None:
             return RingAttentionFunction.apply(q, k, v, opts, group, layout, lengths)
         if not comm.is_distributed(group):
