@@ -234,7 +234,13 @@ def measure_memory_in_this_process(n: int, dtype: torch.dtype, training: bool) -
                 return dilated_attention(q, k, v, SEGMENTS, RATES, backend=BACKEND)
         return step
 
-    call(1024)()  # warm-up: imports, first ops
+    return peak_bytes_of(call, n, warm_up=1024)
+
+
+def peak_bytes_of(call: Callable[[int], Callable[[], object]], n: int, warm_up: int) -> float:
+    """Peak resident bytes of ``call(n)()`` beyond what exists before it (what it returns
+    counted, as a caller keeps it), after a warm-up ``call(warm_up)()``: imports, first ops."""
+    call(warm_up)()
     step = call(n)
     memory = PeakMemory("cpu")  # the package's clear_refs + VmHWM recipe
     memory.start()

@@ -31,6 +31,8 @@ USAGE_ERRORS = [
     (["bench", "--segment-lengths", "8", "--dilation-rates", "16"], "dilation_rates[0] = 16"),
     (["bench", "--segment-lengths", "8", "16"], "together"),
     (["bench", "--warmup", "-1"], "integer >= 0"),
+    (["bench", "--window", "64"], "add --impl ring"),
+    (["bench", "--impl", "ring", "--window", "0"], "expected a positive integer"),
     (["bench", "--impl", "ring", "--causal", "--seq-lens", "1000", "--world-sizes", "3"],
      "zigzag"),
     (["estimate"], "--seq-len"),
@@ -486,3 +488,17 @@ def test_bench_runs_each_strategy_and_mesh(capsys, tmp_path):
     # half of q, k, v and of the output, on a 1-D group and on a 2 x 1 mesh alike
     exchange, ulysses, mesh = (float(r[-2]) for r in rows)
     assert exchange > 0 and ulysses == mesh > 0, out
+
+
+def test_bench_window_runs_the_halo_exchange(capsys, tmp_path):
+    """--impl ring --window L: each rank sends the L key and value rows its neighbour reads."""
+    argv = ["bench", "--impl", "ring", "--window", "128", "--causal", "--seq-lens", "1024",
+            "--world-sizes", "2", "--repeats", "1", "--warmup", "0", "--heads", "4",
+            "--head-dim", "16", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "ring: window_size (128, 0)" in out
+    (row,) = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert row["strategy"] == "halo"
+    # rank 0's last 128 rows of k and v (4 heads x 16, fp32) go to rank 1
+    assert row["comm_mb"] == 128 * 2 * 4 * 16 * 4 / 1e6

@@ -96,6 +96,14 @@ class BenchConfig:
     strategies: Tuple[str, ...] = ("auto",)
     meshes: Tuple[Tuple[int, int], ...] = ()  # (U head-parallel, S sequence-parallel) ranks
     flat_world_sizes: Tuple[int, ...] = ()  # the world sizes run on a 1-D group
+    window: Optional[int] = None  # ring attention's sliding window: `window` keys each side
+
+    @property
+    def window_size(self) -> Tuple[int, int]:
+        """ring_attention's window_size: `window` keys back (and ahead unless causal)."""
+        if self.window is None:
+            return (-1, -1)
+        return (self.window, 0 if self.causal else self.window)
 
     def threads_for(self, world_size: int) -> int:
         """Torch threads per rank: the given number, else ``settings.default_threads``."""
@@ -151,6 +159,7 @@ def make_config(
     launched_world_size: Optional[int] = None,
     strategies: Optional[Sequence[str]] = None,
     meshes: Optional[Sequence[Tuple[int, int]]] = None,
+    window: Optional[int] = None,
 ) -> BenchConfig:
     """Check the options; raise ValueError naming the option and value on a mistake."""
     segs, rates, kv_heads = check_setting(segment_lengths, dilation_rates, heads, kv_heads)
@@ -203,7 +212,10 @@ def make_config(
     if dtype == "auto":
         # torch.float32 -> "float32": the config keeps the dtype's name
         dtype = str(recommended_dtype(device)).removeprefix("torch.")
-    if "ring" in impls and causal:
+    if window is not None and "ring" not in impls:
+        raise ValueError(f"--window {window} is a sliding window of ring attention: add "
+                         f"--impl ring")
+    if "ring" in impls and causal and window is None:
         for n in seq_lens:
             for p in world_sizes:
                 check_zigzag(n, p)
@@ -213,6 +225,7 @@ def make_config(
         device=device, causal=causal, backward=backward, impls=impls, warmup=warmup,
         repeats=repeats, threads=threads, seed=seed, launched_world_size=launched_world_size,
         strategies=strategies, meshes=meshes, flat_world_sizes=flat_world_sizes,
+        window=window,
     )
 
 
@@ -262,7 +275,8 @@ def _dilated(q, k, v, config: BenchConfig, group, strategy: str) -> Tensor:
 
 def _ring(q, k, v, config: BenchConfig, group, strategy: str) -> Tensor:
     return ring_attention(q, k, v, is_causal=config.causal, group=group,
-                          layout=_layout("ring", config, group))
+                          layout=_layout("ring", config, group),
+                          window_size=config.window_size)
 
 
 def _sdpa(q, k, v, config: BenchConfig, group, strategy: str) -> Tensor:
@@ -278,9 +292,11 @@ IMPL_FNS: Dict[str, Callable] = {"dilated": _dilated, "ring": _ring, "sdpa": _sd
 
 
 def _layout(impl: str, config: BenchConfig, group) -> str:
-    """The ring's zigzag layout balances causal work on a 1-D group; everything else, and a
-    2-D mesh, takes contiguous pieces."""
-    if impl != "ring" or isinstance(comm.resolve_group(group), comm.Grid):
+    """The ring's zigzag layout balances causal work on a 1-D group; everything else, a 2-D
+    mesh and a sliding window (whose halo exchange is balanced as it is), take contiguous
+    pieces."""
+    if impl != "ring" or config.window is not None or \
+            isinstance(comm.resolve_group(group), comm.Grid):
         return "contiguous"
     return ring_layout(config.causal, comm.group_size(group))
 
@@ -293,13 +309,14 @@ def rank_ranges(impl: str, n: int, group, rank: int, config: BenchConfig):
 def strategy_label(impl: str, n: int, split: Split, group, config: BenchConfig) -> str:
     """How the case ran: the strategy ("auto" resolved, from the same model as the op), or
     the mesh shape with what runs over its sequence dimension."""
+    ring = "halo" if config.window is not None else "ring"
     if split[0] == "mesh":
         u, sp = split[1]
-        inner = "" if sp == 1 else f" x {'ring' if impl == 'ring' else 'exchange'}"
+        inner = "" if sp == 1 else f" x {ring if impl == 'ring' else 'exchange'}"
         return f"{u}x{sp} mesh (ulysses{inner})"
     group = comm.resolve_group(group)
     if impl != "dilated":
-        return "ring" if impl == "ring" and comm.is_distributed(group) else "-"
+        return ring if impl == "ring" and comm.is_distributed(group) else "-"
     p = comm.group_size(group)
     shape = strategies.Shape(tuple(piece_lengths(n, p)), (config.segment_lengths,
                              config.dilation_rates), config.causal, config.heads,
@@ -510,12 +527,13 @@ def describe(config: BenchConfig, rows: List[Dict[str, object]]) -> str:
     # the threads the ranks really ran with (torchrun sets its own)
     threads = ", ".join(sorted({f"P={r['world_size']}: {r['threads']}" for r in rows}))
     pattern = f"segments {list(config.segment_lengths)}, rates {list(config.dilation_rates)}"
+    window = "" if config.window is None else f"; ring: window_size {config.window_size}"
     return (
         f"measured on {config.device} ({config.dtype}, "
         f"{'forward + backward' if config.backward else 'forward only'}"
         f"{', causal' if config.causal else ''}); batch {config.batch}, {config.heads} heads x "
-        f"{config.head_dim} (kv heads {config.kv_heads}); dilated: {pattern}; torch threads per "
-        f"rank {threads}. time: min, median and max over {plural(config.repeats, 'pass', 'passes')} "
+        f"{config.head_dim} (kv heads {config.kv_heads}); dilated: {pattern}{window}; torch "
+        f"threads per rank {threads}. time: min, median and max over {plural(config.repeats, 'pass', 'passes')} "
         f"(each the slowest rank's); memory: peak above the rank's baseline, largest rank; comm: "
         f"bytes sent per pass, largest rank; comm wait: share of a pass a rank waited on "
         f"transfers (median), largest rank."

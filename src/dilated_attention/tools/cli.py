@@ -163,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
                        default=None, help="implementations (default dilated): dilated "
                        "attention (sequence-parallel for P > 1), dense ring attention, plain "
                        "single-device SDPA (dense, P = 1 only)")
+    bench.add_argument("--window", type=positive_int, default=None, metavar="L",
+                       help="ring attention with a sliding window: each query sees the L keys "
+                       "before it (and, without --causal, the L after it); sequence-parallel "
+                       "it runs the halo exchange")
     bench.add_argument("--dtype", choices=("auto",) + DTYPES, default="auto",
                        help="default recommended_dtype(device): float32 on CPU; on CUDA bfloat16 from "
                        "compute capability 8.0, float16 on 7.x, float32 below")
@@ -281,7 +285,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         dtype=args.dtype, device=device, causal=args.causal, backward=args.backward,
         impls=args.impl, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
         seed=args.seed, launched_world_size=launched, strategies=args.strategy,
-        meshes=args.mesh,
+        meshes=args.mesh, window=args.window,
     )
     if launched is None or os.environ.get("RANK") == "0":  # the rank that writes the results
         writable_folder("--out", args.out, ("bench.json", "bench.png"))
