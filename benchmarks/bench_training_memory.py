@@ -4,6 +4,8 @@
     python benchmarks/bench_training_memory.py --seq-len 2048 --repeats 1
     python benchmarks/bench_training_memory.py --modes none layers --repeats 5   # time cost
     python benchmarks/bench_training_memory.py --return-logits   # the loss from whole logits
+    python benchmarks/bench_training_memory.py --preset base --layers 2 --seq-len 16384 \
+        --modes layers --ffn-chunk-bytes 16777216          # the feed-forward over chunks
 
 A step is forward, backward and an AdamW step on one sequence of
 --seq-len tokens with random targets. Each case runs in a fresh subprocess:
@@ -43,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--layers", type=int, default=0, help="override the preset's num_layers")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--ffn-chunk-bytes", type=int, default=None,
+                   help="LongNetConfig.ffn_chunk_bytes: the feed-forward over chunks of rows")
     p.add_argument("--return-logits", action="store_true",
                    help="compute the loss from the whole logits (the path before issue 26)")
     p.add_argument("--repeats", type=int, default=1, help="measured steps per case")
@@ -60,7 +64,8 @@ def run_case(args: argparse.Namespace, mode: str) -> Dict[str, object]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     layers = {"num_layers": args.layers} if args.layers else {}
     config = LongNetConfig.from_name(args.preset, vocab_size=args.vocab, checkpoint=mode,
-                                     max_seq_len=max(args.seq_len, 256), **layers)
+                                     max_seq_len=max(args.seq_len, 256),
+                                     ffn_chunk_bytes=args.ffn_chunk_bytes, **layers)
     torch.manual_seed(0)
     model = LongNetLM(config, device=device, dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -123,8 +128,11 @@ def main(argv=None) -> int:
         print(json.dumps(run_case(args, args.case)))
         return 0
     passed = list(argv if argv is not None else sys.argv[1:])
-    print(f"LongNetLM {args.preset}, vocabulary {args.vocab}, {args.batch} x {args.seq_len} "
-          f"tokens, {args.dtype} on {args.device}; loss "
+    layers = f", {args.layers} layers" if args.layers else ""
+    ffn = "" if args.ffn_chunk_bytes is None else \
+        f", feed-forward over chunks of {args.ffn_chunk_bytes / 2**20:g} MiB"
+    print(f"LongNetLM {args.preset}{layers}, vocabulary {args.vocab}, {args.batch} x "
+          f"{args.seq_len} tokens, {args.dtype} on {args.device}{ffn}; loss "
           f"{'from whole logits' if args.return_logits else 'over chunks'}; one fp32 logits "
           f"tensor = {args.batch * args.seq_len * args.vocab * 4 / 2**20:.0f} MiB")
     print(f"{'checkpoint':>10}  {'fwd+bwd peak':>12}  {'/ logits':>8}  {'step peak':>12}  "

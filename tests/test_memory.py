@@ -1,5 +1,6 @@
-"""Training memory of the models: the chunked head loss (Note [chunked head loss]) and the
-checkpoint modes (Note [checkpoint modes]), each equal to the plain computation in float64."""
+"""Training memory of the models: the chunked head loss (Note [chunked head loss]), the
+checkpoint modes and the chunked feed-forward (Note [checkpoint modes]), each equal to the
+plain computation in float64."""
 
 from __future__ import annotations
 
@@ -274,20 +275,23 @@ def _sp_rank(group):
     """Each case's sharded checkpointed step == one process without checkpointing (the loss
     from its logits), and with dropout the sharded step without checkpointing."""
     done = []
-    cases = [("lm", "layers", {}, 31), ("lm", "offload", dict(cu_seqlens=(0, 4, 20, 31)), 31),
-             ("encdec", "layers", {}, 26), ("lm", "layers", {}, 1)]  # 1 token: rank 1 empty
-    for kind, mode, kwargs, n in cases:
+    cases = [("lm", dict(checkpoint="layers"), {}, 31),
+             ("lm", dict(checkpoint="offload"), dict(cu_seqlens=(0, 4, 20, 31)), 31),
+             ("encdec", dict(checkpoint="layers"), {}, 26),
+             ("lm", dict(checkpoint="layers"), {}, 1),  # 1 token: rank 1's piece is empty
+             ("lm", dict(checkpoint="layers", ffn_chunk_bytes=2 * 4 * 32 * 8), {}, 31)]
+    for kind, overrides, kwargs, n in cases:
         cls = LongNetLM if kind == "lm" else LongNet
         tokens, targets = _data(2, n, 23, seed=n)
         extra = () if kind == "lm" else (_data(2, n + 5, 23, seed=1)[0],)
         one = _build(cls, small_config(num_kv_heads=2))
         want = _sharded_step(one, None, tokens, targets, *extra, return_logits=True, **kwargs)
         torch.manual_seed(0)
-        sharded = cls(small_config(num_kv_heads=2, checkpoint=mode), dtype=torch.float64,
+        sharded = cls(small_config(num_kv_heads=2, **overrides), dtype=torch.float64,
                       process_group=group)
         sharded.load_state_dict(one.state_dict())
         _assert_same(_sharded_step(sharded, group, tokens, targets, *extra, **kwargs), want)
-        done.append((kind, mode, n))
+        done.append((kind, overrides, n))
     # dropout: the recomputation on every rank replays that rank's masks
     tokens, targets = _data(2, 30, 23, seed=5)
     runs = []
@@ -305,4 +309,63 @@ def _sp_rank(group):
 @pytest.mark.distributed
 def test_checkpoint_modes_sequence_parallel_equal_one_process():
     for done in run_distributed(_sp_rank, 2, timeout=240):
-        assert len(done) == 5, done
+        assert len(done) == 6, done
+
+
+# ---------------------------------------------------------------------------
+# The feed-forward over chunks of rows
+
+
+@pytest.mark.parametrize("kind", ["lm", "encdec"])
+@pytest.mark.parametrize("mode", ["none", "layers"])
+def test_chunked_feed_forward_gives_the_same_gradients(kind, mode):
+    cls = LongNetLM if kind == "lm" else LongNet
+    tokens, targets = _data(2, 33, 23)
+    args = (tokens, targets) if kind == "lm" else (_data(2, 21, 23, seed=2)[0], tokens, targets)
+    # (2, 5 rows, ffn_dim 32) float64 per chunk: 7 chunks of 33 rows
+    runs = [_loss_and_grads(_build(cls, small_config(checkpoint=mode, ffn_chunk_bytes=chunk)),
+                            *args) for chunk in (None, 2 * 5 * 32 * 8)]
+    _assert_same(runs[1], runs[0], tol=dict(rtol=1e-12, atol=1e-14))
+
+
+class WidestRows(TorchDispatchMode):
+    """The most elements of any activation (3-D or more) an op creates whose last dim is
+    `width` (the (b, n, ffn_dim) ones; not the weights)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width, self.numel = width, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() > 2 and t.shape[-1] == self.width:
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_chunked_feed_forward_holds_one_chunk():
+    """Under "layers" with ffn_chunk_bytes no (.., ffn_dim) activation exceeds one chunk;
+    without it they span every row."""
+    sizes = {}
+    for chunk in (None, 2 * 8 * 96 * 8):  # 8 rows of (2, 64, 96)
+        model = _build(LongNetLM, small_config(ffn_dim=96, checkpoint="layers",
+                                               ffn_chunk_bytes=chunk))
+        with WidestRows(96) as widest:
+            model(*_data(2, 64, 23))[1].backward()
+        sizes[chunk] = widest.numel
+    assert sizes[None] == 2 * 64 * 96
+    assert sizes[2 * 8 * 96 * 8] == 2 * 8 * 96
+
+
+def test_training_step_runs_on_meta():
+    """estimate's dry run builds the models on meta: the offloaded checkpoints (ShapeCopies
+    keep the shapes only), the chunked loss and the chunked feed-forward run there."""
+    config = small_config(checkpoint="offload", ffn_chunk_bytes=1024, loss_chunk_bytes=1024)
+    tokens = torch.empty(2, 40, dtype=torch.long, device="meta")
+    for model, args in ((LongNetLM(config, device="meta"), (tokens, tokens)),
+                        (LongNet(config, device="meta"), (tokens[:, :30], tokens, tokens))):
+        _, loss = model(*args)
+        loss.backward()
+        assert loss.device.type == "meta"
+        assert all(p.grad is not None for p in model.parameters())

@@ -32,6 +32,16 @@ Note [checkpoint modes]
     under the offload hooks); the encoder-decoder's ``memory`` (the gathered
     encoder output, an input of every decoder block) stays on the device,
     once, instead of one copy per block.
+
+    Inside a block the feed-forward's (b, n, ffn_dim) intermediates are the
+    largest activations (three of them, 4 x embed_dim wide in LongNet's
+    presets, against a handful of (b, n, e) ones for the attention), and
+    under "layers" a block's backward holds them all. With
+    ``LongNetConfig(ffn_chunk_bytes=...)`` the feed-forward (with its norm)
+    runs over chunks of rows, each its own checkpoint (``run_in_chunks``):
+    only one chunk's intermediates exist at a time in backward, for one
+    more forward of the feed-forward. With dropout the feed-forward's masks
+    are drawn chunk by chunk (other draws than unchunked, same distribution).
 """
 
 from __future__ import annotations
@@ -64,12 +74,24 @@ def run_blocks(layers: nn.ModuleList, x: Tensor, mode: str, **kwargs) -> Tensor:
     return x
 
 
+def run_in_chunks(fn, x: Tensor, rows: int) -> Tensor:
+    """``fn(x)`` for a row-wise fn, x (b, n, ...): with gradients, over chunks of `rows` rows
+    along dim 1, each checkpointed (recomputed in backward), so only one chunk's
+    intermediates exist at a time."""
+    if not torch.is_grad_enabled() or x.shape[1] <= rows:
+        return fn(x)
+    # (b, n, ...) -> chunks (b, rows, ...) along the sequence, their outputs joined back
+    return torch.cat([checkpoint(fn, chunk, use_reentrant=False, early_stop=False)
+                      for chunk in x.split(rows, dim=1)], dim=1)
+
+
 class PendingCopy:
-    """A tensor being copied, and the event that marks its copy done (None: done already)."""
+    """A copy being made (a tensor; ``ShapeCopies``: its shape and dtype), and the event that
+    marks it done (None: done already)."""
 
     __slots__ = ("tensor", "event")
 
-    def __init__(self, tensor: Tensor, event) -> None:
+    def __init__(self, tensor, event) -> None:
         self.tensor, self.event = tensor, event
 
 
@@ -124,6 +146,22 @@ class BlockingCopies:
         return copy.tensor
 
 
+class ShapeCopies:
+    """Meta tensors (``estimate``'s dry run of a model): the copy out keeps only the shape
+    and dtype, the copy back is a new meta tensor, so the device memory that the offload
+    frees and takes back is what a real device's would be."""
+
+    def to_host(self, t: Tensor) -> PendingCopy:
+        return PendingCopy((t.shape, t.dtype), None)
+
+    def to_device(self, host: PendingCopy, device: torch.device, ahead: bool) -> PendingCopy:
+        shape, dtype = host.tensor
+        return PendingCopy(torch.empty(shape, dtype=dtype, device=device), None)
+
+    def wait(self, copy: PendingCopy) -> Tensor:
+        return copy.tensor
+
+
 class _Slot:
     """One saved tensor in host memory; `previous` is the one saved before it, which backward
     needs next."""
@@ -153,13 +191,14 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
     order) starts fetching the tensor saved before it, so that its copy
     overlaps the work between the two. Tensors of other devices stay where
     they are. `copies` moves the data (``StreamCopies`` on CUDA,
-    ``BlockingCopies`` elsewhere; tests pass their own).
+    ``ShapeCopies`` on meta, ``BlockingCopies`` elsewhere; tests pass their own).
     """
 
     def __init__(self, device: torch.device, copies=None) -> None:
         self.device = device
         self.copies = copies if copies is not None else (
-            StreamCopies(device) if device.type == "cuda" else BlockingCopies())
+            StreamCopies(device) if device.type == "cuda" else
+            ShapeCopies() if device.type == "meta" else BlockingCopies())
         self._last: Optional[_Slot] = None
         super().__init__(self._pack, self._unpack)
 

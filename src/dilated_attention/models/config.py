@@ -36,7 +36,9 @@ class LongNetConfig:
     memory), Note [checkpoint modes] in models/checkpointing.py;
     ``loss_chunk_bytes`` bounds one chunk of the logits that the loss
     computes with targets (fp32 for half-precision models), Note [chunked
-    head loss] in models/loss.py.
+    head loss] in models/loss.py; ``ffn_chunk_bytes`` (None: off) runs the
+    feed-forward over chunks of rows in training, each recomputed in
+    backward, bounding one chunk's (b, rows, ffn_dim) intermediate.
     """
 
     vocab_size: int = 64
@@ -58,10 +60,11 @@ class LongNetConfig:
     tie_embeddings: bool = True
     checkpoint: str = "none"
     loss_chunk_bytes: int = LOSS_CHUNK_BYTES
+    ffn_chunk_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "ffn_dim",
-                     "num_encoder_layers", "max_seq_len", "loss_chunk_bytes"):
+                     "num_encoder_layers", "max_seq_len", "loss_chunk_bytes", "ffn_chunk_bytes"):
             check.check_optional_positive_int(name, getattr(self, name))
         check.check_optional_positive_int("num_kv_heads", self.num_kv_heads)
         if self.embed_dim % self.num_heads:

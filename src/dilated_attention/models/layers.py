@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..modules import MultiheadDilatedAttention
+from .checkpointing import run_in_chunks
 from .config import ACTIVATIONS, LongNetConfig
 
 
@@ -128,6 +129,7 @@ class Block(nn.Module):
         self.cross_attn = CrossAttention(config, factory) if cross_attention else None
         self.ffn_norm = nn.LayerNorm(e, eps=eps, **factory)
         self.ffn = FeedForward(config, gamma, factory)
+        self.ffn_chunk_bytes = config.ffn_chunk_bytes
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, memory: Optional[Tensor] = None,
@@ -142,7 +144,19 @@ class Block(nn.Module):
         """The block after its self-attention's residual: [cross-attention,] feed-forward."""
         if self.cross_attn is not None:
             x = x + self.dropout(self.cross_attn(self.cross_norm(x), memory))
-        return x + self.dropout(self.ffn(self.ffn_norm(x)))
+        return x + self.dropout(self.feed_forward(x))
+
+    def feed_forward(self, x: Tensor) -> Tensor:
+        """ffn(ffn_norm(x)): (b, n, e) -> (b, n, e); in training over chunks of rows whose
+        (b, rows, ffn_dim) intermediate takes at most ffn_chunk_bytes, when set (Note
+        [checkpoint modes] in checkpointing.py)."""
+        if self.ffn_chunk_bytes is None:
+            return self._ffn_rows(x)
+        row_bytes = x.shape[0] * self.ffn.fc1.out_features * x.element_size()
+        return run_in_chunks(self._ffn_rows, x, max(1, self.ffn_chunk_bytes // row_bytes))
+
+    def _ffn_rows(self, x: Tensor) -> Tensor:
+        return self.ffn(self.ffn_norm(x))
 
 
 class Positions(nn.Module):

@@ -32,6 +32,7 @@ Note [chunked head loss]
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Tuple
 
 import torch
@@ -103,9 +104,17 @@ def chunked_token_mean_loss(hidden: Tensor, weight: Tensor, targets: Tensor, gro
 def _linear_dtype(hidden: Tensor) -> torch.dtype:
     """The dtype ``F.linear(hidden, ...)`` computes in here: autocast's, else hidden's."""
     kind = hidden.device.type
-    if hidden.dtype != torch.float64 and torch.is_autocast_enabled(kind):
+    if hidden.dtype != torch.float64 and torch.amp.is_autocast_available(kind) and \
+            torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return hidden.dtype
+
+
+def _autocast_off(device_type: str):
+    """Autocast off for `device_type` (nothing to turn off where it has none, e.g. meta)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _mean_over_ranks(total: Tensor, targets: Tensor, group) -> Tensor:
@@ -183,7 +192,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, rows, compute):
-        with torch.autocast(hidden.device.type, enabled=False):
+        with _autocast_off(hidden.device.type):
             total, lse = head_loss_forward(*_cast(compute, hidden, weight, bias), targets, rows)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.rows, ctx.compute = rows, compute
@@ -193,7 +202,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     def backward(ctx, grad):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         needs = tuple(ctx.needs_input_grad[:3])
-        with torch.autocast(hidden.device.type, enabled=False):
+        with _autocast_off(hidden.device.type):
             grads = head_loss_backward(grad, *_cast(ctx.compute, hidden, weight, bias), targets,
                                        lse, ctx.rows, needs)
         dh, dw, db = (None if g is None else g.to(x.dtype)
