@@ -33,7 +33,7 @@ from dilated_attention.distributed.sharding import piece_ranges
 from dilated_attention.integrations import transformers as hf
 from dilated_attention.integrations.transformers import (causal_lm_loss, causal_lm_parts,
                                                           build_mask, register, shard_inputs)
-from dilated_attention.integrations.transformers.masks import Documents
+from dilated_attention.integrations.transformers.masks import Documents, Window
 from dist_harness import run_distributed
 
 TOL = dict(rtol=0, atol=1e-10)
@@ -153,6 +153,74 @@ def test_dense_pattern_generates_like_sdpa():
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
                   output_scores=True)
     ref, ours = build("sdpa").generate(ids, **kwargs), build(DENSE).generate(ids, **kwargs)
+    assert torch.equal(ours.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(ours.scores), torch.stack(ref.scores), **TOL)
+
+
+# --------------------------------------------------------------------------
+# Sliding-window models == transformers' sdpa (Note [sliding-window layers])
+
+
+def window_model(family: str, impl: str = DENSE, seed: int = 0, **overrides):
+    """A tiny float64 model with sliding-window layers: Mistral (every layer, window 6),
+    Qwen2 (2 global layers, then 2 with window 5) or Gemma 3 (local window 5 and global
+    layers alternating)."""
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+    if family == "mistral":
+        config = transformers.MistralConfig(**common, sliding_window=6)
+    elif family == "qwen2":
+        common["num_hidden_layers"] = 4
+        config = transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=5,
+                                          max_window_layers=2)
+    else:
+        common["num_hidden_layers"] = 4
+        config = transformers.Gemma3TextConfig(
+            **common, head_dim=8, sliding_window=5, max_position_embeddings=256,
+            layer_types=["sliding_attention", "full_attention"] * 2)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=impl,
+                                            dtype=torch.float64).eval()
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma3"])
+@pytest.mark.parametrize("case", ["plain", "left", "packed"])
+def test_sliding_window_models_equal_sdpa(family, case):
+    """Logits and gradients, float64: the window layers through ring_attention's window, the
+    others (Gemma 3's global layers) through the registered dense pattern."""
+    b, n = 2, 23
+    ids = tokens(b, n)
+    mask = padding("left", b, n) if case == "left" else torch.ones(b, n, dtype=torch.long)
+    kwargs = {"attention_mask": mask} if case == "left" else {}
+    if case == "packed":  # documents of 9 and 14 tokens: transformers' packed-sequence mask
+        kwargs = dict(position_ids=torch.cat([torch.arange(9), torch.arange(14)])[None],
+                      use_cache=False)
+    weight = torch.randn(b, n, VOCAB, dtype=torch.float64) * mask[..., None]
+    results = []
+    for impl in ("sdpa", DENSE):
+        model = window_model(family, impl)
+        logits = model(ids, **kwargs).logits
+        (logits * weight).sum().backward()
+        results.append((logits.detach(), grads(model)))
+    (ref, ref_grads), (ours, our_grads) = results
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], ref[real], **TOL)
+    assert_grads_equal(our_grads, ref_grads)
+    # the window matters: without it the logits differ
+    wide = window_model(family, DENSE, sliding_window=4096)(ids, **kwargs).logits.detach()
+    assert not torch.allclose(wide[real], ours[real])
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_sliding_window_models_generate_like_sdpa(family):
+    """generate() with transformers' sliding-window cache, which drops keys older than the
+    window: 14 new tokens after a prompt of 9, windows of 6 and 5 keys."""
+    ids = tokens(2, 9)
+    kwargs = dict(max_new_tokens=14, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_scores=True)
+    ref, ours = (window_model(family, impl).generate(ids, **kwargs) for impl in ("sdpa", DENSE))
     assert torch.equal(ours.sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(ours.scores), torch.stack(ref.scores), **TOL)
 
@@ -354,27 +422,18 @@ def _sp_rank(group):
     results = []
     for case, impl in [(case, sp) for case in SP_CASES] + \
             [(case, ulysses) for case in SP_CASES if world == 2]:
-        ids, labels, pos, mask = _sp_case_inputs(case, n)
-        out = {}
-        for label, impl, g in (("one", DILATED, None), ("sp", impl, group)):
-            model = build(impl)
-            inputs, targets = shard_inputs(ids, g, labels=labels, position_ids=pos,
-                                           attention_mask=mask)
+        def loss_of(model, inputs, targets, g, case=case):
             if g is not None and case in CHUNKED_CASES:
                 # the body's hidden states and lm_head: the loss over chunks of 3 rows
                 body, head = causal_lm_parts(model)
                 hidden = body(**inputs).last_hidden_state
-                logits = head(hidden)
-                loss = causal_lm_loss(hidden, targets, g, lm_head=head,
-                                      chunk_bytes=3 * VOCAB * 8)
-            else:
-                logits = model(**inputs).logits
-                loss = causal_lm_loss(logits, targets, g)
-            loss.backward()
-            all_reduce_gradients(model, g)
-            out[label] = (logits.detach(), loss.detach(), grads(model))
-        (logits1, loss1, grads1), (logits2, loss2, grads2) = out["one"], out["sp"]
-        results.append((case, logits2, logits1[:, start:stop], loss2, loss1, grads2, grads1))
+                return head(hidden), causal_lm_loss(hidden, targets, g, lm_head=head,
+                                                    chunk_bytes=3 * VOCAB * 8)
+            logits = model(**inputs).logits
+            return logits, causal_lm_loss(logits, targets, g)
+
+        results.append((case,) + _one_and_sharded(case, n, group, (start, stop), build(DILATED),
+                                                  build(impl), loss_of))
     # forgetting the global position_ids: transformers restarts them at 0 on every rank
     model = build(sp)
     try:
@@ -395,7 +454,43 @@ def _sp_rank(group):
     args = example.parse_args(["--seq-len", "96", "--batch-size", "2", "--steps", "3",
                                "--packed", "2", "--dtype", "float64", "--eval-batches", "1"])
     curves = (example.train(args, group)["losses"], example.train(args, None)["losses"])
-    return results, error, curves, _sharded_generation(group)
+    return results, error, curves, _sharded_generation(group), _window_models(group)
+
+
+def _window_models(group):
+    """Sliding-window models (Mistral; Gemma 3, local and global layers) sequence-parallel
+    against one process: the window layers run the halo exchange."""
+    world, rank = comm.group_size(group), comm.group_rank(group)
+    sp = register("dilated_sp_dense_test", segment_lengths=[4096], dilation_rates=[1],
+                  group=group)
+    n = 29
+    (start, stop), = piece_ranges(n, world, rank)
+    def loss_of(model, inputs, targets, g):
+        logits = model(**inputs).logits
+        return logits, causal_lm_loss(logits, targets, g)
+
+    return [(f"{family} {case}",) + _one_and_sharded(
+                case, n, group, (start, stop), window_model(family, DENSE),
+                window_model(family, sp), loss_of)
+            for family in ("mistral", "gemma3") for case in ("plain", "left_padding", "packed")]
+
+
+def _one_and_sharded(case: str, n: int, group, rows, one, sharded, loss_of):
+    """A training step of the same model on one process and on this rank's rows: (logits,
+    the one-process logits of those rows, loss, its one-process loss, gradients (averaged
+    over the ranks), the one-process gradients). loss_of(model, inputs, targets, group) ->
+    (logits, loss)."""
+    ids, labels, pos, mask = _sp_case_inputs(case, n)
+    out = {}
+    for label, model, g in (("one", one, None), ("sp", sharded, group)):
+        inputs, targets = shard_inputs(ids, g, labels=labels, position_ids=pos,
+                                       attention_mask=mask)
+        logits, loss = loss_of(model, inputs, targets, g)
+        loss.backward()
+        all_reduce_gradients(model, g)
+        out[label] = (logits.detach(), loss.detach(), grads(model))
+    (logits1, loss1, grads1), (logits2, loss2, grads2) = out["one"], out["sp"]
+    return logits2, logits1[:, rows[0]:rows[1]], loss2, loss1, grads2, grads1
 
 
 GENERATION_CASES = [
@@ -474,10 +569,10 @@ def _example():
 @pytest.mark.parametrize("world", [2, 3])
 def test_sequence_parallel_equals_one_process(world):
     outputs = run_distributed(_sp_rank, world, timeout=300.0)
-    for results, error, (sharded, single), generated in outputs:
+    for results, error, (sharded, single), generated, windows in outputs:
         assert all(torch.equal(a, b) for a, b in zip(generated, outputs[0][3]))
         torch.testing.assert_close(torch.tensor(sharded), torch.tensor(single), **TOL)
-        for case, logits, ref_logits, loss, ref_loss, grads_sp, grads_one in results:
+        for case, logits, ref_logits, loss, ref_loss, grads_sp, grads_one in results + windows:
             torch.testing.assert_close(logits, ref_logits, **TOL, msg=lambda m: f"{case}: {m}")
             torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{case}: {m}")
             assert_grads_equal(grads_sp, grads_one, float32_norms=True)
@@ -552,12 +647,11 @@ def test_shard_inputs_masks_document_ends():
 
 
 def test_accepted_keywords():
-    assert hf.USED_KWARGS == {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k"}
+    assert hf.USED_KWARGS == {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "sliding_window"}
     assert hf.IGNORED_KWARGS == {"use_cache", "max_length_q", "max_length_k",
                                  "num_items_in_batch", "output_hidden_states",
                                  "output_router_logits"}
-    assert set(hf.OFF_KWARGS) == {"output_attentions", "sliding_window", "softcap", "s_aux",
-                                  "seq_idx"}
+    assert set(hf.OFF_KWARGS) == {"output_attentions", "softcap", "s_aux", "seq_idx"}
     assert hf.ACCEPTED_KWARGS == hf.USED_KWARGS | hf.IGNORED_KWARGS | set(hf.OFF_KWARGS)
     assert hf.MASK_KWARGS == {"allow_is_causal_skip", "allow_is_bidirectional_skip", "dtype",
                               "config", "use_vmap", "device", "local_size"}
@@ -647,17 +741,11 @@ def test_refuses_what_it_cannot_honour():
         model(ids[:, 10:11], past_key_values=cache)
 
 
-def test_refuses_sliding_windows():
-    config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=1, num_attention_heads=4,
-                                        num_key_value_heads=2, sliding_window=6)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=DILATED).eval()
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="sliding_window=6"):
-        model(tokens(1, 20))
-    config.sliding_window = None  # the documented way to replace the window
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=DILATED).eval()
-    with torch.no_grad():
-        model(tokens(1, 20))
+def test_sliding_window_layers_refuse_dropout():
+    """ring_attention, which computes a window, has no attention dropout."""
+    model = window_model("mistral", attention_dropout=0.1, num_hidden_layers=1).train()
+    with pytest.raises(NotImplementedError, match="dropout=0.1 on a sliding-window layer"):
+        model(tokens(1, 12))
 
 
 def test_refuses_other_arguments_of_the_attention_function():
@@ -702,6 +790,16 @@ def test_mask_function_reads_documents_and_refuses_other_masks():
     assert "later key" in call(blocks).reason
     assert "own mask function" in call(causal, use_vmap=True).reason
     assert "sliding window" in call(causal, local_size=4).reason
+    # transformers' causal window of 3 keys (the query and 2 before), alone and in documents
+    read = call(window, local_size=3)
+    assert isinstance(read, Window) and (read.left, read.right, read.inner) == (2, 0, None)
+    read = call(lambda b, h, q, kv: window(b, h, q, kv) & (docs[b, q] == docs[b, kv]),
+                local_size=3)
+    assert (read.left, read.right, read.inner) == (2, 0, Documents((5, 8)))
+    # its bidirectional window of 3: |q - kv| <= 3
+    read = call(lambda b, h, q, kv: (q - kv).abs() <= 3, local_size=3)
+    assert (read.left, read.right) == (3, 3)
+    assert "not transformers' sliding window" in call(window, local_size=4).reason
     with pytest.raises(TypeError, match=r"\['new_flag'\]"):
         call(causal, new_flag=True)
     keep = torch.ones(1, 12, dtype=torch.bool)

@@ -26,9 +26,26 @@ Note [generation]
     each row as the row alone (padding.py: generate numbers a row's real
     tokens from 0, and its segments start there too). Refused while
     decoding: padding after a row's first real token (right padding,
-    holes), a pre-allocated (static) or sliding-window cache (keys the mask
-    function cannot place), sequence parallelism outside that
+    holes), a pre-allocated (static) cache (keys the mask function cannot
+    place), sequence parallelism outside that
     ``generate``, more than one new token, gradients, dropout.
+
+Note [sliding-window layers]
+    A layer whose mask the model builds as a sliding window (transformers
+    passes the mask function ``local_size``: Mistral, Qwen2 with
+    use_sliding_window, Gemma 3's local layers) gets a ``Window`` from the
+    mask function (masks.py), which reads the window's reaches off the mask
+    (transformers' causal window of size w: the query and the w - 1 keys
+    before it). Such a layer runs ``ring_attention(window_size=...)``:
+    exact windowed attention with the same padding and documents, on one
+    process or sequence-parallel (the halo exchange); the layer's
+    ``sliding_window`` keyword must agree with its mask. Layers without a
+    window (Gemma 3's global ones) keep the registered dilated patterns.
+    Decoding a sliding-window layer attends the last w keys of whatever
+    cache the model keeps (transformers' sliding-window cache keeps just
+    those): exact, as the window holds no more. Not supported: attention
+    dropout on such a layer (ring_attention has none), and sliding-window
+    layers in ``generate(..., group=)``.
 
 Each call costs one small agreement collective (validation, padding and
 document facts of every rank) besides the op's own.
@@ -50,9 +67,9 @@ from torch import Tensor
 from ... import validation as check
 from ...decoding import CachedRows, decode, origin_runs
 from ...distributed import comm
-from ...functional import dilated_attention
+from ...functional import dilated_attention, ring_attention
 from .documents import agreed_documents, explicit_documents, position_facts
-from .masks import Documents, build_mask
+from .masks import Documents, Window, build_mask
 from .padding import agreed_origins, decoding_origins, first_real_tokens
 from .refusals import RESERVED_NAME_PARTS, Refused, check_kwargs, describe
 
@@ -146,6 +163,11 @@ class _Backend:
         (out (b, n, h, d), no weights)."""
         # (b, h, n, d) -> (b, n, h, d): views; the op takes strided q, k, v
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        # a sliding-window layer's mask (Note [sliding-window layers]): its window, and the
+        # padding or documents it holds besides
+        window_mask = attention_mask if isinstance(attention_mask, Window) else None
+        if window_mask is not None:
+            attention_mask = window_mask.inner
         training = bool(getattr(module, "training", False))
         # transformers' own backends read the layer's flag when the call gives none
         causal_arg = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -167,9 +189,15 @@ class _Backend:
             causal = check.check_bool("is_causal", causal_arg)
             p = check.check_dropout(dropout, "dropout") if training else 0.0
             mask = _read_mask(attention_mask, q.shape[0], kv_length)
+            window = _window(window_mask, kwargs.get("sliding_window"))
+            if window is not None and p > 0:
+                raise NotImplementedError(
+                    f"dropout={p} on a sliding-window layer: ring_attention (which computes "
+                    f"the window) has no attention dropout; set the model's attention dropout "
+                    f"to 0 (config.attention_dropout)")
             if decoding:
                 _check_decoding(comm.is_distributed(group) and not stepping, causal, mask, kwargs,
-                                p, (query, key, value))
+                                p, (query, key, value), window is not None and stepping)
             elif nq != nk:
                 raise NotImplementedError(
                     f"query length {nq} != key length {nk}: only one new token at a time can "
@@ -178,7 +206,8 @@ class _Backend:
                 )
             facts = position_facts(kwargs.get("position_ids"), q.shape[0], nk, decoding)
             keep = mask if isinstance(mask, Tensor) and not decoding else None
-            return {"causal": causal, "dropout": p, "cu_seqlens": explicit_documents(kwargs),
+            return {"causal": causal, "dropout": p, "window": window,
+                    "cu_seqlens": explicit_documents(kwargs),
                     "n": nk, "padded": isinstance(mask, Tensor),
                     "overlay": mask.starts if isinstance(mask, Documents) else None, **facts,
                     "real_from": first_real_tokens(keep, _rows(kwargs.get("position_ids")),
@@ -187,6 +216,8 @@ class _Backend:
         # a sharded step checks here only: generate agreed on its inputs, which every rank
         # then computes alike (one all-gather per layer is all a step sends)
         infos = [config()] if stepping else comm.agree(group, config, per_rank=_PER_RANK)
+        if decoding and infos[0]["window"] is not None:
+            return _decode_window(q, k, v, attention_mask, infos[0]["window"], scaling), None
         if decoding:
             keep = attention_mask if isinstance(attention_mask, Tensor) else None
             origins, keep = decoding_origins(keep, kwargs.get("position_ids"), kv_length - 1)
@@ -216,6 +247,11 @@ class _Backend:
             keep = attention_mask if infos[rank]["padded"] else None
             key_padding_mask = (~keep if keep is not None
                                 else torch.zeros(k.shape[:2], dtype=torch.bool, device=k.device))
+        if call["window"] is not None:
+            # a window does not depend on where a row starts: one call for every row
+            return ring_attention(q, k, v, is_causal=call["window"][1] == 0,
+                                  window_size=call["window"], scale=scale, group=group,
+                                  cu_seqlens=documents, key_padding_mask=key_padding_mask)
 
         def attend(rows: slice, first: int) -> Tensor:
             return dilated_attention(
@@ -288,6 +324,37 @@ def backend_of(model) -> Optional["_Backend"]:
 _PER_RANK = ("n", "padded", "overlay", "first", "last", "restarts", "same_rows", "real_from")
 
 
+def _window(mask: Optional[Window], sliding_window) -> Optional[Tuple[int, int]]:
+    """The (left, right) window a layer runs (ring_attention's window_size), from its
+    sliding-window mask, checked against the layer's `sliding_window` keyword; None for a
+    layer of full attention."""
+    if sliding_window is None:
+        return None if mask is None else (mask.left, mask.right)
+    size = check.check_positive_int("sliding_window", sliding_window)
+    if mask is None:
+        raise NotImplementedError(
+            f"sliding_window={size} reached the attention function without the model's "
+            f"sliding-window mask (a model built with this backend's name builds one with its "
+            f"mask function); cannot tell which keys the window holds")
+    # transformers' causal window holds the query and size - 1 keys before it; its
+    # bidirectional one size keys on each side
+    if size != (mask.left + 1 if mask.right == 0 else mask.left):
+        raise ValueError(f"sliding_window={size} does not match the layer's mask, a window "
+                         f"of {mask.left} keys back and {mask.right} ahead")
+    return mask.left, mask.right
+
+
+def _decode_window(q: Tensor, k: Tensor, v: Tensor, keep, window: Tuple[int, int],
+                   scale: Optional[float]) -> Tensor:
+    """One new token of a sliding-window layer: attention over the last left + 1 cached keys
+    (the new one last), whatever the cache kept besides."""
+    m = min(k.shape[1], window[0] + 1)
+    keep = keep[:, -m:] if isinstance(keep, Tensor) else None
+    # (b, nk, hk, d) -> its last m rows: positions 0 .. m - 1 of a dense pattern
+    rows = [CachedRows(k[:, -m:], v[:, -m:], 0, m)]
+    return decode(q, rows, m - 1, ((m,), (1,)), scale=scale, keep=keep)
+
+
 def _read_mask(attention_mask, batch: int, nk: int):
     """What the mask function sent: None, a (b, nk) bool keep-mask or Documents; else raise."""
     if attention_mask is None or isinstance(attention_mask, Documents):
@@ -307,9 +374,12 @@ def _read_mask(attention_mask, batch: int, nk: int):
 
 
 def _check_decoding(unserved_group: bool, causal: bool, mask, kwargs, dropout_p: float,
-                    tensors) -> None:
+                    tensors, sharded_window: bool) -> None:
     """One new token against a KV cache (Note [generation]): what must hold."""
     problems = []
+    if sharded_window:
+        problems.append("a sliding-window layer in sharded generation (generate(..., group=)); "
+                        "generate on one process, where sliding-window layers decode exactly")
     if unserved_group:
         problems.append("sequence parallelism (group=) outside dilated_attention.integrations."
                         "transformers.generate(model, input_ids, group=...), which shards the "

@@ -7,7 +7,10 @@ Note [what the mask function returns]
     treats it as it treats that one); ``Documents`` when transformers'
     packed-sequence detection (use_cache=False, restarting position_ids)
     wrapped the causal mask, holding the document starts read from that
-    mask; ``Refused`` for anything dilated attention cannot express. The
+    mask; ``Window`` when the model builds a sliding-window mask (it passes
+    ``local_size``; Mistral, Qwen2, Gemma 3's local layers), holding the
+    window's reaches read from the mask and one of the above;
+    ``Refused`` for anything dilated attention cannot express. The
     mask function does not raise on what may differ between ranks (the
     data): under sequence parallelism one rank raising while the others
     wait in a collective would hang them, so the attention function raises
@@ -25,12 +28,12 @@ Note [what the mask function returns]
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from .refusals import MASK_KWARGS, REFUSED_HINTS, Refused, describe
+from .refusals import MASK_KWARGS, Refused, describe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +41,17 @@ class Documents:
     """transformers' packed-sequence mask: where this rank's documents start (local rows > 0)."""
 
     starts: Tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Window:
+    """transformers' sliding-window mask, read and checked: query t sees the keys [t - left,
+    t + right] of its document; `inner` is what the mask says besides (None, the (b, k_len)
+    keep-mask, or Documents)."""
+
+    left: int
+    right: int
+    inner: Any = None
 
 
 def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
@@ -54,33 +68,51 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         # (or_mask_function / and_mask_function), which need not accept index tensors
         return Refused("the model combines the causal mask with its own mask function "
                         "(or_mask_function / and_mask_function, e.g. for image tokens)")
+    device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
+    # q_offset is a 0-d tensor for a static cache
+    q_offset, kv_offset, seen = int(q_offset), int(kv_offset), int(q_offset) + q_length
+    window = None
+    if kwargs.get("local_size") is not None:
+        window = _read_window(mask_function, batch_size, q_length, q_offset,
+                              int(kwargs["local_size"]), device)
+        if isinstance(window, Refused):
+            return window
     # A cache's layout is the same on every rank, so these may raise here
     # (generate() also calls .contiguous() on what a static cache's mask returns).
-    if kv_offset != 0:
-        raise NotImplementedError(f"a KV cache that drops old keys (kv_offset = "
-                                  f"{int(kv_offset)}: a sliding-window cache) is not supported")
-    # q_offset is a 0-d tensor for a static cache
-    seen = int(q_offset) + q_length
-    if seen != kv_length:
+    if kv_offset != 0 and window is None:
+        raise NotImplementedError(f"a KV cache that drops old keys (kv_offset = {kv_offset}) "
+                                  f"is only supported for sliding-window layers")
+    if seen != kv_offset + kv_length:
         raise NotImplementedError(
             f"a KV cache whose keys are not the {seen} tokens seen so far (kv_length = "
             f"{kv_length}: a pre-allocated static cache) is not supported; use the default "
             f"dynamic cache"
         )
-    if kwargs.get("local_size") is not None:
-        return Refused(f"a sliding window or chunks of {kwargs['local_size']} keys; "
-                        f"{REFUSED_HINTS['sliding_window']}")
+    if window is not None and kv_offset > max(0, q_offset - window[0]):
+        raise NotImplementedError(f"a sliding-window cache that keeps fewer keys than the "
+                                  f"window of {window[0] + 1} (kv_offset = {kv_offset} at "
+                                  f"position {q_offset})")
+    if window is not None and isinstance(attention_mask, Tensor) and attention_mask.dim() == 2 \
+            and attention_mask.shape[-1] == seen:
+        attention_mask = attention_mask[:, kv_offset:]  # the keys the cache still holds
     keep = _keep_mask(attention_mask, batch_size, kv_length)
     if isinstance(keep, Refused):
         return keep
+    if window is not None:
+        left, right, starts = window
+        return Window(left, right, _with_documents(keep, starts))
     if mask_function is None or mask_function is causal_mask_function \
             or mask_function is bidirectional_mask_function:
         return keep
-    device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
-    starts = _read_documents(mask_function, batch_size, q_length, int(q_offset), device)
+    starts = _read_documents(mask_function, batch_size, q_length, q_offset, device)
     if isinstance(starts, Refused):
         return starts
-    if not starts:  # causal attention over one document, however it was written
+    return _with_documents(keep, starts)
+
+
+def _with_documents(keep, starts: Tuple[int, ...]):
+    """The keep-mask (or None), or Documents(starts) when the mask packs documents."""
+    if not starts:  # one document, however the mask was written
         return keep
     if keep is not None:
         return Refused("padding together with transformers' packed-sequence mask")
@@ -102,6 +134,60 @@ def _keep_mask(attention_mask, batch: int, kv_length: int):
     return None if bool(keep.all()) else keep
 
 
+def _reader(mask_function, batch: int, device):
+    """allowed(q_idx (m,), kv_idx (m,)) -> (b, m) bool: the mask function on index pairs."""
+    b = torch.arange(batch, device=device)[:, None]
+    head = torch.zeros((), dtype=torch.long, device=device)
+
+    def allowed(q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        out = mask_function(b, head, q_idx[None], kv_idx[None])
+        return torch.as_tensor(out, device=device).expand(batch, q_idx.numel())
+
+    return allowed
+
+
+def _read_window(mask_function, batch: int, q_length: int, q_offset: int, size: int,
+                 device) -> Union[Refused, Tuple[int, int, Tuple[int, ...]]]:
+    """(left, right, document starts) of a sliding-window mask of `size` (transformers'
+    ``local_size``), or Refused.
+
+    transformers' causal sliding window lets query t see keys (t - size, t]
+    (reaches size - 1 and 0), its bidirectional one keys with |t - u| <= size;
+    either may be cut by packed documents. The function is read on O(n)
+    (query, key) pairs per batch row: its own key, both ends of its window,
+    their midpoints and the key past each end, so chunked attention and
+    other masks that pass `size` are told apart (chunks of `size` keys read as
+    windows within documents of one chunk each, which they are).
+    """
+    allowed = _reader(mask_function, batch, device)
+    t = torch.arange(q_offset, q_offset + q_length, device=device)
+    total = q_offset + q_length  # keys 0 .. total - 1 exist
+    if not bool(allowed(t, t).all()):
+        return Refused("a mask in which a query cannot see its own key")
+    # decoding sees no key after the new token: a causal window
+    ahead = q_length > 1 and bool(allowed(t[:-1], t[:-1] + 1).any())
+    left, right = (size, size) if ahead else (size - 1, 0)
+    starts = torch.zeros(0, dtype=torch.long, device=device)
+    if q_offset == 0 and q_length > 1 and left > 0:
+        cut = ~allowed(t[1:], t[:-1])  # (b, n - 1): query t + 1 cannot see key t
+        if bool((cut != cut[:1]).any()):
+            return Refused("documents that differ between batch rows (dilated attention "
+                           "shares cu_seqlens across the batch)")
+        starts = cut[0].nonzero().flatten() + 1
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long, device=device), starts,
+                        torch.full((1,), total, device=device)])
+    doc = torch.searchsorted(bounds, t, right=True) - 1
+    lo = torch.maximum(bounds[doc], t - left)
+    hi = torch.minimum(bounds[doc + 1] - 1, t + right)
+    seen = [lo, hi, (lo + t) // 2, (t + hi) // 2]
+    unseen = [(lo - 1, lo > 0), (hi + 1, hi + 1 < total)]
+    if not all(bool(allowed(t, u).all()) for u in seen) or \
+            any(bool(allowed(t[where], u[where]).any()) for u, where in unseen):
+        return Refused(f"a mask given local_size={size} that is not transformers' sliding "
+                       f"window of {size} keys (within documents)")
+    return left, right, tuple(starts.tolist())
+
+
 def _read_documents(mask_function, batch: int, q_length: int, q_offset: int, device):
     """Document starts (rows > 0) of a causal-within-documents mask function, or Refused.
 
@@ -109,14 +195,7 @@ def _read_documents(mask_function, batch: int, q_length: int, q_offset: int, dev
     separates causal attention within documents from sliding windows,
     chunks and bidirectional blocks (Note [what the mask function returns]).
     """
-    b = torch.arange(batch, device=device)[:, None]
-    head = torch.zeros((), dtype=torch.long, device=device)
-
-    def allowed(q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        # (m,) index pairs -> (b, m) bool
-        out = mask_function(b, head, q_idx[None], kv_idx[None])
-        return torch.as_tensor(out, device=device).expand(batch, q_idx.numel())
-
+    allowed = _reader(mask_function, batch, device)
     t = torch.arange(q_offset, q_offset + q_length, device=device)
     if q_offset > 0:
         # decoding: the new rows must see every key up to themselves

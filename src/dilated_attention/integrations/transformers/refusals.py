@@ -12,10 +12,11 @@ argument, never silently dropped:
 | 2-D padding ``attention_mask`` | ``key_padding_mask`` (left or right padding); a left-padded row whose first real token has position 0 (``generate``'s numbering) is computed as the row alone (padding.py) |
 | ``position_ids`` that restart (no padding; one process) | packed documents -> ``cu_seqlens`` |
 | ``cu_seq_lens_q`` = ``cu_seq_lens_k`` | packed documents -> ``cu_seqlens`` (global ones under sequence parallelism) |
-| one new token against a KV cache | exact decoding, left-padded batches and ``generate(..., group=)`` included (Note [generation] in backend.py) |
+| ``sliding_window`` and the model's sliding-window mask (Mistral, Qwen2, Gemma 3's local layers) | exact windowed attention through ``ring_attention(window_size=...)``, one process or sequence-parallel (the halo exchange); the layers without a window keep the dilated patterns (Note [sliding-window layers] in backend.py) |
+| one new token against a KV cache | exact decoding, left-padded batches and ``generate(..., group=)`` included (Note [generation] in backend.py); a sliding-window layer attends the window's keys, whatever the cache kept besides (transformers' sliding-window cache included) |
 | ``use_cache``, ``max_length_q/k``, ``num_items_in_batch``, ``output_hidden_states``, ``output_router_logits`` | no effect on attention |
-| a 4-D mask, a float mask, a mask function other than causal within documents (sliding window, chunks, image-token blocks), ``sliding_window``, ``softcap``, ``s_aux`` (sinks), ``seq_idx``, ``output_attentions=True``, any other keyword | refused |
-| q_len != k_len other than decoding one token (chunked prefill, cross-attention), a static or sliding-window cache, decoding with padding after a row's first real token | refused |
+| a 4-D mask, a float mask, a mask function other than causal within documents or a sliding window (image-token blocks), ``softcap``, ``s_aux`` (sinks), ``seq_idx``, ``output_attentions=True``, any other keyword; attention dropout on a sliding-window layer | refused |
+| q_len != k_len other than decoding one token (chunked prefill, cross-attention), a static cache, a sliding-window cache that keeps fewer keys than the window, decoding with padding after a row's first real token, a sliding-window layer in ``generate(..., group=)`` | refused |
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ... import validation as check
 # Keywords transformers' attention layers pass on to the attention function
 # (its `**kwargs`), by what happens to them. Any other keyword is an error:
 # a new one may carry meaning that silently ignoring it would lose.
-USED_KWARGS = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k"})
+USED_KWARGS = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "sliding_window"})
 
 
 IGNORED_KWARGS = frozenset({
@@ -44,8 +45,8 @@ IGNORED_KWARGS = frozenset({
 
 
 # Accepted only with these values (what a model passes when the feature is off).
-OFF_KWARGS = {"output_attentions": (None, False), "sliding_window": (None,), "softcap": (None,),
-              "s_aux": (None,), "seq_idx": (None,)}
+OFF_KWARGS = {"output_attentions": (None, False), "softcap": (None,), "s_aux": (None,),
+              "seq_idx": (None,)}
 
 
 ACCEPTED_KWARGS = USED_KWARGS | IGNORED_KWARGS | frozenset(OFF_KWARGS)
@@ -62,8 +63,6 @@ RESERVED_NAME_PARTS = ("flash", "sdpa", "flex_attention", "eager", "paged", "/",
 
 
 REFUSED_HINTS = {
-    "sliding_window": "set config.sliding_window = None (and use_sliding_window=False where the "
-                      "model has it) to replace the window by the dilated pattern",
     "output_attentions": "dilated attention never forms the attention weights",
 }
 
