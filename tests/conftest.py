@@ -1,7 +1,16 @@
-"""Shared test settings: a deterministic hypothesis profile, one intra-op thread."""
+"""Shared test settings: a deterministic hypothesis profile, one intra-op thread, and
+Triton's interpreter where there is no GPU."""
+
+import os
 
 import torch
 from hypothesis import settings
+
+# backend="triton" runs on CPU tensors through Triton's interpreter, which @triton.jit
+# picks when the kernels are created: set the variable before anything imports them (and
+# before spawned ranks start: they inherit it). With a GPU the kernels are compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # derandomize: the same examples on every run (tests must be deterministic);
 # no deadline: the CPU is shared and timings vary; no example database on disk.

@@ -8,7 +8,9 @@ Per pattern, every segment's selected rows are gathered into one dense batch
 them, and the result is merged on the fly into fp32 accumulators with the
 log-sum-exp merge (launches.py). The backward reuses the merged (out, lse):
 each pattern's kernel backward recomputes its share of the *global* softmax,
-so dq sums over patterns and no lse gradient is needed from any kernel.
+so dq sums over patterns and no lse gradient is needed from any kernel. With
+backend "triton" one fused kernel computes every pattern in one pass instead
+(fused.py), forward and backward.
 
 The public entry point, which validates the call once and picks this op or
 a sequence-parallel one, is ``functional.dilated_attention``.
@@ -21,7 +23,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import launches
+from . import fused, launches
 from .kernels import KernelOptions, lse_dtype, save_for_backward, saved_for_backward
 from .patterns import Heads, Patterns
 from .plan import Documents, Layout, Plan, make_plan
@@ -44,6 +46,10 @@ def dilated_forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, opts: K
     documents: cu_seqlens, each document an independent sequence; key_mask
     (b, n) bool, True = ignore that key.
     """
+    if opts.backend == "triton":
+        return fused.forward(q, k, v, patterns, causal=opts.causal, scale=opts.scale,
+                             heads=heads or Heads.of(q.shape[2], k.shape[2]),
+                             documents=documents, key_mask=key_mask)
     plan = local_plan(q, k, patterns, opts.causal, heads, documents)
     return launches.forward(q, k, v, plan, opts, key_mask=key_mask)
 
@@ -53,6 +59,14 @@ def dilated_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                      heads: Optional[Heads] = None, documents: Documents = None,
                      key_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of `dilated_forward`, given its final out (b, n, h, d) and lse (b, n, h)."""
+    # grad mode is on inside a backward only under create_graph=True: then the launches
+    # record a differentiable kernel (kernels.select_backend), the fused kernel cannot
+    recorded = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (dout, q, k, v, out, lse, dlse))
+    if opts.backend == "triton" and not recorded:
+        return fused.backward(dout, q, k, v, out, lse, dlse, patterns, causal=opts.causal,
+                              scale=opts.scale, heads=heads or Heads.of(q.shape[2], k.shape[2]),
+                              documents=documents, key_mask=key_mask)
     plan = local_plan(q, k, patterns, opts.causal, heads, documents)
     return launches.backward(dout, q, k, v, out, lse, plan, opts, dlse=dlse, key_mask=key_mask)
 

@@ -233,10 +233,12 @@ def dilated_attention(
             piece s * U + u). None (or one rank) runs locally.
         return_lse: also return the log-sum-exp (batch, heads, seq_len).
         backend: kernel override: "auto", "cpu_flash", "cuda_cudnn",
-            "cuda_flash", "cuda_efficient", "flash_attn" or "blockwise"; a
-            named kernel that cannot run here (a CUDA kernel on CPU tensors,
-            a dtype or GPU it does not take, flash-attn not installed) is a
-            ValueError saying what it needs.
+            "cuda_flash", "cuda_efficient", "flash_attn", "blockwise" or
+            "triton" (every pattern in one fused Triton kernel; CPU tensors
+            need TRITON_INTERPRET=1); a named kernel that cannot run here (a
+            CUDA kernel on CPU tensors, a dtype or GPU it does not take,
+            flash-attn or triton not installed) is a ValueError saying what
+            it needs.
         cu_seqlens: packed documents: boundaries [0, c1, ..., N] along the
             sequence (an int tensor or a list), shared by every batch row;
             each document is an independent sequence (segments restart at

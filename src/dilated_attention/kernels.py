@@ -19,19 +19,27 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 BACKENDS = ("auto", "cpu_flash", "cuda_cudnn", "cuda_flash", "cuda_efficient", "flash_attn",
-            "blockwise")
+            "blockwise", "triton")
 # the kernels that honour a key padding mask
-MASKED_BACKENDS = ("auto", "cpu_flash", "blockwise")
+MASKED_BACKENDS = ("auto", "cpu_flash", "blockwise", "triton")
 
-# flash-attn is optional: looked up once (an import inside select_backend would break
-# torch.compile's graph), imported only by the launches that use it
+# flash-attn and triton are optional: looked up once (an import inside select_backend would
+# break torch.compile's graph), imported only by the launches that use them
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+# Whether backend="auto" runs the fused Triton kernel (fused.py: every pattern in one pass)
+# on a device. The one place a GPU measurement flips: on CUDA once bench_single_device.py
+# measures it faster than the SDPA path (not measured yet); on CPU the interpreter is a
+# test vehicle, never the fast path.
+FUSED_BY_DEFAULT = {"cpu": False, "cuda": False}
 
 # Rows per block of the pure-PyTorch kernel: big enough to amortise Python
 # overhead, small enough that a (b, hk, g, rows, rows) fp32 score block stays
@@ -76,6 +84,8 @@ class _Needs:
     dtypes: Tuple[torch.dtype, ...]
     capability: Optional[Tuple[int, int]] = None  # minimum CUDA compute capability
     package: Optional[str] = None  # an optional dependency, by its pip name
+    # CPU tensors run Triton's interpreter: TRITON_INTERPRET=1, and its dtypes only
+    interpreted_on_cpu: Tuple[torch.dtype, ...] = ()
 
     def unmet(self, device: torch.device, dtype: torch.dtype) -> List[str]:
         """Each requirement `device` and `dtype` miss, in words (empty when all are met)."""
@@ -93,13 +103,22 @@ class _Needs:
         if self.package is not None and not _INSTALLED[self.package]:
             unmet.append(f"the {self.package} package installed (pip install {self.package}; "
                          f"not found)")
+        if self.interpreted_on_cpu and device.type == "cpu":
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                unmet.append(f"a CUDA device, or the environment variable TRITON_INTERPRET=1 on "
+                             f"CPU tensors (Triton's interpreter; set before the first call; "
+                             f"it is {os.environ.get('TRITON_INTERPRET')!r})")
+            if dtype in self.dtypes and dtype not in self.interpreted_on_cpu:
+                names = " or ".join(str(t).replace("torch.", "") for t in self.interpreted_on_cpu)
+                unmet.append(f"{names} on CPU (got {dtype}: the interpreter's {dtype} matrix "
+                             f"products are wrong)")
         return unmet
 
 
 _HALF = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _DEVICE_NAMES = {"cpu": "CPU", "cuda": "CUDA"}
-_INSTALLED = {"flash-attn": _HAS_FLASH_ATTN}
+_INSTALLED = {"flash-attn": _HAS_FLASH_ATTN, "triton": _HAS_TRITON}
 # meta tensors (shape-only runs: estimate --dry-run) stand in for any device
 _NEEDS = {
     "cpu_flash": _Needs(("cpu", "meta"), _FLOATS),
@@ -107,6 +126,8 @@ _NEEDS = {
     "cuda_flash": _Needs(("cuda", "meta"), _HALF, capability=(8, 0)),
     "cuda_efficient": _Needs(("cuda", "meta"), _HALF + (torch.float32,)),
     "flash_attn": _Needs(("cuda",), _HALF, capability=(8, 0), package="flash-attn"),
+    "triton": _Needs(("cuda", "cpu", "meta"), (torch.float32,) + _HALF, package="triton",
+                     interpreted_on_cpu=(torch.float32, torch.float16)),
 }
 
 
@@ -154,6 +175,9 @@ def select_backend(
     if dropout_p > 0.0:
         # Only the blockwise kernel can replay the same dropout mask in backward.
         return "blockwise"
+    if (FUSED_BY_DEFAULT.get(device.type, False) and _HAS_TRITON
+            and not _NEEDS["triton"].unmet(torch.device(device), dtype)):
+        return "triton"
     if masked:
         # the CPU flash op takes an additive mask; the CUDA paths with one are not verified
         # on a GPU yet, so masked calls there run the pure-PyTorch kernel
@@ -206,6 +230,11 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, opts: KernelOptions, *,
     causal, scale, dropout_p, seed = opts.causal, opts.scale, opts.dropout_p, opts.seed
     backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=opts.backend,
                              masked=key_mask is not None)
+    if backend == "triton":
+        from . import fused  # imports triton
+
+        # reads any strides in place
+        return fused.dense_forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask)
     q, k, v = _unit_last_stride(q, k, v)
     if backend == "cpu_flash":
         # (b, n, h, d) -> (b, h, n, d): the op takes heads second, as a free view
@@ -303,6 +332,11 @@ def attention_backward(
         x is not None and x.requires_grad for x in (dout, q, k, v, out, lse, dlse))
     backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=opts.backend,
                              masked=key_mask is not None, differentiable=recorded)
+    if backend == "triton":
+        from . import fused  # imports triton
+
+        return fused.dense_backward(dout, q, k, v, out, lse, dlse, causal=causal, scale=scale,
+                                    key_mask=key_mask)
     dout, q, k, v, out = _unit_last_stride(dout, q, k, v, out)
     if key_mask is not None:
         # a query that sees no key anywhere (lse -inf) has probabilities exp(s - inf) = 0

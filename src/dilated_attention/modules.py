@@ -33,6 +33,9 @@ class DilatedAttention(nn.Module):
             sequence), or a 2-D DeviceMesh (head-parallel x sequence-parallel,
             see ``dilated_attention``). None runs locally.
         strategy: "auto", "exchange" or "ulysses" (see ``dilated_attention``).
+        backend: the kernel, as for ``dilated_attention`` ("auto", or e.g.
+            "triton" for every pattern in one fused kernel); checked against
+            the inputs' device and dtype at each call.
     """
 
     def __init__(
@@ -44,6 +47,7 @@ class DilatedAttention(nn.Module):
         scale: Optional[float] = None,
         process_group=None,
         strategy: str = "auto",
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         self.segment_lengths, self.dilation_rates = check.check_patterns(
@@ -56,6 +60,7 @@ class DilatedAttention(nn.Module):
         self.scale = None if scale is None else float(scale)
         self.process_group = process_group
         self.strategy = check.check_strategy(strategy)
+        self.backend = check.check_backend(backend)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, *,
                 key_padding_mask: Optional[Tensor] = None, cu_seqlens=None) -> Tensor:
@@ -77,6 +82,7 @@ class DilatedAttention(nn.Module):
             key_padding_mask=key_padding_mask,
             cu_seqlens=cu_seqlens,
             strategy=self.strategy,
+            backend=self.backend,
         )
 
     def extra_repr(self) -> str:
@@ -92,6 +98,8 @@ class DilatedAttention(nn.Module):
             parts.append("process_group=<set>")
         if self.strategy != "auto":
             parts.append(f"strategy={self.strategy!r}")
+        if self.backend != "auto":
+            parts.append(f"backend={self.backend!r}")
         return ", ".join(parts)
 
 
@@ -122,6 +130,7 @@ class MultiheadDilatedAttention(nn.Module):
         gamma_init: MAGNETO gain for v_proj and out_proj.
         device, dtype: for every parameter, like torch.nn.
         process_group, strategy: sequence parallelism (see DilatedAttention).
+        backend: the attention kernel (see DilatedAttention).
     """
 
     def __init__(
@@ -141,6 +150,7 @@ class MultiheadDilatedAttention(nn.Module):
         dtype=None,
         process_group=None,
         strategy: str = "auto",
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         embed_dim = check.check_optional_positive_int("embed_dim", embed_dim)
@@ -178,7 +188,7 @@ class MultiheadDilatedAttention(nn.Module):
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.attention = DilatedAttention(
             segment_lengths, dilation_rates, dropout=dropout, process_group=process_group,
-            strategy=strategy,
+            strategy=strategy, backend=backend,
         )
         self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory) if layer_norm else None
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)

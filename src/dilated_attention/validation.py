@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
+from .kernels import BACKENDS
+
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 # the largest row count or stride torch can index (int64)
 INDEX_MAX = 2**63 - 1
@@ -78,6 +80,14 @@ def check_strategy(strategy: Any) -> str:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     return strategy
+
+
+def check_backend(backend: Any) -> str:
+    """A kernel name the ops know (whether it runs on given inputs is checked per call,
+    ``kernels.select_backend``)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
 
 
 def check_scale(scale, head_dim: int) -> float:

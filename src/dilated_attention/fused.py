@@ -1,0 +1,225 @@
+"""backend="triton": every dilation pattern in one fused pass, forward and backward.
+
+The maths and the plan: Note [fused kernel] in fused_plan.py; the kernels:
+triton_kernels.py. Here: the host side. ``forward``/``backward`` compute the
+single-device op (dilated.py's custom ops call them), ``dense_forward``/
+``dense_backward`` one block of plain attention (kernels.py's per-launch
+"triton" kernel, for the ring and the sequence-parallel exchange).
+
+q, k, v are read in place through their strides (no copy, whatever their
+layout); out, lse, dq, dk, dv are written once each, with no zero fill. The
+backward runs two kernels: dq over the query tiles (it also stores delta =
+rowsum(dout * out) - dlse, one fp32 per (row, head)), then dK/dV over the
+key tiles, which reads delta.
+
+Notation: b batch, n rows (m key rows), h query heads, hk key/value heads,
+d head dim; layout (b, n, h, d); lse and delta (b, n, h) float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .fused_plan import TilePlan, dense_plan, tile_plan
+from .patterns import Heads, Patterns
+from .plan import Documents
+
+
+@dataclasses.dataclass(frozen=True)
+class TileSizes:
+    """Kernel tile sizes of one device: rows per query tile (forward, dq) and per key tile
+    (dK/dV), the other side's elements per chunk, and Triton's launch options."""
+
+    query_rows: int
+    keys: int
+    key_rows: int
+    queries: int
+    num_warps: int
+    num_stages: int
+
+
+# The interpreter runs one numpy operation per block operation (fewer, larger blocks are
+# faster there; 16 is tl.dot's least size). CUDA: a first guess, NOT measured yet; a GPU
+# session tunes these first (query_rows 64 / 128 trade occupancy of small classes,
+# fused_plan.occupancy, against K/V reuse).
+TILE_SIZES = {
+    "cpu": TileSizes(32, 32, 32, 32, num_warps=1, num_stages=1),
+    "cuda": TileSizes(64, 64, 64, 64, num_warps=4, num_stages=2),
+}
+
+
+def tile_sizes(device: torch.device) -> TileSizes:
+    return TILE_SIZES.get(device.type, TILE_SIZES["cuda"])
+
+
+def _kernels(device: torch.device):
+    """The Triton kernels, checked to run on `device` (CPU: only interpreted ones)."""
+    from . import triton_kernels
+
+    interpreted = type(triton_kernels.fused_forward).__name__ == "InterpretedFunction"
+    if device.type == "cpu" and not interpreted:
+        raise ValueError(
+            "backend='triton' on CPU tensors runs Triton's interpreter, but dilated_attention's "
+            "Triton kernels were created for a GPU: TRITON_INTERPRET=1 was not in the "
+            f"environment when they were first used in this process (it is "
+            f"{os.environ.get('TRITON_INTERPRET')!r} now). Set it before the first call."
+        )
+    return triton_kernels
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: float32 products as torch would compute them (full fp32
+    unless torch.set_float32_matmul_precision allows TF32); half precision is exact anyway."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+def _head_block(d: int) -> int:
+    """The head dim padded to a power of two, at least tl.dot's 16."""
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def _mask_arg(mask: Optional[Tensor], fallback: Tensor) -> Tuple[Tensor, Tuple[int, int, int]]:
+    """A key padding mask (b, m, hk) as the kernels read it (bytes, its strides), or a
+    placeholder pointer with zero strides."""
+    if mask is None:
+        return fallback, (0, 0, 0)
+    return mask.view(torch.uint8), mask.stride()
+
+
+# --------------------------------------------------------------------------
+# The single-device op
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, *, causal: bool, scale: float,
+            heads: Heads, documents: Documents,
+            key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """q (b, n, h, d), k/v (b, n, hk, d), key_mask (b, n) or None -> out, lse (b, n, h)."""
+    b, n, _, _ = q.shape
+    sizes = tile_sizes(q.device)
+    plan = tile_plan(n, patterns, heads, k.shape[2], causal, documents, sizes.query_rows,
+                     keys=False, device=str(q.device))
+    return _forward(q, k, v, plan, causal, scale, _per_kv_head(key_mask, k), sizes)
+
+
+def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+             dlse: Optional[Tensor], patterns: Patterns, *, causal: bool, scale: float,
+             heads: Heads, documents: Documents,
+             key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `forward` from its out and lse (dlse (b, n, h): the gradient of lse)."""
+    n, hk = q.shape[1], k.shape[2]
+    sizes = tile_sizes(q.device)
+    device = str(q.device)
+    queries = tile_plan(n, patterns, heads, hk, causal, documents, sizes.query_rows, keys=False,
+                        device=device)
+    keys = tile_plan(n, patterns, heads, hk, causal, documents, sizes.key_rows, keys=True,
+                     device=device)
+    return _backward(dout, q, k, v, out, lse, dlse, queries, keys, causal, scale,
+                     _per_kv_head(key_mask, k), sizes)
+
+
+def _per_kv_head(key_mask: Optional[Tensor], k: Tensor) -> Optional[Tensor]:
+    """(b, n) -> (b, n, hk), a view: the kernels read a mask per key/value head."""
+    return None if key_mask is None else key_mask[:, :, None].expand(-1, -1, k.shape[2])
+
+
+# --------------------------------------------------------------------------
+# One block of plain attention (kernels.attention_forward / attention_backward)
+
+
+def dense_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+                  key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """q (b, n, h, d) against k/v (b, m, hk, d) (n == m when causal: the square lower
+    triangle); key_mask (b, m, hk) -> out (b, n, h, d), lse (b, n, h)."""
+    h, hk = q.shape[2], k.shape[2]
+    sizes = tile_sizes(q.device)
+    plan = dense_plan(q.shape[1], k.shape[1], Heads.of(h, hk), hk, sizes.query_rows, keys=False,
+                      device=str(q.device))
+    return _forward(q, k, v, plan, causal, scale, key_mask, sizes)
+
+
+def dense_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   dlse: Optional[Tensor], *, causal: bool, scale: float,
+                   key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `dense_forward`, given the final (merged) out and lse."""
+    n, m, h, hk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    sizes = tile_sizes(q.device)
+    heads, device = Heads.of(h, hk), str(q.device)
+    queries = dense_plan(n, m, heads, hk, sizes.query_rows, keys=False, device=device)
+    keys = dense_plan(n, m, heads, hk, sizes.key_rows, keys=True, device=device)
+    return _backward(dout, q, k, v, out, lse, dlse, queries, keys, causal, scale, key_mask,
+                     sizes)
+
+
+# --------------------------------------------------------------------------
+# Launches
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, causal: bool, scale: float,
+             mask: Optional[Tensor], sizes: TileSizes) -> Tuple[Tensor, Tensor]:
+    b, n, h, d = q.shape
+    out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, n, h), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or q.device.type == "meta":
+        return out, lse
+    if not plan.tiles.shape[0]:
+        return out, lse
+    kernels = _kernels(q.device)
+    has_mask = mask is not None
+    mask, mask_strides = _mask_arg(mask, lse)
+    kernels.fused_forward[(plan.tiles.shape[0], b)](
+        q, k, v, out, lse, mask, plan.tiles, plan.rows, plan.spans, plan.extras,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *mask_strides,
+        d, scale * kernels.LOG2E,
+        CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
+        BLOCK_M=plan.block_m, BLOCK_N=sizes.keys, BLOCK_D=_head_block(d),
+        num_warps=sizes.num_warps, num_stages=sizes.num_stages,
+    )
+    return out, lse
+
+
+def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+              dlse: Optional[Tensor], queries: TilePlan, keys: TilePlan, causal: bool,
+              scale: float, mask: Optional[Tensor],
+              sizes: TileSizes) -> Tuple[Tensor, Tensor, Tensor]:
+    b, n, h, d = q.shape
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if q.device.type == "meta" or b == 0:
+        return dq, dk, dv
+    kernels = _kernels(q.device)
+    dout, out = dout.to(q.dtype), out.to(q.dtype)
+    # delta shares lse's (contiguous) strides in the kernels
+    lse = lse.to(torch.float32).contiguous()
+    delta = torch.empty_like(lse)
+    dlse_arg = lse if dlse is None else dlse.to(torch.float32)
+    has_mask = mask is not None
+    mask, mask_strides = _mask_arg(mask, lse)
+    flags = dict(CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
+                 BLOCK_D=_head_block(d), num_warps=sizes.num_warps, num_stages=sizes.num_stages)
+    if queries.tiles.shape[0]:
+        kernels.fused_dq[(queries.tiles.shape[0], b)](
+            q, k, v, out, dout, lse, dlse_arg, delta, dq, mask, queries.tiles, queries.rows,
+            queries.spans, queries.extras,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(),
+            *lse.stride(), *dlse_arg.stride(), *dq.stride(), *mask_strides,
+            d, scale * kernels.LOG2E, scale,
+            HAS_DLSE=dlse is not None, BLOCK_M=queries.block_m, BLOCK_N=sizes.keys, **flags,
+        )
+    if keys.tiles.shape[0]:
+        kernels.fused_dkdv[(keys.tiles.shape[0], b)](
+            q, k, v, dout, lse, delta, dk, dv, mask, keys.tiles, keys.rows, keys.spans,
+            keys.extras,
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
+            *dk.stride(), *dv.stride(), *mask_strides,
+            d, scale * kernels.LOG2E, scale,
+            BLOCK_M=keys.block_m, BLOCK_N=sizes.queries, **flags,
+        )
+    return dq, dk, dv

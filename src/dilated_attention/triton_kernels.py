@@ -1,0 +1,293 @@
+"""The fused kernels (Triton): forward, dq, dK/dV over the tiles of ``fused_plan``.
+
+Imported only by ``fused`` when a call runs with ``backend="triton"``: triton is
+optional, and whether ``@triton.jit`` makes compiled or interpreted kernels is
+decided when this module is imported (TRITON_INTERPRET=1 at that moment gives
+the interpreter, which runs on CPU tensors).
+
+Every program computes one tile for one batch row (grid (tiles, batch)). A
+tile is rows ``cell + rows[row_lo : row_lo + count]`` of one head, and a
+list of spans of the other side: ``cell + start + stride * i`` for
+``i < count`` of the span's head, key i counting 1 + #{extras: i mod period
+== phase} times (Note [fused kernel] in fused_plan.py). Scores are kept in
+base 2: s * scale * log2(e) + log2(count), so exp2 does the softmax.
+
+Notation: M rows of the tile (BLOCK_M), N elements of a span chunk (BLOCK_N),
+D the head dim padded to a power of two (BLOCK_D).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # the kernels take scale * LOG2E: base-2 logits
+
+
+@triton.jit
+def _program(tiles, rows, BLOCK_M: tl.constexpr):
+    """This program's batch row and tile: (b, head of the rows, span_lo, span_hi, cell,
+    (M,) absolute rows, (M,) which are real, first row, last row)."""
+    at = tiles + tl.program_id(0) * 6
+    cell = tl.load(at)
+    row_lo = tl.load(at + 1)
+    count = tl.load(at + 2)
+    offs = tl.arange(0, BLOCK_M)
+    ok = offs < count
+    t = cell + tl.load(rows + row_lo + offs, mask=ok, other=0)
+    first = cell + tl.load(rows + row_lo)
+    last = cell + tl.load(rows + row_lo + count - 1)
+    return (tl.program_id(1), tl.load(at + 3), tl.load(at + 4), tl.load(at + 5), cell, t, ok,
+            first, last)
+
+
+@triton.jit
+def _span(spans, s, cell, first, last, CAUSAL: tl.constexpr, KEY_TILES: tl.constexpr):
+    """Span s: its head, first element (absolute), stride, the elements [lo, hi) a tile of
+    rows first..last reaches, and its extras [extra_lo, extra_hi).
+
+    Causal: query tiles read keys u <= t (up to their last row), key tiles are read
+    by queries t >= u (from their first row on)."""
+    at = spans + s * 6
+    start = cell + tl.load(at + 1)
+    stride = tl.load(at + 2)
+    lo = 0
+    hi = tl.load(at + 3)
+    if CAUSAL:
+        if KEY_TILES:
+            reach = first - start
+            lo = tl.where(reach > 0, (reach + stride - 1) // stride, 0)
+        else:
+            reach = last - start
+            hi = tl.minimum(hi, tl.where(reach >= 0, reach // stride + 1, 0))
+    return tl.load(at), start, stride, lo, hi, tl.load(at + 4), tl.load(at + 5)
+
+
+@triton.jit
+def _load_rows(ptr, b, t, ok, head, sb, sn, sh, sd, head_dim, BLOCK_D: tl.constexpr):
+    """(len(t), D) rows t of x[b, :, head, :]; zeros where not ok or past head_dim."""
+    offs_d = tl.arange(0, BLOCK_D)
+    at = (ptr + b.to(tl.int64) * sb + t.to(tl.int64)[:, None] * sn + head.to(tl.int64) * sh
+          + offs_d[None, :] * sd)
+    return tl.load(at, mask=ok[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, value, b, t, ok, head, sb, sn, sh, sd, head_dim, BLOCK_D: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    at = (ptr + b.to(tl.int64) * sb + t.to(tl.int64)[:, None] * sn + head.to(tl.int64) * sh
+          + offs_d[None, :] * sd)
+    tl.store(at, value.to(ptr.dtype.element_ty), mask=ok[:, None] & (offs_d[None, :] < head_dim))
+
+
+@triton.jit
+def _row_values(ptr, b, t, ok, head, sb, sn, sh):
+    """(len(t),) x[b, t, head] of a (b, n, h) tensor (lse, delta, dlse); 0 where not ok."""
+    return tl.load(ptr + b.to(tl.int64) * sb + t.to(tl.int64) * sn + head.to(tl.int64) * sh,
+                   mask=ok, other=0.0)
+
+
+@triton.jit
+def _rows_at(ptr, b, head, sb, sh, sd, BLOCK_D: tl.constexpr):
+    """(1, D) pointers to x[b, 0, head, :]: add row * stride_n for a row's elements."""
+    return (ptr + b.to(tl.int64) * sb + head.to(tl.int64) * sh
+            + tl.arange(0, BLOCK_D)[None, :] * sd)
+
+
+@triton.jit
+def _key_span(spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, svh, svd, smb,
+              smh, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Key span s of a query tile (``_span``), with the pointers to its key/value head's rows
+    of K, V and the padding mask in batch row b."""
+    kv, start, stride, lo, hi, extra_lo, extra_hi = _span(spans, s, cell, first, last, CAUSAL,
+                                                          False)
+    return (start, stride, lo, hi, extra_lo, extra_hi, _rows_at(K, b, kv, skb, skh, skd, BLOCK_D),
+            _rows_at(V, b, kv, svb, svh, svd, BLOCK_D),
+            Mask + b.to(tl.int64) * smb + kv.to(tl.int64) * smh)
+
+
+@triton.jit
+def _key_scores(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
+                extra_hi, skn, svn, smn, d_ok, scale_log2, CAUSAL: tl.constexpr,
+                HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys c .. c + N of a span against the tile's q rows t: k, v (N, D) and the (M, N)
+    base-2 logits with the keys' counts, -inf where masked (causal, padding, past hi).
+
+    The loads and the counts are written out here, not in helpers: in the interpreter a
+    helper call costs as much as ten block operations, and this runs once per chunk."""
+    idx = c + tl.arange(0, BLOCK_N)
+    key_ok = idx < hi
+    u = start + idx * stride
+    u64 = u.to(tl.int64)
+    k = tl.load(k_at + u64[:, None] * skn, mask=key_ok[:, None] & d_ok, other=0.0)
+    v = tl.load(v_at + u64[:, None] * svn, mask=key_ok[:, None] & d_ok, other=0.0)
+    # key idx counts once per pattern that selects it: 1 + the extras that match
+    count = tl.full((BLOCK_N,), 1.0, tl.float32)
+    for e in range(extra_lo, extra_hi):
+        count += tl.where(idx % tl.load(extras + 2 * e) == tl.load(extras + 2 * e + 1), 1.0, 0.0)
+    # (M, D) x (D, N) -> (M, N)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    scores += tl.log2(count)[None, :]
+    valid = row_ok[:, None] & key_ok[None, :]
+    if CAUSAL:
+        valid &= u[None, :] <= t[:, None]
+    if HAS_MASK:
+        ignored = tl.load(mask_at + u64 * smn, mask=key_ok, other=1)
+        valid &= (ignored == 0)[None, :]
+    return k, v, tl.where(valid, scores, float("-inf"))
+
+
+@triton.jit
+def fused_forward(
+    Q, K, V, Out, Lse, Mask, tiles, rows, spans, extras,
+    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
+    sob, son, soh, sod, slb, sln, slh, smb, smn, smh,
+    head_dim, scale_log2,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out, lse of one query tile: the online softmax over its spans' keys."""
+    b, head, span_lo, span_hi, cell, t, row_ok, first, last = _program(tiles, rows, BLOCK_M)
+    q = _load_rows(Q, b, t, row_ok, head, sqb, sqn, sqh, sqd, head_dim, BLOCK_D)
+    d_ok = tl.arange(0, BLOCK_D)[None, :] < head_dim
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for s in range(span_lo, span_hi):
+        start, stride, lo, hi, extra_lo, extra_hi, k_at, v_at, mask_at = _key_span(
+            spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, svh, svd, smb,
+            smh, CAUSAL, BLOCK_D)
+        for c in range(lo, hi, BLOCK_N):
+            k, v, scores = _key_scores(
+                q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
+                extra_hi, skn, svn, smn, d_ok, scale_log2, CAUSAL, HAS_MASK, PRECISION,
+                BLOCK_N)
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            # a row with no key yet keeps max -inf: shift by 0 so that exp2 gives 0, not NaN
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(scores - shift[:, None])
+            alpha = tl.exp2(m_i - shift)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    _store_rows(Out, out, b, t, row_ok, head, sob, son, soh, sod, head_dim, BLOCK_D)
+    # natural log: (m + log2 l) * ln 2; a row that attends nothing: -inf
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    tl.store(Lse + b.to(tl.int64) * slb + t.to(tl.int64) * sln + head.to(tl.int64) * slh, lse,
+             mask=row_ok)
+
+
+@triton.jit
+def _lse_log2(lse):
+    """lse in base 2, +inf for rows that attend nothing (their probabilities are then 0)."""
+    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
+@triton.jit
+def fused_dq(
+    Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, tiles, rows, spans, extras,
+    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
+    sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh,
+    sdqb, sdqn, sdqh, sdqd, smb, smn, smh,
+    head_dim, scale_log2, scale,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DLSE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dq of one query tile, and delta = rowsum(dout * out) - dlse of its rows (the
+    dK/dV kernel reads it: the query tiles cover every (row, head) once).
+
+    Delta has lse's strides."""
+    b, head, span_lo, span_hi, cell, t, row_ok, first, last = _program(tiles, rows, BLOCK_M)
+    q = _load_rows(Q, b, t, row_ok, head, sqb, sqn, sqh, sqd, head_dim, BLOCK_D)
+    do = _load_rows(dOut, b, t, row_ok, head, sdob, sdon, sdoh, sdod, head_dim, BLOCK_D)
+    o = _load_rows(Out, b, t, row_ok, head, sob, son, soh, sod, head_dim, BLOCK_D)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= _row_values(dLse, b, t, row_ok, head, sdlb, sdln, sdlh)
+    tl.store(Delta + b.to(tl.int64) * slb + t.to(tl.int64) * sln + head.to(tl.int64) * slh,
+             delta, mask=row_ok)
+    lse = _lse_log2(_row_values(Lse, b, t, row_ok, head, slb, sln, slh))
+    d_ok = tl.arange(0, BLOCK_D)[None, :] < head_dim
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for s in range(span_lo, span_hi):
+        start, stride, lo, hi, extra_lo, extra_hi, k_at, v_at, mask_at = _key_span(
+            spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, svh, svd, smb,
+            smh, CAUSAL, BLOCK_D)
+        for c in range(lo, hi, BLOCK_N):
+            k, v, scores = _key_scores(
+                q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
+                extra_hi, skn, svn, smn, d_ok, scale_log2, CAUSAL, HAS_MASK, PRECISION,
+                BLOCK_N)
+            # (M, N): the final softmax's probabilities (counts included; masked: 0)
+            p = tl.exp2(scores - lse[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    _store_rows(dQ, dq * scale, b, t, row_ok, head, sdqb, sdqn, sdqh, sdqd, head_dim, BLOCK_D)
+
+
+@triton.jit
+def fused_dkdv(
+    Q, K, V, dOut, Lse, Delta, dK, dV, Mask, tiles, rows, spans, extras,
+    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
+    sdob, sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd,
+    sdvb, sdvn, sdvh, sdvd, smb, smn, smh,
+    head_dim, scale_log2, scale,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dK, dV of one key tile (rows of one key/value head): over the spans of query rows
+    that read them, for every query head of its GQA group; written once.
+
+    Delta has lse's strides."""
+    b, kv, span_lo, span_hi, cell, u, row_ok, first, last = _program(tiles, rows, BLOCK_M)
+    k = _load_rows(K, b, u, row_ok, kv, skb, skn, skh, skd, head_dim, BLOCK_D)
+    v = _load_rows(V, b, u, row_ok, kv, svb, svn, svh, svd, head_dim, BLOCK_D)
+    live = row_ok
+    if HAS_MASK:
+        # an ignored key is in no softmax: its gradients are 0
+        live &= _row_values(Mask, b, u, row_ok, kv, smb, smn, smh) == 0
+    d_ok = tl.arange(0, BLOCK_D)[None, :] < head_dim
+    dk = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for s in range(span_lo, span_hi):
+        head, start, stride, lo, hi, extra_lo, extra_hi = _span(spans, s, cell, first, last,
+                                                                CAUSAL, True)
+        q_at = _rows_at(Q, b, head, sqb, sqh, sqd, BLOCK_D)
+        do_at = _rows_at(dOut, b, head, sdob, sdoh, sdod, BLOCK_D)
+        # lse and delta share their strides
+        lse_at = Lse + b.to(tl.int64) * slb + head.to(tl.int64) * slh
+        delta_at = Delta + b.to(tl.int64) * slb + head.to(tl.int64) * slh
+        for c in range(lo, hi, BLOCK_N):
+            # no helper calls in this loop (see _key_scores)
+            idx = c + tl.arange(0, BLOCK_N)
+            q_ok = idx < hi
+            t = start + idx * stride
+            t64 = t.to(tl.int64)
+            q = tl.load(q_at + t64[:, None] * sqn, mask=q_ok[:, None] & d_ok, other=0.0)
+            do = tl.load(do_at + t64[:, None] * sdon, mask=q_ok[:, None] & d_ok, other=0.0)
+            lse = tl.load(lse_at + t64 * sln, mask=q_ok, other=0.0)
+            # a query that attends nothing: +inf, so that its p is 0
+            lse = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            delta = tl.load(delta_at + t64 * sln, mask=q_ok, other=0.0)
+            count = tl.full((BLOCK_N,), 1.0, tl.float32)
+            for e in range(extra_lo, extra_hi):
+                count += tl.where(idx % tl.load(extras + 2 * e) == tl.load(extras + 2 * e + 1),
+                                  1.0, 0.0)
+            # (M keys, N queries), base-2 logits with the queries' counts
+            scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
+            scores += tl.log2(count)[None, :]
+            valid = live[:, None] & q_ok[None, :]
+            if CAUSAL:
+                valid &= u[:, None] <= t[None, :]
+            p = tl.where(valid, tl.exp2(scores - lse[None, :]), 0.0)
+            dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
+            dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            ds = p * (dp - delta[None, :])
+            dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
+    _store_rows(dK, dk * scale, b, u, row_ok, kv, sdkb, sdkn, sdkh, sdkd, head_dim, BLOCK_D)
+    _store_rows(dV, dv, b, u, row_ok, kv, sdvb, sdvn, sdvh, sdvd, head_dim, BLOCK_D)

@@ -1,0 +1,363 @@
+"""backend="triton": the fused kernel against the float64 reference, and its errors.
+
+On a machine without a GPU the kernels run in Triton's interpreter
+(tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton),
+which costs about a millisecond per block operation: the cases are small
+(N <= 128, a few heads) and each checks out, lse and every gradient at once.
+bf16 is not tested here: the interpreter's bf16 matrix products are wrong.
+
+Notation: b batch, n rows, h query heads, hk key/value heads, d head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import pytest
+import torch
+
+from dilated_attention import MultiheadDilatedAttention, dilated_attention
+from dilated_attention.kernels import select_backend
+from dilated_attention.patterns import Heads
+from reference import attention_with_counts, close, dilated_counts, grads
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and not __import__("os").environ.get("TRITON_INTERPRET"),
+    reason="no GPU and no TRITON_INTERPRET (tests/conftest.py sets it)")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class Case:
+    n: int
+    segment_lengths: Tuple[int, ...]
+    dilation_rates: Tuple[int, ...]
+    causal: bool
+    h: int = 4
+    hk: int = 2
+    d: int = 8
+    b: int = 1
+    dtype: torch.dtype = torch.float32
+    scale: Optional[float] = None
+    cu_seqlens: Optional[Tuple[int, ...]] = None
+    masked: bool = False
+    with_lse: bool = True  # return_lse and an lse gradient; else out only
+    seed: int = 0
+
+
+CASES = {
+    "longnet-gqa-causal": Case(64, (16, 32, 64), (1, 2, 4), True, b=2),
+    "longnet-fp16": Case(64, (16, 32, 64), (1, 2, 4), False, d=16, dtype=torch.float16,
+                         with_lse=False),
+    "rates-without-1-mqa": Case(64, (8, 16), (2, 4), False, hk=1, with_lse=False),
+    "duplicates-long-segment": Case(50, (10, 10, 200), (2, 2, 3), True, h=3, hk=3, d=5,
+                                    scale=0.7),
+    "lcm-not-power-of-two": Case(45, (9, 18, 30), (3, 6, 5), False, h=3, hk=1),
+    "documents-and-padding": Case(80, (8, 32), (1, 2), True, h=2, hk=1,
+                                  cu_seqlens=(0, 20, 20, 57, 80), masked=True),
+    "fp16-causal-documents": Case(48, (8, 16), (1, 2), True, d=16, dtype=torch.float16,
+                                  cu_seqlens=(0, 30, 48)),
+    "dense-multi-chunk": Case(128, (128,), (1,), True, h=2, hk=1),
+}
+
+
+def inputs(case: Case):
+    """q, k, v (leaves, case.dtype), dout (b, n, h, d), dlse (b, h, n), key padding mask."""
+    gen = torch.Generator().manual_seed(case.seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q = randn(case.b, case.n, case.h, case.d)
+    k, v = randn(case.b, case.n, case.hk, case.d), randn(case.b, case.n, case.hk, case.d)
+    mask = None
+    if case.masked:
+        mask = torch.rand(case.b, case.n, generator=gen) < 0.3
+        mask[:, 3:9] = True  # a run of ignored keys: some rows attend nothing at all
+    leaves = [x.to(case.dtype).to(DEVICE).requires_grad_() for x in (q, k, v)]
+    dout = randn(case.b, case.n, case.h, case.d).to(case.dtype).to(DEVICE)
+    dlse = randn(case.b, case.h, case.n).to(DEVICE)
+    return leaves, dout, dlse, None if mask is None else mask.to(DEVICE)
+
+
+def reference(case: Case, leaves, mask, first_head: int = 0):
+    """out (b, n, h, d), lse (b, h, n) in float64 and its inputs, from the count matrix."""
+    q, k, v = (x.detach().cpu().double().requires_grad_() for x in leaves)
+    counts = dilated_counts(case.n, case.h, case.segment_lengths, case.dilation_rates,
+                            case.causal, case.cu_seqlens, first_head=first_head)
+    if mask is not None:
+        # (h, n, n) -> (b, h, n, n) with ignored key columns zeroed
+        counts = counts[None].masked_fill(mask.cpu()[:, None, None, :], 0)
+    out, lse = attention_with_counts(q, k, v, counts, case.scale)
+    return (q, k, v), out, lse
+
+
+def check(case: Case, attend) -> None:
+    """`attend(q, k, v, mask) -> (out, lse (b, h, n) or None)` against the reference."""
+    leaves, dout, dlse, mask = inputs(case)
+    out, lse = attend(*leaves, mask)
+    ref_leaves, ref_out, ref_lse = reference(case, leaves, mask)
+    assert out.dtype == case.dtype and out.shape == leaves[0].shape
+    close(out.cpu(), ref_out, case.dtype, "out")
+    outputs, upstream, ref_outputs = [out], [dout], [ref_out]
+    if lse is not None:
+        assert lse.dtype == torch.float32
+        close(lse.cpu(), ref_lse, case.dtype, "lse")
+        outputs, upstream, ref_outputs = [out, lse], [dout, dlse], [ref_out, ref_lse]
+    got = grads(outputs, upstream, leaves)
+    want = grads(ref_outputs, [x.cpu().double() for x in upstream], ref_leaves)
+    for name, g, w in zip("qkv", got, want):
+        assert g.dtype == case.dtype, name
+        close(g.cpu(), w, case.dtype, f"d{name}")
+
+
+def op(case: Case, backend: str = "triton"):
+    def attend(q, k, v, mask):
+        result = dilated_attention(
+            q, k, v, list(case.segment_lengths), list(case.dilation_rates),
+            is_causal=case.causal, scale=case.scale, return_lse=case.with_lse,
+            cu_seqlens=case.cu_seqlens, key_padding_mask=mask, backend=backend)
+        return result if case.with_lse else (result, None)
+    return attend
+
+
+@pytest.mark.filterwarnings("ignore:dilated attention with segment_lengths")
+@pytest.mark.parametrize("name", CASES)
+def test_matches_reference(name: str) -> None:
+    check(CASES[name], op(CASES[name]))
+
+
+def test_unread_rows_get_zeros_and_minus_inf() -> None:
+    """Rows no pattern selects: tiles with no span write out 0 and lse -inf (no zero
+    fill), and their gradients are 0."""
+    case = Case(24, (8,), (4,), False, h=2, hk=1)
+    leaves, _, _, _ = inputs(case)
+    with pytest.warns(UserWarning, match="unread"):
+        out, lse = op(case)(*leaves, None)
+    empty = dilated_counts(case.n, case.h, (8,), (4,), False).sum(-1) == 0  # (h, n)
+    assert empty.any()
+    assert bool((out.detach().permute(0, 2, 1, 3)[:, empty.to(DEVICE)] == 0).all())
+    assert bool((lse.detach()[:, empty.to(DEVICE)] == -math.inf).all())
+
+
+def test_heads_of_a_ulysses_rank() -> None:
+    """A head-parallel rank's slice of heads (offsets from model head 3, query heads
+    reading key/value heads unevenly), through the single-device op that Ulysses runs."""
+    from dilated_attention.dilated import dilated_attention_local
+    from dilated_attention.kernels import KernelOptions
+
+    case = Case(40, (8, 16), (2, 4), True, h=3, hk=2)
+    heads = Heads(3, (1, 1, 0))
+    leaves, dout, dlse, _ = inputs(case)
+    out, lse = dilated_attention_local(*leaves, (case.segment_lengths, case.dilation_rates),
+                                       KernelOptions(True, 0.35, "triton"), heads=heads)
+    q, k, v = (x.detach().cpu().double().requires_grad_() for x in leaves)
+    counts = dilated_counts(case.n, case.h, case.segment_lengths, case.dilation_rates, True,
+                            first_head=3)
+    # query head j reads kv head kv_of[j]: give the reference one kv head per query head
+    kv = list(heads.kv_of)
+    ref_out, ref_lse = attention_with_counts(q, k[:, :, kv], v[:, :, kv], counts, 0.35)
+    close(out.cpu(), ref_out, case.dtype, "out")
+    close(lse.transpose(1, 2).cpu(), ref_lse, case.dtype, "lse")
+    got = grads([out, lse], [dout, dlse.transpose(1, 2)], leaves)
+    want = grads([ref_out, ref_lse], [dout.cpu().double(), dlse.cpu()], [q, k, v])
+    for name, g, w in zip("qkv", got, want):
+        close(g.cpu(), w, case.dtype, f"d{name}")
+
+
+def test_strided_inputs_are_read_in_place() -> None:
+    """q, k, v sliced from one packed (b, n, 3, h, d) projection, and (b, h, n, d) storage
+    seen as (b, n, h, d): the kernels read their strides, bit for bit what contiguous
+    copies give, out, lse and the gradients."""
+    case = Case(24, (8, 16), (1, 2), True, h=2, hk=2, b=2)
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(case.b, case.n, 3, case.h, case.d, generator=gen).to(DEVICE)
+    dout = torch.randn(case.b, case.n, case.h, case.d, generator=gen).to(DEVICE)
+
+    def run(q, k, v):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out, lse = op(case)(*leaves, None)
+        return (out, lse) + grads([out], [dout], leaves)
+
+    packed = qkv.unbind(2)
+    transposed = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in packed]
+    want = run(*(x.contiguous() for x in packed))
+    for name, got, w in zip(("out", "lse", "dq", "dk", "dv"), run(*packed), want):
+        assert torch.equal(got, w), name
+    assert not packed[0].is_contiguous() and not transposed[0].is_contiguous()
+    out, lse = op(case)(*transposed, None)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+def test_module_matches_auto_backend() -> None:
+    """MultiheadDilatedAttention(backend="triton") against backend="auto" with the same
+    weights: outputs and every parameter's gradient."""
+    torch.manual_seed(0)
+    kwargs = dict(embed_dim=32, num_heads=4, segment_lengths=[8, 16], dilation_rates=[1, 2],
+                  num_kv_heads=2, device=DEVICE)
+    fused = MultiheadDilatedAttention(**kwargs, backend="triton")
+    auto = MultiheadDilatedAttention(**kwargs)
+    auto.load_state_dict(fused.state_dict())
+    x = torch.randn(1, 37, 32, device=DEVICE)
+    results = []
+    for module in (fused, auto):
+        out, _ = module(x, x, x, is_causal=True)
+        out.square().sum().backward()
+        results.append((out, {name: p.grad for name, p in module.named_parameters()}))
+    (out_f, grads_f), (out_a, grads_a) = results
+    torch.testing.assert_close(out_f, out_a, rtol=1e-5, atol=1e-5)
+    for name, g in grads_f.items():
+        torch.testing.assert_close(g, grads_a[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert "backend='triton'" in repr(fused)
+
+
+def test_double_backward() -> None:
+    """create_graph=True: the forward runs the fused kernel, the recorded backward the
+    blockwise launches (the fused backward has no derivative); both orders match fp64."""
+    case = Case(16, (4, 8), (1, 2), True, h=2, hk=1)
+    leaves, dout, _, _ = inputs(case)
+    out = op(case)(*leaves, None)[0]
+    first = torch.autograd.grad((out * dout).sum(), leaves, create_graph=True)
+    second = torch.autograd.grad(sum(g.square().sum() for g in first), leaves)
+    ref_leaves, ref_out, _ = reference(case, leaves, None)
+    ref_first = torch.autograd.grad((ref_out * dout.cpu().double()).sum(), ref_leaves,
+                                    create_graph=True)
+    ref_second = torch.autograd.grad(sum(g.square().sum() for g in ref_first), ref_leaves)
+    for name, g, w in zip("qkvqkv", first + second, ref_first + ref_second):
+        close(g.detach().cpu(), w.detach(), case.dtype, f"d{name}")
+
+
+# --------------------------------------------------------------------------
+# Sequence parallel: the exchange and the ring call the per-launch kernel, which with
+# backend="triton" is the fused kernel over one dense pattern; Ulysses runs the fused
+# single-device op on each rank's heads.
+
+SHARDED = [  # (name, lengths, segment_lengths, dilation_rates, causal, h, hk)
+    ("exchange", (10, 14), (8, 16), (1, 2), True, 2, 1),
+    ("ulysses", (9, 7), (4, 16), (1, 2), False, 4, 2),
+    ("ring", (8, 5), None, None, True, 2, 2),
+]
+
+
+def _full_inputs(lengths, h, hk, seed):
+    gen = torch.Generator().manual_seed(seed)
+    n, d = sum(lengths), 8
+    q = torch.randn(1, n, h, d, generator=gen)
+    k, v = torch.randn(1, n, hk, d, generator=gen), torch.randn(1, n, hk, d, generator=gen)
+    return q, k, v, torch.randn(1, n, h, d, generator=gen)
+
+
+def _sharded(group, cases):
+    """Every case on this rank's piece: out, lse, the gradients of <out, dout>, and how
+    often the fused kernels ran (dense per-launch blocks, the whole op)."""
+    from unittest import mock
+
+    from dilated_attention import fused, ring_attention
+    from dilated_attention.distributed import comm
+
+    rank, results = comm.group_rank(group), []
+    for name, lengths, segs, rates, causal, h, hk in cases:
+        calls = {"dense": 0, "op": 0}
+
+        def counted(fn, key):
+            def run(*args, **kwargs):
+                calls[key] += 1
+                return fn(*args, **kwargs)
+            return run
+
+        patches = (mock.patch.object(fused, "dense_forward",
+                                     counted(fused.dense_forward, "dense")),
+                   mock.patch.object(fused, "forward", counted(fused.forward, "op")))
+        lo, hi = sum(lengths[:rank]), sum(lengths[:rank + 1])
+        q, k, v, dout = (x[:, lo:hi] for x in _full_inputs(lengths, h, hk, seed=len(results)))
+        q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+        with patches[0], patches[1]:
+            if name == "ring":
+                out, lse = ring_attention(q, k, v, is_causal=causal, group=group,
+                                          return_lse=True, backend="triton")
+            else:
+                out, lse = dilated_attention(q, k, v, list(segs), list(rates),
+                                             is_causal=causal, group=group, return_lse=True,
+                                             backend="triton", strategy=name)
+        (out * dout).sum().backward()
+        results.append(((out, lse, q.grad, k.grad, v.grad), calls))
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU tensors")
+def test_sequence_parallel_with_the_fused_kernel() -> None:
+    """2 spawned ranks: the exchange, Ulysses and the ring with backend="triton" give each
+    rank its rows of the fp64 reference of the whole sequence."""
+    from dist_harness import run_distributed
+
+    by_rank = run_distributed(_sharded, 2, SHARDED, timeout=300)
+    for i, (name, lengths, segs, rates, causal, h, hk) in enumerate(SHARDED):
+        q, k, v, dout = _full_inputs(lengths, h, hk, seed=i)
+        n = sum(lengths)
+        case = Case(n, segs or (n,), rates or (1,), causal, h=h, hk=hk)
+        ref_leaves, ref_out, ref_lse = reference(case, [q, k, v], None)
+        # lse (b, h, n) -> (b, n, h): every tensor's rows on dim 1
+        want = (ref_out, ref_lse.transpose(1, 2)) + grads([ref_out], [dout.double()],
+                                                        ref_leaves)
+        for rank in range(2):
+            lo, hi = sum(lengths[:rank]), sum(lengths[:rank + 1])
+            (out, lse, dq, dk, dv), calls = by_rank[rank][i]
+            # Ulysses runs the whole op on each rank's heads; the others, launch by launch
+            assert calls["op" if name == "ulysses" else "dense"] > 0, (name, calls)
+            got = (out, lse.transpose(1, 2), dq, dk, dv)
+            for what, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+                close(g, w[:, lo:hi], torch.float32, f"{name} rank {rank} {what}")
+
+
+# --------------------------------------------------------------------------
+# Errors
+
+
+def _call(backend: str = "triton", dtype=torch.float32, **kwargs):
+    q = torch.randn(1, 8, 2, 4, dtype=dtype)
+    return dilated_attention(q, q, q, [4], [1], backend=backend, **kwargs)
+
+
+def test_dropout_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"backend 'triton'.*dropout_p=0.1"):
+        _call(dropout_p=0.1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors only")
+def test_cpu_needs_the_interpreter(monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        _call()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors only")
+def test_kernels_created_without_the_interpreter_are_refused(monkeypatch) -> None:
+    """The variable set only after the kernels were created: a clear error, not a crash
+    deep inside Triton."""
+    from dilated_attention import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "fused_forward", object())
+    with pytest.raises(ValueError, match="created for a GPU"):
+        _call()
+
+
+def test_needs_the_triton_package(monkeypatch) -> None:
+    from dilated_attention import kernels
+
+    monkeypatch.setitem(kernels._INSTALLED, "triton", False)
+    with pytest.raises(ValueError, match="the triton package installed"):
+        _call()
+
+
+@pytest.mark.parametrize("dtype,device,match", [
+    (torch.float64, "cpu", "float64"),
+    (torch.bfloat16, "cpu", "bfloat16 matrix products are wrong"),
+])
+def test_dtypes_it_cannot_run(dtype, device, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        select_backend(torch.device(device), dtype, backend="triton")
