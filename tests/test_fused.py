@@ -11,8 +11,9 @@ Notation: b batch, n rows, h query heads, hk key/value heads, d head dim.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+import os
 from typing import Optional, Tuple
 
 import pytest
@@ -25,13 +26,13 @@ from reference import attention_with_counts, close, dilated_counts, grads
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() and not __import__("os").environ.get("TRITON_INTERPRET"),
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="no GPU and no TRITON_INTERPRET (tests/conftest.py sets it)")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Case:
     n: int
     segment_lengths: Tuple[int, ...]
@@ -129,6 +130,13 @@ def op(case: Case, backend: str = "triton"):
 @pytest.mark.parametrize("name", CASES)
 def test_matches_reference(name: str) -> None:
     check(CASES[name], op(CASES[name]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 dots are wrong in the interpreter")
+@pytest.mark.parametrize("name", ["longnet-gqa-causal", "documents-and-padding"])
+def test_bfloat16_on_cuda(name: str) -> None:
+    case = dataclasses.replace(CASES[name], dtype=torch.bfloat16, d=16)
+    check(case, op(case))
 
 
 def test_unread_rows_get_zeros_and_minus_inf() -> None:

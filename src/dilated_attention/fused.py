@@ -19,8 +19,9 @@ d head dim; layout (b, n, h, d); lse and delta (b, n, h) float32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -94,18 +95,20 @@ def _mask_arg(mask: Optional[Tensor], fallback: Tensor) -> Tuple[Tensor, Tuple[i
 
 
 # --------------------------------------------------------------------------
-# The single-device op
+# The single-device op, and one block of plain attention (kernels.attention_forward /
+# attention_backward). A planner(block_m=, keys=) gives the plan on the device; the
+# launches ask for it only when they run (not for an empty call, nor on meta tensors).
+
+Planner = Callable[..., TilePlan]
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, *, causal: bool, scale: float,
             heads: Heads, documents: Documents,
             key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """q (b, n, h, d), k/v (b, n, hk, d), key_mask (b, n) or None -> out, lse (b, n, h)."""
-    b, n, _, _ = q.shape
-    sizes = tile_sizes(q.device)
-    plan = tile_plan(n, patterns, heads, k.shape[2], causal, documents, sizes.query_rows,
-                     keys=False, device=str(q.device))
-    return _forward(q, k, v, plan, causal, scale, _per_kv_head(key_mask, k), sizes)
+    planner = functools.partial(tile_plan, q.shape[1], patterns, heads, k.shape[2], causal,
+                                documents, device=str(q.device))
+    return _forward(q, k, v, planner, causal, scale, _per_kv_head(key_mask, k))
 
 
 def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -113,15 +116,10 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
              heads: Heads, documents: Documents,
              key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of `forward` from its out and lse (dlse (b, n, h): the gradient of lse)."""
-    n, hk = q.shape[1], k.shape[2]
-    sizes = tile_sizes(q.device)
-    device = str(q.device)
-    queries = tile_plan(n, patterns, heads, hk, causal, documents, sizes.query_rows, keys=False,
-                        device=device)
-    keys = tile_plan(n, patterns, heads, hk, causal, documents, sizes.key_rows, keys=True,
-                     device=device)
-    return _backward(dout, q, k, v, out, lse, dlse, queries, keys, causal, scale,
-                     _per_kv_head(key_mask, k), sizes)
+    planner = functools.partial(tile_plan, q.shape[1], patterns, heads, k.shape[2], causal,
+                                documents, device=str(q.device))
+    return _backward(dout, q, k, v, out, lse, dlse, planner, causal, scale,
+                     _per_kv_head(key_mask, k))
 
 
 def _per_kv_head(key_mask: Optional[Tensor], k: Tensor) -> Optional[Tensor]:
@@ -129,50 +127,44 @@ def _per_kv_head(key_mask: Optional[Tensor], k: Tensor) -> Optional[Tensor]:
     return None if key_mask is None else key_mask[:, :, None].expand(-1, -1, k.shape[2])
 
 
-# --------------------------------------------------------------------------
-# One block of plain attention (kernels.attention_forward / attention_backward)
-
-
 def dense_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
                   key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """q (b, n, h, d) against k/v (b, m, hk, d) (n == m when causal: the square lower
     triangle); key_mask (b, m, hk) -> out (b, n, h, d), lse (b, n, h)."""
-    h, hk = q.shape[2], k.shape[2]
-    sizes = tile_sizes(q.device)
-    plan = dense_plan(q.shape[1], k.shape[1], Heads.of(h, hk), hk, sizes.query_rows, keys=False,
-                      device=str(q.device))
-    return _forward(q, k, v, plan, causal, scale, key_mask, sizes)
+    return _forward(q, k, v, _dense_planner(q, k), causal, scale, key_mask)
 
 
 def dense_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    dlse: Optional[Tensor], *, causal: bool, scale: float,
                    key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of `dense_forward`, given the final (merged) out and lse."""
-    n, m, h, hk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
-    sizes = tile_sizes(q.device)
-    heads, device = Heads.of(h, hk), str(q.device)
-    queries = dense_plan(n, m, heads, hk, sizes.query_rows, keys=False, device=device)
-    keys = dense_plan(n, m, heads, hk, sizes.key_rows, keys=True, device=device)
-    return _backward(dout, q, k, v, out, lse, dlse, queries, keys, causal, scale, key_mask,
-                     sizes)
+    return _backward(dout, q, k, v, out, lse, dlse, _dense_planner(q, k), causal, scale,
+                     key_mask)
+
+
+def _dense_planner(q: Tensor, k: Tensor) -> Planner:
+    hk = k.shape[2]
+    return functools.partial(dense_plan, q.shape[1], k.shape[1], Heads.of(q.shape[2], hk), hk,
+                             device=str(q.device))
 
 
 # --------------------------------------------------------------------------
 # Launches
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, causal: bool, scale: float,
-             mask: Optional[Tensor], sizes: TileSizes) -> Tuple[Tensor, Tensor]:
+def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, scale: float,
+             mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     b, n, h, d = q.shape
     out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, n, h), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or q.device.type == "meta":
         return out, lse
-    if not plan.tiles.shape[0]:
-        return out, lse
+    sizes = tile_sizes(q.device)
+    plan = planner(block_m=sizes.query_rows, keys=False)
     kernels = _kernels(q.device)
     has_mask = mask is not None
     mask, mask_strides = _mask_arg(mask, lse)
+    # a plan has a tile for every (row, head): none only for an empty sequence
     kernels.fused_forward[(plan.tiles.shape[0], b)](
         q, k, v, out, lse, mask, plan.tiles, plan.rows, plan.spans, plan.extras,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *mask_strides,
@@ -185,15 +177,17 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, causal: bool, scal
 
 
 def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-              dlse: Optional[Tensor], queries: TilePlan, keys: TilePlan, causal: bool,
-              scale: float, mask: Optional[Tensor],
-              sizes: TileSizes) -> Tuple[Tensor, Tensor, Tensor]:
+              dlse: Optional[Tensor], planner: Planner, causal: bool, scale: float,
+              mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     b, n, h, d = q.shape
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if q.device.type == "meta" or b == 0:
+    if q.device.type == "meta" or b == 0 or h == 0 or d == 0:
         return dq, dk, dv
+    sizes = tile_sizes(q.device)
+    queries = planner(block_m=sizes.query_rows, keys=False)
+    keys = planner(block_m=sizes.key_rows, keys=True)
     kernels = _kernels(q.device)
     dout, out = dout.to(q.dtype), out.to(q.dtype)
     # delta shares lse's (contiguous) strides in the kernels

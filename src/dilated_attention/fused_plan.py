@@ -43,13 +43,23 @@ multiplied once, not twice: in the example class AB reads 3072 keys, not
 each, whose counts add up.
 
 Tiles. Classes are cut into tiles of at most BLOCK_M rows (a table of rows,
-ascending; a class is not always an arithmetic progression: rates 2 and 3
-give {t : t = 0 mod 2, t != 0 mod 3}), and one program computes one tile
-for one batch row: it loads its q rows in place and runs the online softmax
-over its spans, BLOCK_N keys at a time (strided loads), with the causal mask
-and the key padding mask per element. Rows no pattern selects form classes
+ascending), and one program computes one tile for one batch row: it loads
+its q rows in place and runs the online softmax over its spans, BLOCK_N
+keys at a time (strided loads), with the causal mask and the key padding
+mask per element. Rows no pattern selects form classes
 with no span: their tiles write out 0 and lse -inf, so every (row, head) is
 written exactly once and nothing is zero-filled first.
+
+Why classes and a row table, not one arithmetic progression per residue mod
+L = lcm(rates): a class unites every residue of equal pattern set (head 0 of
+the geometric schedule 2048..65536 / 1..32: the 16 odd residues mod 32 are
+one class of 1024 rows per cell, not 16 of 64), so tiles are full where a
+residue alone would half-fill a 128-row tile, and under a causal mask a
+tile's rows lie close together, where a residue's rows spread over the
+whole cell and every tile would reach the cell's last key. A class is not
+always a progression (rates 2 and 3: {t = 0 mod 2, t != 0 mod 3}), hence the
+table; it costs one int32 per (row, head) of each distinct cell geometry,
+and a load of BLOCK_M int32 per tile.
 
 Templates. Cells with the same geometry (length, and each pattern's segment
 relative to the cell) have the same classes and spans, relative to the cell
