@@ -208,6 +208,7 @@ def _cases(world: int) -> List[Dict]:
               sizes=(3, 6, 6)),
         # an unbounded side: halos in rounds, one chunk distance each
         _case(9, window=(-1, 2), lengths=uneven, documents=[0, 4, sum(uneven)]),
+        _case(12, window=(-1, 2), n=8 * world, layout="zigzag", padded=True),
         # the same window over twice the rows: the same bytes (cases 10, 11)
         _case(10, window=(2, 1), lengths=[5] * world),
         _case(11, window=(2, 1), lengths=[10] * world),
