@@ -124,7 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.exit("finetune_hf.py: --check-unpacked is train_long_context.py's; "
                  "tests/test_hf.py checks packed documents against documents alone")
     if args.mesh:
-        sys.exit("finetune_hf.py: --mesh is train_long_context.py's (docs/guide.md shows "
+        sys.exit("finetune_hf.py: --mesh is train_long_context.py's (docs/training.md shows "
                  "DDP and FSDP2 with a transformers model)")
     chance = 1.0 / args.keys
     documents = max(args.packed, 1)

@@ -505,7 +505,7 @@ def _one_rank_skips_backward(group) -> None:
 
 @pytest.mark.distributed
 def test_a_rank_that_skips_backward_is_a_timeout_on_the_others() -> None:
-    """Not detectable (docs/guide.md, 'When ranks do different things'): the other rank
+    """Not detectable (docs/sequence-parallel.md, 'When ranks do different things'): the other rank
     waits in backward for the group's timeout (5 s here), then raises; it never hangs."""
     from dist_harness import RankFailure, run_distributed
 

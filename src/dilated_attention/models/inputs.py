@@ -236,7 +236,7 @@ def _check_replicas(infos: List[Dict[str, object]], model: Optional[nn.Module], 
             f"not reduced over the sequence-parallel ranks: after backward call "
             f"all_reduce_gradients(model, process_group), or wrap the model in DDP over the "
             f"data x sequence ranks (not the data-parallel ranks alone), or fully_shard it on a "
-            f"mesh that includes the sequence-parallel ranks (docs/guide.md, Training: "
+            f"mesh that includes the sequence-parallel ranks (docs/training.md, Training: "
             f"gradients across ranks)"
         )
 

@@ -2,7 +2,7 @@
 
 Two independent estimates of the same quantities, both labelled estimates:
 
-- **formula**: the memory accounting of docs/guide.md ("Memory formulas")
+- **formula**: the memory accounting of docs/memory.md ("Memory: row blocks")
   evaluated on the op's plan geometry: which segments span ranks and how
   many (row, kv head) pairs each transfer carries (``make_plan``, pure
   arithmetic on the piece lengths; index tensors on ``meta``, no data).
@@ -374,7 +374,7 @@ def _ulysses_formula(config: EstimateConfig) -> Estimate:
 
 
 def formula(config: EstimateConfig) -> Estimate:
-    """Peak per rank from the accounting of docs/guide.md, largest over ranks."""
+    """Peak per rank from the accounting of docs/memory.md, largest over ranks."""
     start = time.perf_counter()
     if split(config)[0] > 1:
         best = _ulysses_formula(config)
