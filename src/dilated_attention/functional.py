@@ -115,10 +115,6 @@ def _agreed_lengths(infos) -> Tuple[int, ...]:
     return lengths
 
 
-def _layout(layout: str, lengths: Tuple[int, ...]) -> Layout:
-    return Layout.zigzag(lengths) if layout == "zigzag" else Layout.contiguous(lengths)
-
-
 def _shape(call: Dict[str, Any], lengths: Tuple[int, ...], patterns: Patterns, causal: bool,
            documents: Documents) -> strategies.Shape:
     """What the strategy choice depends on, from the agreed call."""
@@ -168,18 +164,6 @@ class _Route:
 
         return ulysses_attention(q, k, v, mask, self.heads,
                                  blocks[comm.group_rank(self.sequence)], attend)
-
-
-def _documents(cu_seqlens: Optional[Tuple[int, ...]], total: int) -> Documents:
-    """The agreed boundaries, checked against the sequence length; None for one document."""
-    if cu_seqlens is None:
-        return None
-    if cu_seqlens[-1] != total:
-        raise ValueError(
-            f"cu_seqlens must end at the sequence length {total}, got {cu_seqlens[-1]} "
-            f"(cu_seqlens {check.brief(cu_seqlens)})"
-        )
-    return None if len(cu_seqlens) == 2 else cu_seqlens
 
 
 def _no_window(window_size) -> Tuple[int, int]:
@@ -300,7 +284,7 @@ def dilated_attention(
     call = infos[0]  # rank 0's dropout seed is the call's
     lengths = _agreed_lengths(infos)
     check_piece_lengths(lengths, layout)
-    documents = _documents(call["cu_seqlens"], sum(lengths))
+    documents = check.check_documents(call["cu_seqlens"], sum(lengths))
     patterns = (call["segment_lengths"], call["dilation_rates"])
     opts = KernelOptions(call["is_causal"], call["scale"], call["backend"], call["dropout_p"],
                          call["seed"])
@@ -315,7 +299,7 @@ def dilated_attention(
         if comm.is_distributed(group):
             return sequence_parallel_dilated_attention(
                 q, k, v, patterns, opts, group, lengths, heads=heads, documents=documents,
-                key_mask=mask, layout=_layout(layout, lengths))
+                key_mask=mask, layout=Layout.named(layout, lengths))
         return dilated_attention_local(q, k, v, patterns, opts, heads=heads,
                                        documents=documents, key_mask=mask)
 
@@ -452,7 +436,7 @@ def ring_attention(
     call = infos[0]
     lengths = _agreed_lengths(infos)
     check_piece_lengths(lengths, layout)
-    documents = _documents(call["cu_seqlens"], sum(lengths))
+    documents = check.check_documents(call["cu_seqlens"], sum(lengths))
     window = _effective_window(call["window_size"], sum(lengths))
     # a window unbounded on the left and ending at the query is causal attention
     windowed = window not in ((-1, -1), (-1, 0))
@@ -475,7 +459,7 @@ def ring_attention(
             if not comm.is_distributed(group):
                 return window_attention_local(q, k, v, window, opts, documents=documents,
                                               key_mask=mask)
-            return halo_attention(q, k, v, window, opts, group, _layout(layout, lengths),
+            return halo_attention(q, k, v, window, opts, group, Layout.named(layout, lengths),
                                   documents=documents, key_mask=mask)
         if mask is None and documents is None:
             return RingAttentionFunction.apply(q, k, v, opts, group, layout, lengths)
@@ -484,7 +468,7 @@ def ring_attention(
                                            documents=documents, key_mask=mask)
         return sequence_parallel_dilated_attention(
             q, k, v, dense_patterns, opts, group, lengths, heads=heads, documents=documents,
-            key_mask=mask, layout=_layout(layout, lengths))
+            key_mask=mask, layout=Layout.named(layout, lengths))
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
         return route.run(q, k, v, mask, lengths, opts, dense)

@@ -142,6 +142,11 @@ class Layout(NamedTuple):
                   for i in range(2 * p)]
         return cls(tuple(chunks), 2 * p * c, p)
 
+    @classmethod
+    def named(cls, layout: str, lengths: Sequence[int]) -> "Layout":
+        """The layout called `layout` ("contiguous" or "zigzag") of pieces of these lengths."""
+        return cls.zigzag(lengths) if layout == "zigzag" else cls.contiguous(lengths)
+
     def of_rank(self, rank: int) -> List[Chunk]:
         """This rank's chunks in local order."""
         return sorted((c for c in self.chunks if c.rank == rank), key=lambda c: c.local)

@@ -268,6 +268,18 @@ def check_cu_seqlens(cu_seqlens) -> Optional[Tuple[int, ...]]:
     return values
 
 
+def check_documents(cu_seqlens: Optional[Tuple[int, ...]], total: int,
+                    name: str = "cu_seqlens") -> Optional[Tuple[int, ...]]:
+    """Boundaries from `check_cu_seqlens` (agreed across ranks), checked to end at the sequence
+    length `total`; None for one document (no boundary inside), which every op treats alike."""
+    if cu_seqlens is None:
+        return None
+    if cu_seqlens[-1] != total:
+        raise ValueError(f"{name} must end at the sequence length {total}, got {cu_seqlens[-1]} "
+                         f"({name} {brief(cu_seqlens)})")
+    return None if len(cu_seqlens) == 2 else cu_seqlens
+
+
 def brief(values: Sequence[int]) -> str:
     """A list for an error message, elided in the middle when long."""
     if len(values) <= 8:

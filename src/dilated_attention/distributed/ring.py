@@ -111,6 +111,7 @@ from torch import Tensor
 from ..kernels import KernelOptions, attention_backward, attention_forward, lse_dtype
 from ..kernels import save_for_backward, saved_for_backward
 from ..merge import empty_accumulators, merge_
+from ..plan import Layout
 from ..validation import check_first_order
 from . import comm
 
@@ -230,26 +231,28 @@ def _pass_on(ring: comm.RingComm, rows: int, *blocks: Tensor) -> List[Tensor]:
     return received
 
 
-def _block_plan(
-    layout: str, causal: bool, rank: int, src: int, n_q: int, n_k: int
-) -> Optional[Tuple[int, int, int, int, bool]]:
+def _block_plan(layout: Layout, causal: bool, rank: int,
+                src: int) -> Optional[Tuple[int, int, int, int, bool]]:
     """Which query rows [q0, q1) meet which key rows [k0, k1) of rank `src`'s block, and whether
     as a causal square (q0 == k0, q1 == k1: local order is global order; Note [zigzag]).
 
     None when the block contributes nothing to this rank's queries.
     """
+    n_q, n_k = layout.rows_of(rank), layout.rows_of(src)
     if n_q == 0 or n_k == 0:
         return None  # the kernels need at least one key; nothing to do
     if not causal:
         return 0, n_q, 0, n_k, False
     if src == rank:
         return 0, n_q, 0, n_k, True
-    if layout == "contiguous":
-        return (0, n_q, 0, n_k, False) if src < rank else None
-    half = n_q // 2  # Note [zigzag]
-    if src < rank:
-        return 0, n_q, 0, half, False
-    return half, n_q, 0, n_k, False
+    # another rank's chunk is wholly before a query chunk or wholly after it (Note [zigzag])
+    seen = [(q, k) for q in layout.of_rank(rank) for k in layout.of_rank(src)
+            if k.stop <= q.start]
+    if not seen:
+        return None
+    return (min(q.local for q, _ in seen), max(q.local + q.stop - q.start for q, _ in seen),
+            min(k.local for _, k in seen), max(k.local + k.stop - k.start for _, k in seen),
+            False)
 
 
 def _launches(plan, lo: int, hi: int, q_rows: int) -> List[Tuple[slice, slice, bool]]:
@@ -328,8 +331,9 @@ def ring_forward(
     # fp32 (fp64) accumulators: for fp32 (fp64) inputs acc_out is the output itself
     acc_out, acc_lse = empty_accumulators(q.shape, q.dtype, q.device)
     rotation = _Rotation(group, k, v, lengths, sub.parts(lengths))
+    chunks = Layout.named(layout, lengths)
     for unit in rotation:
-        plan = _block_plan(layout, opts.causal, rank, unit.src, n, lengths[unit.src])
+        plan = _block_plan(chunks, opts.causal, rank, unit.src)
         for rows, keys, causal in _launches(plan, unit.lo, unit.hi, sub.q_rows):
             # merged at once: a launch's output is freed before the next one runs
             merge_(acc_out[:, rows], acc_lse[:, rows], *attention_forward(
@@ -373,11 +377,12 @@ def ring_backward(
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     rotation = _Rotation(group, k, v, lengths, parts)
+    chunks = Layout.named(layout, lengths)
     dkv_ring = comm.RingComm(group, tag=_DKV_TAG)
     arriving: Optional[List[Tensor]] = None  # the dK/dV posted after the previous unit
     home: Optional[Tuple[int, int]] = None  # their rows in dk/dv when they are this rank's own
     for unit in rotation:
-        plan = _block_plan(layout, opts.causal, rank, unit.src, n, lengths[unit.src])
+        plan = _block_plan(chunks, opts.causal, rank, unit.src)
         grads = _unit_backward(
             _launches(plan, unit.lo, unit.hi, sub.q_rows), rotation.k, rotation.v, dout, q, out,
             lse, dlse, dq, opts)

@@ -51,6 +51,7 @@ from typing import List, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from ..plan import Layout
 from . import comm
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -85,12 +86,11 @@ def piece_ranges(
 ) -> List[Tuple[int, int]]:
     """Global row ranges [start, stop) that rank `rank` holds, in its local order."""
     lengths = piece_lengths(n, world_size, layout)
-    if layout == "zigzag":
-        c = n // (2 * world_size)
-        first, second = rank, 2 * world_size - 1 - rank
-        return [(first * c, (first + 1) * c), (second * c, (second + 1) * c)]
-    start = sum(lengths[:rank])
-    return [(start, start + lengths[rank])]
+    chunks = Layout.named(layout, lengths).of_rank(rank)
+    if not chunks:  # an empty contiguous piece: no rows, where they would start
+        start = sum(lengths[:rank])
+        return [(start, start)]
+    return [(c.start, c.stop) for c in chunks]
 
 
 def check_piece_lengths(lengths: Sequence[int], layout: str) -> None:
@@ -155,9 +155,10 @@ def gather_pieces(x_local: Tensor, group, lengths: Sequence[int], *, dim: int = 
     return _Unshard.apply(x_local, group, "contiguous", dim % x_local.dim(), tuple(lengths))
 
 
-def _zigzag_order(world_size: int) -> List[int]:
-    """Chunk index at each position of the rank-order gather [r0c0, r0c1, r1c0, ...]."""
-    return [c for p in range(world_size) for c in (p, 2 * world_size - 1 - p)]
+def _rank_order(layout: str, lengths: Sequence[int]) -> List[int]:
+    """The global index of each chunk in rank order (the order an all-gather of pieces holds)."""
+    chunks = Layout.named(layout, lengths).chunks
+    return sorted(range(len(chunks)), key=lambda i: (chunks[i].rank, chunks[i].local))
 
 
 def _gather_full(x_local: Tensor, group, layout: str, dim: int, lengths: Sequence[int]) -> Tensor:
@@ -165,7 +166,7 @@ def _gather_full(x_local: Tensor, group, layout: str, dim: int, lengths: Sequenc
     if layout == "contiguous" or comm.group_size(group) == 1:
         return gathered
     # (.., 2P chunks in rank order, ..) -> (.., chunks in global order, ..)
-    order = _zigzag_order(comm.group_size(group))
+    order = _rank_order(layout, lengths)
     chunks = gathered.split(gathered.shape[dim] // len(order), dim=dim)
     return torch.cat([chunks[order.index(c)] for c in range(len(order))], dim=dim)
 
@@ -183,7 +184,7 @@ class _Unshard(torch.autograd.Function):
         if layout == "zigzag" and size > 1:
             # (.., chunks in global order, ..) -> (.., chunks in rank order, ..)
             chunks = grad_full.split(grad_full.shape[dim] // (2 * size), dim=dim)
-            grad_full = torch.cat([chunks[c] for c in _zigzag_order(size)], dim=dim)
+            grad_full = torch.cat([chunks[c] for c in _rank_order(layout, lengths)], dim=dim)
         grad = comm.reduce_scatter(grad_full.contiguous(), group, dim=dim, sizes=lengths)
         return grad, None, None, None, None
 

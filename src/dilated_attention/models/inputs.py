@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from .. import validation as check
 from ..distributed import comm
 from ..distributed.sharding import local_part, sharded_within
 from .loss import IGNORE_INDEX
@@ -246,10 +247,7 @@ def documents_of(infos, pieces: Tuple[int, ...], total: int) -> Optional[Tuple[i
     """The agreed document boundaries: given as cu_seqlens, or where position_ids restart."""
     given = infos[0]["cu_seqlens"]
     if given is not None:
-        if given[-1] != total:
-            raise ValueError(f"cu_seqlens must end at the sequence length {total}, got "
-                             f"{given[-1]}")
-        return given
+        return check.check_documents(given, total)
     starts = sorted({0} | {sum(pieces[:r]) + s for r, i in enumerate(infos)
                            for s in i["doc_starts"]})
     if len(starts) == 1 and not any(i["doc_starts"] for i in infos):

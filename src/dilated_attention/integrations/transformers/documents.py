@@ -86,9 +86,7 @@ def agreed_documents(infos: List[Dict[str, Any]], explicit: Optional[Tuple[int, 
                 f"position_ids restart at {check.brief(sorted(ours))}"
             )
     if explicit is not None:
-        if explicit[-1] != total:
-            raise ValueError(f"cu_seq_lens_q must end at the sequence length {total}, got "
-                             f"{check.brief(explicit)}")
+        check.check_documents(explicit, total, "cu_seq_lens_q")
         stray = sorted(starts - set(explicit))
         if stray:
             raise ValueError(
