@@ -459,7 +459,7 @@ def _sp_rank(group):
 
 def _window_models(group):
     """Sliding-window models (Mistral; Gemma 3, local and global layers) sequence-parallel
-    against one process: the window layers run the halo exchange."""
+    against one process: the window layers run the halo exchange; sharded generation."""
     world, rank = comm.group_size(group), comm.group_rank(group)
     sp = register("dilated_sp_dense_test", segment_lengths=[4096], dilation_rates=[1],
                   group=group)
@@ -469,10 +469,24 @@ def _window_models(group):
         logits = model(**inputs).logits
         return logits, causal_lm_loss(logits, targets, g)
 
-    return [(f"{family} {case}",) + _one_and_sharded(
-                case, n, group, (start, stop), window_model(family, DENSE),
-                window_model(family, sp), loss_of)
-            for family in ("mistral", "gemma3") for case in ("plain", "left_padding", "packed")]
+    steps = [(f"{family} {case}",) + _one_and_sharded(
+                 case, n, group, (start, stop), window_model(family, DENSE),
+                 window_model(family, sp), loss_of)
+             for family in ("mistral", "gemma3") for case in ("plain", "left_padding", "packed")]
+    # generation: each step's window (6 or 5 keys) reaches into rows other ranks hold; one
+    # process generates with transformers' sliding-window cache
+    for family in ("mistral", "gemma3"):
+        one, sharded = window_model(family, DENSE), window_model(family, sp)
+        for b, length, new, kwargs in (GENERATION_CASES[0], GENERATION_CASES[3]):
+            ids, kwargs = _generation_inputs(b, length, kwargs)
+            outs = [hf.generate(model, ids, group=g, max_new_tokens=new, pad_token_id=0,
+                                **kwargs) for model, g in ((one, None), (sharded, group))]
+            assert torch.equal(outs[1], outs[0]), (family, length, kwargs)
+    # layers of another kind are refused up front, on every rank
+    sharded.config.layer_types = ["sliding_attention", "chunked_attention"] * 2
+    with pytest.raises(NotImplementedError, match=r"layer types \['chunked_attention'\]"):
+        hf.generate(sharded, ids, group=group, max_new_tokens=2, pad_token_id=0)
+    return steps
 
 
 def _one_and_sharded(case: str, n: int, group, rows, one, sharded, loss_of):
@@ -504,6 +518,15 @@ GENERATION_CASES = [
 ]
 
 
+def _generation_inputs(b: int, n: int, kwargs):
+    """A generation case's prompt (padding ids 0) and generate arguments (a 0/1 mask)."""
+    ids = tokens(b, n, seed=n)
+    if "attention_mask" in kwargs:
+        ids[~kwargs["attention_mask"]] = 0
+        kwargs = {**kwargs, "attention_mask": kwargs["attention_mask"].long()}
+    return ids, kwargs
+
+
 def _sharded_generation(group):
     """hf.generate on these ranks returns what model.generate returns on one process."""
     world, rank = comm.group_size(group), comm.group_rank(group)
@@ -512,10 +535,7 @@ def _sharded_generation(group):
     one, sharded = build(DILATED), build(name)
     done = []
     for b, n, new, kwargs in GENERATION_CASES:
-        ids = tokens(b, n, seed=n)
-        if "attention_mask" in kwargs:
-            ids[~kwargs["attention_mask"]] = 0
-            kwargs = {**kwargs, "attention_mask": kwargs["attention_mask"].long()}
+        ids, kwargs = _generation_inputs(b, n, kwargs)
         outs = []
         for model, g in ((one, None), (sharded, group)):
             torch.manual_seed(3)

@@ -43,9 +43,11 @@ Note [sliding-window layers]
     window (Gemma 3's global ones) keep the registered dilated patterns.
     Decoding a sliding-window layer attends the last w keys of whatever
     cache the model keeps (transformers' sliding-window cache keeps just
-    those): exact, as the window holds no more. Not supported: attention
-    dropout on such a layer (ring_attention has none), and sliding-window
-    layers in ``generate(..., group=)``.
+    those): exact, as the window holds no more. Under ``generate(...,
+    group=)`` the window's keys may lie on several ranks: each rank attends
+    those it holds and the partials merge as a dilated step's do (the
+    sharded cache keeps every row, not only the window's). Not supported:
+    attention dropout on such a layer (ring_attention has none).
 
 Each call costs one small agreement collective (validation, padding and
 document facts of every rank) besides the op's own.
@@ -197,7 +199,7 @@ class _Backend:
                     f"to 0 (config.attention_dropout)")
             if decoding:
                 _check_decoding(comm.is_distributed(group) and not stepping, causal, mask, kwargs,
-                                p, (query, key, value), window is not None and stepping)
+                                p, (query, key, value))
             elif nq != nk:
                 raise NotImplementedError(
                     f"query length {nq} != key length {nk}: only one new token at a time can "
@@ -216,17 +218,20 @@ class _Backend:
         # a sharded step checks here only: generate agreed on its inputs, which every rank
         # then computes alike (one all-gather per layer is all a step sends)
         infos = [config()] if stepping else comm.agree(group, config, per_rank=_PER_RANK)
-        if decoding and infos[0]["window"] is not None:
-            return _decode_window(q, k, v, attention_mask, infos[0]["window"], scaling), None
         if decoding:
             keep = attention_mask if isinstance(attention_mask, Tensor) else None
-            origins, keep = decoding_origins(keep, kwargs.get("position_ids"), kv_length - 1)
-            patterns = (self.segment_lengths, self.dilation_rates)
             if stepping:
                 rows, merge_over = sharded.rows(layer), self.group
             else:
                 rows, merge_over = [CachedRows(k, v, 0, nk)], None
-            out = decode(q, rows, kv_length - 1, patterns, scale=scaling, group=merge_over,
+            # the new token's position among the rows (one process: the cache's last key)
+            t = kv_length - 1
+            if infos[0]["window"] is not None:
+                out = _decode_window(q, rows, t, keep, infos[0]["window"], scaling, merge_over)
+                return out, None
+            origins, keep = decoding_origins(keep, kwargs.get("position_ids"), t)
+            patterns = (self.segment_lengths, self.dilation_rates)
+            out = decode(q, rows, t, patterns, scale=scaling, group=merge_over,
                          origins=origins, keep=keep)
             return out, None
         return self._prompt(q, k, v, attention_mask, scaling, infos, group), None
@@ -344,15 +349,17 @@ def _window(mask: Optional[Window], sliding_window) -> Optional[Tuple[int, int]]
     return mask.left, mask.right
 
 
-def _decode_window(q: Tensor, k: Tensor, v: Tensor, keep, window: Tuple[int, int],
-                   scale: Optional[float]) -> Tensor:
-    """One new token of a sliding-window layer: attention over the last left + 1 cached keys
-    (the new one last), whatever the cache kept besides."""
-    m = min(k.shape[1], window[0] + 1)
-    keep = keep[:, -m:] if isinstance(keep, Tensor) else None
-    # (b, nk, hk, d) -> its last m rows: positions 0 .. m - 1 of a dense pattern
-    rows = [CachedRows(k[:, -m:], v[:, -m:], 0, m)]
-    return decode(q, rows, m - 1, ((m,), (1,)), scale=scale, keep=keep)
+def _decode_window(q: Tensor, rows: Sequence[CachedRows], t: int, keep: Optional[Tensor],
+                   window: Tuple[int, int], scale: Optional[float], group) -> Tensor:
+    """One new token at position t of a sliding-window layer: attention over the keys
+    [t - left, t] among `rows` (merged over `group`'s ranks when they hold the rows), whatever
+    the cache kept besides. A dense pattern of left + 1 rows whose sequence starts at
+    t - left is exactly that window (decoding.py's rule: its one segment starts at the
+    origin)."""
+    left = window[0]
+    origins = (max(0, t - left),) * q.shape[0]
+    return decode(q, rows, t, ((left + 1,), (1,)), scale=scale, group=group, origins=origins,
+                  keep=keep)
 
 
 def _read_mask(attention_mask, batch: int, nk: int):
@@ -374,12 +381,9 @@ def _read_mask(attention_mask, batch: int, nk: int):
 
 
 def _check_decoding(unserved_group: bool, causal: bool, mask, kwargs, dropout_p: float,
-                    tensors, sharded_window: bool) -> None:
+                    tensors) -> None:
     """One new token against a KV cache (Note [generation]): what must hold."""
     problems = []
-    if sharded_window:
-        problems.append("a sliding-window layer in sharded generation (generate(..., group=)); "
-                        "generate on one process, where sliding-window layers decode exactly")
     if unserved_group:
         problems.append("sequence parallelism (group=) outside dilated_attention.integrations."
                         "transformers.generate(model, input_ids, group=...), which shards the "

@@ -214,9 +214,10 @@ def _check_model(model, backend, group) -> None:
             f"each rank its slice of the prompt at its global positions"
         )
     layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
-    if layer_types and any(kind != "full_attention" for kind in layer_types):
-        raise NotImplementedError(f"sharded generation needs full attention in every layer, "
-                                  f"got layer types {sorted(set(layer_types))}")
+    other = sorted(set(layer_types or ()) - {"full_attention", "sliding_attention"})
+    if other:
+        raise NotImplementedError(f"sharded generation runs full-attention and sliding-window "
+                                  f"layers, got layer types {other}")
 
 
 def _plain(kwargs: Dict[str, Any]) -> Tuple[Tuple[str, str], ...]:

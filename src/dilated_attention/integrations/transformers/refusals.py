@@ -13,10 +13,10 @@ argument, never silently dropped:
 | ``position_ids`` that restart (no padding; one process) | packed documents -> ``cu_seqlens`` |
 | ``cu_seq_lens_q`` = ``cu_seq_lens_k`` | packed documents -> ``cu_seqlens`` (global ones under sequence parallelism) |
 | ``sliding_window`` and the model's sliding-window mask (Mistral, Qwen2, Gemma 3's local layers) | exact windowed attention through ``ring_attention(window_size=...)``, one process or sequence-parallel (the halo exchange); the layers without a window keep the dilated patterns (Note [sliding-window layers] in backend.py) |
-| one new token against a KV cache | exact decoding, left-padded batches and ``generate(..., group=)`` included (Note [generation] in backend.py); a sliding-window layer attends the window's keys, whatever the cache kept besides (transformers' sliding-window cache included) |
+| one new token against a KV cache | exact decoding, left-padded batches and ``generate(..., group=)`` included (Note [generation] in backend.py); a sliding-window layer attends the window's keys, whatever the cache kept besides (transformers' sliding-window cache, and ``generate(..., group=)``'s sharded cache, whose ranks merge their keys of the window) |
 | ``use_cache``, ``max_length_q/k``, ``num_items_in_batch``, ``output_hidden_states``, ``output_router_logits`` | no effect on attention |
 | a 4-D mask, a float mask, a mask function other than causal within documents or a sliding window (image-token blocks), ``softcap``, ``s_aux`` (sinks), ``seq_idx``, ``output_attentions=True``, any other keyword; attention dropout on a sliding-window layer | refused |
-| q_len != k_len other than decoding one token (chunked prefill, cross-attention), a static cache, a sliding-window cache that keeps fewer keys than the window, decoding with padding after a row's first real token, a sliding-window layer in ``generate(..., group=)`` | refused |
+| q_len != k_len other than decoding one token (chunked prefill, cross-attention), a static cache, a sliding-window cache that keeps fewer keys than the window, decoding with padding after a row's first real token | refused |
 """
 
 from __future__ import annotations
