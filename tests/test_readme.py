@@ -1,4 +1,5 @@
-"""Every ```python block of README.md runs as written.
+"""Every ```python block of README.md runs as written, and so does every
+docs/*.md block that starts with a torchrun line.
 
 Each block is saved as a file and run in a fresh interpreter, so a block
 that leans on a name from another block (or on anything not in it) fails.
@@ -16,7 +17,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import List, Tuple
 
 import pytest
 
@@ -25,17 +26,22 @@ BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 TORCHRUN = re.compile(r"^# torchrun --nproc-per-node (\d+)\b")
 
 
-def python_blocks() -> List[str]:
-    return BLOCK.findall((ROOT / "README.md").read_text())
+def python_blocks() -> List[Tuple[str, str]]:
+    """(where, code) of each block to run: README's all, docs' torchrun ones."""
+    blocks = [(f"README.md block {i}", code)
+              for i, code in enumerate(BLOCK.findall((ROOT / "README.md").read_text()))]
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        runnable = [code for code in BLOCK.findall(page.read_text()) if TORCHRUN.match(code)]
+        blocks += [(f"docs/{page.name} torchrun block {i}", code) for i, code in enumerate(runnable)]
+    return blocks
 
 
 def test_readme_has_python_blocks() -> None:
-    assert len(python_blocks()) >= 3
+    assert sum(where.startswith("README") for where, _ in python_blocks()) >= 3
 
 
-@pytest.mark.parametrize("index", range(len(python_blocks())))
-def test_readme_block_runs(index: int, tmp_path: Path) -> None:
-    code = python_blocks()[index]
+@pytest.mark.parametrize("where,code", python_blocks(), ids=[w for w, _ in python_blocks()])
+def test_readme_block_runs(where: str, code: str, tmp_path: Path) -> None:
     if "transformers" in code and importlib.util.find_spec("transformers") is None:
         pytest.skip("needs transformers (the [hf] extra)")
     script = tmp_path / "block.py"
@@ -51,6 +57,6 @@ def test_readme_block_runs(index: int, tmp_path: Path) -> None:
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, (
-        f"README block {index} failed:\n{code}\n--- stdout\n{proc.stdout[-3000:]}\n"
+        f"{where} failed:\n{code}\n--- stdout\n{proc.stdout[-3000:]}\n"
         f"--- stderr\n{proc.stderr[-3000:]}"
     )
