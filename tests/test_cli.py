@@ -186,7 +186,7 @@ def test_estimate_models_cuda_sizes_and_kernels(capsys):
     # tensors: 1.18 / 4.43 (131,072-row blocks held 3.13 / 10.16; the H100 measured 5.05 /
     # 16.14 with whole-output fp32 accumulators). Not yet measured on a GPU. The formula
     # counts the first launch of a block as a merge through an fp32 copy where the op stores
-    # it (launches.covers): 1.31 forward, 3% of the peak above the dry run.
+    # it (launches.stored_launches): 1.31 forward, 3% of the peak above the dry run.
     input_bytes = 65536 * 12 * 64 * 2
     for config, inputs in ((cuda, 3), (dataclasses.replace(cuda, training=True), 4)):
         formula, dry = estimate.formula(config), estimate.dry_run(config)

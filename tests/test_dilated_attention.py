@@ -310,20 +310,24 @@ def test_half_precision_in_output_equals_fp32_accumulators(cfg, block_rows, cu_s
         assert torch.equal(a, b), name
 
 
-FIRST_WRITES = [  # (config, ROWS_PER_BLOCK, padded): dense segments that tile blocks
-    (Config(2, 64, 6, 2, 16, (8, 16), (1, 2), False, None, 33), 16, False),
-    (Config(1, 60, 4, 4, 8, (10, 20), (1, 2), True, None, 34), 20, True),
+FIRST_WRITES = [  # (config, ROWS_PER_BLOCK, ROWS_PER_LAUNCH, padded): dense segments
+    (Config(2, 64, 6, 2, 16, (8, 16), (1, 2), False, None, 33), 16, None, False),
+    (Config(1, 60, 4, 4, 8, (10, 20), (1, 2), True, None, 34), 20, None, True),
     # the dense pattern is the longer one: its segments tile the blocks, rate 2 merges after
-    (Config(1, 48, 4, 2, 8, (6, 24), (2, 1), False, None, 35), None, False),
+    (Config(1, 48, 4, 2, 8, (6, 24), (2, 1), False, None, 35), None, None, False),
+    # one launch per 8-row segment: two of them tile each 16-row block (and each 20-row
+    # block two 10-row launches, the last one padded)
+    (Config(2, 64, 6, 2, 16, (8, 16), (1, 2), False, None, 36), 16, 8, False),
+    (Config(1, 60, 4, 4, 8, (10, 20), (1, 2), True, None, 37), 20, 10, True),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cfg,block_rows,padded", FIRST_WRITES)
-def test_first_write_stores_what_a_merge_gives(cfg, block_rows, padded, dtype):
-    """A dense launch whose segments tile its block stores its results there
-    (launches.covers): bit for bit the merge into zeros and -inf it replaces, out, lse and
-    the gradients, rows that attend nothing (padding) included."""
+@pytest.mark.parametrize("cfg,block_rows,launch_rows,padded", FIRST_WRITES)
+def test_first_writes_store_what_a_merge_gives(cfg, block_rows, launch_rows, padded, dtype):
+    """Dense launches whose segments tile their block store their results there with no
+    identity fill (launches.stored_launches): bit for bit the merges into zeros and -inf
+    they replace, out, lse and the gradients, rows that attend nothing (padding) included."""
     def run():
         q, k, v, dout, dlse = make_inputs(cfg, dtype)
         mask = None
@@ -333,21 +337,22 @@ def test_first_write_stores_what_a_merge_gives(cfg, block_rows, padded, dtype):
         torch.autograd.backward([out, lse], [dout, dlse.to(lse.dtype)])
         return out, lse, q.grad, k.grad, v.grad
 
-    stored, covers = [], launches.covers
+    stored, stored_launches = [], launches.stored_launches
 
     def spy(*args, **kwargs):
-        stored.append(covers(*args, **kwargs))
+        stored.append(stored_launches(*args, **kwargs))
         return stored[-1]
 
     rows = {"cpu": block_rows} if block_rows else {}
-    with mock.patch.dict(plan.ROWS_PER_BLOCK, rows):
-        with mock.patch.object(launches, "covers", spy):
+    with mock.patch.dict(plan.ROWS_PER_BLOCK, rows), \
+            mock.patch.dict(plan.ROWS_PER_LAUNCH, {"cpu": launch_rows or 2048}):
+        with mock.patch.object(launches, "stored_launches", spy):
             got = run()
-        with mock.patch.object(launches, "covers", lambda *args, **kwargs: False):
+        with mock.patch.object(launches, "stored_launches", lambda *args, **kwargs: 0):
             want = run()
         if not padded:
             check_against_reference(cfg, dtype, "cpu_flash")
-    assert True in stored and False in stored
+    assert max(stored) == (2 if launch_rows else 1)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), name
 

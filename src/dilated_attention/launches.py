@@ -20,6 +20,13 @@ its last writer (``count_writers``). So a rank holds about one block of fp32
 accumulators, plus the compact outputs that straddling or remote segments
 send ahead, whatever n is.
 
+A block's first launches, when they are dense launches of whole segments
+that together tile it (LongNet's rate-1 segments), store their results in
+the accumulator, made without its identity fill, instead of merging into
+zeros and -inf (``stored_launches``): the same values (a merge into the
+identity multiplies by 1), without the fill and one merge pass per launch
+over their rows.
+
 A rank of a sequence-parallel call also attends key rows of other ranks;
 the distributed op passes a ``RemoteKeys`` that moves them, and the launches
 on them run here like the local ones.
@@ -94,11 +101,10 @@ class Blocks:
 
     ``make(block, kind, init)`` builds accumulator `kind` of a plan ``Block`` (a
     tensor, or a tuple for the forward's (out, lse)), holding the merge's
-    identity if `init`, else uninitialised for a write that covers it (``add``'s
-    `assign`); ``write(block, kind,
-    acc)`` stores a finished one in the output; ``nbytes(block, kind)`` is
-    its size, for the pending threshold; ``writers`` counts the writes each
-    (block, kind) will get.
+    identity if `init`, else uninitialised for writes that store every entry
+    (``add``'s `assign`); ``write(block, kind, acc)`` stores a finished one in
+    the output; ``nbytes(block, kind)`` is its size, for the pending
+    threshold; ``writers`` counts the writes each (block, kind) will get.
     """
 
     def __init__(self, plan: Plan, kinds: int, make: Callable, write: Callable, nbytes: Callable,
@@ -112,6 +118,8 @@ class Blocks:
         self.pending: Dict[Tuple[int, int], List[Callable]] = {}
         self.pending_bytes: Dict[Tuple[int, int], int] = {}
         self.finished: set = set()
+        # accumulators made uninitialised, still taking the stores that tile them
+        self.storing: set = set()
         self.current: Optional[int] = None
 
     def turn(self, index: int) -> None:
@@ -129,19 +137,29 @@ class Blocks:
         return self.live[key]
 
     def add(self, index: int, kind: int, apply: Callable, nbytes: int,
-            assign: Optional[Callable] = None) -> None:
+            assign: Optional[Callable] = None, tiling: bool = False) -> None:
         """One write `apply(acc)` into (block, kind): now, or pending until the block's turn.
 
-        `assign(acc)`, for a write that covers every entry of the block, stores
-        instead of merging if it is the block's first write: no identity to fill,
-        no merge (the same values: a merge into the identity multiplies by 1).
+        `assign(acc)` stores the write's entries instead of merging them, if it is
+        the block's first write: the accumulator is made without its identity fill
+        (the same values: a merge into the identity multiplies by 1). With
+        `tiling`, the write is one of a run of writes whose entries are disjoint
+        and together cover the block (``stored_launches``): each stores while
+        only the run's earlier writes have written the accumulator. Otherwise
+        (a write came first, or is pending) it merges like any write.
         """
         key = (index, kind)
-        if (assign is not None and index == self.current and key not in self.live
-                and key not in self.pending and key not in self.finished):
-            self.live[key] = self.make(self.by_index[index], kind, False)
+        first = (key not in self.live and key not in self.pending
+                 and key not in self.finished)
+        if assign is not None and index == self.current and (
+                first or (tiling and key in self.storing)):
+            if first:
+                self.live[key] = self.make(self.by_index[index], kind, False)
+                if tiling:
+                    self.storing.add(key)
             assign(self.live[key])
         elif key in self.live or index == self.current:
+            self.storing.discard(key)
             apply(self.acc(index, kind))
         else:
             self.pending.setdefault(key, []).append(apply)
@@ -153,6 +171,7 @@ class Blocks:
             self._finish(key)
 
     def _finish(self, key: Tuple[int, int]) -> None:
+        self.storing.discard(key)
         acc = self.acc(*key)
         self.write(self.by_index[key[0]], key[1], acc)
         del self.live[key]
@@ -278,23 +297,31 @@ def _key_mask(key_mask: Optional[Tensor], segs: Segments, group: HeadGroup) -> O
     return gather(expanded, segs, group.kv_heads, group.kv_index, group.kv_stride)
 
 
-def covers(launch, span: Tuple[int, int], heads: int, keys: bool = False) -> bool:
-    """Whether `launch` writes every (row, head) entry of the block `span` once: dense
-    whole segments that tile the block, all `heads` (and, `keys`, its keys are those
-    rows too, so its dK/dV cover the block as well)."""
-    g, segs = launch.group, launch.queries
+def stored_launches(launches, span: Tuple[int, int], heads: int, keys: bool = False) -> int:
+    """How many of a block's first `launches` store their results (Note [block
+    accumulators]): dense launches of whole segments, all `heads`, one after another from
+    the block's first row, that together tile the block `span` (and, `keys`, whose keys
+    are their own rows, so that their dK/dV tile it too); 0 when they do not tile it."""
     lo, hi = span
-    if not (g.identity and segs.starts is None and segs.start == lo and segs.rows == hi - lo
-            and g.rows == segs.length and g.q_heads.numel() == heads):
-        return False
-    return not keys or (launch.keys == segs and launch.k_block == launch.q_block
-                        and g.kv_index.shape[0] == segs.length)
+    row, count = lo, 0
+    for launch in launches:
+        g, segs = launch.group, launch.queries
+        if row == hi or not (g.identity and segs.starts is None and segs.start == row
+                             and g.rows == segs.length and g.q_heads.numel() == heads
+                             and launch.q_block == launch.k_block):
+            break
+        if keys and not (launch.keys == segs and g.kv_index.shape[0] == segs.length):
+            break
+        row, count = row + segs.rows, count + 1
+    return count if row == hi else 0
 
 
-def _assign(acc: Tensor, y: Tensor) -> None:
-    """acc (b, count * w, heads, ...) <- y (b * count, w, heads, ...), the block's rows in order."""
+def _assign(acc: Tensor, segs: Segments, y: Tensor) -> None:
+    """acc[:, rows of segs] <- y (b * count, w, heads, ...): a run of segments (rows relative
+    to the block, ``Blocks.relative``), in order."""
+    rows = acc[:, segs.start:segs.start + segs.rows]
     # (b, count * w, ...) -> (b, count, w, ...) and (b * count, w, ...) -> (b, count, w, ...)
-    acc.unflatten(1, (-1, y.shape[1])).copy_(y.unflatten(0, (acc.shape[0], -1)))
+    rows.unflatten(1, (segs.count, segs.length)).copy_(y.unflatten(0, (acc.shape[0], -1)))
 
 
 def row_slices(rows: int, per_row: int, device: torch.device) -> List[slice]:
@@ -355,7 +382,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, *,
             _forward_remote(q, remote, blocks, opts)
             remote = None  # every round is done
         blocks.turn(block.index)
-        for launch in block.forward:
+        stores = stored_launches(block.forward, blocks.spans[block.index], q.shape[2])
+        for i, launch in enumerate(block.forward):
             g = launch.group
             q_g = gather(q, launch.queries, g.q_heads, g.q_index, g.q_stride)
             k_g = gather(k, launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
@@ -365,16 +393,18 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, *,
                 key_mask=_key_mask(key_mask, launch.keys, g),
             )
             del q_g, k_g, v_g
-            _merge_into(blocks, launch, out_g, lse_g, q.shape[2])
+            _merge_into(blocks, launch, out_g, lse_g, store=i < stores)
             del out_g, lse_g  # free before the next launch gathers
         blocks.end_turn(block.index)
     blocks.finish_all()
     return out, lse
 
 
-def _merge_into(blocks: Blocks, launch, out_g: Tensor, lse_g: Tensor, heads: int) -> None:
-    """Merge a launch's results into its query block's accumulators (now or pending);
-    a launch split over blocks merges each block's entries there."""
+def _merge_into(blocks: Blocks, launch, out_g: Tensor, lse_g: Tensor,
+                store: bool = False) -> None:
+    """Merge a launch's results into its query block's accumulators (now or pending), or
+    `store` them there (``stored_launches``); a launch split over blocks merges each
+    block's entries there."""
     group = launch.group
     if not launch.q_split:
         rel = blocks.relative(launch.q_block, launch.queries)
@@ -383,12 +413,11 @@ def _merge_into(blocks: Blocks, launch, out_g: Tensor, lse_g: Tensor, heads: int
             merge_rows(accs[0], accs[1], rel, group, out_g, lse_g)
 
         def assign(accs: Tuple[Tensor, Tensor]) -> None:
-            _assign(accs[0], out_g)
-            _assign(accs[1], lse_g)
+            _assign(accs[0], rel, out_g)
+            _assign(accs[1], rel, lse_g)
 
-        whole = covers(launch, blocks.spans[launch.q_block], heads)
         blocks.add(launch.q_block, 0, apply, out_g.nbytes + lse_g.nbytes,
-                   assign if whole else None)
+                   assign if store else None, tiling=store)
         return
     # one segment: (b, rows, hq, ...) -> (b, rows * hq, ...), the entries in each block
     flat_out, flat_lse = out_g.flatten(1, 2), lse_g.flatten(1, 2)
@@ -417,7 +446,7 @@ def _forward_remote(q: Tensor, remote: RemoteKeys, blocks: Blocks, opts: KernelO
                     opts.for_launch(launch.id, causal=False),
                     key_mask=None if mask is None else _remote_block(mask, launch),
                 )
-                _merge_into(blocks, launch, out_g, lse_g, q.shape[2])
+                _merge_into(blocks, launch, out_g, lse_g)
                 del q_g, out_g, lse_g
             del buf, mask
 
@@ -441,7 +470,9 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
             _backward_remote(saved, remote, blocks, opts)
             remote = None
         blocks.turn(block.index)
-        for launch in block.backward:
+        stores = stored_launches(block.backward, blocks.spans[block.index], q.shape[2],
+                                 keys=True)
+        for i, launch in enumerate(block.backward):
             g = launch.group
             q_sel = (launch.queries, g.q_heads, g.q_index, g.q_stride)
             kv_sel = (launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
@@ -452,10 +483,10 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
                 dlse=None if dlse is None else gather(dlse, *q_sel),
                 key_mask=_key_mask(key_mask, launch.keys, g),
             )
-            whole = covers(launch, blocks.spans[launch.q_block], q.shape[2], keys=True)
-            _scatter_into(blocks, launch.q_block, launch.q_split, 0, q_sel, dq_g, whole)
-            _scatter_into(blocks, launch.k_block, launch.k_split, 1, kv_sel, dk_g, whole)
-            _scatter_into(blocks, launch.k_block, launch.k_split, 2, kv_sel, dv_g, whole)
+            store = i < stores
+            _scatter_into(blocks, launch.q_block, launch.q_split, 0, q_sel, dq_g, store)
+            _scatter_into(blocks, launch.k_block, launch.k_split, 1, kv_sel, dk_g, store)
+            _scatter_into(blocks, launch.k_block, launch.k_split, 2, kv_sel, dv_g, store)
             del dq_g, dk_g, dv_g  # free before the next launch gathers
         blocks.end_turn(block.index)
     blocks.finish_all()
@@ -463,15 +494,16 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
 
 
 def _scatter_into(blocks: Blocks, index: int, split, kind: int, sel, y: Tensor,
-                  whole: bool = False) -> None:
-    """Add a launch's gradient (b * count, rows, heads, d) into a block (now or pending);
-    a launch split over blocks adds each block's entries there. `whole`: y covers the
-    block (``covers``), and is stored if it is the block's first write."""
+                  store: bool = False) -> None:
+    """Add a launch's gradient (b * count, rows, heads, d) into a block (now or pending), or
+    `store` it there (``stored_launches``); a launch split over blocks adds each block's
+    entries there."""
     segs, heads, rows_index, stride = sel
     if not split:
         rel = blocks.relative(index, segs)
         blocks.add(index, kind, lambda a: _scatter(a, rel, heads, rows_index, stride, y),
-                   y.nbytes, (lambda a: _assign(a, y)) if whole else None)
+                   y.nbytes, (lambda a: _assign(a, rel, y)) if store else None,
+                   tiling=store)
         return
     # one segment: (b, rows, heads, d) -> (b, rows * heads, d), the entries in each block
     flat = y.flatten(1, 2)

@@ -800,8 +800,8 @@ def _assemble(grid, launches, rounds_by_step, modes, remote_blocks, writes, n) -
         forward.setdefault(min(launch.q_blocks, key=position.__getitem__), []).append(launch)
         first = min(launch.q_blocks + launch.k_blocks, key=position.__getitem__)
         backward.setdefault(first, []).append(launch)
-    # dense launches first: one that covers its whole block writes the accumulators
-    # instead of merging into zeros (launches.covers)
+    # dense launches first: those that tile their block store into the accumulators
+    # instead of merging into zeros (launches.stored_launches)
     for todo in forward.values():
         todo.sort(key=lambda l: not l.group.identity)
     for here, todo in backward.items():
