@@ -37,40 +37,6 @@ def local_plan(q: Tensor, k: Tensor, patterns: Patterns, causal: bool, heads: Op
     return make_plan(layout, patterns, causal, heads, 0, str(q.device), documents)
 
 
-def dilated_forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, opts: KernelOptions, *,
-                    heads: Optional[Heads] = None, documents: Documents = None,
-                    key_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse (b, n, h) fp32.
-
-    heads: which model heads q holds (default all, GQA j -> j // (h // hk));
-    documents: cu_seqlens, each document an independent sequence; key_mask
-    (b, n) bool, True = ignore that key.
-    """
-    if opts.backend == "triton":
-        return fused.forward(q, k, v, patterns, causal=opts.causal, scale=opts.scale,
-                             heads=heads or Heads.of(q.shape[2], k.shape[2]),
-                             documents=documents, key_mask=key_mask)
-    plan = local_plan(q, k, patterns, opts.causal, heads, documents)
-    return launches.forward(q, k, v, plan, opts, key_mask=key_mask)
-
-
-def dilated_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                     patterns: Patterns, opts: KernelOptions, dlse: Optional[Tensor] = None, *,
-                     heads: Optional[Heads] = None, documents: Documents = None,
-                     key_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients of `dilated_forward`, given its final out (b, n, h, d) and lse (b, n, h)."""
-    # grad mode is on inside a backward only under create_graph=True: then the launches
-    # record a differentiable kernel (kernels.select_backend), the fused kernel cannot
-    recorded = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (dout, q, k, v, out, lse, dlse))
-    if opts.backend == "triton" and not recorded:
-        return fused.backward(dout, q, k, v, out, lse, dlse, patterns, causal=opts.causal,
-                              scale=opts.scale, heads=heads or Heads.of(q.shape[2], k.shape[2]),
-                              documents=documents, key_mask=key_mask)
-    plan = local_plan(q, k, patterns, opts.causal, heads, documents)
-    return launches.backward(dout, q, k, v, out, lse, plan, opts, dlse=dlse, key_mask=key_mask)
-
-
 # The single-device op is a pair of custom ops (forward, backward): torch.compile
 # sees one opaque node per call instead of tracing the planning and every
 # launch, and autograd is registered on the forward. Their arguments are the
@@ -82,12 +48,17 @@ def forward_flat(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int],
                  dropout_p: float, seed: int, first_head: int, kv_of: List[int],
                  cu_seqlens: Optional[List[int]], key_mask: Optional[Tensor]
                  ) -> Tuple[Tensor, Tensor]:
-    """`dilated_forward` with the call flattened to custom-op argument types."""
+    """The single-device forward: q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse
+    (b, n, h) fp32; the call flattened to custom-op argument types (key_mask (b, n) bool, True =
+    ignore that key; cu_seqlens: documents, each an independent sequence)."""
     patterns, opts, heads, documents = _unflatten(segment_lengths, dilation_rates, causal, scale,
                                                   backend, dropout_p, seed, first_head, kv_of,
                                                   cu_seqlens)
-    return dilated_forward(q, k, v, patterns, opts, heads=heads, documents=documents,
-                           key_mask=key_mask)
+    if opts.backend == "triton":
+        return fused.forward(q, k, v, patterns, causal=causal, scale=scale, heads=heads,
+                             documents=documents, key_mask=key_mask)
+    plan = local_plan(q, k, patterns, causal, heads, documents)
+    return launches.forward(q, k, v, plan, opts, key_mask=key_mask)
 
 
 def backward_flat(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -95,12 +66,19 @@ def backward_flat(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   causal: bool, scale: float, backend: str, dropout_p: float, seed: int,
                   first_head: int, kv_of: List[int], cu_seqlens: Optional[List[int]],
                   key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
-    """`dilated_backward` with the call flattened to custom-op argument types."""
+    """Gradients of `forward_flat`, given its final out (b, n, h, d) and lse (b, n, h)."""
     patterns, opts, heads, documents = _unflatten(segment_lengths, dilation_rates, causal, scale,
                                                   backend, dropout_p, seed, first_head, kv_of,
                                                   cu_seqlens)
-    return dilated_backward(dout, q, k, v, out, lse, patterns, opts, dlse, heads=heads,
-                            documents=documents, key_mask=key_mask)
+    # grad mode is on inside a backward only under create_graph=True: then the launches
+    # record a differentiable kernel (kernels.attention_backward), the fused kernel cannot
+    recorded = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (dout, q, k, v, out, lse, dlse))
+    if opts.backend == "triton" and not recorded:
+        return fused.backward(dout, q, k, v, out, lse, dlse, patterns, causal=causal,
+                              scale=scale, heads=heads, documents=documents, key_mask=key_mask)
+    plan = local_plan(q, k, patterns, causal, heads, documents)
+    return launches.backward(dout, q, k, v, out, lse, plan, opts, dlse=dlse, key_mask=key_mask)
 
 
 _forward_op = torch.library.custom_op("dilated_attention::forward", forward_flat,
@@ -155,7 +133,7 @@ def _backward(ctx, dout, dlse):
     if torch.is_grad_enabled():
         # create_graph=True (double backward): the backward op has no derivative, so run
         # its Python code, which autograd records (its launches then use the blockwise
-        # kernel, built from differentiable ops; kernels.select_backend). out and lse keep
+        # kernel, built from differentiable ops; kernels.attention_backward). out and lse keep
         # their own graph through this op, so the second derivative is exact.
         dq, dk, dv = backward_flat(dout, q, k, v, out, lse, dlse, *ctx.args)
     else:

@@ -27,6 +27,7 @@ h query heads, hk key/value heads, d head dim; layout (b, n, h, d).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from typing import Any, Dict, NoReturn, Optional, Sequence, Tuple
@@ -303,9 +304,7 @@ def dilated_attention(
         return dilated_attention_local(q, k, v, patterns, opts, heads=heads,
                                        documents=documents, key_mask=mask)
 
-    def run(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-        return route.run(q, k, v, mask, lengths, opts, sequence)
-
+    run = functools.partial(route.run, lengths=lengths, opts=opts, sequence=sequence)
     out, lse = _attend(run, q, k, v, key_padding_mask, infos)
     if return_lse:
         # (b, n, h) -> (b, h, n)
@@ -470,9 +469,7 @@ def ring_attention(
             q, k, v, dense_patterns, opts, group, lengths, heads=heads, documents=documents,
             key_mask=mask, layout=Layout.named(layout, lengths))
 
-    def run(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-        return route.run(q, k, v, mask, lengths, opts, dense)
-
+    run = functools.partial(route.run, lengths=lengths, opts=opts, sequence=dense)
     out, lse = _attend(run, q, k, v, key_padding_mask, infos)
     if return_lse:
         # (b, n, h) -> (b, h, n)

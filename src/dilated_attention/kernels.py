@@ -133,20 +133,16 @@ _NEEDS = {
 
 def select_backend(
     device: torch.device, dtype: torch.dtype, *, dropout_p: float = 0.0, backend: str = "auto",
-    masked: bool = False, differentiable: bool = False,
+    masked: bool = False,
 ) -> str:
     """Pick the fastest kernel that supports `device`, `dtype`, dropout and key masks.
 
-    A kernel named by `backend` is checked here, before any launch, so that a
-    call it cannot run is a ValueError saying what it needs (inside the
-    cross-rank agreement: on every rank), not an error from deep inside aten.
-
-    differentiable: the caller's own computation will be differentiated (a
-    backward run under ``create_graph=True``, for double backward). Only the
-    pure-PyTorch kernel is built from ops autograd can differentiate; the
-    fused kernels' backward ops have no derivative. Any kernel's backward
-    computes the same gradients from the final out and lse, so the blockwise
-    kernel stands in for whichever kernel ran the forward.
+    Runs once per call, when the public op validates it (inside the
+    cross-rank agreement: an error is raised on every rank); the call's
+    launches then run the chosen kernel (`KernelOptions.backend`). A kernel
+    named by `backend` is checked here, before any launch, so that a call it
+    cannot run is a ValueError saying what it needs, not an error from deep
+    inside aten.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -168,8 +164,6 @@ def select_backend(
             f"backend {backend!r} needs {'; '.join(unmet)}; backend='auto' picks a kernel "
             f"that runs here, backend='blockwise' runs on any device and dtype"
         )
-    if differentiable:
-        return "blockwise"
     if backend != "auto":
         return backend
     if dropout_p > 0.0:
@@ -218,6 +212,14 @@ def recommended_dtype(device) -> torch.dtype:
     return torch.bfloat16 if capability >= (8, 0) else torch.float16
 
 
+def _launch_backend(opts: KernelOptions, q: Tensor, masked: bool) -> str:
+    """The kernel of one launch: the call's, chosen once by `select_backend` when the public op
+    validated the call; "auto" (a caller that chose none, e.g. decoding) is resolved here."""
+    if opts.backend != "auto":
+        return opts.backend
+    return select_backend(q.device, q.dtype, dropout_p=opts.dropout_p, masked=masked)
+
+
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, opts: KernelOptions, *,
                       key_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Softmax attention of one block: q (b, n, h, d), k/v (b, m, hk, d).
@@ -228,8 +230,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, opts: KernelOptions, *,
     no key gets out 0 and lse -inf.
     """
     causal, scale, dropout_p, seed = opts.causal, opts.scale, opts.dropout_p, opts.seed
-    backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=opts.backend,
-                             masked=key_mask is not None)
+    backend = _launch_backend(opts, q, key_mask is not None)
     if backend == "triton":
         from . import fused  # imports triton
 
@@ -327,11 +328,14 @@ def attention_backward(
     ``key_mask`` as for `attention_forward`.
     """
     causal, scale, dropout_p, seed = opts.causal, opts.scale, opts.dropout_p, opts.seed
-    # grad mode is on inside a backward only under create_graph=True (double backward)
+    # Grad mode is on inside a backward only under create_graph=True (double backward): then
+    # autograd records this computation, and only the pure-PyTorch kernel is built from ops
+    # it can differentiate (the fused kernels' backward ops have no derivative). Any kernel's
+    # backward computes the same gradients from the final out and lse, so the blockwise
+    # kernel stands in for whichever kernel ran the forward.
     recorded = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (dout, q, k, v, out, lse, dlse))
-    backend = select_backend(q.device, q.dtype, dropout_p=dropout_p, backend=opts.backend,
-                             masked=key_mask is not None, differentiable=recorded)
+    backend = "blockwise" if recorded else _launch_backend(opts, q, key_mask is not None)
     if backend == "triton":
         from . import fused  # imports triton
 
