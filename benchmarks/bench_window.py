@@ -23,10 +23,13 @@ Working memory: peak resident memory beyond the inputs (q, k, v; in training als
 dout) in a fresh process (/proc/self/clear_refs and VmHWM), what the call returns
 included (out; in training dq, dk, dv), in units of one input-sized tensor.
 
-Traffic: the bytes each of P ranks sends in the forward (and backward) of the halo
-exchange, for contiguous pieces of N / P rows, from the schedule every rank derives
-(``distributed.halo.halo_schedule``; the tests check the sent bytes equal it), with
-the ratio to W x (one key row + one value row).
+Traffic: the bytes and messages each of P ranks sends in the forward and the backward
+of the halo exchange, for contiguous pieces of N / P rows, counted by
+``comm.count_communication`` around the op itself: each rank is a process of a
+"fake" process group running on meta tensors (the collectives run, no data moves, no
+attention is computed), so N = 256K costs seconds. The busiest rank's forward bytes are
+compared with W x (one key row + one value row); ``dilated-attention bench --impl ring
+--window W --world-sizes 4`` counts the same bytes over real gloo ranks.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ import torch
 
 from dilated_attention import ring_attention
 from dilated_attention import window as windows
-from dilated_attention.distributed.halo import halo_schedule
+from dilated_attention.distributed import comm
+from dilated_attention.distributed.sharding import piece_lengths
 from dilated_attention.kernels import KernelOptions, attention_backward, attention_forward
-from dilated_attention.plan import Layout
 
 from bench_single_device import peak_bytes_of, time_cases
 
@@ -133,13 +136,37 @@ def memory(n: int, window: int, dtype_name: str, training: bool, block_rows) -> 
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def traffic(ranks: int, n: int, window: int, kv_heads: int, itemsize: int) -> List[int]:
-    """Forward bytes each rank sends: the k and v rows of its halos."""
-    layout = Layout.contiguous([n // ranks] * ranks)
-    sent = [0] * ranks
-    for h in halo_schedule(layout, window, 0, None):
-        sent[h.src] += (h.stop - h.start) * 2 * kv_heads * HEAD_DIM * itemsize
-    return sent
+def traffic(ranks: int, seq_lens: List[int], window: int, dtype_name: str) -> List[dict]:
+    """Per N, what each rank sends: {"fwd": [(bytes, messages)] per rank, "bwd": ...}."""
+    per_rank = []
+    for rank in range(ranks):
+        out = subprocess.run(
+            [sys.executable, __file__, "--traffic-case", str(rank), str(ranks), str(window),
+             dtype_name, *map(str, seq_lens)],
+            capture_output=True, text=True, check=True)
+        per_rank.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return [{"fwd": [tuple(r[i]["fwd"]) for r in per_rank],
+             "bwd": [tuple(r[i]["bwd"]) for r in per_rank]} for i in range(len(seq_lens))]
+
+
+def traffic_in_this_process(rank: int, ranks: int, window: int, dtype: torch.dtype,
+                            seq_lens: List[int]) -> List[dict]:
+    """This rank of a fake process group: (bytes, messages) it sends in the op's forward and
+    backward on meta tensors, contiguous pieces, per N."""
+    group = comm.init_process_group("fake", rank=rank, world_size=ranks)
+    counts = []
+    for n in seq_lens:
+        rows = piece_lengths(n, ranks)[rank]
+        # (b, n / P, h, d) on meta: shapes only
+        q, k, v = (torch.empty(1, rows, HEADS, HEAD_DIM, dtype=dtype, device="meta",
+                               requires_grad=True) for _ in range(3))
+        with comm.count_communication() as fwd:
+            out = ring_attention(q, k, v, is_causal=True, window_size=(window, 0), group=group)
+        with comm.count_communication() as bwd:
+            out.backward(torch.empty_like(out))
+        counts.append({"fwd": (fwd.bytes_sent, fwd.messages),
+                       "bwd": (bwd.bytes_sent, bwd.messages)})
+    return counts
 
 
 def main(argv=None) -> None:
@@ -158,7 +185,14 @@ def main(argv=None) -> None:
                         default=[32768, 65536, 131072, 262144])
     parser.add_argument("--json", default="bench-out/window.json")
     parser.add_argument("--memory-case", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--traffic-case", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.traffic_case:
+        rank, ranks, window, dtype_name, *lengths = args.traffic_case
+        print(json.dumps(traffic_in_this_process(int(rank), int(ranks), int(window),
+                                                 getattr(torch, dtype_name),
+                                                 [int(n) for n in lengths])))
+        return
     if args.memory_case:
         n, window, dtype_name, training = args.memory_case
         windows.BLOCK_ROWS["cpu"] = tuple(args.block_rows)
@@ -172,14 +206,17 @@ def main(argv=None) -> None:
           f"h={HEADS} d={HEAD_DIM} batch 1, window ({args.window}, 0) causal, load average "
           f"{os.getloadavg()[0]:.2f}", flush=True)
     bound = args.window * 2 * HEADS * HEAD_DIM * item
-    print(f"\ntraffic, {args.traffic_ranks} ranks, contiguous pieces, forward bytes per rank "
-          f"(W x k+v row = {bound:,} bytes):")
-    for n in args.traffic_seq_lens:
-        sent = traffic(args.traffic_ranks, n, args.window, HEADS, item)
-        print(f"  N={n:>7}: {sent}  busiest / (W x k+v row) = {max(sent) / bound:.3f}; "
-              f"backward sends these again plus the fp32 dK/dV of the halos it received")
-        rows.append(dict(kind="traffic", n=n, ranks=args.traffic_ranks, sent=sent,
-                         ratio=max(sent) / bound))
+    print(f"\ntraffic, {args.traffic_ranks} ranks, contiguous pieces, bytes (messages) each "
+          f"rank sends, counted on a fake process group (W x k+v row = {bound:,} bytes):")
+    counted = traffic(args.traffic_ranks, args.traffic_seq_lens, args.window, args.dtype)
+    for n, sent in zip(args.traffic_seq_lens, counted):
+        busiest = max(nbytes for nbytes, _ in sent["fwd"])
+        print(f"  N={n:>7}: busiest / (W x k+v row) = {busiest / bound:.3f}")
+        for name in ("fwd", "bwd"):
+            print(f"    {name}: " + ", ".join(f"{nbytes:,} ({messages})"
+                                            for nbytes, messages in sent[name]))
+        rows.append(dict(kind="traffic", n=n, ranks=args.traffic_ranks, **sent,
+                         ratio=busiest / bound))
     if args.traffic_only:
         _write(args.json, rows)
         return
