@@ -69,7 +69,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from .patterns import HeadGroup, Heads, Patterns, Segments, cross_head_groups, head_groups
+from .patterns import HeadGroup, Heads, Patterns, Segments, cross_head_groups
 from .patterns import selected_pairs, split_heads
 
 # Rows per block (and so per launch): at least this many rows, and at most
@@ -527,132 +527,202 @@ def make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, ra
 def _make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, rank: int,
                device: str, documents: Documents, rows: int, launch_rows: int, min_part: int,
                strided: bool) -> Plan:
-    chunks = layout.of_rank(rank)
-    n = sum(c.stop - c.start for c in chunks)
-    grid = _blocks_of(chunks, rows)
-    # blocks by global start (a rank's chunks need not be in global order: zigzag)
-    by_start = sorted(range(len(grid)), key=lambda i: grid[i][0])
-    block_starts = [grid[i][0] for i in by_start]
-
-    def block_of(pos: int) -> int:
-        """The block (index into grid) holding global row `pos` of this rank."""
-        return by_start[bisect.bisect_right(block_starts, pos) - 1]
-
-    def local(pos: int) -> int:
-        b = grid[block_of(pos)]
-        return b[2] + pos - b[0]
-
-    launches: List[tuple] = []
-    rounds_by_step: Dict[int, Tuple[List[Transfer], List[Transfer]]] = {}
-    modes: List[str] = []
-    remote_blocks = set()
-    cut = set()  # blocks that parts of cut segments write (Block.entry_writes)
-    sparse_done = set()
-    blocks_local = [(local_lo, local_lo + hi - lo) for lo, hi, local_lo in grid]
-
-    def splits(start: int, index: Tensor, head_ids: Tensor) -> Tuple[Split, ...]:
-        return _splits(start, index, head_ids, blocks_local, device)
-
-    # (id of a group, entries, run) -> (the group, kept alive so that its id stays its own,
-    # its cut)
-    cut_groups: Dict[Tuple[int, int, bool], Tuple[HeadGroup, Tuple[HeadGroup, ...]]] = {}
-
-    def bounded(groups: Tuple[HeadGroup, ...], count: int = 1,
-                run: bool = True) -> List[HeadGroup]:
-        """Local launch groups over `count` segments, gathered ones cut by heads (once per
-        cached group: thousands of segments share a few). Strided groups on a `run` of
-        segments are views, and the identity group stays whole."""
-        entries = max(1, launch_rows * heads.count // GATHERED_SHARE // count)
-        out = []
-        for g in groups:
-            key = (id(g), entries, run)
-            if key not in cut_groups:
-                whole = g.identity or (g.strided and run)
-                cut_groups[key] = (g, (g,) if whole else split_heads(g, entries))
-            out.extend(cut_groups[key][1])
-        return out
+    build = _PlanBuilder(layout, causal, heads, rank, device, documents, rows, launch_rows,
+                         min_part, strided)
+    modes = []
     for pattern, (w, r) in enumerate(zip(*patterns)):
-        for lo, hi, local_lo in grid:
-            starts, lengths = segments_between(lo, hi, w, documents, layout.total)
-            inside = (starts >= lo) & (starts + lengths <= hi)
-            b = block_of(lo)
-            # whole segments inside the block: batches of one length, launch_rows at most
-            for length in torch.unique(lengths[inside]).tolist():
-                local_starts = starts[inside & (lengths == length)] - lo + local_lo
-                for s in local_starts.split(max(1, launch_rows // length)):
-                    regular = s.numel() == 1 or bool((s[1:] - s[:-1] == length).all())
-                    segs = (Segments(int(s[0]), s.numel(), length) if regular
-                            else Segments(0, s.numel(), length, s.to(device)))
-                    for g in bounded(head_groups(0, length, r, heads, device, strided),
-                                     s.numel(), regular):
-                        launches.append((segs, segs, g, causal, b, b))
-            # segments crossing the block's border: this block's part of each
-            for a, length in zip(starts[~inside].tolist(), lengths[~inside].tolist()):
-                # this block's chunk's part of the segment
-                (part,) = [c for c in layout.split(a, a + length)
-                           if c.rank == rank and max(c.start, lo) < min(c.stop, hi)]
-                if _sparse(part, r, launch_rows, rows, min_part):
-                    # few rows per head: the chunk's whole part in one launch per group,
-                    # its outputs split over the blocks it crosses (once, not per block)
-                    if (pattern, a, part.start) not in sparse_done:
-                        sparse_done.add((pattern, a, part.start))
-                        sparse = _sparse_launches(layout, rank, a, length, part, r, heads,
-                                                  causal, device, strided, local, splits)
-                        cut.update(x.block for spec in sparse for x in spec[6] + spec[7])
-                        launches += sparse
-                    continue
-                qa, qb = max(a, lo), min(a + length, hi)
-                q_segs = Segments(local(qa), 1, qb - qa)
-                cut.add(b)
-                for g in bounded(head_groups(qa - a, qb - a, r, heads, device, strided)):
-                    launches.append((q_segs, q_segs, g, causal, b, b))
-                for part in layout.split(a, a + length):
-                    if part.rank != rank:
-                        continue  # another rank's keys: a transfer (below)
-                    for ka, kb in _own_key_ranges(part, grid, qa, qb, causal):
-                        k_segs = Segments(local(ka), 1, kb - ka)
-                        cut.add(block_of(ka))
-                        for g in bounded(cross_head_groups(qa - a, qb - a, ka - a, kb - a, r,
-                                                           heads, device, strided)):
-                            launches.append((q_segs, k_segs, g, False, b, block_of(ka)))
+        for lo, hi, local_lo in build.grid:
+            build.block_launches(pattern, w, r, lo, hi, local_lo)
         mode, moves = _schedule(layout, w, r, causal, heads, documents)
         modes.append(mode)
         for step, a, src, dst, _ in moves:
-            if rank not in (src.rank, dst.rank):
-                continue
-            groups = cross_head_groups(dst.start - a, dst.stop - a, src.start - a, src.stop - a,
-                                       r, heads, device, strided)
-            columns = sum(g.kv_index.numel() for g in groups)
-            sends, recvs = rounds_by_step.setdefault(step, ([], []))
-            if src.rank == rank:
-                homes = _homes(src, a, r, groups, grid, device)
-                remote_blocks.update(index for index, _, _, _ in homes)
-                sends.append(Transfer(src, dst, pattern, a, groups, columns, (), homes))
-                continue
-            directory = _columns(groups)
-            remote = []
-            if _sparse(dst, r, launch_rows, rows, min_part):
-                # the whole query part at once, its outputs split over its blocks
-                q_segs = Segments(local(dst.start), 1, dst.stop - dst.start)
-                cpu_groups = cross_head_groups(dst.start - a, dst.stop - a, src.start - a,
-                                               src.stop - a, r, heads, "cpu", strided)
-                for g, cpu in zip(groups, cpu_groups):
-                    split = splits(q_segs.start, cpu.q_index, cpu.q_heads)
-                    remote_blocks.update(x.block for x in split)
-                    remote.append((q_segs, g, _cut(directory, g, device), split[0].block, split))
-            for lo, hi, _ in ([] if remote else grid):
-                qa, qb = max(lo, dst.start), min(hi, dst.stop)
-                if qb <= qa:
-                    continue
-                remote_blocks.add(block_of(qa))
-                for g in cross_head_groups(qa - a, qb - a, src.start - a, src.stop - a, r, heads,
-                                           device, strided):
-                    remote.append((Segments(local(qa), 1, qb - qa), g, _cut(directory, g, device),
-                                   block_of(qa)))
-            recvs.append(Transfer(src, dst, pattern, a, groups, columns, tuple(remote), ()))
+            if rank in (src.rank, dst.rank):
+                build.transfer(pattern, step, a, src, dst, r)
     # whole segments of each pattern cover an entry once: one write per pattern
-    writes = {i: 0 if i in cut or i in remote_blocks else len(modes) for i in range(len(grid))}
-    return _assemble(grid, launches, rounds_by_step, modes, remote_blocks, writes, n)
+    writes = {i: 0 if i in build.cut or i in build.remote_blocks else len(modes)
+              for i in range(len(build.grid))}
+    return _assemble(build.grid, build.launches, build.rounds_by_step, modes,
+                     build.remote_blocks, writes, layout.rows_of(rank))
+
+
+class _PlanBuilder:
+    """One rank's plan as it is built: its row blocks, and the launches and transfers found so
+    far, pattern by pattern (``_make_plan``; Note [plan]).
+
+    grid: this rank's blocks, (global lo, global hi, local lo) by index; launches:
+    the local launches (ids are given in ``_assemble``); rounds_by_step: per
+    exchange step, (sends, receives); cut: the blocks that parts of cut
+    segments write; remote_blocks: those that transfers write or read.
+    """
+
+    def __init__(self, layout: Layout, causal: bool, heads: Heads, rank: int, device: str,
+                 documents: Documents, rows: int, launch_rows: int, min_part: int,
+                 strided: bool) -> None:
+        self.layout, self.causal, self.heads, self.rank = layout, causal, heads, rank
+        self.device, self.documents, self.strided = device, documents, strided
+        self.rows, self.launch_rows, self.min_part = rows, launch_rows, min_part
+        self.grid = _blocks_of(layout.of_rank(rank), rows)
+        # blocks by global start (a rank's chunks need not be in global order: zigzag)
+        self._by_start = sorted(range(len(self.grid)), key=lambda i: self.grid[i][0])
+        self._block_starts = [self.grid[i][0] for i in self._by_start]
+        self._local_spans = [(local_lo, local_lo + hi - lo) for lo, hi, local_lo in self.grid]
+        # (pattern span, rate, entries, run) -> the launch groups (see `groups`)
+        self._groups: Dict[Tuple[Tuple[int, ...], int, int, bool], Tuple[HeadGroup, ...]] = {}
+        self._sparse_done: set = set()
+        self.launches: List[Launch] = []
+        self.rounds_by_step: Dict[int, Tuple[List[Transfer], List[Transfer]]] = {}
+        self.cut: set = set()
+        self.remote_blocks: set = set()
+
+    # ---- where rows are
+
+    def block_of(self, pos: int) -> int:
+        """The block (index into grid) holding global row `pos` of this rank."""
+        return self._by_start[bisect.bisect_right(self._block_starts, pos) - 1]
+
+    def local(self, pos: int) -> int:
+        """This rank's local row of global row `pos`."""
+        lo, _, local_lo = self.grid[self.block_of(pos)]
+        return local_lo + pos - lo
+
+    def splits(self, start: int, index: Tensor, head_ids: Tensor) -> Tuple[Split, ...]:
+        return _splits(start, index, head_ids, self._local_spans, self.device)
+
+    def groups(self, span: Tuple[int, ...], rate: int, count: int = 1,
+               run: bool = True) -> Tuple[HeadGroup, ...]:
+        """The launch groups of segment rows `span` ((lo, hi) against themselves, or (q_lo,
+        q_hi, k_lo, k_hi)) over `count` segments: gathered groups cut by heads to a launch's
+        share of entries (once per span: thousands of segments share a few); strided groups
+        on a `run` of segments are views, and the identity group stays whole."""
+        entries = max(1, self.launch_rows * self.heads.count // GATHERED_SHARE // count)
+        key = (span, rate, entries, run)
+        if key not in self._groups:
+            span4 = span if len(span) == 4 else span + span
+            out: List[HeadGroup] = []
+            for g in cross_head_groups(*span4, rate, self.heads, self.device, self.strided):
+                whole = g.identity or (g.strided and run)
+                out.extend((g,) if whole else split_heads(g, entries))
+            self._groups[key] = tuple(out)
+        return self._groups[key]
+
+    # ---- local launches
+
+    def block_launches(self, pattern: int, w: int, r: int, lo: int, hi: int,
+                       local_lo: int) -> None:
+        """The launches of pattern (w, r) whose queries lie in the block of global rows
+        [lo, hi): its whole segments, and its part of each segment crossing its border."""
+        starts, lengths = segments_between(lo, hi, w, self.documents, self.layout.total)
+        inside = (starts >= lo) & (starts + lengths <= hi)
+        b = self.block_of(lo)
+        # whole segments inside the block: batches of one length, launch_rows at most
+        for length in torch.unique(lengths[inside]).tolist():
+            local_starts = starts[inside & (lengths == length)] - lo + local_lo
+            for s in local_starts.split(max(1, self.launch_rows // length)):
+                regular = s.numel() == 1 or bool((s[1:] - s[:-1] == length).all())
+                segs = (Segments(int(s[0]), s.numel(), length) if regular
+                        else Segments(0, s.numel(), length, s.to(self.device)))
+                for g in self.groups((0, length), r, s.numel(), regular):
+                    self.launches.append(Launch(-1, segs, segs, g, self.causal, b, b))
+        for a, length in zip(starts[~inside].tolist(), lengths[~inside].tolist()):
+            self.crossing_segment(pattern, a, length, r, lo, hi, b)
+
+    def crossing_segment(self, pattern: int, a: int, length: int, r: int, lo: int, hi: int,
+                         b: int) -> None:
+        """The launches of block `b` (global rows [lo, hi)) for its part of the segment [a,
+        a + length) that crosses its border: against this rank's other key parts of it."""
+        # this block's chunk's part of the segment
+        (part,) = [c for c in self.layout.split(a, a + length)
+                   if c.rank == self.rank and max(c.start, lo) < min(c.stop, hi)]
+        if _sparse(part, r, self.launch_rows, self.rows, self.min_part):
+            # few rows per head: the chunk's whole part in one launch per group, its
+            # outputs split over the blocks it crosses (once, not per block)
+            if (pattern, a, part.start) not in self._sparse_done:
+                self._sparse_done.add((pattern, a, part.start))
+                self.sparse_launches(a, length, part, r)
+            return
+        qa, qb = max(a, lo), min(a + length, hi)
+        q_segs = Segments(self.local(qa), 1, qb - qa)
+        self.cut.add(b)
+        for g in self.groups((qa - a, qb - a), r):
+            self.launches.append(Launch(-1, q_segs, q_segs, g, self.causal, b, b))
+        for key_part in self.layout.split(a, a + length):
+            if key_part.rank != self.rank:
+                continue  # another rank's keys: a transfer
+            for ka, kb in _own_key_ranges(key_part, self.grid, qa, qb, self.causal):
+                k_segs = Segments(self.local(ka), 1, kb - ka)
+                k_block = self.block_of(ka)
+                self.cut.add(k_block)
+                for g in self.groups((qa - a, qb - a, ka - a, kb - a), r):
+                    self.launches.append(Launch(-1, q_segs, k_segs, g, False, b, k_block))
+
+    def sparse_launches(self, a: int, length: int, part: Chunk, r: int) -> None:
+        """The launches of a sparse part's queries: against itself, and against the
+        segment's other parts on this rank (zigzag chunks), each output split over its
+        blocks."""
+        qa, qb = part.start, part.stop
+        q_segs = Segments(self.local(qa), 1, qb - qa)
+        for other in self.layout.split(a, a + length):
+            if other.rank != self.rank or (self.causal and other.start > qa):
+                continue
+            k_segs = Segments(self.local(other.start), 1, other.stop - other.start)
+            own = other.start == qa
+            span = (qa - a, qb - a, other.start - a, other.stop - a)
+            for g, cpu in zip(cross_head_groups(*span, r, self.heads, self.device, self.strided),
+                              cross_head_groups(*span, r, self.heads, "cpu", self.strided)):
+                q_split = self.splits(q_segs.start, cpu.q_index, cpu.q_heads)
+                k_split = self.splits(k_segs.start, cpu.kv_index, cpu.kv_heads)
+                self.cut.update(x.block for x in q_split + k_split)
+                self.launches.append(Launch(-1, q_segs, k_segs, g, self.causal and own,
+                                            q_split[0].block, k_split[0].block, q_split,
+                                            k_split))
+
+    # ---- the exchange
+
+    def transfer(self, pattern: int, step: int, a: int, src: Chunk, dst: Chunk, r: int) -> None:
+        """This rank's side of one move of `_schedule`: a send of key part `src` (with where
+        its dK/dV come home), or a receive with the launches on it."""
+        groups = cross_head_groups(dst.start - a, dst.stop - a, src.start - a, src.stop - a,
+                                   r, self.heads, self.device, self.strided)
+        columns = sum(g.kv_index.numel() for g in groups)
+        sends, recvs = self.rounds_by_step.setdefault(step, ([], []))
+        if src.rank == self.rank:
+            homes = _homes(src, a, r, groups, self.grid, self.device)
+            self.remote_blocks.update(index for index, _, _, _ in homes)
+            sends.append(Transfer(src, dst, pattern, a, groups, columns, (), homes))
+            return
+        launches = self.remote_launches(a, src, dst, r, groups)
+        recvs.append(Transfer(src, dst, pattern, a, groups, columns, launches, ()))
+
+    def remote_launches(self, a: int, src: Chunk, dst: Chunk, r: int,
+                        groups: Tuple[HeadGroup, ...]) -> Tuple[RemoteLaunch, ...]:
+        """The launches of this rank's query part `dst` on a received key part `src` (ids
+        are given in ``_assemble``)."""
+        directory = _columns(groups)
+        if _sparse(dst, r, self.launch_rows, self.rows, self.min_part):
+            # the whole query part at once, its outputs split over its blocks
+            q_segs = Segments(self.local(dst.start), 1, dst.stop - dst.start)
+            cpu_groups = cross_head_groups(dst.start - a, dst.stop - a, src.start - a,
+                                           src.stop - a, r, self.heads, "cpu", self.strided)
+            out = []
+            for g, cpu in zip(groups, cpu_groups):
+                split = self.splits(q_segs.start, cpu.q_index, cpu.q_heads)
+                self.remote_blocks.update(x.block for x in split)
+                out.append(RemoteLaunch(-1, q_segs, g, _cut(directory, g, self.device),
+                                        split[0].block, split))
+            if out:
+                return tuple(out)
+        out = []
+        for lo, hi, _ in self.grid:
+            qa, qb = max(lo, dst.start), min(hi, dst.stop)
+            if qb <= qa:
+                continue
+            block = self.block_of(qa)
+            self.remote_blocks.add(block)
+            for g in cross_head_groups(qa - a, qb - a, src.start - a, src.stop - a, r,
+                                       self.heads, self.device, self.strided):
+                out.append(RemoteLaunch(-1, Segments(self.local(qa), 1, qb - qa), g,
+                                        _cut(directory, g, self.device), block))
+        return tuple(out)
 
 
 # Below this many rows per head in a block's share of a segment, launches per pair of
@@ -706,29 +776,6 @@ def _splits(start: int, index: Tensor, head_ids: Tensor, blocks: List[Tuple[int,
                                                    head_ids[perm % index.shape[1]]))
     return tuple(Split(block, entries[sl], rows[sl], heads[sl])
                  for block, sl in sorted(spans.items(), key=lambda kv: kv[0]))
-
-
-def _sparse_launches(layout: Layout, rank: int, a: int, length: int, part: Chunk, r: int,
-                     heads: Heads, causal: bool, device: str, strided: bool, local,
-                     splits) -> List[tuple]:
-    """The launches of a sparse part's queries: against itself, and against the segment's
-    other parts on this rank (zigzag chunks), each output split over its blocks."""
-    out = []
-    qa, qb = part.start, part.stop
-    q_segs = Segments(local(qa), 1, qb - qa)
-    for other in layout.split(a, a + length):
-        if other.rank != rank or (causal and other.start > qa):
-            continue
-        k_segs = Segments(local(other.start), 1, other.stop - other.start)
-        own = other.start == qa
-        span = (qa - a, qb - a, other.start - a, other.stop - a)
-        for g, cpu in zip(cross_head_groups(*span, r, heads, device, strided),
-                          cross_head_groups(*span, r, heads, "cpu", strided)):
-            q_split = splits(q_segs.start, cpu.q_index, cpu.q_heads)
-            k_split = splits(k_segs.start, cpu.kv_index, cpu.kv_heads)
-            out.append((q_segs, k_segs, g, causal and own, q_split[0].block, k_split[0].block,
-                        q_split, k_split))
-    return out
 
 
 def _homes(src: Chunk, a: int, rate: int, groups: Tuple[HeadGroup, ...], grid,
@@ -793,7 +840,7 @@ def _assemble(grid, launches, rounds_by_step, modes, remote_blocks, writes, n) -
     order = [i for i in range(len(grid)) if i not in remote_blocks]
     order += [i for i in range(len(grid)) if i in remote_blocks]
     position = {b: k for k, b in enumerate(order)}
-    numbered = [Launch(i, *spec) for i, spec in enumerate(launches)]
+    numbered = [launch._replace(id=i) for i, launch in enumerate(launches)]
     forward: Dict[int, List[Launch]] = {}
     backward: Dict[int, List[Launch]] = {}
     for launch in numbered:
@@ -815,7 +862,8 @@ def _assemble(grid, launches, rounds_by_step, modes, remote_blocks, writes, n) -
         sends, recvs = rounds_by_step[step]
         numbered_recvs = []
         for t in recvs:
-            remote = tuple(RemoteLaunch(next_id + i, *spec) for i, spec in enumerate(t.launches))
+            remote = tuple(launch._replace(id=next_id + i)
+                           for i, launch in enumerate(t.launches))
             next_id += len(remote)
             numbered_recvs.append(t._replace(launches=remote))
         rounds.append(Round(tuple(sends), tuple(numbered_recvs), _packed(sends)))
