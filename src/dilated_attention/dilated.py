@@ -26,7 +26,8 @@ from torch import Tensor
 from . import fused, launches
 from .kernels import KernelOptions, lse_dtype, save_for_backward, saved_for_backward
 from .patterns import Heads, Patterns
-from .plan import Documents, Layout, Plan, make_plan
+from .layout import Documents, Layout
+from .plan import Plan, make_plan
 
 
 def local_plan(q: Tensor, k: Tensor, patterns: Patterns, causal: bool, heads: Optional[Heads],

@@ -46,7 +46,7 @@ from .distributed.sharding import check_layout, check_piece_lengths
 from .distributed.ulysses import ulysses_attention
 from .kernels import KernelOptions, lse_dtype, select_backend
 from .patterns import Heads, Patterns
-from .plan import Documents, Layout, unread_rows
+from .layout import Documents, Layout, unread_rows
 from .window import window_attention_local
 
 # Dropout seeds of the head-parallel ranks of a 2-D mesh or Ulysses call: each rank's

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .fused_plan import TilePlan, dense_plan, tile_plan
 from .patterns import Heads, Patterns
-from .plan import Documents
+from .layout import Documents
 
 
 @dataclasses.dataclass(frozen=True)

@@ -91,7 +91,7 @@ import torch
 from torch import Tensor
 
 from .patterns import Heads, Patterns
-from .plan import Documents, segments_between
+from .layout import Documents, segments_between
 
 # Columns of the tables (the kernels read them by these positions).
 TILE_COLUMNS = ("cell", "row_lo", "rows", "head", "span_lo", "span_hi")

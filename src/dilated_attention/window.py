@@ -64,7 +64,8 @@ from .kernels import (KernelOptions, attention_backward, attention_forward, lse_
                       save_for_backward, saved_for_backward)
 from .launches import Blocks, gradient_accumulators, output_accumulators, row_slices
 from .merge import merge_
-from .plan import ROWS_PER_BLOCK, ROWS_PER_LAUNCH, Chunk, Documents
+from .layout import Chunk, Documents
+from .plan import ROWS_PER_BLOCK, ROWS_PER_LAUNCH
 from .validation import check_first_order
 
 # Query rows per block at most (B), forward and backward: a triangle of B rows costs the

@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import KernelOptions, lse_dtype
-from ..plan import Documents, Layout
+from ..layout import Documents, Layout
 from ..window import WindowAttentionFunction, reaches, window_plan
 from . import comm
 

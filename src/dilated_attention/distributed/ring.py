@@ -111,7 +111,7 @@ from torch import Tensor
 from ..kernels import KernelOptions, attention_backward, attention_forward, lse_dtype
 from ..kernels import save_for_backward, saved_for_backward
 from ..merge import empty_accumulators, merge_
-from ..plan import Layout
+from ..layout import Layout
 from ..validation import check_first_order
 from . import comm
 

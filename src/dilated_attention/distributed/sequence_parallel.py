@@ -41,7 +41,8 @@ from torch import Tensor
 from .. import launches
 from ..kernels import KernelOptions, lse_dtype, save_for_backward, saved_for_backward
 from ..patterns import Heads, Patterns, Segments, gather
-from ..plan import Documents, Layout, Plan, Transfer, make_plan
+from ..layout import Documents, Layout
+from ..plan import Plan, Transfer, make_plan
 from ..validation import check_first_order
 from . import comm
 

@@ -51,7 +51,7 @@ from typing import List, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..plan import Layout
+from ..layout import Layout
 from . import comm
 
 LAYOUTS = ("contiguous", "zigzag")

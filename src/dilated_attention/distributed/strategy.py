@@ -26,7 +26,8 @@ import functools
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ..patterns import Heads, Patterns
-from ..plan import Documents, Layout, transfer_pairs
+from ..layout import Documents, Layout
+from ..plan import transfer_pairs
 from . import comm
 from .ulysses import HeadSplit
 
