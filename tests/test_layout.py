@@ -168,3 +168,32 @@ def test_no_library_file_is_too_long() -> None:
     lines = {m: len(p.read_text().splitlines()) for m, p in MODULES.items()}
     long = {m: n for m, n in lines.items() if n > SPLIT_PENDING.get(m, MAX_LINES)}
     assert not long, f"files over {MAX_LINES} lines (split them by job): {long}"
+
+
+# The modules that may talk to torch.distributed: the communication package, and the
+# launchers that create and destroy process groups.
+DISTRIBUTED_OWNERS = (f"{PACKAGE}.distributed.comm", f"{PACKAGE}.tools.launch")
+
+
+def _uses_torch_distributed(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(
+                a.name.startswith("torch.distributed") for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (
+                (node.module or "").startswith("torch.distributed")
+                or (node.module == "torch" and any(a.name == "distributed" for a in node.names))):
+            return True
+        if (isinstance(node, ast.Attribute) and node.attr == "distributed"
+                and isinstance(node.value, ast.Name) and node.value.id == "torch"):
+            return True
+    return False
+
+
+def test_only_the_comm_package_talks_to_torch_distributed() -> None:
+    """Every collective and process-group call goes through distributed/comm (counted, the
+    group an explicit argument); only the launchers in tools/launch.py create groups."""
+    talkers = [m for m, p in MODULES.items()
+               if _uses_torch_distributed(p)
+               and not any(m == o or m.startswith(o + ".") for o in DISTRIBUTED_OWNERS)]
+    assert not talkers, talkers
