@@ -25,7 +25,7 @@ from reference import grads, reference_attention
 def _case(seed, *, lengths=None, n=None, layout="contiguous", causal, h=4, hk=4, b=2, d=8,
           dtype=torch.float64, dlse=False, sub: Optional[SubBlocks] = None) -> Dict:
     """One call's setting; `sub` forces the rows per K/V part and query chunk
-    (Note [sub-blocks]), None takes the default bound as the public op does."""
+    (Note [parts]), None takes the default bound as the public op does."""
     return dict(seed=seed, lengths=lengths, n=n, layout=layout, causal=causal, h=h, hk=hk, b=b,
                 d=d, dtype=dtype, dlse=dlse, sub=sub)
 
@@ -68,7 +68,7 @@ def _lengths(case: Dict, world: int) -> List[int]:
 
 
 def _parts(case: Dict, world: int, *, backward: bool) -> int:
-    """S: the parts every K/V block travels in, in one pass (Note [sub-blocks])."""
+    """S: the parts every K/V block travels in, in one pass (Note [parts])."""
     lengths = _lengths(case, world)
     sub = case["sub"] or SubBlocks.bounded(max(lengths), case["h"], case["hk"], case["dtype"],
                                            backward=backward)
@@ -147,7 +147,7 @@ def _expected_traffic(case: Dict, world: int, rank: int):
 
     Bytes: exactly P-1 K/V blocks forward; P-1 K/V blocks and P dK/dV
     blocks (fp32/fp64 accumulators) backward. Messages: each block of L
-    rows travels as its S parts (Note [sub-blocks]; S of the pass), min(L,
+    rows travels as its S parts (Note [parts]; S of the pass), min(L,
     S) of them non-empty, k and v (dk and dv) one message each.
     """
     lengths = _lengths(case, world)
@@ -235,7 +235,7 @@ def test_local_ring_is_plain_attention(causal, layout):
 
 
 def test_default_sub_blocks_follow_the_memory_bound():
-    """Note [sub-blocks]: a pass's parts in flight within half a q shard, a launch's output
+    """Note [parts]: a pass's parts in flight within half a q shard, a launch's output
     within an eighth, unless the minimum rows (512 forward, 256 backward, 768) are more."""
     f32, bf16 = torch.float32, torch.bfloat16
     # 16384 rows over 4 ranks, 12 heads, fp32: forward 4 m hk d s = 4096 h d s / 2
@@ -279,7 +279,7 @@ from dilated_attention import ring_attention
 from dilated_attention.distributed import comm
 dist.init_process_group("fake", rank=5, world_size=16)
 P = 16
-# (rows, forward parts, backward parts) per block (Note [sub-blocks]): 64 rows, one
+# (rows, forward parts, backward parts) per block (Note [parts]): 64 rows, one
 # part; 1024 rows, 8 heads over 2 kv heads, fp32: forward parts of 1024 * 8 * 4 //
 # (2 * 2 * 16) = 512 rows, backward ones of max(256, 1024 * 8 * 4 // (2 * 2 * 40)) = 256
 for n, fwd_parts, bwd_parts in ((64, 1, 1), (1024, 2, 4)):

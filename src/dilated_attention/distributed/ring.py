@@ -1,21 +1,22 @@
 """Ring attention: exact dense attention over a sequence spread across ranks.
 
-Notation: b batch, n this rank's query rows, m a key (sub-)block's rows, r
-a query chunk's rows, h query heads, hk key/value heads, d head dim, P
-ranks, S sub-blocks per block; layout (b, n, h, d).
+Notation: b batch, n this rank's query rows, m a K/V part's rows, r a
+launch's query rows, h query heads, hk key/value heads, d head dim, P
+ranks, S parts per piece; layout (b, n, h, d). A rank's rows are its
+*piece*; pieces travel around the ring in *parts*.
 
-Every rank holds its piece of q, k, v. The K/V blocks travel around the
+Every rank holds its piece of q, k, v. The K/V pieces travel around the
 ring (rank p sends to p+1, receives from p-1): at step s rank p holds the
-block of rank (p - s) mod P. Blocks travel as sub-blocks (Note
-[sub-blocks]): the transfer of the next sub-block is posted before the
-current one's compute, so communication overlaps compute while a rank
-holds two sub-blocks, not two blocks. The partial results are merged with
+piece of rank (p - s) mod P. Pieces travel in parts (Note [parts]): the
+transfer of the next part is posted before the current one's compute, so
+communication overlaps compute while a rank holds two parts, not two
+pieces. The partial results are merged with
 ``merge.merge_`` in fp32 (the output itself is the accumulator for fp32
 and fp64 inputs).
 
 The backward runs the ring again with the final merged ``out``/``lse``
 (``kernels.attention_backward`` then recomputes each launch's share of the
-global softmax exactly): dq accumulates locally, and each sub-block's fp32
+global softmax exactly): dq accumulates locally, and each part's fp32
 dK/dV accumulator travels with it, gaining every rank's contribution, until
 one last transfer brings it home.
 
@@ -25,7 +26,7 @@ have the right shapes.
 
 Note [zigzag]
 ~~~~~~~~~~~~~
-With causal attention and contiguous pieces, rank P-1 computes P blocks and
+With causal attention and contiguous pieces, rank P-1 computes P pieces and
 rank 0 one: the ring is as slow as its busiest rank. The zigzag layout cuts
 the sequence into 2P chunks of c rows and gives rank p chunks p and
 2P-1-p, concatenated (local rows [0, c) are chunk p, [c, 2c) chunk 2P-1-p).
@@ -34,40 +35,40 @@ P = 2, chunks 0..3:
     sequence:  | 0 | 1 | 2 | 3 |        rank 0 holds [0 | 3]
                                         rank 1 holds [1 | 2]
 
-Local order is global order on each rank, so for the block of rank src
+Local order is global order on each rank, so for the piece of rank src
 seen by rank p (every rank does 2c*c units of work at every step):
 
     src == p   square causal over all 2c rows (the usual triangle)
-    src <  p   all 2c queries see the block's first chunk (chunk src < p)
+    src <  p   all 2c queries see the piece's first chunk (chunk src < p)
                fully and its second chunk (2P-1-src > 2P-1-p) not at all
     src >  p   the first query chunk (p < src) sees nothing; the second
-               (2P-1-p) sees both chunks of the block fully
+               (2P-1-p) sees both chunks of the piece fully
 
            keys of rank src
             [src | 2P-1-src]
     src<p:   ###   ...        q rows [0, 2c)  x  k rows [0, c)
     src>p:   ###   ###        q rows [c, 2c)  x  k rows [0, 2c)
 
-A sub-block (Note [sub-blocks]) meets the rows of this plan that its key
-rows fall in; on the diagonal (src == p) sub-block [lo, hi) is a causal
+A part (Note [parts]) meets the rows of this plan that its key rows fall
+in; on the diagonal (src == p) part [lo, hi) is a causal
 square over queries [lo, hi) plus a full rectangle for the queries below.
 
-Note [sub-blocks]
-~~~~~~~~~~~~~~~~~
-Whole blocks in flight would add two K/V blocks to a rank's memory (the
+Note [parts]
+~~~~~~~~~~~~
+Whole pieces in flight would add two K/V pieces to a rank's memory (the
 one computed on, the next arriving), each as large as its own k and v.
-Instead every block is cut into S sub-blocks ("parts" in the code) of
-nearly equal rows (part j of a block of L rows is rows [j L // S,
+Instead every piece is cut into S parts of nearly equal rows (part j of a
+piece of L rows is rows [j L // S,
 (j+1) L // S), empty when L < S) and the ring runs once per part:
-sub-ring j carries part j of every block through the P steps. Every rank
+sub-ring j carries part j of every piece through the P steps. Every rank
 walks the same units in the same order, part-major:
 
-    unit (j, s): hold part j of block (p - s); post sending it to p+1 and
-                 receiving part j of block (p - s - 1) from p-1; compute;
+    unit (j, s): hold part j of piece (p - s); post sending it to p+1 and
+                 receiving part j of piece (p - s - 1) from p-1; compute;
                  wait (the last step of a sub-ring sends and receives none)
 
 Part-major, because what rank p forwards at one unit is what p+1 needs at
-its next unit; step-major would keep a whole block arriving. The query
+its next unit; step-major would keep a whole piece arriving. The query
 rows are cut too: a launch covers at most r query rows, so a kernel's
 output lives r h d s bytes until it is merged.
 
@@ -85,9 +86,9 @@ runs its own ring with its own parts, cut smaller: they carry fp32 dK/dV
 
 A forward part has at least 512 rows: every part costs a merge over all n
 query rows (measured at n = 4096, 4 ranks, CPU time on a loaded machine:
-whole blocks 1.0, 512-row parts 1.02 to 1.06, 256-row parts 1.25); a
-backward part (no merges: dq adds once per launch) at least 256. A query chunk has at least 768 rows, where the
-CPU flash kernel still blocks queries by 256 rows (by 64 below). For short
+whole pieces 1.0, 512-row parts 1.02 to 1.06, 256-row parts 1.25); a
+backward part (no merges: dq adds once per launch) at least 256. A launch has at least 768 query rows, where the
+CPU flash kernel still tiles queries by 256 rows (by 64 below). For short
 pieces the minimums win over the bound. A rank runs about S P n / r
 launches per pass: S <= 8 hk / h + 1 parts forward, n / r <= 8.
 
@@ -119,14 +120,14 @@ from . import comm
 # never pair up with each other.
 _KV_TAG, _DKV_TAG = 0, 2
 
-# The fewest rows of a default forward part, backward part and query chunk (Note
-# [sub-blocks]: merge cost, no merges, the CPU flash kernel's query blocks).
-MIN_FORWARD_PART_ROWS, MIN_BACKWARD_PART_ROWS, MIN_CHUNK_ROWS = 512, 256, 768
+# The fewest rows of a default forward part, backward part and launch's queries (Note
+# [parts]: merge cost, no merges, the CPU flash kernel's query tiles).
+MIN_FORWARD_PART_ROWS, MIN_BACKWARD_PART_ROWS, MIN_LAUNCH_ROWS = 512, 256, 768
 
 
 @dataclasses.dataclass(frozen=True)
 class SubBlocks:
-    """Rows per K/V sub-block and per query chunk of a ring call (Note [sub-blocks]).
+    """Rows per K/V part and query rows per launch of a ring call (Note [parts]).
 
     `kv_rows` bounds the received K/V and the travelling dK/dV buffers, and
     fixes the number of sub-rings, so every rank of a call must use the
@@ -145,7 +146,7 @@ class SubBlocks:
     @classmethod
     def bounded(cls, longest: int, heads: int, kv_heads: int, dtype: torch.dtype, *,
                 backward: bool) -> "SubBlocks":
-        """The default for one pass over pieces of at most `longest` rows (Note [sub-blocks]).
+        """The default for one pass over pieces of at most `longest` rows (Note [parts]).
 
         The pass's ring buffers stay within half a q shard, a launch's
         output within an eighth, unless the minimum rows are more.
@@ -157,20 +158,20 @@ class SubBlocks:
         per_row = kv_heads * (4 * s + (6 * a if backward else 0))
         fewest = MIN_BACKWARD_PART_ROWS if backward else MIN_FORWARD_PART_ROWS
         return cls(kv_rows=max(fewest, longest * heads * s // (2 * per_row)),
-                   q_rows=max(MIN_CHUNK_ROWS, longest // 8))
+                   q_rows=max(MIN_LAUNCH_ROWS, longest // 8))
 
     def parts(self, lengths: Sequence[int]) -> int:
-        """S: the parts every block is cut into (one sub-ring each)."""
+        """S: the parts every piece is cut into (one sub-ring each)."""
         return max(1, -(-max(lengths) // self.kv_rows))
 
 
 def _part_rows(length: int, parts: int, j: int) -> Tuple[int, int]:
-    """Rows [lo, hi) of part `j` of a block of `length` rows cut into `parts` parts."""
+    """Rows [lo, hi) of part `j` of a piece of `length` rows cut into `parts` parts."""
     return j * length // parts, (j + 1) * length // parts
 
 
 class _Unit(NamedTuple):
-    """One unit of the ring: sub-block `part` (rows [lo, hi)) of rank `src`'s block, at `step`."""
+    """One unit of the ring: part `part` (rows [lo, hi)) of rank `src`'s piece, at `step`."""
 
     part: int
     step: int
@@ -180,7 +181,7 @@ class _Unit(NamedTuple):
 
 
 class _Rotation:
-    """The K/V parts moving around the ring (Note [sub-blocks]), one unit at a time.
+    """The K/V parts moving around the ring (Note [parts]), one unit at a time.
 
     Iterating yields this rank's units; during a unit ``self.k``/``self.v``
     (b, hi - lo, hk, d) hold the unit's part, and the next unit's transfer is
@@ -220,23 +221,23 @@ def _rows(span: Tuple[int, int]) -> int:
     return span[1] - span[0]
 
 
-def _pass_on(ring: comm.RingComm, rows: int, *blocks: Tensor) -> List[Tensor]:
-    """Post sending `blocks` to the next rank and receiving the previous rank's (`rows` rows)."""
+def _pass_on(ring: comm.RingComm, rows: int, *parts: Tensor) -> List[Tensor]:
+    """Post sending `parts` to the next rank and receiving the previous rank's (`rows` rows)."""
     received = [
         # (b, m, hk, d) -> (b, rows, hk, d): the previous rank's part may differ in length
         ring.send_recv(x, x.new_empty((x.shape[0], rows) + tuple(x.shape[2:])))
-        for x in blocks
+        for x in parts
     ]
     ring.commit()
     return received
 
 
-def _block_plan(layout: Layout, causal: bool, rank: int,
+def _piece_plan(layout: Layout, causal: bool, rank: int,
                 src: int) -> Optional[Tuple[int, int, int, int, bool]]:
-    """Which query rows [q0, q1) meet which key rows [k0, k1) of rank `src`'s block, and whether
+    """Which query rows [q0, q1) meet which key rows [k0, k1) of rank `src`'s piece, and whether
     as a causal square (q0 == k0, q1 == k1: local order is global order; Note [zigzag]).
 
-    None when the block contributes nothing to this rank's queries.
+    None when the piece contributes nothing to this rank's queries.
     """
     n_q, n_k = layout.rows_of(rank), layout.rows_of(src)
     if n_q == 0 or n_k == 0:
@@ -256,7 +257,7 @@ def _block_plan(layout: Layout, causal: bool, rank: int,
 
 
 def _launches(plan, lo: int, hi: int, q_rows: int) -> List[Tuple[slice, slice, bool]]:
-    """The kernel launches of `plan` with key rows [lo, hi) of its block (Note [sub-blocks]).
+    """The kernel launches of `plan` with key rows [lo, hi) of its piece (Note [parts]).
 
     Each is (query rows, key rows counted from `lo`, causal), at most
     `q_rows` query rows; a causal launch is a square, as the kernels need.
@@ -270,7 +271,7 @@ def _launches(plan, lo: int, hi: int, q_rows: int) -> List[Tuple[slice, slice, b
     keys = slice(k0 - lo, k1 - lo)
     if not causal:
         return [(slice(c, min(c + q_rows, q1)), keys, False) for c in range(q0, q1, q_rows)]
-    # query i sees key j <= i: queries [k0, k1) see the keys as a triangle, chunked into
+    # query i sees key j <= i: queries [k0, k1) see the keys as a triangle, cut into
     # squares with the keys left of them in full; queries after k1 see every key
     found = []
     for c in range(k0, k1, q_rows):
@@ -317,23 +318,23 @@ def ring_forward(
     """q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse (b, n, h) fp32.
 
     `lengths`: every rank's piece length (default: all equal to this one's).
-    `sub_blocks`: rows per K/V part and per query chunk (default
-    `SubBlocks.bounded` for the forward: Note [sub-blocks]). Every rank of
+    `sub_blocks`: rows per K/V part and query rows per launch (default
+    `SubBlocks.bounded` for the forward: Note [parts]). Every rank of
     `group` must call this with agreed arguments.
     """
     size, rank = comm.group_size(group), comm.group_rank(group)
     n = q.shape[1]
     lengths = _lengths(group, n, lengths)
     if size == 1:
-        # one block: the kernel's own result, with no fp32 accumulator and no merge
+        # one piece: the kernel's own result, with no fp32 accumulator and no merge
         return attention_forward(q, k, v, opts)
     sub = _sub_blocks(sub_blocks, lengths, q, k, backward=False)
     # fp32 (fp64) accumulators: for fp32 (fp64) inputs acc_out is the output itself
     acc_out, acc_lse = empty_accumulators(q.shape, q.dtype, q.device)
     rotation = _Rotation(group, k, v, lengths, sub.parts(lengths))
-    chunks = Layout.named(layout, lengths)
+    held = Layout.named(layout, lengths)
     for unit in rotation:
-        plan = _block_plan(chunks, opts.causal, rank, unit.src)
+        plan = _piece_plan(held, opts.causal, rank, unit.src)
         for rows, keys, causal in _launches(plan, unit.lo, unit.hi, sub.q_rows):
             # merged at once: a launch's output is freed before the next one runs
             merge_(acc_out[:, rows], acc_lse[:, rows], *attention_forward(
@@ -377,12 +378,12 @@ def ring_backward(
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     rotation = _Rotation(group, k, v, lengths, parts)
-    chunks = Layout.named(layout, lengths)
+    held = Layout.named(layout, lengths)
     dkv_ring = comm.RingComm(group, tag=_DKV_TAG)
     arriving: Optional[List[Tensor]] = None  # the dK/dV posted after the previous unit
     home: Optional[Tuple[int, int]] = None  # their rows in dk/dv when they are this rank's own
     for unit in rotation:
-        plan = _block_plan(chunks, opts.causal, rank, unit.src)
+        plan = _piece_plan(held, opts.causal, rank, unit.src)
         grads = _unit_backward(
             _launches(plan, unit.lo, unit.hi, sub.q_rows), rotation.k, rotation.v, dout, q, out,
             lse, dlse, dq, opts)
@@ -463,7 +464,7 @@ class RingAttentionFunction(torch.autograd.Function):
     """Saves q, k, v, out, lse; backward is `ring_backward` (a collective: every rank runs it).
 
     `sub_blocks` (optional, last) overrides the default sizes of Note
-    [sub-blocks] in both passes; every rank must pass the same.
+    [parts] in both passes; every rank must pass the same.
     """
 
     @staticmethod
