@@ -64,3 +64,15 @@ def test_every_page_is_indexed() -> None:
     missing = [p.name for p in (ROOT / "docs").glob("*.md")
                if p.name != "README.md" and f"]({p.name})" not in index]
     assert not missing, f"docs/README.md does not link {missing}"
+
+
+def test_docs_pages_named_in_code_exist() -> None:
+    """Docstrings, error messages and examples name docs pages by path: each must exist."""
+    named = re.compile(r"docs/([\w\-]+\.md)")
+    missing = set()
+    for folder in ("src", "examples", "benchmarks", "tests"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for page in named.findall(path.read_text()):
+                if not (ROOT / "docs" / page).exists():
+                    missing.add(f"{path.relative_to(ROOT)}: docs/{page}")
+    assert not missing, f"no such docs page: {sorted(missing)}"
