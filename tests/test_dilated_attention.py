@@ -357,6 +357,24 @@ def test_first_writes_store_what_a_merge_gives(cfg, block_rows, launch_rows, pad
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("dense", [True, False])
+def test_forward_kernels_read_dense_copies_of_strided_views(dense):
+    """On CPU a forward launch's kernel reads dense copies of a rate-2 group's strided views
+    (launches.DENSE_KERNEL_INPUTS; the writes stay views), the views themselves with the
+    policy off: exact against float64 either way."""
+    cfg = Config(2, 64, 4, 2, 8, (16, 32), (1, 2), True, None, 38)
+    seen, kernel = [], launches.attention_forward
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append(all(x.is_contiguous() for x in (q, k, v)))
+        return kernel(q, k, v, *args, **kwargs)
+
+    with mock.patch.dict(launches.DENSE_KERNEL_INPUTS, {"cpu": dense}), \
+            mock.patch.object(launches, "attention_forward", spy):
+        check_against_reference(cfg, torch.float32, "cpu_flash")
+    assert all(seen) if dense else not all(seen)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_large_logits_stay_finite(dtype: torch.dtype, backend: str) -> None:

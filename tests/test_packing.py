@@ -178,6 +178,26 @@ def test_nonfinite_values_reach_exactly_the_queries_that_attend_them():
     torch.testing.assert_close(out[fine], ref[fine], rtol=1e-9, atol=1e-9)
 
 
+def test_finite_values_whose_sum_overflows_give_the_same_result():
+    """The non-finite check is one sum per input (functional._finite): finite entries whose
+    sum overflows take the exact path for non-finite rows, which finds none: the same out
+    and lse as the plain path, finite."""
+    from unittest import mock
+
+    from dilated_attention import functional
+
+    q, k, v, _, _ = _inputs(1, 24, 2, 2, 4, 9)
+    q, k, v = (x.float() for x in (q, k, v))
+    for d in range(4):
+        v[0, 3 + d, 1, d] = 1e38  # finite, one per column (no output overflows); the sum does
+    assert not functional._finite(v) and functional._finite(q)
+    got = dilated_attention(q, k, v, [8, 24], [1, 2], return_lse=True)
+    with mock.patch.object(functional, "_finite", lambda x: True):
+        want = dilated_attention(q, k, v, [8, 24], [1, 2], return_lse=True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) and torch.isfinite(a).all()
+
+
 def test_unread_rows_warn_once_per_pattern_set():
     q, k, v, _, _ = _inputs(1, 40, 4, 4, 4, 2)
     with pytest.warns(UserWarning, match=r"segment_lengths \[16\] and dilation_rates \[8\]"):

@@ -100,8 +100,15 @@ _PER_RANK = ("n", "masked_keys", "nonfinite")
 
 
 def _finite(x: Tensor) -> bool:
-    """No NaN or infinity in x (one cheap reduction: min and max carry NaN and inf)."""
-    return x.numel() == 0 or all(bool(torch.isfinite(m)) for m in torch.aminmax(x))
+    """No NaN or infinity in x, by one sum: a NaN or an infinity makes it non-finite.
+
+    A sum is the cheapest full read (1.6x faster than aminmax on CPU, measured at
+    16K x 12 x 64 fp32, one thread: 9.5 against 15 ms; the op reads q, k and v so on
+    every call). A sum of finite entries that overflows (entries near the dtype's
+    largest) also says non-finite: the call then takes the exact path for non-finite
+    rows (``_nonfinite_keys``), which finds none and gives the same result, slower.
+    """
+    return x.numel() == 0 or bool(torch.isfinite(x.sum(dtype=lse_dtype(x.dtype))))
 
 
 def _bad_keys(k: Tensor, v: Tensor) -> Tensor:

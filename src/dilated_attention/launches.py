@@ -61,6 +61,29 @@ def chunk_elements(device: torch.device) -> int:
     return CHUNK_ELEMENTS.get(device.type, CHUNK_ELEMENTS["cpu"])
 
 
+# Whether a device's forward kernels read dense copies of the strided views a launch
+# selects (patterns.Stride: a rate-r group's rows and heads, with gaps). Measured on CPU,
+# LongNet fp32, one thread, CPU time, the variants taking turns (a busy machine): the
+# flash kernel ran the rate-2 views slower than dense copies of them, by more than the
+# copies cost (8K, 20 turns: the forward's kernels 4.2% faster, the forward 2.4%, paired
+# medians; 16K: kernels 1.64 against 1.79 s, forward 1.75 against 1.88 s, medians of 8).
+# Its backward did not gain (8K: kernels 1.0% slower, the step 2.5%), so backward
+# launches read the views. Merges and scatters write through the views either way (no
+# advanced indexing). A launch holds its copies of q, k, v (ROWS_PER_LAUNCH rows at most)
+# until its kernel returns (working memory, forward, fp32: 16K 1.146 -> 1.297, 64K
+# 1.050 -> 1.086 input-sized tensors). CUDA launches read gathered copies already
+# (plan.STRIDED_VIEWS), views only where measured (gpu_suite's strided part). On meta
+# (estimate's dry run) only a CPU plan has views with gaps: copied, as on the CPU.
+DENSE_KERNEL_INPUTS = {"cpu": True, "meta": True}
+
+
+def _kernel_input(x: Tensor, segs: Segments, heads: Tensor, index: Tensor,
+                  stride: Optional[Stride]) -> Tensor:
+    """`gather` for a local forward launch's kernel: dense where DENSE_KERNEL_INPUTS says."""
+    y = gather(x, segs, heads, index, stride)
+    return y.contiguous() if DENSE_KERNEL_INPUTS.get(x.device.type, False) else y
+
+
 class RemoteKeys(Protocol):
     """How a sequence-parallel rank moves the key rows of its plan's transfers.
 
@@ -385,9 +408,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, *,
         stores = stored_launches(block.forward, blocks.spans[block.index], q.shape[2])
         for i, launch in enumerate(block.forward):
             g = launch.group
-            q_g = gather(q, launch.queries, g.q_heads, g.q_index, g.q_stride)
-            k_g = gather(k, launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
-            v_g = gather(v, launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
+            q_g = _kernel_input(q, launch.queries, g.q_heads, g.q_index, g.q_stride)
+            k_g = _kernel_input(k, launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
+            v_g = _kernel_input(v, launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
             out_g, lse_g = attention_forward(
                 q_g, k_g, v_g, opts.for_launch(launch.id, causal=launch.causal),
                 key_mask=_key_mask(key_mask, launch.keys, g),

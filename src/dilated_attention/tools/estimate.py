@@ -430,6 +430,8 @@ class _Shapes:
         self.chunk = CHUNK_ELEMENTS[config.device]  # elements per merge or scatter slice
         # the aten CUDA kernels take as many K/V heads as query heads (kernels._repeat_kv)
         self.repeats_kv = backend_for(config) in ("cuda_cudnn", "cuda_efficient")
+        # a forward launch's kernel reads dense copies of its strided views
+        self.dense_inputs = launches.DENSE_KERNEL_INPUTS.get(config.device, False)
 
     def rows(self, n: int, heads: int, elem: int, d: Optional[int] = None) -> int:
         """Bytes of a (b, n, heads, d) tensor (d = 1 for lse-like tensors)."""
@@ -461,18 +463,21 @@ def _merge_temps(sh: "_Shapes", elements: int, view: bool, in_output: bool = Fal
 
 
 def _launch_fwd(sh: "_Shapes", nq: int, nk: int, hq: int, hkv: int, view: bool,
-                gathered_kv: bool = True, in_output: bool = False) -> Tuple[int, int]:
+                gathered_kv: bool = True, in_output: bool = False,
+                dense: bool = False) -> Tuple[int, int]:
     """Peak temporaries of one forward launch (launches.forward, merge_rows): (while the
     kernel runs, while its output merges). The block's accumulators are made between
     the two, for its first launch.
 
     Gathers of q (and k, v when `gathered_kv`) unless the launch reads
-    views, K/V repeated to the query heads for the CUDA kernels (GQA), the
-    launch's out and lse, then the chunked merge.
+    views (`dense`: views with gaps that the kernel reads as dense copies,
+    launches.DENSE_KERNEL_INPUTS), K/V repeated to the query heads for the
+    CUDA kernels (GQA), the launch's out and lse, then the chunked merge.
     """
     out = sh.rows(nq, hq, sh.s) + sh.rows(nq, hq, sh.a, 1)
-    gathers = 0 if view else sh.rows(nq, hq, sh.s)
-    if not view and gathered_kv:
+    copied = not view or dense
+    gathers = sh.rows(nq, hq, sh.s) if copied else 0
+    if copied and gathered_kv:
         gathers += 2 * sh.rows(nk, hkv, sh.s)
     if sh.repeats_kv and hkv != hq:
         gathers += 2 * sh.rows(nk, hq, sh.s)
@@ -613,7 +618,8 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
             before = _alive(sim)
             making = _make_acc(sim, sh, block.index, 0)
             kernel, merge = _launch_fwd(sh, *_launch_size(l),
-                                        in_output=in_output(blocks_by[l.q_block], dtype))
+                                        in_output=in_output(blocks_by[l.q_block], dtype),
+                                        dense=sh.dense_inputs and not l.group.identity)
             peak = max(peak, before + kernel, making, _alive(sim) + merge)
             for index, nbytes in _writes(l.q_split, l.q_block, out_size(l), b * (d * s + a)):
                 sim.add(index, 0, lambda acc: None, nbytes)
