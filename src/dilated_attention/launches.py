@@ -37,6 +37,7 @@ d head dim.
 
 from __future__ import annotations
 
+import enum
 from typing import Callable, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
@@ -107,6 +108,20 @@ class RemoteKeys(Protocol):
 # Block accumulators (Note [block accumulators])
 
 
+class Kind(enum.IntEnum):
+    """Which accumulator of a block: the forward's (out, lse) together, or one of the
+    backward's gradients dq, dK, dV."""
+
+    OUT = 0
+    DQ = 1
+    DK = 2
+    DV = 3
+
+
+FORWARD_KINDS = (Kind.OUT,)
+BACKWARD_KINDS = (Kind.DQ, Kind.DK, Kind.DV)
+
+
 def in_output(block: Block, dtype: torch.dtype) -> bool:
     """Whether `block` accumulates in the output tensor itself, with no fp32 copy.
 
@@ -122,7 +137,8 @@ def in_output(block: Block, dtype: torch.dtype) -> bool:
 class Blocks:
     """This rank's block accumulators: made on demand, pending outputs, freed after the last write.
 
-    ``make(block, kind, init)`` builds accumulator `kind` of a plan ``Block`` (a
+    ``make(block, kind, init)`` builds accumulator `kind` (a ``Kind`` of `kinds`) of a
+    plan ``Block`` (a
     tensor, or a tuple for the forward's (out, lse)), holding the merge's
     identity if `init`, else uninitialised for writes that store every entry
     (``add``'s `assign`); ``write(block, kind, acc)`` stores a finished one in
@@ -130,8 +146,8 @@ class Blocks:
     threshold; ``writers`` counts the writes each (block, kind) will get.
     """
 
-    def __init__(self, plan: Plan, kinds: int, make: Callable, write: Callable, nbytes: Callable,
-                 writers: Dict[Tuple[int, int], int]) -> None:
+    def __init__(self, plan: Plan, kinds: Tuple[Kind, ...], make: Callable, write: Callable,
+                 nbytes: Callable, writers: Dict[Tuple[int, Kind], int]) -> None:
         self.by_index = {block.index: block for block in plan.blocks}
         self.spans = {block.index: (block.lo, block.hi) for block in plan.blocks}
         self.order = [block.index for block in plan.blocks]
@@ -149,7 +165,7 @@ class Blocks:
         """Block `index` runs now: outputs for it are applied at once."""
         self.current = index
 
-    def acc(self, index: int, kind: int):
+    def acc(self, index: int, kind: Kind):
         """The accumulator, made now (with every pending output applied) if need be."""
         key = (index, kind)
         if key not in self.live:
@@ -159,7 +175,7 @@ class Blocks:
             self.pending_bytes.pop(key, None)
         return self.live[key]
 
-    def add(self, index: int, kind: int, apply: Callable, nbytes: int,
+    def add(self, index: int, kind: Kind, apply: Callable, nbytes: int,
             assign: Optional[Callable] = None, tiling: bool = False) -> None:
         """One write `apply(acc)` into (block, kind): now, or pending until the block's turn.
 
@@ -193,7 +209,7 @@ class Blocks:
         if self.writers[key] == 0 and (key in self.live or index == self.current):
             self._finish(key)
 
-    def _finish(self, key: Tuple[int, int]) -> None:
+    def _finish(self, key: Tuple[int, Kind]) -> None:
         self.storing.discard(key)
         acc = self.acc(*key)
         self.write(self.by_index[key[0]], key[1], acc)
@@ -202,7 +218,7 @@ class Blocks:
 
     def end_turn(self, index: int) -> None:
         """Finish the block's accumulators that have had all their writes."""
-        for kind in range(self.kinds):
+        for kind in self.kinds:
             key = (index, kind)
             if key not in self.finished and self.writers.get(key, 0) == 0:
                 self._finish(key)
@@ -210,7 +226,7 @@ class Blocks:
 
     def finish_all(self) -> None:
         for index in self.order:
-            for kind in range(self.kinds):
+            for kind in self.kinds:
                 if (index, kind) not in self.finished:
                     self._finish((index, kind))
 
@@ -224,14 +240,14 @@ class Blocks:
 
 def output_accumulators(q: Tensor) -> Tuple[Tensor, Tensor, Callable, Callable, Callable]:
     """The forward's outputs out (b, n, h, d) and lse (b, n, h), uninitialised, and the
-    ``make``, ``write`` and ``nbytes`` of their block accumulators (`Blocks`, one kind:
-    (out, lse))."""
+    ``make``, ``write`` and ``nbytes`` of their block accumulators (`Blocks`, of
+    FORWARD_KINDS: (out, lse))."""
     b, n, h, d = q.shape
     acc = lse_dtype(q.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, n, h), dtype=acc, device=q.device)
 
-    def make(block: Block, kind: int, init: bool) -> Tuple[Tensor, Tensor]:
+    def make(block: Block, kind: Kind, init: bool) -> Tuple[Tensor, Tensor]:
         # the merge's identity (0, -inf); lse is written in place, out too where it can
         lo, hi = block.lo, block.hi
         acc_out = (out[:, lo:hi] if in_output(block, out.dtype)
@@ -242,11 +258,11 @@ def output_accumulators(q: Tensor) -> Tuple[Tensor, Tensor, Callable, Callable, 
             acc_lse.fill_(-float("inf"))
         return acc_out, acc_lse
 
-    def write(block: Block, kind: int, accs: Tuple[Tensor, Tensor]) -> None:
+    def write(block: Block, kind: Kind, accs: Tuple[Tensor, Tensor]) -> None:
         if not in_output(block, out.dtype):
             out[:, block.lo:block.hi] = accs[0]
 
-    def nbytes(block: Block, kind: int) -> int:
+    def nbytes(block: Block, kind: Kind) -> int:
         if in_output(block, out.dtype):
             return 0
         return b * (block.hi - block.lo) * h * d * torch.finfo(acc).bits // 8
@@ -256,58 +272,57 @@ def output_accumulators(q: Tensor) -> Tuple[Tensor, Tensor, Callable, Callable, 
 
 def gradient_accumulators(*inputs: Tensor) -> Tuple[Tuple[Tensor, ...], Callable, Callable,
                                                     Callable]:
-    """The backward's gradients, one per input (dq, dK, dV: kinds 0, 1, 2), uninitialised,
+    """The backward's gradients, one per input (dq, dK, dV: BACKWARD_KINDS), uninitialised,
     and the ``make``, ``write`` and ``nbytes`` of their block accumulators (`Blocks`)."""
     acc = lse_dtype(inputs[0].dtype)
     grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in inputs)
+    of_kind = dict(zip(BACKWARD_KINDS, grads))
 
-    def make(block: Block, kind: int, init: bool) -> Tensor:
-        g, lo, hi = grads[kind], block.lo, block.hi
+    def make(block: Block, kind: Kind, init: bool) -> Tensor:
+        g, lo, hi = of_kind[kind], block.lo, block.hi
         if in_output(block, g.dtype):
             return g[:, lo:hi].zero_() if init else g[:, lo:hi]
         new = torch.zeros if init else torch.empty
         return new((g.shape[0], hi - lo) + g.shape[2:], dtype=acc, device=g.device)
 
-    def write(block: Block, kind: int, block_acc: Tensor) -> None:
-        if not in_output(block, grads[kind].dtype):
-            grads[kind][:, block.lo:block.hi] = block_acc
+    def write(block: Block, kind: Kind, block_acc: Tensor) -> None:
+        if not in_output(block, of_kind[kind].dtype):
+            of_kind[kind][:, block.lo:block.hi] = block_acc
 
-    def nbytes(block: Block, kind: int) -> int:
-        g = grads[kind]
+    def nbytes(block: Block, kind: Kind) -> int:
+        g = of_kind[kind]
         per_row = g[:, :1].numel() * torch.finfo(acc).bits // 8
         return 0 if in_output(block, g.dtype) else (block.hi - block.lo) * per_row
 
     return grads, make, write, nbytes
 
 
-def count_writers(plan: Plan, backward: bool) -> Dict[Tuple[int, int], int]:
-    """How many writes each (block, kind) gets: launches, remote launches, dK/dV home.
+def count_writers(plan: Plan, backward: bool) -> Dict[Tuple[int, Kind], int]:
+    """How many writes each (block, kind) gets: launches, remote launches, dK/dV home."""
+    counts: Dict[Tuple[int, Kind], int] = {}
+    queries = Kind.DQ if backward else Kind.OUT
 
-    Forward kind 0 is (out, lse); backward kinds 0, 1, 2 are dq, dK, dV.
-    """
-    counts: Dict[Tuple[int, int], int] = {}
-
-    def add(index: int, kind: int) -> None:
+    def add(index: int, kind: Kind) -> None:
         counts[(index, kind)] = counts.get((index, kind), 0) + 1
 
     for block in plan.blocks:
         for launch in block.forward:
             for index in launch.q_blocks:
-                add(index, 0)
+                add(index, queries)
             if backward:
                 for index in launch.k_blocks:
-                    add(index, 1)
-                    add(index, 2)
+                    add(index, Kind.DK)
+                    add(index, Kind.DV)
     for rnd in plan.rounds:
         for t in rnd.recvs:
             for launch in t.launches:
                 for index in launch.q_blocks:
-                    add(index, 0)
+                    add(index, queries)
         if backward:
             for t in rnd.sends:
                 for index, _, _, _ in t.homes:
-                    add(index, 1)
-                    add(index, 2)
+                    add(index, Kind.DK)
+                    add(index, Kind.DV)
     return counts
 
 
@@ -397,7 +412,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, *,
             remote: Optional[RemoteKeys] = None) -> Tuple[Tensor, Tensor]:
     """q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse (b, n, h) fp32 (fp64)."""
     out, lse, *accumulators = output_accumulators(q)
-    blocks = Blocks(plan, 1, *accumulators, count_writers(plan, backward=False))
+    blocks = Blocks(plan, FORWARD_KINDS, *accumulators, count_writers(plan, backward=False))
     if remote is not None:
         remote.post()
     for block in plan.blocks:
@@ -439,7 +454,7 @@ def _merge_into(blocks: Blocks, launch, out_g: Tensor, lse_g: Tensor,
             _assign(accs[0], rel, out_g)
             _assign(accs[1], rel, lse_g)
 
-        blocks.add(launch.q_block, 0, apply, out_g.nbytes + lse_g.nbytes,
+        blocks.add(launch.q_block, Kind.OUT, apply, out_g.nbytes + lse_g.nbytes,
                    assign if store else None, tiling=store)
         return
     # one segment: (b, rows, hq, ...) -> (b, rows * hq, ...), the entries in each block
@@ -453,7 +468,7 @@ def _merge_into(blocks: Blocks, launch, out_g: Tensor, lse_g: Tensor,
                 merge_selected_(accs[0], accs[1], (slice(None), split.rows[e], split.heads[e]),
                                 part_out[:, e], part_lse[:, e])
 
-        blocks.add(split.block, 0, apply, part_out.nbytes + part_lse.nbytes)
+        blocks.add(split.block, Kind.OUT, apply, part_out.nbytes + part_lse.nbytes)
 
 
 def _forward_remote(q: Tensor, remote: RemoteKeys, blocks: Blocks, opts: KernelOptions) -> None:
@@ -484,7 +499,7 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
              remote: Optional[RemoteKeys] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of `forward`, given its final out (b, n, h, d) and lse (b, n, h)."""
     grads, *accumulators = gradient_accumulators(q, k, v)
-    blocks = Blocks(plan, 3, *accumulators, count_writers(plan, backward=True))
+    blocks = Blocks(plan, BACKWARD_KINDS, *accumulators, count_writers(plan, backward=True))
     saved = (dout, q, out, lse, dlse)
     if remote is not None:
         remote.post()
@@ -507,16 +522,16 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
                 key_mask=_key_mask(key_mask, launch.keys, g),
             )
             store = i < stores
-            _scatter_into(blocks, launch.q_block, launch.q_split, 0, q_sel, dq_g, store)
-            _scatter_into(blocks, launch.k_block, launch.k_split, 1, kv_sel, dk_g, store)
-            _scatter_into(blocks, launch.k_block, launch.k_split, 2, kv_sel, dv_g, store)
+            _scatter_into(blocks, launch.q_block, launch.q_split, Kind.DQ, q_sel, dq_g, store)
+            _scatter_into(blocks, launch.k_block, launch.k_split, Kind.DK, kv_sel, dk_g, store)
+            _scatter_into(blocks, launch.k_block, launch.k_split, Kind.DV, kv_sel, dv_g, store)
             del dq_g, dk_g, dv_g  # free before the next launch gathers
         blocks.end_turn(block.index)
     blocks.finish_all()
     return grads
 
 
-def _scatter_into(blocks: Blocks, index: int, split, kind: int, sel, y: Tensor,
+def _scatter_into(blocks: Blocks, index: int, split, kind: Kind, sel, y: Tensor,
                   store: bool = False) -> None:
     """Add a launch's gradient (b * count, rows, heads, d) into a block (now or pending), or
     `store` it there (``stored_launches``); a launch split over blocks adds each block's
@@ -558,7 +573,7 @@ def _backward_remote(saved, remote: RemoteKeys, blocks: Blocks, opts: KernelOpti
                     dlse=None if dlse is None else gather(dlse, *q_sel),
                     key_mask=None if mask is None else _remote_block(mask, launch),
                 )
-                _scatter_into(blocks, launch.q_block, launch.q_split, 0, q_sel, dq_g)
+                _scatter_into(blocks, launch.q_block, launch.q_split, Kind.DQ, q_sel, dq_g)
                 # (b, kv_rows, hkv, d) -> the pair-major columns of the wire format
                 for i, dx in enumerate((dk_g, dv_g)):
                     _remote_block(grad[i], launch).add_(dx)
@@ -573,9 +588,9 @@ def _backward_remote(saved, remote: RemoteKeys, blocks: Blocks, opts: KernelOpti
 def _add_home(home: Tensor, transfer: Transfer, blocks: Blocks) -> None:
     """Add the dK/dV (2, b, columns, d) of our key part that a reader sent back."""
     for index, rows, heads, columns in transfer.homes:
-        for kind in (1, 2):
+        for which, kind in enumerate((Kind.DK, Kind.DV)):
             # (b, e, d) entries of this block: each (row, kv head) once, so += is exact
-            part = home[kind - 1][:, columns]
+            part = home[which][:, columns]
 
             def apply(a: Tensor, part=part, rows=rows, heads=heads) -> None:
                 a[:, rows, heads] += part

@@ -62,7 +62,8 @@ from torch import Tensor
 
 from .kernels import (KernelOptions, attention_backward, attention_forward, lse_dtype,
                       save_for_backward, saved_for_backward)
-from .launches import Blocks, gradient_accumulators, output_accumulators, row_slices
+from .launches import (BACKWARD_KINDS, FORWARD_KINDS, Blocks, Kind, gradient_accumulators,
+                       output_accumulators, row_slices)
 from .merge import merge_
 from .layout import Chunk, Documents
 from .plan import ROWS_PER_BLOCK, ROWS_PER_LAUNCH
@@ -411,9 +412,9 @@ class _Stripes:
         return out
 
 
-def _writers(plan: WindowPlan, stripes: _Stripes, backward: bool) -> Dict[Tuple[int, int], int]:
-    """How many writes each (stripe, kind) gets (launches.count_writers' kinds)."""
-    counts: Dict[Tuple[int, int], int] = {}
+def _writers(plan: WindowPlan, stripes: _Stripes, backward: bool) -> Dict[Tuple[int, Kind], int]:
+    """How many writes each (stripe, kind) gets (as launches.count_writers)."""
+    counts: Dict[Tuple[int, Kind], int] = {}
 
     def add(index: int, kinds) -> None:
         for kind in kinds:
@@ -422,16 +423,16 @@ def _writers(plan: WindowPlan, stripes: _Stripes, backward: bool) -> Dict[Tuple[
     tiles = [(s.index, t) for s in plan.blocks for t in s.tiles]
     tiles += [pair for rnd in plan.rounds for pair in rnd]
     for index, t in tiles:
-        add(index, (0,))
+        add(index, (Kind.DQ if backward else Kind.OUT,))
         local = plan.sources[t.source].local
         if backward and local is not None:
             lo, hi = t.k_span
             for piece in stripes.pieces(local + lo, local + hi):
-                add(piece[0], (1, 2))
+                add(piece[0], (Kind.DK, Kind.DV))
     if backward:
         for lo, hi in plan.homes:
             for piece in stripes.pieces(lo, hi):
-                add(piece[0], (1, 2))
+                add(piece[0], (Kind.DK, Kind.DV))
     return counts
 
 
@@ -441,7 +442,7 @@ def window_forward(q: Tensor, k: Tensor, v: Tensor, plan: WindowPlan, opts: Kern
     """q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse (b, n, h) fp32 (fp64)."""
     out, lse, *accumulators = output_accumulators(q)
     stripes = _Stripes(plan)
-    blocks = Blocks(plan, 1, *accumulators, _writers(plan, stripes, backward=False))
+    blocks = Blocks(plan, FORWARD_KINDS, *accumulators, _writers(plan, stripes, backward=False))
     sources = _own_sources(plan, k, v, key_mask)
     if halos is not None:
         halos.post()
@@ -498,7 +499,7 @@ def _forward_tile(q: Tensor, source, tile: Tile, stripe: Stripe, opts: KernelOpt
             _rows(a, at, tile.count, tile.rows, tile.step).copy_(y)
 
     whole = _covers(tile, (stripe.lo, stripe.hi))
-    blocks.add(stripe.index, 0, apply, out_t.nbytes + lse_t.nbytes, assign if whole else None)
+    blocks.add(stripe.index, Kind.OUT, apply, out_t.nbytes + lse_t.nbytes, assign if whole else None)
 
 
 def window_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -508,7 +509,7 @@ def window_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     """Gradients (dq, dk, dv) of `window_forward`, given its final out and lse."""
     grads, *accumulators = gradient_accumulators(q, k, v)
     stripes = _Stripes(plan)
-    blocks = Blocks(plan, 3, *accumulators, _writers(plan, stripes, backward=True))
+    blocks = Blocks(plan, BACKWARD_KINDS, *accumulators, _writers(plan, stripes, backward=True))
     sources = _own_sources(plan, k, v, key_mask)
     saved = (dout, q, out, lse, dlse)
     acc = lse_dtype(q.dtype)
@@ -536,8 +537,8 @@ def window_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         del received
         for home, grad in halos.send_home(round_index, [sent_back[i] for i in order]):
             lo, _ = plan.homes[home]
-            for kind in (1, 2):
-                _add_own(blocks, stripes, kind, lo, 1, grad.shape[2], 0, grad[kind - 1, :, None])
+            for which, kind in enumerate((Kind.DK, Kind.DV)):
+                _add_own(blocks, stripes, kind, lo, 1, grad.shape[2], 0, grad[which, :, None])
         del sent_back
     blocks.finish_all()
     return grads
@@ -562,19 +563,20 @@ def _backward_tile(saved, source, where: Source, tile: Tile, stripe: Stripe,
     b = q.shape[0]
     dq_t = _launch_output(dq_t, tile, b)
     at = tile.q - stripe.lo
-    blocks.add(stripe.index, 0,
+    blocks.add(stripe.index, Kind.DQ,
                lambda a: _rows(a, at, tile.count, tile.rows, tile.step).add_(dq_t), dq_t.nbytes)
-    for kind, grad in ((1, _launch_output(dk_t, tile, b)), (2, _launch_output(dv_t, tile, b))):
+    for which, (kind, grad) in enumerate(((Kind.DK, _launch_output(dk_t, tile, b)),
+                                          (Kind.DV, _launch_output(dv_t, tile, b)))):
         if halo_grad is None:
             _add_own(blocks, stripes, kind, where.local + tile.k, tile.count, tile.keys,
                      tile.step, grad)
         else:
-            _rows(halo_grad[kind - 1], tile.k, tile.count, tile.keys, tile.step).add_(grad)
+            _rows(halo_grad[which], tile.k, tile.count, tile.keys, tile.step).add_(grad)
 
 
-def _add_own(blocks: Blocks, stripes: _Stripes, kind: int, lo: int, count: int, length: int,
+def _add_own(blocks: Blocks, stripes: _Stripes, kind: Kind, lo: int, count: int, length: int,
              step: int, grad: Tensor) -> None:
-    """Add grad (b, count, length, hk, d) into the dK (kind 1) or dV (2) of local rows
+    """Add grad (b, count, length, hk, d) into the dK or dV (`kind`) of local rows
     lo + i step + j, stripe by stripe (a run's rows lie in one stripe)."""
     hi = lo + (count - 1) * step + length
     for index, first, a, z in stripes.pieces(lo, hi):

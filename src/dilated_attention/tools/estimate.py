@@ -61,7 +61,8 @@ from ..distributed.sharding import piece_lengths
 from ..distributed.ulysses import HeadSplit
 from ..functional import dilated_attention, ring_attention
 from ..kernels import KernelOptions, lse_dtype
-from ..launches import CHUNK_ELEMENTS, Blocks, count_writers, in_output
+from ..launches import (BACKWARD_KINDS, CHUNK_ELEMENTS, FORWARD_KINDS, Blocks, Kind,
+                        count_writers, in_output)
 from ..patterns import Heads, is_view
 from ..plan import Launch, Layout, Plan, make_plan, work
 from ..validation import check_strategy
@@ -526,7 +527,7 @@ def _alive(blocks: Blocks) -> int:
             + sum(blocks.pending_bytes.values()))
 
 
-def _make_acc(sim: Blocks, sh: "_Shapes", index: int, kind: int) -> int:
+def _make_acc(sim: Blocks, sh: "_Shapes", index: int, kind: Kind) -> int:
     """``sim.acc(index, kind)``; the bytes live while it is made: the new accumulator and the
     pending outputs it takes in (freed once applied, each merged through a copy of the
     accumulator rows it selects, in slices), before any of them is freed."""
@@ -540,7 +541,7 @@ def _make_acc(sim: Blocks, sh: "_Shapes", index: int, kind: int) -> int:
     return before + size + (min(pending * sh.a // sh.s, sh.chunk * sh.a) if pending else 0)
 
 
-def _sim_blocks(plan, kinds: int, nbytes, backward: bool) -> Blocks:
+def _sim_blocks(plan, kinds: Tuple[Kind, ...], nbytes, backward: bool) -> Blocks:
     """The executor's Blocks, run on sizes only: accumulators are placeholders."""
     return Blocks(plan, kinds, lambda block, kind, init: None, lambda block, kind, acc: None,
                   nbytes, count_writers(plan, backward=backward))
@@ -592,7 +593,7 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
     def acc_bytes(block, heads: int) -> int:  # a block's accumulator (none in the output)
         return 0 if in_output(block, dtype) else sh.rows(block.hi - block.lo, heads, a)
 
-    sim = _sim_blocks(plan, 1, lambda block, kind: acc_bytes(block, h), backward=False)
+    sim = _sim_blocks(plan, FORWARD_KINDS, lambda block, kind: acc_bytes(block, h), backward=False)
     remote_done = not rounds
     for block in plan.blocks:
         if block.remote and not remote_done:
@@ -604,7 +605,7 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
                         # keys come from the buffer, not gathered
                         peak = max(peak, _alive(sim) + max(_launch_fwd(sh, *size, False)))
                         for index, nbytes in _writes(l.q_split, l.q_block, out_size(l), b * (d * s + a)):
-                            sim.add(index, 0, lambda acc: None, nbytes)
+                            sim.add(index, Kind.OUT, lambda acc: None, nbytes)
                 phases[f"forward, exchange round {i}"] = {
                     **shards, OUTPUT: output, WORKSPACE: max(peak, _alive(sim)),
                     # the sends are freed once the round arrives (round 0's were posted
@@ -622,7 +623,7 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
                                         dense=sh.dense_inputs and not l.group.identity)
             peak = max(peak, before + kernel, making, _alive(sim) + merge)
             for index, nbytes in _writes(l.q_split, l.q_block, out_size(l), b * (d * s + a)):
-                sim.add(index, 0, lambda acc: None, nbytes)
+                sim.add(index, Kind.OUT, lambda acc: None, nbytes)
         phases[f"forward, block {block.index}"] = {
             **shards, OUTPUT: output, WORKSPACE: peak,
             COMM: 0 if remote_done else posted + pack_temp(rounds[0].sends)}
@@ -633,9 +634,9 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
         saved = sh.rows(n, h, s) + sh.rows(n, h, a, 1)
         grads = sh.rows(n, h + 2 * hk, s)
         base = {**shards, SAVED: saved, GRADS: grads}
-        heads_of = (h, hk, hk)
+        heads_of = {Kind.DQ: h, Kind.DK: hk, Kind.DV: hk}
         sim = _sim_blocks(
-            plan, 3, lambda block, kind: acc_bytes(block, heads_of[kind]),
+            plan, BACKWARD_KINDS, lambda block, kind: acc_bytes(block, heads_of[kind]),
             backward=True)
         remote_done = not rounds
         for block in plan.blocks:
@@ -650,7 +651,7 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
                             peak = max(peak, _alive(sim) + max(_launch_bwd(sh, *size, False)))
                             for index, nbytes in _writes(l.q_split, l.q_block,
                                                          sh.rows(size[0], size[2], s), b * d * s):
-                                sim.add(index, 0, lambda acc: None, nbytes)
+                                sim.add(index, Kind.DQ, lambda acc: None, nbytes)
                     homes = wire(rnd.sends) * a // s
                     # the sends are done once the keys arrive; the keys stay until the
                     # dK/dV of the round have gone home and ours came back
@@ -659,7 +660,7 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
                         COMM: keys + grads_out + homes}
                     for t in rnd.sends:
                         for index, rows, _, _ in t.homes:
-                            for kind in (1, 2):
+                            for kind in (Kind.DK, Kind.DV):
                                 sim.add(index, kind, lambda acc: None, b * rows.numel() * d * a)
                     bwd_bytes += wire(rnd.sends) + grads_out
                     # our keys again (k and v in one message), the received keys' dK/dV home
@@ -671,15 +672,16 @@ def _dilated_formula(config: EstimateConfig, lengths: Tuple[int, ...], rank: int
             for l in block.backward:
                 nq, nk, hq, hkv, _ = size = _launch_size(l)
                 before = making = _alive(sim)
-                for kind, blocks in ((0, l.q_blocks), (1, l.k_blocks), (2, l.k_blocks)):
+                for kind, blocks in ((Kind.DQ, l.q_blocks), (Kind.DK, l.k_blocks),
+                                     (Kind.DV, l.k_blocks)):
                     if block.index in blocks:
                         making = max(making, _make_acc(sim, sh, block.index, kind))
                 kernel, scatter = _launch_bwd(sh, *size)
                 peak = max(peak, before + kernel, making, _alive(sim) + scatter)
                 for kind, split, index, nbytes in (
-                        (0, l.q_split, l.q_block, sh.rows(nq, hq, s)),
-                        (1, l.k_split, l.k_block, sh.rows(nk, hkv, s)),
-                        (2, l.k_split, l.k_block, sh.rows(nk, hkv, s))):
+                        (Kind.DQ, l.q_split, l.q_block, sh.rows(nq, hq, s)),
+                        (Kind.DK, l.k_split, l.k_block, sh.rows(nk, hkv, s)),
+                        (Kind.DV, l.k_split, l.k_block, sh.rows(nk, hkv, s))):
                     for target, part in _writes(split, index, nbytes, b * d * s):
                         sim.add(target, kind, lambda acc: None, part)
             phases[f"backward, block {block.index}"] = {
