@@ -55,11 +55,11 @@ from .plan import Block, Plan, RemoteLaunch, Transfer
 # slices: each slice is several kernel launches, and at the CPU's size the
 # launch latency dominated (measured on an H100: the op ran 6-17x its kernels'
 # time with 2^19).
-CHUNK_ELEMENTS = {"cpu": 1 << 17, "cuda": 1 << 24}
+SLICE_ELEMENTS = {"cpu": 1 << 17, "cuda": 1 << 24}
 
 
-def chunk_elements(device: torch.device) -> int:
-    return CHUNK_ELEMENTS.get(device.type, CHUNK_ELEMENTS["cpu"])
+def slice_elements(device: torch.device) -> int:
+    return SLICE_ELEMENTS.get(device.type, SLICE_ELEMENTS["cpu"])
 
 
 # Whether a device's forward kernels read dense copies of the strided views a launch
@@ -363,7 +363,7 @@ def _assign(acc: Tensor, segs: Segments, y: Tensor) -> None:
 
 
 def row_slices(rows: int, per_row: int, device: torch.device) -> List[slice]:
-    step = max(1, chunk_elements(device) // max(per_row, 1))
+    step = max(1, slice_elements(device) // max(per_row, 1))
     return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 

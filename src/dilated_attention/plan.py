@@ -2,7 +2,7 @@
 
 Notation: N global rows, n this rank's rows, h query heads (``Heads``), a
 pattern (w, r); "global" rows number the whole sequence, "local" rows this
-rank's tensors; a *part* is the piece of a segment that one chunk holds.
+rank's tensors; a *part* is the rows of a segment that one chunk holds.
 
 Note [plan]
 ~~~~~~~~~~~

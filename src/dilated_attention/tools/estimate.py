@@ -19,7 +19,7 @@ Two independent estimates of the same quantities, both labelled estimates:
 
 ``--device`` picks what is modelled: CPU or CUDA row blocks and launch sizes
 (``plan.ROWS_PER_BLOCK``, ``plan.ROWS_PER_LAUNCH``), merge slices
-(``launches.CHUNK_ELEMENTS``) and kernels (the CPU flash op; on CUDA the
+(``launches.SLICE_ELEMENTS``) and kernels (the CPU flash op; on CUDA the
 kernel ``kernels.select_backend`` picks on a compute capability 9.0 GPU:
 cuDNN for bf16/fp16, the memory-efficient op for fp32). No GPU is needed:
 the dry run plans for the device type while its tensors stay on meta. (Its
@@ -61,7 +61,7 @@ from ..distributed.sharding import piece_lengths
 from ..distributed.ulysses import HeadSplit
 from ..functional import dilated_attention, ring_attention
 from ..kernels import KernelOptions, lse_dtype
-from ..launches import (BACKWARD_KINDS, CHUNK_ELEMENTS, FORWARD_KINDS, Blocks, Kind,
+from ..launches import (BACKWARD_KINDS, SLICE_ELEMENTS, FORWARD_KINDS, Blocks, Kind,
                         count_writers, in_output)
 from ..patterns import Heads, is_view
 from ..plan import Launch, Layout, Plan, make_plan, work
@@ -428,7 +428,7 @@ class _Shapes:
         self.b, self.h, self.hk, self.d = (config.batch, config.heads, config.kv_heads,
                                            config.head_dim)
         self.s, self.a = _sizes(config)
-        self.chunk = CHUNK_ELEMENTS[config.device]  # elements per merge or scatter slice
+        self.chunk = SLICE_ELEMENTS[config.device]  # elements per merge or scatter slice
         # the aten CUDA kernels take as many K/V heads as query heads (kernels._repeat_kv)
         self.repeats_kv = backend_for(config) in ("cuda_cudnn", "cuda_efficient")
         # a forward launch's kernel reads dense copies of its strided views
@@ -449,7 +449,7 @@ def _launch_size(launch) -> Tuple[int, int, int, int, bool]:
 
 
 def _merge_temps(sh: "_Shapes", elements: int, view: bool, in_output: bool = False) -> int:
-    """Temporaries of a merge or scatter, which run in slices of launches.CHUNK_ELEMENTS.
+    """Temporaries of a merge or scatter, which run in slices of launches.SLICE_ELEMENTS.
 
     Per slice a few lse-sized fp32 values (new lse, weights); a launch on
     selected rows (not a view) also copies the slice's accumulator
