@@ -5,7 +5,7 @@
         --dilation-rates 1 2
 
 Runs ``dilated_attention`` (fp32 forward, batch 1) on P spawned gloo ranks, each on
-its own N / P rows, under ``tools.estimate.LiveBytes``: every tensor storage the
+its own N / P rows, under ``tools.estimate.dryrun.LiveBytes``: every tensor storage the
 call creates is counted from its creation until it is freed (also while a
 communication request still holds it), and the peak is kept. Unlike the resident
 set that ``dilated-attention bench`` reports, this leaves out the allocator's and
@@ -24,7 +24,7 @@ import torch
 from dilated_attention import dilated_attention
 from dilated_attention.distributed import comm
 from dilated_attention.tools import launch
-from dilated_attention.tools.estimate import LiveBytes
+from dilated_attention.tools.estimate.dryrun import LiveBytes
 
 
 def measure(group, n: int, heads: int, head_dim: int, segs: List[int],

@@ -277,7 +277,8 @@ _FAKE_SCRIPT = """
 import torch, torch.distributed as dist
 from dilated_attention import ring_attention
 from dilated_attention.distributed import comm
-dist.init_process_group("fake", rank=5, world_size=16)
+from dilated_attention.tools.estimate.dryrun import fake_world
+fake_world(5, 16)
 P = 16
 # (rows, forward parts, backward parts) per block (Note [parts]): 64 rows, one
 # part; 1024 rows, 8 heads over 2 kv heads, fp32: forward parts of 1024 * 8 * 4 //

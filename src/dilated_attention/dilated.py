@@ -86,11 +86,6 @@ _forward_op = torch.library.custom_op("dilated_attention::forward", forward_flat
                                       mutates_args=())
 _backward_op = torch.library.custom_op("dilated_attention::backward", backward_flat,
                                        mutates_args=())
-# the ops and the Python code they run (a memory tracer follows the call inside)
-IMPLEMENTATIONS = {
-    torch.ops.dilated_attention.forward.default: forward_flat,
-    torch.ops.dilated_attention.backward.default: backward_flat,
-}
 
 
 def _unflatten(segment_lengths, dilation_rates, causal, scale, backend, dropout_p, seed,
@@ -102,25 +97,13 @@ def _unflatten(segment_lengths, dilation_rates, causal, scale, backend, dropout_
 
 
 @_forward_op.register_fake
-def _forward_shapes(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, dropout_p,
-                    seed, first_head, kv_of, cu_seqlens, key_mask):
-    if _real_meta(q):
-        return forward_flat(q, k, v, segment_lengths, dilation_rates, causal, scale, backend,
-                            dropout_p, seed, first_head, kv_of, cu_seqlens, key_mask)
+def _forward_shapes(q, k, v, *args):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
 
 
 @_backward_op.register_fake
-def _backward_shapes(dout, q, k, v, out, lse, dlse, *args):
-    if _real_meta(q):
-        return backward_flat(dout, q, k, v, out, lse, dlse, *args)
+def _backward_shapes(dout, q, k, v, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _real_meta(x: Tensor) -> bool:
-    """A plain meta tensor (``estimate --dry-run``), not torch.compile's fake tensors:
-    the real code runs on it, so that its allocations can be traced."""
-    return x.device.type == "meta" and type(x) is Tensor
 
 
 def _setup_context(ctx, inputs, output) -> None:

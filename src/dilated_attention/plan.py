@@ -272,7 +272,7 @@ class Plan(NamedTuple):
 # Building a plan
 
 
-def _block_rows(n: int, segment_lengths: Sequence[int], device_type: str) -> int:
+def block_rows(n: int, segment_lengths: Sequence[int], device_type: str) -> int:
     """Rows per block: the launch minimum or n / MAX_BLOCKS, a multiple of the largest
     segment length that fits (so those segments never straddle a block border).
 
@@ -348,18 +348,31 @@ def _schedule(layout: Layout, w: int, r: int, causal: bool, heads: Heads, docume
     return "rotate", tuple(moves)
 
 
-def transfer_pairs(layout: Layout, patterns: Patterns, causal: bool, heads: Heads,
-                   documents: Documents) -> List[int]:
-    """Per rank, the (key row, kv head) pairs its forward sends (k and v each), all patterns.
+class RankTransfers(NamedTuple):
+    """What one rank's forward exchange moves, all patterns: the (key row, kv head) pairs it
+    sends and receives (k and v each), and in how many transfers (one message each)."""
+
+    sent: int
+    received: int
+    sends: int
+    receives: int
+
+
+def transfer_counts(layout: Layout, patterns: Patterns, causal: bool, heads: Heads,
+                    documents: Documents) -> List[RankTransfers]:
+    """Per rank, what its forward exchange moves (``RankTransfers``).
 
     Arithmetic on the layout only: what a strategy choice or an estimate needs
     to know of the exchange's traffic without building any rank's plan.
     """
-    sent = [0] * layout.ranks
+    sent, received, sends, receives = ([0] * layout.ranks for _ in range(4))
     for w, r in zip(*patterns):
-        for _, _, src, _, pairs in _schedule(layout, w, r, causal, heads, documents)[1]:
+        for _, _, src, dst, pairs in _schedule(layout, w, r, causal, heads, documents)[1]:
             sent[src.rank] += pairs
-    return sent
+            sends[src.rank] += 1
+            received[dst.rank] += pairs
+            receives[dst.rank] += 1
+    return [RankTransfers(*x) for x in zip(sent, received, sends, receives)]
 
 
 def _columns(groups: Tuple[HeadGroup, ...]) -> Dict[Tuple[int, int], Tuple[int, int]]:
@@ -389,12 +402,13 @@ def make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, ra
     """The plan of `rank` (see Note [plan]); equal arguments on every rank of a call.
 
     Index tensors live on `device`; block and launch sizes are those of
-    `device_type` (default: `device`'s type), so that ``estimate --device
-    cuda --dry-run`` can run a CUDA plan on meta tensors. Plans are cached: a
-    call with the same shapes reuses its plan.
+    `device_type` (default: `device`'s type). The op never passes it: it is
+    how ``estimate --device cuda`` runs a CUDA rank's plan on meta tensors
+    without a GPU (a plan's sizes follow its device, and meta is none). Plans
+    are cached: a call with the same shapes reuses its plan.
     """
     kind = device_type or torch.device(device).type
-    rows = _block_rows(layout.rows_of(rank), patterns[0], kind)
+    rows = block_rows(layout.rows_of(rank), patterns[0], kind)
     launch_rows = ROWS_PER_LAUNCH.get(kind, ROWS_PER_LAUNCH["cpu"]) or rows
     min_part = MIN_ROWS_PER_BLOCK_PART.get(kind, MIN_ROWS_PER_BLOCK_PART["cpu"])
     return _make_plan(layout, patterns, causal, heads, rank, device, documents, rows, launch_rows,

@@ -31,12 +31,6 @@ collectives here (``agree``, ``all_gather``, ``all_reduce_``,
 ``reduce_scatter``) take a Grid like a group of U * S ranks whose rank is
 the piece index, so callers that only sum or gather over "all ranks" need
 not know the shape; point-to-point traffic takes one dimension's group.
-
-Fake process groups (``init_process_group("fake", ...)``) on ``meta``
-tensors run the real code paths for estimates: ``agree`` then skips the
-exchange (a fake collective moves no data) and point-to-point batches are
-posted as single ``isend``/``irecv`` calls, which work on meta tensors where
-``batch_isend_irecv`` does not.
 """
 
 from __future__ import annotations
@@ -229,13 +223,6 @@ def global_rank(group: ProcessGroup, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def is_fake(group: ProcessGroup) -> bool:
-    """True for a fake process group, whose collectives move no data."""
-    if isinstance(group, Grid):
-        return is_fake(group.heads) or is_fake(group.sequence)
-    return group is not None and dist.get_backend(group) == "fake"
-
-
 # Process-group lifecycle for launchers (CLI, benchmarks, tests). Library ops
 # never create groups: they take one as an argument.
 
@@ -315,16 +302,11 @@ def agree(
     try:
         mine = dict(config() if callable(config) else config)
     except Exception as exc:  # shared with every rank below, then re-raised
-        if not is_distributed(group) or is_fake(group):
+        if not is_distributed(group):
             raise
         error = exc
     if not is_distributed(group):
         return [mine]
-    size = group_size(group)
-    if is_fake(group):
-        # A fake group's collectives carry no data: every rank is this one.
-        _record("agree", 1, 0)
-        return [dict(mine) for _ in range(size)]
     payload = {
         "config": mine,
         "error": None if error is None else f"{type(error).__name__}: {error}",
@@ -440,9 +422,6 @@ def _post(ops: List[Tuple[str, Tensor, int, int]], group: ProcessGroup) -> List[
         if kind == "send":
             _record("send", 1, _nbytes(tensor))
     fns = {"send": dist.isend, "recv": dist.irecv}
-    if any(t.is_meta for _, t, _, _ in ops) or is_fake(group):
-        # batch_isend_irecv does not run on meta tensors; single ops do.
-        return [fns[kind](t, peer, group=group, tag=tag) for kind, t, peer, tag in ops]
     p2p = [dist.P2POp(fns[kind], t, peer, group=group, tag=tag) for kind, t, peer, tag in ops]
     return dist.batch_isend_irecv(p2p)
 

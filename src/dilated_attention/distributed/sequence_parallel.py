@@ -19,10 +19,9 @@ The backward fetches the remote keys again (nothing but the inputs is
 saved), keeps dq local and sends the dK/dV of remote keys home, where they
 are summed into the key rows' accumulators.
 
-Memory: tools/estimate.py's formula (``_dilated_formula``) mirrors, by hand,
-which buffers the plan keeps alive here and in launches.py; change the two
-together (the estimate's dry run runs this code and tests hold the formula
-to it).
+Memory: ``dilated-attention estimate`` measures this code itself, run on meta
+tensors with a fake process group (tools/estimate, Note [estimate]): no model
+of it to keep in step.
 
 Dropout (p > 0, blockwise kernel) replays the same masks in backward: every
 launch gets seed + rank * 2**32 + its launch id on the computing rank. The

@@ -27,7 +27,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from ..patterns import Heads, Patterns
 from ..layout import Documents, Layout
-from ..plan import transfer_pairs
+from ..plan import transfer_counts
 from . import comm
 from .ulysses import HeadSplit
 
@@ -51,8 +51,8 @@ class Shape:
 def exchange_bytes(shape: Shape, layout: Layout, heads: Optional[Heads] = None) -> List[int]:
     """Per rank, the forward bytes the exchange sends: k and v of every selected pair."""
     heads = heads or Heads.of(shape.heads, shape.kv_heads)
-    pairs = transfer_pairs(layout, shape.patterns, shape.causal, heads, shape.documents)
-    return [p * 2 * shape.batch * shape.head_dim * shape.itemsize for p in pairs]
+    counts = transfer_counts(layout, shape.patterns, shape.causal, heads, shape.documents)
+    return [c.sent * 2 * shape.batch * shape.head_dim * shape.itemsize for c in counts]
 
 
 def ulysses_bytes(shape: Shape, lengths: Sequence[int], lse: bool = True) -> List[int]:

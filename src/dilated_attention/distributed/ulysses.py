@@ -147,8 +147,8 @@ class _OutputToRows(torch.autograd.Function):
         # Which of the two gradients exist is agreed (one flag each): one that no rank has
         # stays None (a zero dlse would cost every backward launch the lse-gradient
         # columns); one that some rank has, the others send as zeros, so that every rank
-        # makes the same all-to-alls. Meta gradients (estimate's dry run, a fake group)
-        # keep their flags on the host, where they can be read.
+        # makes the same all-to-alls. Meta gradients (a shape-only run: estimate's dry
+        # run) keep their flags on the host, where they can be read.
         grads = [dout, dlse]
         device = (dout if dout is not None else dlse).device
         flags = torch.tensor([dout is not None, dlse is not None], dtype=torch.int32,

@@ -213,8 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     estimate = sub.add_parser(
         "estimate", help="estimate peak memory per rank and communication per layer",
         description="Estimate (not measure) per-rank peak memory with a breakdown and the "
-                    "communication per layer, from a formula; with --dry-run also by running "
-                    "the real code on meta tensors with a fake process group of world size P.",
+                    "communication per layer: the real code runs on meta tensors with a fake "
+                    "process group of world size P; traffic is arithmetic.",
     )
     estimate.add_argument("--seq-len", type=positive_int, required=True, help="total length N")
     estimate.add_argument("--world-size", type=positive_int, default=1, help="ranks P (1)")
@@ -234,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="forward only (default)")
     estimate.set_defaults(training=False)
     estimate.add_argument("--dry-run", action="store_true",
-                          help="also trace the real code on meta tensors (fake process group)")
+                          help="also run the real code at the real length and count what it "
+                               "sends, to compare (slow at billions of rows per rank)")
     _add_parallel_options(estimate, many=False)
     estimate.add_argument("--json", action="store_true", help="print JSON instead of text")
     estimate.set_defaults(run=_cmd_estimate)

@@ -1,0 +1,176 @@
+"""What ``estimate`` computes rather than measures: arithmetic that is no copy of the executor.
+
+- the op's minimum: the inputs a rank holds and the outputs the op returns (its
+  contract, not its working memory, which the dry run measures);
+- traffic per rank: what each strategy's wire protocol sends, from segment shapes
+  only (``plan.transfer_counts``, ``strategy.ulysses_bytes``, the ring's parts);
+- the kernels' own buffers, which no tracing of tensors sees (modelled).
+
+Notation: b batch, n a rank's rows, h heads, hk key/value heads, d head dim, s bytes
+per element, a bytes per accumulator element (4; 8 for float64).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from ...distributed.ring import SubBlocks
+from ...distributed.strategy import ulysses_bytes
+from ...distributed.ulysses import HeadSplit
+from ...kernels import lse_dtype
+from ...patterns import Heads
+from ...plan import Layout, Plan, transfer_counts
+from .config import EstimateConfig, split
+
+# forward bytes, forward messages, backward bytes, backward messages of one rank
+Traffic = Tuple[int, int, int, int]
+
+SCRATCH = "CPU kernel scratch (modelled)"
+CUDA_SCRATCH = "CUDA kernel workspace (modelled)"
+# CPU flash kernel blocking (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp):
+# query blocks of 256 rows (64 below 768 rows, 32 below 192), key blocks of 512.
+_KV_SPLIT = 512
+# The CUDA kernels' own workspace beyond their outputs (cuDNN's and flash's forward keep
+# their tiles on chip; cuDNN asks the allocator for a small workspace): an assumption.
+CUDA_WORKSPACE = 8 << 20
+
+
+def sizes(config: EstimateConfig) -> Tuple[int, int]:
+    """(s, a): bytes per element of the dtype and of its accumulators."""
+    return config.torch_dtype.itemsize, lse_dtype(config.torch_dtype).itemsize
+
+
+def minimum(config: EstimateConfig, n: int) -> Dict[str, Dict[str, int]]:
+    """Per phase, the op's contract on a rank of n rows: {label: bytes} of the inputs it
+    holds and the outputs that exist (forward: out, lse; backward: also dq, dk, dv)."""
+    s, a = sizes(config)
+    row = config.batch * n * config.head_dim * s  # one head's rows
+    h, hk = config.heads, config.kv_heads
+    inputs = {"inputs (q/k/v shards" + (", dout)" if config.training else ")"):
+              row * (h + 2 * hk + (h if config.training else 0))}
+    out = row * h + config.batch * n * h * a
+    phases = {"forward": {**inputs, "outputs (out, lse)": out}}
+    if config.training:
+        phases["backward"] = {**inputs, "outputs (out, lse, dq, dk, dv)": out + row * (h + 2 * hk)}
+    return phases
+
+
+# --------------------------------------------------------------------------
+# Traffic
+
+
+def traffic(config: EstimateConfig) -> List[Traffic]:
+    """Every rank's traffic per layer, in piece order (a mesh rank (u, s) holds piece s U + u).
+
+    Ulysses (U > 1): four all-to-alls forward (q, k and v, out, lse); in backward
+    the gradients of all but the lse's, after an all-reduce of two int32 flags
+    (which gradients exist), as the dry run's loss of out alone has them; then
+    the sequence-parallel op over S ranks on each rank's heads.
+    """
+    u, sp = split(config)
+    lengths = config.lengths()
+    if u == 1:
+        return _sequence(config, lengths, Heads.of(config.heads, config.kv_heads))
+    heads = HeadSplit.of(u, config.heads, config.kv_heads)
+    shape = config.shape()
+    blocks = [lengths[t * u:(t + 1) * u] for t in range(sp)]
+    inner = [_sequence(config, [sum(b) for b in blocks], heads.local_heads(v)) for v in range(u)]
+    flag = 2 * (u - 1) * 8 // u
+    out = []
+    for t, block in enumerate(blocks):
+        forward, backward = ulysses_bytes(shape, block), ulysses_bytes(shape, block, lse=False)
+        for v in range(u):
+            fb, fm, bb, bm = inner[v][t]
+            out.append((forward[v] + fb, 4 + fm) + ((backward[v] + flag + bb, 4 + bm)
+                                                   if config.training else (0, 0)))
+    return out
+
+
+def _sequence(config: EstimateConfig, lengths: Sequence[int], heads: Heads) -> List[Traffic]:
+    """The sequence-parallel op over ranks holding `lengths` rows, for `heads`."""
+    if config.impl == "ring":
+        return _ring(config, lengths, heads)
+    s, a = sizes(config)
+    row = 2 * config.batch * config.head_dim  # k and v of one (row, kv head) pair
+    counts = transfer_counts(Layout.contiguous(lengths), config.patterns, config.causal, heads,
+                             None)
+    # forward: the selected k and v of each transfer in one message; backward: ours again,
+    # and the received keys' dK/dV home in the accumulators' dtype
+    return [(c.sent * row * s, c.sends) + (((c.sent * s + c.received * a) * row,
+                                            c.sends + c.receives) if config.training else (0, 0))
+            for c in counts]
+
+
+def _ring(config: EstimateConfig, lengths: Sequence[int], heads: Heads) -> List[Traffic]:
+    """Ring attention (Note [sub-blocks] in distributed/ring.py): every rank's K/V block
+    passes every other rank in S parts, k and v apart; in backward again, in the backward's
+    parts, with the fp32 dK/dV parts one step further, home."""
+    p = len(lengths)
+    if p == 1:
+        return [(0, 0, 0, 0)]
+    s, a = sizes(config)
+    h = heads.count
+    hk = max(heads.kv_of) + 1 if heads.grouped else h  # ungrouped heads get K/V per head
+    row = 2 * config.batch * hk * config.head_dim  # k and v of one row
+    total = sum(lengths)
+
+    def parts(backward: bool) -> int:
+        return SubBlocks.bounded(max(lengths), h, hk, config.torch_dtype,
+                                 backward=backward).parts(lengths)
+
+    def messages(parts: int, skip: int) -> int:  # k and v of every non-empty part
+        return 2 * (sum(min(x, parts) for x in lengths) - min(skip, parts))
+
+    forward = parts(False)
+    backward = parts(True) if config.training else 0
+    out = []
+    for r in range(p):
+        # forward: over P - 1 steps a rank passes on every block but its successor's; the
+        # backward passes them again and, one step further, every block's dK/dV
+        skipped = lengths[(r + 1) % p]
+        fb = (total - skipped) * row * s
+        out.append((fb, messages(forward, skipped)) + (
+            (fb + total * row * a, messages(backward, skipped) + messages(backward, 0))
+            if config.training else (0, 0)))
+    return out
+
+
+def busiest(traffic: List[Traffic]) -> int:
+    """The piece that sends most per layer (forward and backward; the last of equals)."""
+    return max(range(len(traffic)), key=lambda r: (traffic[r][0] + traffic[r][2], r))
+
+
+# --------------------------------------------------------------------------
+# The kernels' own buffers
+
+
+def kernel_scratch(config: EstimateConfig, plan: Plan = None, n: int = 0) -> Tuple[str, int]:
+    """(label, bytes): the kernels' memory for the largest launch (of `plan`; without one,
+    a launch of all n rows), which no tracing of tensors sees.
+
+    CPU flash kernel, per thread, forward: qs*ks + 2 qs + qs*d accumulators, plus qs*ks
+    in the dtype for bf16/fp16; backward 2 qs*ks more, and one buffer the size of the
+    launch's q in the dtype (measured: the op's dq accumulation). qs, ks: its query and
+    key block sizes. CUDA: CUDA_WORKSPACE (the fused kernels keep their tiles on chip),
+    in backward also an fp32 dq and row statistic per query row and head of the
+    largest launch (the flash-style backward accumulates dq in fp32 across key blocks).
+    """
+    b, d = config.batch, config.head_dim
+    s, a = sizes(config)
+    launches = [(l.queries.count * l.group.rows, l.group.q_heads.numel())
+                for blk in (plan.blocks if plan is not None else ()) for l in blk.forward]
+    rows = max((r for r, _ in launches), default=n)
+    entries = max((r * h for r, h in launches), default=n * config.heads)
+    if config.device == "cuda":
+        return CUDA_SCRATCH, CUDA_WORKSPACE + (b * entries * (d + 1) * 4 if config.training
+                                               else 0)
+    qs = min(256 if rows >= 768 else 64 if rows >= 192 else 32, rows)
+    ks = min(_KV_SPLIT, rows)
+    per_thread = (qs * ks + 2 * qs + qs * d) * a + (qs * ks * s if s < a else 0)
+    extra = 0
+    if config.training:
+        per_thread += 2 * qs * ks * a
+        extra = b * entries * d * s if launches else 0
+    return SCRATCH, config.threads * per_thread + extra
