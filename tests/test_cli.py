@@ -17,7 +17,7 @@ import torch
 
 from dilated_attention.tools import bench, cli, estimate, settings
 from dilated_attention.tools.estimate import config as est_config
-from dilated_attention.tools.estimate import dryrun, formula
+from dilated_attention.tools.estimate import dryrun, formula, scaled
 
 # ---------------------------------------------------------------------------
 # User mistakes: one line on stderr, exit status 2, never a traceback
@@ -44,6 +44,8 @@ USAGE_ERRORS = [
     (["estimate", "--seq-len", "64", "--device", "cuda", "--threads", "2"],
      "--threads 2 sets CPU kernel threads"),
     (["estimate", "--seq-len", "64", "--device", "tpu"], "invalid choice: 'tpu'"),
+    (["estimate", "--seq-len", str(2**63)], "beyond torch's int64 indices"),
+    (["estimate", "--seq-len", str(2**62), "--dry-run"], "beyond torch's int64 sizes"),
     (["verify", "--world-size", "1"], "at least 2 ranks"),
     (["verify", "--cases", "nope"], "unknown case 'nope'"),
     ([], "choose a command"),
@@ -104,7 +106,7 @@ def test_help_exits_zero(capsys):
 
 def test_size_suffixes():
     assert cli.positive_int("64k") == 65536
-    assert cli.positive_int("1G") == 2**30
+    assert cli.positive_int("1G") == 2**30 and cli.positive_int("1T") == 2**40
     assert cli.flatten([[1, 2], [4]]) == [1, 2, 4]
 
 
@@ -159,6 +161,8 @@ def test_estimate_traffic_is_what_the_dry_run_sends(options):
     busiest = per_rank[formula.busiest(per_rank)]
     assert busiest == (dry.forward_bytes, dry.forward_messages, dry.backward_bytes,
                        dry.backward_messages), (per_rank, dry)
+    # short ranks: the estimate is the dry run at the real length
+    assert scaled.scale(config) == 1
     assert dry.breakdown == _from_floor(config, dry)
 
 
@@ -168,6 +172,54 @@ def _from_floor(config, e):
     floor = formula.minimum(config, config.lengths()[e.rank])[e.phase]
     assert all(e.breakdown[k] == v for k, v in floor.items())
     return e.breakdown
+
+
+# (options, how far the extrapolated peak may be from the full dry run's)
+EXTRAPOLATED = {
+    # LongNet's setting on one device, fp32 forward; bf16 training with three patterns (fp32
+    # block accumulators of dq, dK, dV: the working memory grows with the rows)
+    "longnet": (dict(seq_len=2**20), 0.0),
+    "accumulators": (dict(seq_len=2**20, dtype="bfloat16", training=True,
+                          segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 4]), 0.0),
+    # a geometric schedule whose long segments span four ranks (sparse parts, transfers)
+    "geometric": (dict(seq_len=2**21, world_size=4, dilation_rates=[1, 8, 64, 256, 1024],
+                       segment_lengths=[2048, 16384, 2**17, 2**19, 2**21]), 0.0),
+    # Ulysses: all rows of a quarter of the heads per rank, training
+    "ulysses": (dict(seq_len=2**20, world_size=4, strategy="ulysses", training=True), 0.0),
+    # a long segment whose rate (4) cannot shrink with its heads' offsets (12 heads), GQA
+    "rate": (dict(seq_len=2**20, world_size=2, training=True, segment_lengths=[2048, 65536],
+                  dilation_rates=[1, 4], kv_heads=4), 0.01),
+}
+
+
+@pytest.mark.parametrize("case", list(EXTRAPOLATED))
+def test_extrapolated_estimate_equals_the_full_dry_run(case):
+    """Note [estimate]: above its budget of launches the estimate runs the real code at two
+    shorter lengths and extrapolates the working memory; the full dry run runs it at the
+    real length. Equal to the byte where the plans' structure scales, else within 1%."""
+    options, tolerance = EXTRAPOLATED[case]
+    config = estimate.make_config(threads=1, **options)
+    est = estimate.estimate(config, budget=64)
+    assert est.scale > 1 and len(est.rows) == 2
+    dry = estimate.dry_run(config)
+    assert abs(est.peak_bytes / dry.peak_bytes - 1) <= tolerance, (est, dry)
+    if tolerance == 0:
+        assert list(est.breakdown.values()) == list(dry.breakdown.values())
+        assert est.phase == dry.phase
+
+
+def test_estimate_at_any_length(capsys):
+    """Issue 27.4: the estimate's work is bounded by its budget of launches, not N: 2^40
+    tokens trace two representatives of a few million rows, 2^62 over a ring of 512 ranks
+    runs too (2^63 rows: a usage error, USAGE_ERRORS)."""
+    config = estimate.make_config(seq_len=2**40, threads=1)
+    assert scaled.scale(config) >= 2**15
+    est = estimate.estimate(config)
+    assert est.scale >= 2**15 and max(est.rows) <= 2**25
+    assert est.breakdown["inputs (q/k/v shards)"] == 2**40 * 3 * 12 * 64 * 4
+    assert cli.main(["estimate", "--seq-len", str(2**62), "--world-size", "512", "--impl",
+                     "ring", "--training"]) == 0
+    assert "extrapolated" in capsys.readouterr().out
 
 
 def test_estimate_command_labels_estimates(capsys):

@@ -44,11 +44,11 @@ class _Parser(argparse.ArgumentParser):
 # Argument types
 
 
-_SUFFIXES = {"k": 2**10, "m": 2**20, "g": 2**30}
+_SUFFIXES = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 def positive_int(text: str) -> int:
-    """An int >= 1; accepts k/M/G suffixes (powers of 1024), e.g. 64k or 1G."""
+    """An int >= 1; accepts k/M/G/T suffixes (powers of 1024), e.g. 64k or 1G."""
     raw = text.strip().lower().replace("_", "")
     scale = 1
     if raw and raw[-1] in _SUFFIXES:
@@ -214,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
         "estimate", help="estimate peak memory per rank and communication per layer",
         description="Estimate (not measure) per-rank peak memory with a breakdown and the "
                     "communication per layer: the real code runs on meta tensors with a fake "
-                    "process group of world size P; traffic is arithmetic.",
+                    "process group of world size P, at the real length or, for long ranks, at "
+                    "two shorter ones, extrapolated; traffic is arithmetic.",
     )
     estimate.add_argument("--seq-len", type=positive_int, required=True, help="total length N")
     estimate.add_argument("--world-size", type=positive_int, default=1, help="ranks P (1)")
@@ -350,6 +351,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         impl=args.impl, threads=args.threads, device=args.device, strategy=args.strategy,
         mesh=args.mesh,
     )
+    if args.dry_run:
+        _checked(estimate.check_dry_run, config=config)
     return estimate.report(config, trace=args.dry_run, as_json=args.json)
 
 

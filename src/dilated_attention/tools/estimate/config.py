@@ -19,6 +19,8 @@ from ...kernels import lse_dtype
 from ..settings import check_setting, check_zigzag, default_threads, ring_layout
 
 DEVICES = ("cpu", "cuda")
+# Lengths are torch indices: a sequence of 2^63 rows or more cannot be indexed.
+MAX_SEQ_LEN = (1 << 63) - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +87,9 @@ def make_config(
     mesh: Optional[Tuple[int, int]] = None,
 ) -> EstimateConfig:
     """Check the options; ValueError names the option and value on a mistake."""
+    if seq_len > MAX_SEQ_LEN:
+        raise ValueError(f"--seq-len {seq_len} is beyond torch's int64 indices: at most "
+                         f"2^63 - 1 rows")
     segs, rates, kv_heads = check_setting(segment_lengths, dilation_rates, heads, kv_heads)
     strategy = check_strategy(strategy or "auto")
     if mesh is not None:

@@ -10,7 +10,7 @@ from ...plan import work
 from ..settings import MB, plural
 from . import dryrun
 from .config import EstimateConfig, backend_for, split, strategy_name
-from .scaled import Estimate, dry_run, estimate
+from .scaled import Estimate, dry_run, estimate, representative
 
 
 def report(config: EstimateConfig, *, trace: bool, as_json: bool) -> int:
@@ -34,10 +34,11 @@ def report(config: EstimateConfig, *, trace: bool, as_json: bool) -> int:
                  f"{plural(e.backward_messages, 'message')}"
                  if config.training else ""))
     if config.impl == "dilated" and config.world_size > 1 and split(config)[0] == 1:
-        ranks, loads = work_per_rank(config)
+        ranks, loads = work_per_rank(config, estimates[0].scale)
         mean = sum(loads) / len(loads)
         which = "every rank" if len(ranks) == config.world_size else f"ranks {ranks}"
-        print(f"\nattention work per rank (score entries, forward; {which}): busiest "
+        scaled = f", at 1/{estimates[0].scale} of N" if estimates[0].scale > 1 else ""
+        print(f"\nattention work per rank (score entries, forward; {which}{scaled}): busiest "
               f"{max(loads):,.0f} = {max(loads) / mean:.3f} x the mean")
     if trace:
         e, d = estimates
@@ -47,7 +48,9 @@ def report(config: EstimateConfig, *, trace: bool, as_json: bool) -> int:
 
 
 def _how(e: Estimate) -> str:
-    return f"the real code at {e.rows[0]:,} rows per rank"
+    if len(e.rows) == 1:
+        return f"the real code at {e.rows[0]:,} rows per rank"
+    return f"the real code at {e.rows[0]:,} and {e.rows[1]:,} rows per rank, extrapolated"
 
 
 def _mb(x: int) -> str:
@@ -71,8 +74,10 @@ def describe(config: EstimateConfig) -> str:
             f"{'causal, ' if config.causal else ''}{mode}; {kernels}")
 
 
-def work_per_rank(config: EstimateConfig) -> Tuple[List[int], List[int]]:
-    """(ranks, each one's attention work) from the plans: every rank up to 16, else a sample."""
+def work_per_rank(config: EstimateConfig, scale: int = 1) -> Tuple[List[int], List[int]]:
+    """(ranks, each one's attention work) from the plans (at N / `scale`, as the estimate
+    traced them): every rank up to 16, else a sample."""
+    traced = representative(config, scale)
     p = config.world_size
     ranks = list(range(p)) if p <= 16 else dryrun.ranks_to_check(config)
-    return ranks, [work(dryrun.plan_for(config, r)) for r in ranks]
+    return ranks, [work(dryrun.plan_for(traced, r)) for r in ranks]

@@ -1,4 +1,4 @@
-"""The estimate: the dry run of the real code.
+"""The estimate: the dry run of the real code, at the real length or at shorter ones.
 
 Note [estimate]
 ~~~~~~~~~~~~~~~
@@ -7,8 +7,43 @@ One source of truth for the op's memory: the op's own code, run on meta tensors
 the executor does not decide (``formula``): the inputs and outputs of the call,
 the traffic of each strategy's wire protocol, the kernels' own buffers.
 
-Traffic is never measured into the estimate: it is arithmetic. The dry run at
-``--dry-run`` counts what the code sends, to compare.
+But a dry run costs what the rank's plan costs, about one launch per 2048 rows on
+CPU sizes (a billion rows per rank: half a million launches, minutes), while
+``estimate`` must answer for 2^40 tokens in seconds. So when the plan would have
+more than BUDGET launches, the dry run runs at two *representative* lengths, N / k
+and N / 2k, and the rest is composed: the peak is the call's inputs and outputs
+at the real length (arithmetic) plus the working memory beyond them, which is
+extrapolated along the line through the two representatives' (per rank and
+phase; the modelled kernel buffers alike).
+
+Why a line: above MAX_BLOCKS row blocks per rank (``plan.block_rows``) a rank's
+block grows with its rows, and so does every part of the working memory that is
+not constant: one block's accumulators, launches over segments cut by blocks and
+their pending outputs, the exchange's buffers. What stays constant is a launch of
+a segment whole in a block, and merge slices. So the working memory is affine in
+the rows, exactly, if the representatives' plans have the real plan's structure
+with fewer repeats, which ``representative`` arranges:
+
+- a pattern whose segments are longer than the real block shrinks with the
+  sequence: it crosses as many blocks and ranks. Its rate shrinks too (the same
+  rows per head: a sparse part stays sparse) where the heads keep their offsets
+  (the scaled rate still at least the heads), else it stays (its launches then
+  grow with the blocks, as the cut ones do);
+- a pattern whose segments fit in the real block keeps its shape (fewer of them),
+  shrunk only as far as it must to fit the representative's block, rate alike;
+- runs of equal launches differ in length only, which ``compact_plan`` cuts to
+  their ends anyway.
+
+The tests hold the result to the full dry run at lengths where both run: to the
+byte for LongNet's setting, accumulators that grow with the blocks, a geometric
+schedule spanning ranks and Ulysses (and, too slow for the tests, a dense causal
+segment across two ranks, training). A plan
+threshold between a representative and the real length (a segment part turning
+sparse, the exchange's gather or rotate mode, a cut in heads, the block rounded
+to the longest segment that fits, a rate that cannot shrink with its heads'
+offsets) changes a constant part of the working memory instead; the tests hold
+such a case within 1% of the peak. Traffic is never extrapolated: it is
+arithmetic at the real length.
 """
 
 from __future__ import annotations
@@ -17,16 +52,30 @@ import dataclasses
 import time
 from typing import Dict, List, Tuple
 
+from ...plan import MAX_BLOCKS, ROWS_PER_BLOCK, ROWS_PER_LAUNCH, block_rows
 from . import dryrun
-from .config import EstimateConfig
+from .config import EstimateConfig, split
 from .formula import busiest, kernel_scratch, minimum, traffic
+
+# Launches a rank's plan may have for the dry run to run at the real length (16K: about
+# two seconds of dry run on this machine's CPU).
+BUDGET = 1 << 14
+# A representative's rows are at least this many blocks of the device's minimum, so that
+# its blocks grow with its rows as the real ones do (above MAX_BLOCKS blocks' worth).
+_LARGE_BLOCKS = 2 * MAX_BLOCKS
+# A ring of more ranks is estimated on a ring of this many, its pieces as long.
+_RING_RANKS = 8
+# Elements of a rank's largest tensor that the dry run creates on meta (torch indexes
+# with int64; the executor multiplies sizes).
+_MAX_ELEMENTS = 1 << 56
 
 
 @dataclasses.dataclass
 class Estimate:
     """Peak bytes of the largest rank, its breakdown, and the busiest rank's traffic per layer.
 
-    `rows`: the rows per rank of the traced length, for the peak rank."""
+    `scale` k: the dry runs ran at N / k and N / 2k (1: at N itself); `rows`: the
+    rows per rank of the traced lengths, for the peak rank."""
 
     method: str
     rank: int
@@ -39,18 +88,42 @@ class Estimate:
     backward_messages: int = 0
     seconds: float = 0.0
     traffic_rank: int = 0
+    scale: int = 1
     rows: Tuple[int, ...] = ()
 
 
-def estimate(config: EstimateConfig) -> Estimate:
-    """The estimate (Note [estimate]): the dry run's peak, the traffic computed."""
+def estimate(config: EstimateConfig, budget: int = BUDGET) -> Estimate:
+    """The estimate (Note [estimate]), with the traffic computed."""
     start = time.perf_counter()
-    best = _largest(config, [_from_trace(config, t) for t in _trace_all(config)])
+    if config.impl == "ring" and config.mesh is None and config.world_size > _RING_RANKS:
+        # a ring rank holds what it holds whatever P is (Note [sub-blocks] in ring.py): trace
+        # a ring of _RING_RANKS ranks of the longest piece; traffic stays the real ring's
+        lengths = config.lengths()
+        best = estimate(dataclasses.replace(config, world_size=_RING_RANKS,
+                                            seq_len=_RING_RANKS * max(lengths)), budget)
+        best.rank = lengths.index(max(lengths))
+    else:
+        best = _estimate(config, budget)
     per_rank = traffic(config)
     best.traffic_rank = busiest(per_rank)
     (best.forward_bytes, best.forward_messages, best.backward_bytes,
      best.backward_messages) = per_rank[best.traffic_rank]
-    best.method, best.seconds = "estimate", time.perf_counter() - start
+    best.seconds = time.perf_counter() - start
+    return best
+
+
+def _estimate(config: EstimateConfig, budget: int) -> Estimate:
+    """The peak: the dry run at the real length, or extrapolated from two representatives."""
+    k = scale(config, budget)
+    if k == 1:
+        best = _largest(config, [_from_trace(config, t) for t in _trace_all(config)])
+    else:
+        large, small = representative(config, k), representative(config, 2 * k)
+        ranks = dryrun.distinct_ranks(large)
+        best = _largest(config, [_extrapolate(config, *pair) for pair in zip(
+            (_from_trace(small, dryrun.trace(small, r)) for r in ranks),
+            (_from_trace(large, dryrun.trace(large, r)) for r in ranks))])
+    best.method, best.scale = "estimate", k
     return best
 
 
@@ -66,8 +139,82 @@ def dry_run(config: EstimateConfig, **shortcuts) -> Estimate:
     return best
 
 
+def check_dry_run(config: EstimateConfig) -> None:
+    """ValueError when the dry run at the real length cannot make the rank's tensors."""
+    if _elements(config) > _MAX_ELEMENTS:
+        raise ValueError(f"--dry-run at {config.seq_len:,} rows would make tensors beyond "
+                         f"torch's int64 sizes (the estimate alone extrapolates)")
+
+
 def _trace_all(config: EstimateConfig, **shortcuts) -> List[dryrun.Trace]:
+    check_dry_run(config)
     return [dryrun.trace(config, r, **shortcuts) for r in dryrun.distinct_ranks(config)]
+
+
+def _elements(config: EstimateConfig) -> int:
+    """Elements of the largest tensor a rank's call makes, about."""
+    return _traced_rows(config) * max(config.heads, 2 * config.kv_heads) * config.head_dim * \
+        config.batch
+
+
+# --------------------------------------------------------------------------
+# Representatives
+
+
+def scale(config: EstimateConfig, budget: int = BUDGET) -> int:
+    """k: 1 when the real length's plan has at most `budget` launches (and its tensors can
+    be made); else the smallest power of two whose representative's plan has (the one at
+    2k then has about half), as long as both stay above _LARGE_BLOCKS blocks."""
+    rows = _traced_rows(config)
+    large = _LARGE_BLOCKS * ROWS_PER_BLOCK.get(config.device, ROWS_PER_BLOCK["cpu"])
+    k = 1
+    while (_launches(representative(config, k)) > budget
+           or _elements(config) // k > _MAX_ELEMENTS) and rows // (4 * k) >= large:
+        k *= 2
+    return k
+
+
+def representative(config: EstimateConfig, k: int) -> EstimateConfig:
+    """The call at N / k with the real plan's structure (Note [estimate])."""
+    if k == 1:
+        return config
+    n = config.seq_len // k
+    if config.impl == "ring":
+        step = 2 * config.world_size if config.causal else 1  # zigzag: 2P equal chunks
+        return dataclasses.replace(config, seq_len=n // step * step)
+    rows = _traced_rows(config)
+    block = block_rows(rows, config.segment_lengths, config.device)
+    target = rows // k // MAX_BLOCKS  # the representative's block
+    segs, rates = [], []
+    for w, r in zip(*config.patterns):
+        long = min(w, config.seq_len) > block
+        f = k if long else 1
+        while f < k and w // f > target:
+            f *= 2
+        segs.append(max(1, w // f))
+        # the rate shrinks too (the same rows per head), unless that would give heads other
+        # offsets: a long segment then keeps its rate (its launches grow with the blocks)
+        keep = long and (r % f or r // f < config.heads) and r <= w // f
+        rates.append(r if keep else max(1, r // f))
+    return dataclasses.replace(config, seq_len=n, segment_lengths=tuple(segs),
+                               dilation_rates=tuple(rates))
+
+
+def _traced_rows(config: EstimateConfig) -> int:
+    """Rows of the op a rank runs: its piece, or under Ulysses all rows of its heads' block."""
+    u, sp = split(config)
+    return max(config.lengths()) if u == 1 else config.seq_len // sp
+
+
+def _launches(config: EstimateConfig) -> int:
+    """About how many launches the traced rank's plan has (the ring's do not grow with N)."""
+    if config.impl == "ring":
+        return 0
+    rows = _traced_rows(config)
+    # CUDA launches take a whole block, but the plan still enumerates its segments: count
+    # those in CPU-sized launches
+    launch = ROWS_PER_LAUNCH.get(config.device) or ROWS_PER_LAUNCH["cpu"]
+    return sum(-(-rows // max(min(w, config.seq_len), launch)) for w in config.segment_lengths)
 
 
 # --------------------------------------------------------------------------
@@ -82,12 +229,25 @@ class _Rank:
     rows: int
     working: Dict[str, int]
     scratch: Tuple[str, int]
+    traced: Tuple[int, ...] = ()  # the representatives' rows, when extrapolated
 
 
 def _from_trace(config: EstimateConfig, t: dryrun.Trace) -> _Rank:
     floor = minimum(config, t.rows)
     working = {phase: peak - sum(floor[phase].values()) for phase, peak in t.peaks.items()}
     return _Rank(t.piece, t.rows, working, kernel_scratch(config, t.plan, t.rows))
+
+
+def _extrapolate(config: EstimateConfig, small: _Rank, large: _Rank) -> _Rank:
+    """The rank at the real length, on the line through its two representatives."""
+    n = config.lengths()[large.piece]
+
+    def line(a: int, b: int) -> int:
+        return b + (b - a) * (n - large.rows) // (large.rows - small.rows)
+
+    working = {phase: line(small.working[phase], x) for phase, x in large.working.items()}
+    scratch = (large.scratch[0], line(small.scratch[1], large.scratch[1]))
+    return _Rank(large.piece, n, working, scratch, (small.rows, large.rows))
 
 
 def _largest(config: EstimateConfig, ranks: List[_Rank]) -> Estimate:
@@ -97,9 +257,9 @@ def _largest(config: EstimateConfig, ranks: List[_Rank]) -> Estimate:
     for rank in ranks:
         floor = minimum(config, rank.rows)
         for phase, working in rank.working.items():
-            label = "working memory (traced)"
+            label = f"working memory ({'extrapolated' if rank.traced else 'traced'})"
             breakdown = {**floor[phase], label: working, rank.scratch[0]: rank.scratch[1]}
             options.append((sum(breakdown.values()), rank.piece, phase, breakdown,
-                            (rank.rows,)))
+                            rank.traced or (rank.rows,)))
     peak, piece, phase, breakdown, rows = max(options, key=lambda o: (o[0], -o[1]))
     return Estimate("dry run", piece, peak, phase, breakdown, rows=rows)
