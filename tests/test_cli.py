@@ -275,13 +275,16 @@ def test_estimate_counts_agree_with_their_nouns(capsys):
 
 
 @pytest.mark.parametrize("options", [
-    # 6144-row CPU blocks: runs of three 2048-row launches, cut to two
+    # 6144-row CPU blocks: runs of three 2048-row launches of rate 2, cut to two; of rate
+    # 1, the block's first launches, which store their results, kept (compact_plan)
+    dict(seq_len=196608, segment_lengths=[2048], dilation_rates=[2], heads=4, head_dim=16,
+         dtype="bfloat16", training=True),
     dict(seq_len=196608, segment_lengths=[2048], dilation_rates=[1], heads=4, head_dim=16,
          dtype="bfloat16", training=True),
     # segments across ranks (pending outputs, exchanges), causal, GQA
     dict(seq_len=9000, world_size=3, causal=True, training=True, dtype="bfloat16",
          segment_lengths=[1024, 4096], dilation_rates=[1, 2], kv_heads=4),
-], ids=["runs", "spanning"])
+], ids=["runs", "stored", "spanning"])
 def test_dry_run_shortcuts_trace_the_same_peak(options):
     """The dry run reuses the output metadata of repeated elementwise calls instead of
     running their (Python) meta kernels again, and runs repeated launches once
@@ -294,10 +297,10 @@ def test_dry_run_shortcuts_trace_the_same_peak(options):
 
 
 def test_compact_plan_keeps_first_and_last_of_each_run():
-    config = estimate.make_config(seq_len=196608, segment_lengths=[2048], dilation_rates=[1],
+    config = estimate.make_config(seq_len=196608, segment_lengths=[2048], dilation_rates=[2],
                                   threads=1)
     plan = dryrun.plan_for(config, 0)
-    compact = dryrun.compact_plan(plan)
+    compact = dryrun.compact_plan(plan, config.heads)
     for full, short in zip(plan.blocks, compact.blocks):
         assert full.index == short.index
         ids = [l.id for l in short.forward]

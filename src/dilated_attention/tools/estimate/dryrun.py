@@ -162,7 +162,7 @@ def _plan(config: EstimateConfig, group, u: int, compact: bool) -> Plan:
         lengths = [sum(lengths[t * u:(t + 1) * u]) for t in range(len(lengths) // u)]
     plan = make_plan(Layout.contiguous(lengths), config.patterns, config.causal, heads, rank,
                      "meta", device_type=config.device)
-    return compact_plan(plan) if compact else plan
+    return compact_plan(plan, heads.count) if compact else plan
 
 
 def _ulysses(q: Tensor, k: Tensor, v: Tensor, group, lengths, plan: Plan,
@@ -218,7 +218,7 @@ def distinct_ranks(config: EstimateConfig) -> List[int]:
 # Shortcut: runs of identical launches
 
 
-def compact_plan(plan: Plan) -> Plan:
+def compact_plan(plan: Plan, heads: int) -> Plan:
     """The plan with each run of identical launches of a block cut to its first and last.
 
     A run is three or more consecutive launches of a block's forward with the
@@ -230,12 +230,19 @@ def compact_plan(plan: Plan) -> Plan:
     accumulators) and the last (after which they may be written out) keeps
     every lifetime and so the peak, forward and backward (a launch of the
     block's own rows is in both lists, and so are the writers' counts, which
-    the executor takes from the same plan). LongNet's 2048-row segments on a
-    CPU rank of 8M rows are 4,096 launches in runs of 128; the compact plan
-    has 64.
+    the executor takes from the same plan). A block's first launches that tile
+    it store their results instead of merging them (``launches.stored_launches``,
+    decided from the plan the executor runs): they all stay.
     """
-    dropped = set()
+    dropped, stored = set(), set()
     for block in plan.blocks:
+        # a block's first launches that tile it store their results (launches.stored_launches,
+        # which the executor decides from the plan it runs): they stay, so that it still does
+        span = (block.lo, block.hi)
+        stored.update(l.id for l in block.forward[:launches.stored_launches(
+            block.forward, span, heads)])
+        stored.update(l.id for l in block.backward[:launches.stored_launches(
+            block.backward, span, heads, keys=True)])
         run: List[Launch] = []
         for launch in block.forward + (None,):
             sig = _own_launch(launch, block.index)
@@ -244,6 +251,7 @@ def compact_plan(plan: Plan) -> Plan:
                 run = []
             if sig is not None:
                 run.append(launch)
+    dropped -= stored
     if not dropped:
         return plan
     blocks = tuple(b._replace(forward=tuple(l for l in b.forward if l.id not in dropped),
