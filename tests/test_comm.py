@@ -214,7 +214,7 @@ _FAKE_SCRIPT = textwrap.dedent(
     """
     import torch
     from dilated_attention.distributed import comm
-    from dilated_attention.tools.estimate.dryrun import fake_world
+    from dilated_attention.tools.launch import fake_world
     g = fake_world(3, 8)
     assert comm.group_size(g) == 8 and comm.group_rank(g) == 3
     infos = comm.agree(g, {"n": 5}, per_rank=("n",))

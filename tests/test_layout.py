@@ -159,9 +159,9 @@ def test_models_and_integrations_build_on_the_ops() -> None:
 
 # A file is a room of one job; past this many lines it holds several (split it by job).
 MAX_LINES = 800
-# Files being split by their own work item (issue 28: tools/estimate/), and their size cap
-# until then, so they do not grow meanwhile.
-SPLIT_PENDING = {f"{PACKAGE}.tools.estimate": 1200}
+# Files being split by their own work item, and their size cap until then, so they do not
+# grow meanwhile (tools/estimate.py was, issue 28: now the tools/estimate/ package).
+SPLIT_PENDING: Dict[str, int] = {}
 
 
 def test_no_library_file_is_too_long() -> None:

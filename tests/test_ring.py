@@ -277,7 +277,7 @@ _FAKE_SCRIPT = """
 import torch, torch.distributed as dist
 from dilated_attention import ring_attention
 from dilated_attention.distributed import comm
-from dilated_attention.tools.estimate.dryrun import fake_world
+from dilated_attention.tools.launch import fake_world
 fake_world(5, 16)
 P = 16
 # (rows, forward parts, backward parts) per block (Note [parts]): 64 rows, one

@@ -41,6 +41,7 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from ..distributed import comm
 
@@ -278,6 +279,20 @@ def limit_malloc_caching() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3
     libc.mallopt(m_mmap_threshold, 256 * 1024)
     libc.mallopt(m_trim_threshold, 1024 * 1024)
+
+
+def fake_world(rank: int, world_size: int) -> comm.ProcessGroup:
+    """Torch's fake process group as `rank` of `world_size`, for CPU and meta tensors ("fake"
+    alone has no backend for meta, where ``batch_isend_irecv`` looks one up): the process
+    ``dilated-attention estimate`` runs a rank of P in (tools/estimate/dryrun.py)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # as torch picks for "fake"
+
+    world = comm.init_process_group("cpu:fake,meta:fake", rank=rank, world_size=world_size,
+                                    store=FakeStore(), timeout_s=60.0)
+    # torch 2.13 sets no default backend for a plugin named per device (it compares the
+    # plugin's name in another case), and then warns on stderr at every destroy
+    world._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+    return world
 
 
 def torchrun_world_size() -> Optional[int]:

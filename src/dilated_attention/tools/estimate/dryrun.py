@@ -39,7 +39,9 @@ from ...distributed.ulysses import HeadSplit, ulysses_attention
 from ...functional import ring_attention
 from ...kernels import KernelOptions
 from ...patterns import Heads
-from ...plan import Launch, Layout, Plan, make_plan
+from ...layout import Layout
+from ...plan import Launch, Plan, make_plan
+from ..launch import fake_world
 from .config import EstimateConfig, backend_for, split
 from .formula import Traffic
 
@@ -59,20 +61,6 @@ class Trace:
     peaks: Dict[str, int]
     sent: Traffic
     plan: Optional[Plan]
-
-
-def fake_world(rank: int, world_size: int) -> comm.ProcessGroup:
-    """Torch's fake process group as `rank` of `world_size`, for CPU and meta tensors ("fake"
-    alone has no backend for meta, where ``batch_isend_irecv`` looks one up)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # as torch picks for "fake"
-
-    world = comm.init_process_group("cpu:fake,meta:fake", rank=rank, world_size=world_size,
-                                    store=FakeStore(), timeout_s=60.0)
-    # torch 2.13 sets no default backend for a plugin named per device (it compares the
-    # plugin's name in another case), and then warns on stderr at every destroy
-    world._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
-    return world
 
 
 def plan_for(config: EstimateConfig, rank: int) -> Plan:

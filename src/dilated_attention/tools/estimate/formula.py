@@ -21,7 +21,8 @@ from ...distributed.strategy import ulysses_bytes
 from ...distributed.ulysses import HeadSplit
 from ...kernels import lse_dtype
 from ...patterns import Heads
-from ...plan import Layout, Plan, transfer_counts
+from ...layout import Layout
+from ...plan import Plan, transfer_counts
 from .config import EstimateConfig, split
 
 # forward bytes, forward messages, backward bytes, backward messages of one rank
