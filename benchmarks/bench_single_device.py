@@ -18,6 +18,7 @@ whose speed drifts slows all sides alike.
 
     python benchmarks/bench_single_device.py                      # LongNet setting, 8K..64K
     python benchmarks/bench_single_device.py --seq-lens 8192 --repeats 1
+    python benchmarks/bench_single_device.py --cpu-time   # a shared machine: one thread's CPU time
     python benchmarks/bench_single_device.py --schedule geometric  # 2048..65536 / 1..32
     python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --seq-lens 8192 1048576
     python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --backend triton
@@ -200,6 +201,13 @@ def run_case(impl: str, n: int, dtype: torch.dtype, backward: bool):
     raise ValueError(f"unknown impl {impl!r}")
 
 
+# time.perf_counter, or with --cpu-time time.thread_time: the CPU time of the calling
+# thread, with one kernel thread. On a machine that other jobs share, waiting for a core
+# is not counted (two OpenMP threads there wait at barriers: a busy 2-core machine
+# measured the op at 1.5x its floor in wall time, against 1.03-1.08x in CPU time).
+CLOCK = time.perf_counter
+
+
 def time_cases(steps: Dict[str, Callable[[], None]], repeats: int) -> Dict[str, List[float]]:
     """Seconds of `repeats` runs of each step after one warm-up each, sorted (min, ..., max).
 
@@ -212,10 +220,10 @@ def time_cases(steps: Dict[str, Callable[[], None]], repeats: int) -> Dict[str, 
     times: Dict[str, List[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             step()
             synchronize()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(CLOCK() - t0)
     return {name: sorted(ts) for name, ts in times.items()}
 
 
@@ -353,11 +361,14 @@ def main(argv=None) -> None:
                         help="rows per block for the device (plan.ROWS_PER_BLOCK; on CUDA a "
                         "launch is a block: 131072 gives the sizes before the 64K memory "
                         "bound)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="CPU: time the CPU time of one thread (one kernel thread), not "
+                        "wall time: for a machine that other jobs share")
     parser.add_argument("--json", default="bench-out/single_device.json")
     parser.add_argument("--memory-case", nargs=3, metavar=("N", "DTYPE", "TRAINING"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    global DEVICE, BACKEND, FLOOR_BACKEND, SEGMENTS, RATES
+    global DEVICE, BACKEND, FLOOR_BACKEND, SEGMENTS, RATES, CLOCK
     SEGMENTS, RATES = SCHEDULES[args.schedule]
     BACKEND = args.backend
     FLOOR_BACKEND = args.floor_backend or (BACKEND if BACKEND != "triton" else "auto")
@@ -371,10 +382,16 @@ def main(argv=None) -> None:
                                              bool(int(training))))
         return
     DEVICE = args.device
+    if args.cpu_time:
+        if DEVICE != "cpu":
+            parser.error("--cpu-time needs --device cpu")
+        torch.set_num_threads(1)
+        CLOCK = time.thread_time
     dtype = getattr(torch, args.dtype)
     rows = []
     where = (torch.cuda.get_device_name() if DEVICE == "cuda"
-             else f"{torch.get_num_threads()} threads")
+             else f"{torch.get_num_threads()} threads"
+             + (", CPU time of the thread" if args.cpu_time else ", wall time"))
     print(f"torch {torch.__version__}, {where}, dtype {args.dtype}, backend {BACKEND} "
           f"(floors: {FLOOR_BACKEND}), strided views {planning.STRIDED_VIEWS.get(DEVICE, False)}, "
           f"block rows {planning.ROWS_PER_BLOCK.get(DEVICE)} (or n / {planning.MAX_BLOCKS}), "

@@ -96,8 +96,9 @@ ROWS_PER_LAUNCH = {"cpu": 2048, "cuda": None}
 # launch's (row, head) entries, cut by heads (patterns.split_heads).
 GATHERED_SHARE = 4
 # Whether a device's launches read arithmetic selections (rate r, one offset per
-# run of heads) as strided views (patterns.Stride): the CPU kernels read any
-# strides (a rate-2 launch then copies nothing); the CUDA kernels are given
+# run of heads) as strided views (patterns.Stride): on CPU a rate-2 launch's
+# merges and scatters then copy nothing (its forward kernel reads dense copies,
+# launches.DENSE_KERNEL_INPUTS, no advanced indexing); the CUDA kernels are given
 # dense gathered copies, as measured on an H100, until views are measured there.
 STRIDED_VIEWS = {"cpu": True, "cuda": False}
 
