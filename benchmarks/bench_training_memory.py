@@ -16,7 +16,11 @@ package's PeakMemory; CUDA: the allocator's peak), through backward
 ("fwd+bwd") and through the optimizer step too ("step": its own peak on top
 of the gradients backward left), in MiB and in units of one fp32 logits
 tensor (batch x tokens x vocabulary x 4 bytes), the unit of issue 26's
-target. Times (the whole step): min and median over --repeats steps.
+target. Times (the whole step): min and median over --repeats steps, and
+the median over the "none" case's (issue 26's target: "layers" at most
+1.4x). "estimate": ``estimate --model``'s formula (tools/estimate/model.py)
+for the same step, less the parameters and AdamW's moments, which exist
+before the step; "/ step": estimate over the measured step peak.
 """
 
 from __future__ import annotations
@@ -53,8 +57,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--no-estimate", dest="estimate", action="store_false",
+                   help="skip the column of estimate --model's formula")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # a subprocess's one case
     return p.parse_args(argv)
+
+
+def model_config(args: argparse.Namespace, mode: str) -> LongNetConfig:
+    layers = {"num_layers": args.layers} if args.layers else {}
+    return LongNetConfig.from_name(args.preset, vocab_size=args.vocab, checkpoint=mode,
+                                   max_seq_len=max(args.seq_len, 256),
+                                   ffn_chunk_bytes=args.ffn_chunk_bytes, **layers)
+
+
+def estimated_growth(args: argparse.Namespace, mode: str) -> int:
+    """``estimate --model``'s formula for the step's peak, less what exists before the step
+    (parameters and AdamW's moments): the quantity measured here."""
+    from dilated_attention.tools.estimate import model
+
+    config = model_config(args, mode)
+    setup = model.ModelSetup(args.preset, config, args.seq_len, 1, args.batch, args.dtype,
+                             "cuda" if args.device.startswith("cuda") else "cpu",
+                             args.threads or torch.get_num_threads(), None)
+    peak = model.formula(setup, mode, model.op_working_bytes(setup)[0]).peak_bytes
+    return peak - 3 * model.parameter_counts(config)[0] * setup.torch_dtype.itemsize
 
 
 def run_case(args: argparse.Namespace, mode: str) -> Dict[str, object]:
@@ -62,10 +88,7 @@ def run_case(args: argparse.Namespace, mode: str) -> Dict[str, object]:
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    layers = {"num_layers": args.layers} if args.layers else {}
-    config = LongNetConfig.from_name(args.preset, vocab_size=args.vocab, checkpoint=mode,
-                                     max_seq_len=max(args.seq_len, 256),
-                                     ffn_chunk_bytes=args.ffn_chunk_bytes, **layers)
+    config = model_config(args, mode)
     torch.manual_seed(0)
     model = LongNetLM(config, device=device, dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -136,7 +159,9 @@ def main(argv=None) -> int:
           f"{'from whole logits' if args.return_logits else 'over chunks'}; one fp32 logits "
           f"tensor = {args.batch * args.seq_len * args.vocab * 4 / 2**20:.0f} MiB")
     print(f"{'checkpoint':>10}  {'fwd+bwd peak':>12}  {'/ logits':>8}  {'step peak':>12}  "
-          f"{'/ logits':>8}  {'min s':>8}  {'median s':>8}")
+          f"{'/ logits':>8}  {'min s':>8}  {'median s':>8}  {'/ none':>6}"
+          + (f"  {'estimate':>12}  {'/ step':>6}" if args.estimate else ""))
+    none_median = None
     for mode in args.modes:
         out = subprocess.run([sys.executable, __file__, *passed, "--case", mode],
                              capture_output=True, text=True)
@@ -146,7 +171,16 @@ def main(argv=None) -> int:
         cells = [f"{row[f'{key}_bytes'] / 2**20:8.0f} MiB  {row[f'{key}_logits']:8.3f}"
                  if f"{key}_bytes" in row else f"{'n/a':>12}  {'n/a':>8}"
                  for key in ("backward", "step")]
-        print(f"{mode:>10}  {'  '.join(cells)}  {row['min_s']:8.3f}  {row['median_s']:8.3f}")
+        none_median = row["median_s"] if mode == "none" else none_median
+        ratio = f"{row['median_s'] / none_median:6.3f}" if none_median else f"{'n/a':>6}"
+        line = (f"{mode:>10}  {'  '.join(cells)}  {row['min_s']:8.3f}  {row['median_s']:8.3f}  "
+                f"{ratio}")
+        if args.estimate and not args.return_logits:
+            growth = estimated_growth(args, mode)
+            measured = row.get("step_bytes")
+            line += f"  {growth / 2**20:8.0f} MiB  " + (
+                f"{growth / measured:6.3f}" if measured else f"{'n/a':>6}")
+        print(line)
     return 0
 
 

@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "process group of world size P, at the real length or, for long ranks, at "
                     "two shorter ones, extrapolated; traffic is arithmetic.",
     )
-    estimate.add_argument("--seq-len", type=positive_int, required=True, help="total length N")
+    estimate.add_argument("--seq-len", type=positive_int, default=None,
+                          help="total length N (required but with --model --fit-memory)")
     estimate.add_argument("--world-size", type=positive_int, default=1, help="ranks P (1)")
     _add_model_options(estimate, many_lengths=False)
     estimate.add_argument("--impl", choices=("dilated", "ring"), default="dilated",
@@ -233,7 +234,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="forward + backward")
     emode.add_argument("--forward-only", dest="training", action="store_false",
                        help="forward only (default)")
-    estimate.set_defaults(training=False)
+    estimate.set_defaults(training=None)
+    estimate.add_argument("--model", default=None, metavar="base|tiny|CONFIG.json",
+                          help="a whole LongNetLM's training step per rank: parameters, "
+                               "gradients, AdamW, activations per checkpoint mode, the loss "
+                               "chunk, the attention op (a JSON file of LongNetConfig fields; "
+                               "{\"preset\": \"base\", ...} starts from a preset)")
+    estimate.add_argument("--fit-memory", default=None, metavar="SIZE",
+                          help="with --model: the longest N whose step fits SIZE per rank "
+                               "(80GB, 24GiB) for each checkpoint mode, P = 1, 2, 4, ... up to "
+                               "--world-size")
     estimate.add_argument("--dry-run", action="store_true",
                           help="also run the real code at the real length and count what it "
                                "sends, to compare (slow at billions of rows per rank)")
@@ -343,6 +353,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from . import estimate
 
+    if args.model is not None or args.fit_memory is not None:
+        return _cmd_estimate_model(args)
+    if args.seq_len is None:
+        raise UsageError("estimate needs --seq-len (or --model with --fit-memory)")
+    args.training = bool(args.training)
     config = _checked(
         estimate.make_config, seq_len=args.seq_len, world_size=args.world_size,
         segment_lengths=flatten(args.segment_lengths), dilation_rates=flatten(args.dilation_rates),
@@ -354,6 +369,36 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if args.dry_run:
         _checked(estimate.check_dry_run, config=config)
     return estimate.report(config, trace=args.dry_run, as_json=args.json)
+
+
+def _cmd_estimate_model(args: argparse.Namespace) -> int:
+    """``estimate --model``: the whole model's training step (tools/estimate/model.py)."""
+    from .estimate import model, model_report
+
+    if args.model is None:
+        raise UsageError("--fit-memory needs --model")
+    if args.training is False:
+        raise UsageError("--model estimates a training step: drop --forward-only")
+    if (args.seq_len is None) == (args.fit_memory is None):
+        raise UsageError("--model needs --seq-len N or --fit-memory SIZE (which searches N), "
+                         "one of them")
+    if args.fit_memory is not None and args.dry_run:
+        raise UsageError("--dry-run runs one length: give --seq-len, not --fit-memory")
+    given = [name for name, value, default in (
+        ("--segment-lengths", args.segment_lengths, None), ("--dilation-rates",
+         args.dilation_rates, None), ("--kv-heads", args.kv_heads, None),
+        ("--heads", args.heads, 12), ("--head-dim", args.head_dim, 64),
+        ("--causal", args.causal, False), ("--impl", args.impl, "dilated"),
+        ("--mesh", args.mesh, None)) if value != default]
+    if given:
+        raise UsageError(f"{', '.join(given)}: the model's config sets the attention with "
+                         f"--model (a JSON file of LongNetConfig fields changes it)")
+    budget = _checked(model.parse_bytes, text=args.fit_memory) if args.fit_memory else None
+    setup = _checked(model.make_setup, model=args.model,
+                     seq_len=args.seq_len or args.world_size, world_size=args.world_size,
+                     batch=args.batch, dtype=args.dtype, device=args.device,
+                     threads=args.threads, strategy=args.strategy)
+    return model_report.report(setup, trace=args.dry_run, as_json=args.json, budget=budget)
 
 
 def writable_folder(option: str, folder: str, files: Sequence[str]) -> None:

@@ -1,0 +1,174 @@
+"""``estimate --model``: a whole LongNetLM's training step per rank (Note [model memory]).
+
+The formula against the dry run (the real model on meta tensors, the fake group for
+P > 1) within 5%, and against a real CPU training step's traced live bytes within
+15%; the longest-sequence search; the command and its usage errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from dilated_attention import LongNetConfig, LongNetLM
+from dilated_attention.tools import cli
+from dilated_attention.tools.estimate import model
+from dilated_attention.tools.estimate.model_dryrun import KernelBuffers, dry_run
+
+SMALL = dict(vocab_size=1000, embed_dim=128, ffn_dim=512, max_seq_len=1 << 20)
+
+
+def _setup(n, p=1, dtype="float32", device="cpu", **fields) -> model.ModelSetup:
+    config = LongNetConfig.from_name("tiny", **{**SMALL, **fields})
+    return model.ModelSetup("small", config, n, p, 1, dtype, device,
+                            None if device == "cuda" else 1, None)
+
+
+# (setup, modes): one process fp32; GQA over 2 ranks; the feed-forward over chunks;
+# bf16 over 2 ranks; 4 layers on a CUDA device, where offload keeps the inputs in host memory
+CASES = [
+    (_setup(8192), ("none", "layers")),
+    (_setup(16384, 2, num_kv_heads=2), ("none", "layers")),
+    (_setup(16384, ffn_chunk_bytes=1 << 20), ("none", "layers")),
+    (_setup(16384, 2, "bfloat16", num_layers=3), ("layers",)),
+    (_setup(16384, device="cuda", num_layers=4), ("layers", "offload")),
+]
+
+
+@pytest.mark.parametrize("setup,modes", CASES, ids=["fp32", "gqa-2-ranks", "ffn-chunks",
+                                                    "bf16-2-ranks", "cuda-offload"])
+def test_formula_matches_the_dry_run(setup, modes):
+    working, _ = model.op_working_bytes(setup)
+    for mode in modes:
+        formula, traced = model.formula(setup, mode, working), dry_run(setup, mode)
+        assert formula.peak_bytes == pytest.approx(traced.peak_bytes, rel=0.05), mode
+
+
+def test_offload_keeps_the_block_inputs_in_host_memory():
+    setup = _setup(16384, device="cuda", num_layers=4)
+    working, _ = model.op_working_bytes(setup)
+    layers, offload = (model.formula(setup, m, working) for m in ("layers", "offload"))
+    block_inputs = 4 * 16384 * 128 * 4
+    assert offload.host_bytes == block_inputs and layers.host_bytes == 0
+    assert offload.peak_bytes < layers.peak_bytes
+    # on a CPU device the inputs already live in host memory: offload is layers
+    cpu = dataclasses.replace(setup, device="cpu", threads=1)
+    working, _ = model.op_working_bytes(cpu)
+    assert model.formula(cpu, "offload", working) == model.formula(cpu, "layers", working)
+
+
+@pytest.mark.parametrize("mode", ["none", "layers"])
+def test_formula_matches_a_traced_cpu_step(mode):
+    """The real step on CPU tensors (real kernels), its live bytes traced: what the meta dry
+    run stands for. Parameters and AdamW's moments exist before, as in a training loop."""
+    setup = _setup(2048)
+    config = dataclasses.replace(setup.config, checkpoint=mode)
+    torch.manual_seed(0)
+    lm = LongNetLM(config)
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-4)
+    tokens = torch.randint(0, config.vocab_size, (2, 1, 2048))
+    working, scratch = model.op_working_bytes(setup)
+    for step in range(2):
+        tracker = KernelBuffers(scratch)
+        with tracker:
+            optimizer.zero_grad(set_to_none=True)
+            _, loss = lm(tokens[0], tokens[1])
+            loss.backward()
+            optimizer.step()
+            del loss
+    params = sum(p.numel() for p in lm.parameters()) * 4
+    formula = model.formula(setup, mode, working)
+    assert formula.peak_bytes - 3 * params == pytest.approx(tracker.peak, rel=0.15)
+
+
+def test_parameter_count_is_the_models():
+    for fields in ({}, {"tie_embeddings": False, "bias": False, "num_kv_heads": 2},
+                   {"positions": "learned"}):
+        config = LongNetConfig.from_name("tiny", **fields)
+        assert model.parameter_counts(config)[0] == sum(
+            p.numel() for p in LongNetLM(config, device="meta").parameters())
+
+
+def test_longest_sequence_fits_and_one_step_more_does_not():
+    setup = _setup(1024, device="cuda", num_layers=4)
+    budget = 2 * 10**9
+    fits = {p: model.longest(setup, budget, p) for p in (1, 2)}
+    for p, row in fits.items():
+        working_at = {}
+        for mode, fit in row.items():
+            assert fit.seq_len > 0 and fit.seq_len % (1024 * p) == 0
+            # the search's own measure of the op: per row, at the longest N of this P
+            top = setup.with_length(max(f.seq_len for f in row.values()), p)
+            per_row = working_at.setdefault(p, model.op_working_bytes(top)[0] / top.rows)
+            for n, fits_budget in ((fit.seq_len, True), (fit.seq_len + fit.step, False)):
+                s = setup.with_length(n, p)
+                peak = model.formula(s, mode, int(per_row * s.rows)).peak_bytes
+                assert (peak <= budget) == fits_budget, (p, mode, n)
+        assert row["none"].seq_len < row["layers"].seq_len < row["offload"].seq_len
+    assert all(fits[2][m].seq_len > fits[1][m].seq_len for m in fits[1])
+
+
+def test_parse_bytes():
+    assert model.parse_bytes("80GB") == 80 * 10**9
+    assert model.parse_bytes("24GiB") == 24 * 2**30
+    assert model.parse_bytes("1.5gb") == 1.5e9
+    assert model.parse_bytes("512MB") == 512 * 10**6
+    for bad in ("lots", "0GB", "8XB", "-1GB"):
+        with pytest.raises(ValueError, match="--fit-memory"):
+            model.parse_bytes(bad)
+
+
+# ---------------------------------------------------------------------------
+# The command
+
+
+def test_model_command(tmp_path, capsys):
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps({"preset": "tiny", "vocab_size": 500, "num_layers": 3}))
+    assert cli.main(["estimate", "--model", str(path), "--seq-len", "4096", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ESTIMATE (not measured): LongNetLM small.json (3 layers")
+    for line in ("parameters", "AdamW moments", "gradients", "peak on the device",
+                 "host memory", "dry run: peak on the device", "formula vs dry run"):
+        assert line in out, line
+    assert cli.main(["estimate", "--model", "tiny", "--fit-memory", "300MB", "--world-size", "2",
+                     "--device", "cuda", "--json"]) == 0
+    fits = json.loads(capsys.readouterr().out)["fits"]
+    assert [row["none"]["world_size"] for row in fits] == [1, 2]
+    assert all(row["offload"]["seq_len"] >= row["none"]["seq_len"] > 0 for row in fits)
+
+
+MODEL_ERRORS = [
+    (["estimate", "--fit-memory", "8GB", "--seq-len", "64"], "--fit-memory needs --model"),
+    (["estimate", "--model", "tiny"], "--seq-len N or --fit-memory SIZE"),
+    (["estimate", "--model", "tiny", "--seq-len", "64", "--fit-memory", "8GB"], "one of them"),
+    (["estimate", "--model", "tiny", "--seq-len", "64", "--forward-only"], "training step"),
+    (["estimate", "--model", "tiny", "--seq-len", "64", "--heads", "8"], "--heads"),
+    (["estimate", "--model", "tiny", "--seq-len", "64", "--segment-lengths", "8",
+      "--dilation-rates", "1"], "--segment-lengths, --dilation-rates"),
+    (["estimate", "--model", "huge", "--seq-len", "64"], "--model must be one of base, tiny"),
+    (["estimate", "--model", "tiny", "--fit-memory", "lots"], "--fit-memory must be a size"),
+    (["estimate", "--model", "tiny", "--fit-memory", "8GB", "--dry-run"], "--dry-run runs one"),
+]
+
+
+@pytest.mark.parametrize("argv,message", MODEL_ERRORS,
+                         ids=[" ".join(a[1:]) for a, _ in MODEL_ERRORS])
+def test_model_usage_errors_are_one_line(argv, message, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+def test_model_json_mistakes_name_the_file(tmp_path, capsys):
+    for text, message in (('{"vocab": 5}', "unknown LongNetConfig fields ['vocab']"),
+                          ("[1]", "a JSON object"), ("{", "Expecting"),
+                          ('{"embed_dim": 30}', "divisible by num_heads")):
+        path = tmp_path / "bad.json"
+        path.write_text(text)
+        assert cli.main(["estimate", "--model", str(path), "--seq-len", "64"]) == 2
+        err = capsys.readouterr().err
+        assert f"--model {path}" in err and message in err, err
