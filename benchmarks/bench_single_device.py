@@ -120,7 +120,7 @@ def per_launch_calls(q, k, v) -> List[FloorCall]:
     plan = local_plan(q, k, (SEGMENTS, RATES), CAUSAL, None, None)
     for block in plan.blocks:
         for launch in block.forward:
-            g = launch.group
+            g = launch.heads
             q_sel = (launch.queries, g.q_heads, g.q_index, g.q_stride)
             kv_sel = (launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
             gathered = (gather(q, *q_sel), gather(k, *kv_sel), gather(v, *kv_sel))

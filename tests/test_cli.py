@@ -236,7 +236,7 @@ def test_estimate_models_cuda_sizes_and_kernels(capsys):
     cuda = estimate.make_config(seq_len=65536, dtype="bfloat16", device="cuda")
     blocks = dryrun.plan_for(cuda, 0).blocks
     assert [(b.hi - b.lo, b.entry_writes) for b in blocks] == [(4096, 2)] * 16
-    assert {sum(l.queries.rows for l in b.forward if l.group.identity) for b in blocks} == {4096}
+    assert {sum(l.queries.rows for l in b.forward if l.heads.identity) for b in blocks} == {4096}
     assert est_config.backend_for(cuda) == "cuda_cudnn"
     cpu = estimate.make_config(seq_len=65536, dtype="bfloat16", threads=1)
     # two patterns: blocks of the longer segment (4096 rows), whole: no fp32 accumulators

@@ -135,7 +135,7 @@ def plan_counts(layout: Layout, patterns, causal, h, hk, documents=None):
             assert block.index not in seen
             seen.add(block.index)
             for launch in block.forward:
-                g = launch.group
+                g = launch.heads
                 add(g, _segment_rows(launch.queries, g.q_index, rows[p]),
                     _segment_rows(launch.keys, g.kv_index, rows[p]), launch.causal)
         assert sorted(
@@ -151,7 +151,7 @@ def plan_counts(layout: Layout, patterns, causal, h, hk, documents=None):
                 buf = pack(ids[t.keys.rank], sent)
                 assert buf.shape[1] == t.columns
                 for launch in t.launches:
-                    g = launch.group
+                    g = launch.heads
                     # (1, kv_rows, hkv, 1) ids -> (1, kv_rows, hkv) global rows
                     us = _remote_block(buf, launch)[..., 0].long()
                     add(g, _segment_rows(launch.queries, g.q_index, rows[p]), us, False)
@@ -222,14 +222,14 @@ def _writes_per_entry(plan, h: int, hk: int) -> Tuple[torch.Tensor, torch.Tensor
             add(counter, _rows_of(segs, index), heads)
 
     for launch in (l for b in plan.blocks for l in b.forward):
-        g = launch.group
+        g = launch.heads
         add_side(q, launch.q_split, launch.queries, g.q_index, g.q_heads)
         add_side(kv, launch.k_split, launch.keys, g.kv_index, g.kv_heads)
     for rnd in plan.rounds:
         for t in rnd.recvs:
             for launch in t.launches:
-                add_side(q, launch.q_split, launch.queries, launch.group.q_index,
-                         launch.group.q_heads)
+                add_side(q, launch.q_split, launch.queries, launch.heads.q_index,
+                         launch.heads.q_heads)
         for t in rnd.sends:
             for index, rows, heads, _ in t.homes:
                 add(kv, rows + lo[index], heads)
@@ -289,9 +289,9 @@ def test_gathered_launches_are_cut_by_heads():
     for device, strided in (("meta", False), ("cpu", True)):
         plan = make_plan(Layout.contiguous([16384]), ((2048, 4096), (1, 2)), False,
                          Heads.of(12, 12), 0, device)
-        rate_2 = [l for b in plan.blocks for l in b.forward if not l.group.identity]
+        rate_2 = [l for b in plan.blocks for l in b.forward if not l.heads.identity]
         for launch in rate_2:
-            g = launch.group
+            g = launch.heads
             assert g.strided == strided
             assert strided or g.rows * g.q_heads.numel() * launch.queries.count <= 2048 * 3
         # on the CPU two views per 4096-row segment: heads 0, 2, ..., 10 and 1, 3, ..., 11
@@ -426,9 +426,9 @@ def test_plan_sizes_for_another_device_type():
     assert {b.hi - b.lo for b in cpu.blocks} == {b.hi - b.lo for b in cuda.blocks} == {2**15}
     # a CUDA launch batches a block's 16 segments of 2048 rows (it covers the block), a
     # CPU launch one
-    assert {l.queries.rows for b in cuda.blocks for l in b.forward if l.group.identity} == {2**15}
+    assert {l.queries.rows for b in cuda.blocks for l in b.forward if l.heads.identity} == {2**15}
     assert cuda.launches < cpu.launches // 8
-    index = cuda.blocks[0].forward[-1].group.q_index
+    index = cuda.blocks[0].forward[-1].heads.q_index
     assert index.device.type == "meta"
 
 
@@ -441,7 +441,7 @@ def test_cuda_launches_stay_large_for_the_geometric_schedule():
     patterns = ((2048, 4096, 8192, 16384, 32768, 65536), (1, 2, 4, 8, 16, 32))
     cuda = make_plan(Layout.contiguous([2**16]), patterns, False, Heads.of(12, 12), 0, "meta",
                      device_type="cuda")
-    entries = [l.queries.count * l.group.rows * l.group.q_heads.numel()
+    entries = [l.queries.count * l.heads.rows * l.heads.q_heads.numel()
                for b in cuda.blocks for l in b.forward]
     assert len(cuda.blocks) == 16 and len(entries) <= 64 and min(entries) >= 12288
 

@@ -343,7 +343,7 @@ def stored_launches(launches, span: Tuple[int, int], heads: int, keys: bool = Fa
     lo, hi = span
     row, count = lo, 0
     for launch in launches:
-        g, segs = launch.group, launch.queries
+        g, segs = launch.heads, launch.queries
         if row == hi or not (g.identity and segs.starts is None and segs.start == row
                              and g.rows == segs.length and g.q_heads.numel() == heads
                              and launch.q_block == launch.k_block):
@@ -397,7 +397,7 @@ def _scatter(acc: Tensor, segs: Segments, heads: Tensor, index: Tensor, stride: 
 
 def _remote_block(buf: Tensor, launch: RemoteLaunch) -> Tensor:
     """The launch's kv block (b, kv_rows, hkv, ...) from a pair-major (b, columns, ...) buffer."""
-    g = launch.group
+    g = launch.heads
     hkv, kv_rows = g.kv_heads.numel(), g.kv_index.shape[0]
     # (b, hkv * kv_rows, ...) -> (b, hkv, kv_rows, ...) -> (b, kv_rows, hkv, ...)
     return buf[:, launch.columns].unflatten(1, (hkv, kv_rows)).transpose(1, 2)
@@ -422,7 +422,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, *,
         blocks.turn(block.index)
         stores = stored_launches(block.forward, blocks.spans[block.index], q.shape[2])
         for i, launch in enumerate(block.forward):
-            g = launch.group
+            g = launch.heads
             q_g = _kernel_input(q, launch.queries, g.q_heads, g.q_index, g.q_stride)
             k_g = _kernel_input(k, launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
             v_g = _kernel_input(v, launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
@@ -443,7 +443,7 @@ def _merge_into(blocks: Blocks, launch, out_g: Tensor, lse_g: Tensor,
     """Merge a launch's results into its query block's accumulators (now or pending), or
     `store` them there (``stored_launches``); a launch split over blocks merges each
     block's entries there."""
-    group = launch.group
+    group = launch.heads
     if not launch.q_split:
         rel = blocks.relative(launch.q_block, launch.queries)
 
@@ -476,7 +476,7 @@ def _forward_remote(q: Tensor, remote: RemoteKeys, blocks: Blocks, opts: KernelO
     for _, received in remote.keys():
         for transfer, buf, mask in received:
             for launch in transfer.launches:
-                g = launch.group
+                g = launch.heads
                 q_g = gather(q, launch.queries, g.q_heads, g.q_index, g.q_stride)
                 # remote keys are all earlier (causal) or all visible: no causal mask
                 out_g, lse_g = attention_forward(
@@ -511,7 +511,7 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
         stores = stored_launches(block.backward, blocks.spans[block.index], q.shape[2],
                                  keys=True)
         for i, launch in enumerate(block.backward):
-            g = launch.group
+            g = launch.heads
             q_sel = (launch.queries, g.q_heads, g.q_index, g.q_stride)
             kv_sel = (launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
             dq_g, dk_g, dv_g = attention_backward(
@@ -564,7 +564,7 @@ def _backward_remote(saved, remote: RemoteKeys, blocks: Blocks, opts: KernelOpti
         for transfer, buf, mask in received:
             grad = torch.zeros(buf.shape, dtype=acc, device=buf.device)
             for launch in transfer.launches:
-                g = launch.group
+                g = launch.heads
                 q_sel = (launch.queries, g.q_heads, g.q_index, g.q_stride)
                 dq_g, dk_g, dv_g = attention_backward(
                     gather(dout, *q_sel), gather(q, *q_sel), _remote_block(buf[0], launch),

@@ -120,7 +120,8 @@ class Split(NamedTuple):
 
 
 class Launch(NamedTuple):
-    """One kernel call on this rank's rows: `group` over query segments against key segments.
+    """One kernel call on this rank's rows: head group `heads` over query segments against key
+    segments.
 
     `queries` and `keys` hold the same number of segments (local rows);
     ``causal`` applies the square causal mask (queries and keys the same
@@ -133,7 +134,7 @@ class Launch(NamedTuple):
     id: int
     queries: Segments
     keys: Segments
-    group: HeadGroup
+    heads: HeadGroup
     causal: bool
     q_block: int
     k_block: int
@@ -152,13 +153,13 @@ class Launch(NamedTuple):
 class RemoteLaunch(NamedTuple):
     """A kernel call of this rank's query rows against the keys of a received transfer.
 
-    `columns` (a slice, or an index tensor (hkv * kv_rows,)) cuts the group's
-    key block out of the transfer's (2, b, columns, d) buffer, pair-major.
+    `columns` (a slice, or an index tensor (hkv * kv_rows,)) cuts the head
+    group's key block out of the transfer's (2, b, columns, d) buffer, pair-major.
     """
 
     id: int
     queries: Segments
-    group: HeadGroup
+    heads: HeadGroup
     columns: Union[slice, Tensor]
     q_block: int
     q_split: Tuple[Split, ...] = ()
@@ -702,15 +703,15 @@ def work(plan: Plan) -> int:
     total = 0
     for block in plan.blocks:
         for l in block.forward:
-            rows, keys = l.group.rows, l.group.kv_index.shape[0]
-            heads = l.group.q_heads.numel()
+            rows, keys = l.heads.rows, l.heads.kv_index.shape[0]
+            heads = l.heads.q_heads.numel()
             square = rows * (rows + 1) // 2 if l.causal else rows * keys
             total += l.queries.count * square * heads
     for rnd in plan.rounds:
         for t in rnd.recvs:
             for l in t.launches:
-                total += l.queries.count * l.group.rows * l.group.kv_index.shape[0] * \
-                    l.group.q_heads.numel()
+                total += l.queries.count * l.heads.rows * l.heads.kv_index.shape[0] * \
+                    l.heads.q_heads.numel()
     return total
 
 
@@ -743,12 +744,12 @@ def _assemble(grid, launches, rounds_by_step, modes, remote_blocks, writes, n) -
     # dense launches first: those that tile their block store into the accumulators
     # instead of merging into zeros (launches.stored_launches)
     for todo in forward.values():
-        todo.sort(key=lambda l: not l.group.identity)
+        todo.sort(key=lambda l: not l.heads.identity)
     for here, todo in backward.items():
         # within a block: launches of its own rows, then those whose keys are here (they
         # complete its dK/dV), then those whose queries are here: accumulators end early
         todo.sort(key=lambda l: (l.q_blocks + l.k_blocks != (here, here), here not in l.k_blocks,
-                                 not l.group.identity))
+                                 not l.heads.identity))
     next_id = len(numbered)
     rounds = []
     for step in sorted(rounds_by_step):

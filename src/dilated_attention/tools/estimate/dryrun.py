@@ -250,7 +250,7 @@ def compact_plan(plan: Plan, heads: int) -> Plan:
 
 def _launch_size(launch: Launch) -> Tuple[int, int, int, int]:
     """(query rows, key rows, query heads, kv heads) of a launch, all segments."""
-    g, count = launch.group, launch.queries.count
+    g, count = launch.heads, launch.queries.count
     return count * g.rows, count * g.kv_index.shape[0], g.q_heads.numel(), g.kv_heads.numel()
 
 
@@ -261,7 +261,7 @@ def _own_launch(launch: Optional[Launch], block: int) -> Optional[tuple]:
         return None
     return (_launch_size(launch), launch.causal, launch.queries.count, launch.queries.length,
             launch.queries.starts is None, launch.keys.starts is None,
-            launch.group.q_stride is None)
+            launch.heads.q_stride is None)
 
 
 # --------------------------------------------------------------------------

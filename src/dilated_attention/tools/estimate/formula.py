@@ -160,7 +160,7 @@ def kernel_scratch(config: EstimateConfig, plan: Plan = None, n: int = 0) -> Tup
     """
     b, d = config.batch, config.head_dim
     s, a = sizes(config)
-    launches = [(l.queries.count * l.group.rows, l.group.q_heads.numel())
+    launches = [(l.queries.count * l.heads.rows, l.heads.q_heads.numel())
                 for blk in (plan.blocks if plan is not None else ()) for l in blk.forward]
     rows = max((r for r, _ in launches), default=n)
     entries = max((r * h for r, h in launches), default=n * config.heads)
