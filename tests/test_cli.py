@@ -15,6 +15,8 @@ import sys
 import pytest
 import torch
 
+from dilated_attention.distributed.halo import halo_schedule
+from dilated_attention.plan import Layout
 from dilated_attention.tools import bench, cli, estimate, settings
 from dilated_attention.tools.estimate import config as est_config
 from dilated_attention.tools.estimate import dryrun, formula, scaled
@@ -45,6 +47,7 @@ USAGE_ERRORS = [
      "--threads 2 sets CPU kernel threads"),
     (["estimate", "--seq-len", "64", "--device", "tpu"], "invalid choice: 'tpu'"),
     (["estimate", "--seq-len", str(2**63)], "beyond torch's int64 indices"),
+    (["estimate", "--seq-len", "64", "--window", "8"], "--window 8 is a sliding window of ring"),
     (["estimate", "--seq-len", str(2**62), "--dry-run"], "beyond torch's int64 sizes"),
     (["verify", "--world-size", "1"], "at least 2 ranks"),
     (["verify", "--cases", "nope"], "unknown case 'nope'"),
@@ -145,6 +148,14 @@ ESTIMATE_CASES = [
     # one rank (one kernel call); two ranks with batch 2 (the part sent at step 0 is a copy)
     dict(impl="ring", seq_len=4096, world_size=1, training=True),
     dict(impl="ring", seq_len=4096, world_size=2, batch=2, training=True),
+    # sliding windows (issue 24.5): one device; the halo exchange in one round; a causal
+    # window over three pieces that spans ranks (one round per distance), GQA, bf16; CUDA
+    dict(impl="ring", seq_len=4096, window=512, training=True),
+    dict(impl="ring", seq_len=8192, world_size=4, window=1024, training=True),
+    dict(impl="ring", seq_len=6000, world_size=3, window=2500, causal=True, kv_heads=4,
+         dtype="bfloat16", training=True),
+    dict(impl="ring", seq_len=8192, world_size=2, window=1024, training=True, dtype="bfloat16",
+         device="cuda"),
 ]
 
 
@@ -186,6 +197,9 @@ EXTRAPOLATED = {
                        segment_lengths=[2048, 16384, 2**17, 2**19, 2**21]), 0.0),
     # Ulysses: all rows of a quarter of the heads per rank, training
     "ulysses": (dict(seq_len=2**20, world_size=4, strategy="ulysses", training=True), 0.0),
+    # a causal sliding window over two ranks, bf16 training (fp32 stripe accumulators)
+    "window": (dict(impl="ring", seq_len=2**19, world_size=2, window=4096, causal=True,
+                    dtype="bfloat16", training=True), 0.0),
     # a long segment whose rate (4) cannot shrink with its heads' offsets (12 heads), GQA
     "rate": (dict(seq_len=2**20, world_size=2, training=True, segment_lengths=[2048, 65536],
                   dilation_rates=[1, 4], kv_heads=4), 0.01),
@@ -220,6 +234,37 @@ def test_estimate_at_any_length(capsys):
     assert cli.main(["estimate", "--seq-len", str(2**62), "--world-size", "512", "--impl",
                      "ring", "--training"]) == 0
     assert "extrapolated" in capsys.readouterr().out
+
+
+def test_estimate_window_halo_traffic():
+    """Issue 24.5: a rank sends each reader the k and v of the rows its window reaches (halo
+    rows x k + v row bytes), whatever N; a window spanning ranks sends in several rounds."""
+    row = 2 * 12 * 64 * 4  # k and v of one row, fp32
+    for n in (2**16, 2**18):
+        config = estimate.make_config(seq_len=n, world_size=4, impl="ring", window=4096,
+                                      training=True)
+        # a middle rank: 4096 rows to each neighbour; backward again and their fp32 dK/dV
+        assert formula.traffic(config)[1] == (2 * 4096 * row, 2, 4 * 4096 * row, 4)
+    # causal, pieces of 1024 rows, a window of 2500: rank 3 reads ranks 0-2, in 3 rounds
+    config = estimate.make_config(seq_len=4096, world_size=4, impl="ring", window=2500,
+                                  causal=True)
+    assert est_config.strategy_name(config) == "halo exchange"
+    assert max(h.round for h in halo_schedule(Layout.contiguous(config.lengths()),
+                                              *config.reaches(), None)) == 2
+    # rank 0: all its rows to ranks 1 and 2, rows 572-1023 to rank 3
+    assert formula.traffic(config) == [(2500 * row, 3, 0, 0), (2048 * row, 2, 0, 0),
+                                       (1024 * row, 1, 0, 0), (0, 0, 0, 0)]
+
+
+def test_estimate_window_on_many_ranks_traces_a_short_ring():
+    """A halo rank holds what its window reaches: over 32 ranks the estimate traces a ring
+    just long enough that a middle rank's window reaches no end, equal to the full dry run."""
+    config = estimate.make_config(seq_len=32 * 1024, world_size=32, impl="ring", window=2500,
+                                  causal=True, training=True, threads=1)
+    assert scaled._ring_ranks(config) == 8
+    est, dry = estimate.estimate(config), estimate.dry_run(config)
+    assert (est.peak_bytes, est.phase) == (dry.peak_bytes, dry.phase)
+    assert est.forward_bytes == dry.forward_bytes and est.backward_bytes == dry.backward_bytes
 
 
 def test_estimate_command_labels_estimates(capsys):

@@ -223,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(estimate, many_lengths=False)
     estimate.add_argument("--impl", choices=("dilated", "ring"), default="dilated",
                           help="dilated attention or dense ring attention (dilated)")
+    estimate.add_argument("--window", type=positive_int, default=None, metavar="L",
+                          help="ring attention with a sliding window (as bench --window): each "
+                          "query sees the L keys before it (and, without --causal, the L after "
+                          "it); sequence-parallel it runs the halo exchange")
     estimate.add_argument("--dtype", choices=DTYPES, default="float32")
     estimate.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                           help="the device modelled: its row blocks, launch sizes and kernels "
@@ -364,7 +368,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         heads=args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads, batch=args.batch,
         dtype=args.dtype, causal=args.causal, training=args.training,
         impl=args.impl, threads=args.threads, device=args.device, strategy=args.strategy,
-        mesh=args.mesh,
+        mesh=args.mesh, window=args.window,
     )
     if args.dry_run:
         _checked(estimate.check_dry_run, config=config)
@@ -389,7 +393,7 @@ def _cmd_estimate_model(args: argparse.Namespace) -> int:
          args.dilation_rates, None), ("--kv-heads", args.kv_heads, None),
         ("--heads", args.heads, 12), ("--head-dim", args.head_dim, 64),
         ("--causal", args.causal, False), ("--impl", args.impl, "dilated"),
-        ("--mesh", args.mesh, None)) if value != default]
+        ("--mesh", args.mesh, None), ("--window", args.window, None)) if value != default]
     if given:
         raise UsageError(f"{', '.join(given)}: the model's config sets the attention with "
                          f"--model (a JSON file of LongNetConfig fields changes it)")

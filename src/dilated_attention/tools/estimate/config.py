@@ -13,9 +13,10 @@ import torch
 
 from ...distributed import strategy as strategies
 from ...distributed.sharding import piece_lengths
-from ...validation import check_strategy
 from ...distributed.ulysses import HeadSplit
 from ...kernels import lse_dtype
+from ...validation import check_strategy
+from ...window import reaches
 from ..settings import check_setting, check_zigzag, default_threads, ring_layout
 
 DEVICES = ("cpu", "cuda")
@@ -41,6 +42,27 @@ class EstimateConfig:
     device: str = "cpu"
     strategy: str = "auto"
     mesh: Optional[Tuple[int, int]] = None  # (U head-parallel, S sequence-parallel)
+    window: Optional[int] = None  # the ring's sliding window: `window` keys each side
+
+    @property
+    def window_size(self) -> Tuple[int, int]:
+        """ring_attention's window_size: `window` keys back (and ahead unless causal), as
+        ``bench --window``."""
+        if self.window is None:
+            return (-1, -1)
+        return (self.window, 0 if self.causal else self.window)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the call runs sliding-window attention (window.py; over P ranks the halo
+        exchange, distributed/halo.py): a window that
+        does not reach across the sequence (functional's rule: a side of N - 1 keys or
+        more is unbounded, and the ring runs)."""
+        return self.window is not None and self.window < self.seq_len - 1
+
+    def reaches(self) -> Tuple[int, int]:
+        """(left, right): the window's reaches in rows (window.reaches)."""
+        return reaches(self.window_size, self.seq_len)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -54,7 +76,11 @@ class EstimateConfig:
 
     @property
     def layout(self) -> str:
-        return ring_layout(self.causal, self.world_size) if self.impl == "ring" else "contiguous"
+        """The ring's zigzag balances causal work; a sliding window's halo exchange is
+        balanced as it is, on contiguous pieces (as ``bench --window``)."""
+        if self.impl == "ring" and self.window is None:
+            return ring_layout(self.causal, self.world_size)
+        return "contiguous"
 
     def lengths(self) -> Tuple[int, ...]:
         return tuple(piece_lengths(self.seq_len, self.world_size, self.layout))
@@ -85,6 +111,7 @@ def make_config(
     device: str = "cpu",
     strategy: Optional[str] = None,
     mesh: Optional[Tuple[int, int]] = None,
+    window: Optional[int] = None,
 ) -> EstimateConfig:
     """Check the options; ValueError names the option and value on a mistake."""
     if seq_len > MAX_SEQ_LEN:
@@ -116,14 +143,20 @@ def make_config(
             f"world size {world_size} is larger than sequence length {seq_len}: every rank "
             f"needs at least one row"
         )
-    if impl == "ring" and causal:
+    if window is not None:
+        if impl != "ring":
+            raise ValueError(f"--window {window} is a sliding window of ring attention: add "
+                             f"--impl ring")
+        if type(window) is not int or window < 1:
+            raise ValueError(f"--window must be an int >= 1, got {window!r}")
+    elif impl == "ring" and causal:
         check_zigzag(seq_len, world_size)
     return EstimateConfig(
         seq_len=seq_len, world_size=world_size, segment_lengths=segs, dilation_rates=rates,
         heads=heads, head_dim=head_dim, kv_heads=kv_heads, batch=batch, dtype=dtype,
         causal=causal, training=training, impl=impl,
         threads=default_threads(world_size) if threads is None else threads, device=device,
-        strategy=strategy, mesh=mesh,
+        strategy=strategy, mesh=mesh, window=window,
     )
 
 
@@ -141,7 +174,9 @@ def split(config: EstimateConfig) -> Tuple[int, int]:
 
 def strategy_name(config: EstimateConfig) -> str:
     u, sp = split(config)
-    inner = "ring" if config.impl == "ring" else "exchange"
+    inner = "exchange"
+    if config.impl == "ring":
+        inner = "halo exchange" if config.windowed else "ring"
     if u == 1:
         name = inner if sp > 1 else "local"
     else:

@@ -35,6 +35,7 @@ from ...dilated import backward_flat, forward_flat
 from ...distributed import comm
 from ...distributed.sequence_parallel import (SequenceParallelDilatedAttentionFunction,
                                                sp_backward, sp_forward)
+from ...distributed.halo import halo_schedule
 from ...distributed.ulysses import HeadSplit, ulysses_attention
 from ...functional import ring_attention
 from ...kernels import KernelOptions
@@ -106,7 +107,7 @@ def trace(config: EstimateConfig, rank: int, *, reuse: bool = True,
                 if config.impl == "ring":
                     out = ring_attention(q, k, v, is_causal=config.causal, group=group,
                                          layout="contiguous" if config.mesh else config.layout,
-                                         backend=opts.backend)
+                                         backend=opts.backend, window_size=config.window_size)
                 elif u > 1:
                     out = _ulysses(q, k, v, group, lengths, executor, opts)
                 else:
@@ -184,6 +185,14 @@ def distinct_ranks(config: EstimateConfig) -> List[int]:
     differ by their pieces only; Ulysses traces every candidate.
     """
     ranks = ranks_to_check(config)
+    if config.windowed and config.mesh is None:
+        # a halo rank's memory follows its piece and the halos it receives and sends
+        layout = Layout.contiguous(config.lengths())
+        schedule = halo_schedule(layout, *config.reaches(), None)
+        keys = {(layout.rows_of(r),) + tuple((h.stop - h.start, h.round, h.dst == r)
+                                              for h in schedule if r in (h.src, h.dst)): r
+                for r in reversed(ranks)}
+        return sorted(keys.values())
     if config.impl == "ring" and config.mesh is None:
         # a ring rank's memory follows its piece and its neighbours' (all blocks pass it)
         lengths, p = config.lengths(), config.world_size

@@ -16,13 +16,15 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from ...distributed.halo import halo_schedule
 from ...distributed.ring import SubBlocks
 from ...distributed.strategy import ulysses_bytes
 from ...distributed.ulysses import HeadSplit
 from ...kernels import lse_dtype
 from ...patterns import Heads
 from ...layout import Layout
-from ...plan import Plan, transfer_counts
+from ...plan import ROWS_PER_BLOCK, ROWS_PER_LAUNCH, Plan, transfer_counts
+from ...window import block_rows as window_block_rows
 from .config import EstimateConfig, split
 
 # forward bytes, forward messages, backward bytes, backward messages of one rank
@@ -91,6 +93,8 @@ def traffic(config: EstimateConfig) -> List[Traffic]:
 
 def _sequence(config: EstimateConfig, lengths: Sequence[int], heads: Heads) -> List[Traffic]:
     """The sequence-parallel op over ranks holding `lengths` rows, for `heads`."""
+    if config.windowed:
+        return _halo(config, lengths, heads)
     if config.impl == "ring":
         return _ring(config, lengths, heads)
     s, a = sizes(config)
@@ -138,6 +142,27 @@ def _ring(config: EstimateConfig, lengths: Sequence[int], heads: Heads) -> List[
     return out
 
 
+def _halo(config: EstimateConfig, lengths: Sequence[int], heads: Heads) -> List[Traffic]:
+    """The sliding window's halo exchange (Note [halo exchange] in distributed/halo.py): a
+    rank sends each reader the k and v of the rows of its chunks that the reader's window
+    reaches (one message per halo, in one round, or in one round per distance when the
+    window spans ranks); in backward the halos again, and each reader sends their dK/dV
+    home in the accumulators' dtype."""
+    s, a = sizes(config)
+    hk = max(heads.kv_of) + 1 if heads.grouped else heads.count
+    row = 2 * config.batch * hk * config.head_dim  # k and v of one row
+    left, right = config.reaches()
+    schedule = halo_schedule(Layout.contiguous(lengths), left, right, None)
+    out = []
+    for r in range(len(lengths)):
+        sent = [h.stop - h.start for h in schedule if h.src == r]
+        received = [h.stop - h.start for h in schedule if h.dst == r]
+        fb = sum(sent) * row * s
+        out.append((fb, len(sent)) + ((fb + sum(received) * row * a, len(sent) + len(received))
+                                      if config.training else (0, 0)))
+    return out
+
+
 def busiest(traffic: List[Traffic]) -> int:
     """The piece that sends most per layer (forward and backward; the last of equals)."""
     return max(range(len(traffic)), key=lambda r: (traffic[r][0] + traffic[r][2], r))
@@ -149,7 +174,7 @@ def busiest(traffic: List[Traffic]) -> int:
 
 def kernel_scratch(config: EstimateConfig, plan: Plan = None, n: int = 0) -> Tuple[str, int]:
     """(label, bytes): the kernels' memory for the largest launch (of `plan`; without one,
-    a launch of all n rows), which no tracing of tensors sees.
+    a launch of all n rows, or a sliding window's largest), which no tracing of tensors sees.
 
     CPU flash kernel, per thread, forward: qs*ks + 2 qs + qs*d accumulators, plus qs*ks
     in the dtype for bf16/fp16; backward 2 qs*ks more, and one buffer the size of the
@@ -160,6 +185,8 @@ def kernel_scratch(config: EstimateConfig, plan: Plan = None, n: int = 0) -> Tup
     """
     b, d = config.batch, config.head_dim
     s, a = sizes(config)
+    if plan is None and config.windowed:
+        n = min(n, _window_launch_rows(config))
     launches = [(l.queries.count * l.heads.rows, l.heads.q_heads.numel())
                 for blk in (plan.blocks if plan is not None else ()) for l in blk.forward]
     rows = max((r for r, _ in launches), default=n)
@@ -175,3 +202,12 @@ def kernel_scratch(config: EstimateConfig, plan: Plan = None, n: int = 0) -> Tup
         per_thread += 2 * qs * ks * a
         extra = b * entries * d * s if launches else 0
     return SCRATCH, config.threads * per_thread + extra
+
+
+def _window_launch_rows(config: EstimateConfig) -> int:
+    """Query rows of a sliding window's largest kernel call: a run of tiles over a stripe
+    of row blocks (window.window_plan; the backward's blocks are the longer)."""
+    b_rows = window_block_rows(*config.reaches(), config.device, backward=True)
+    stripe = max(b_rows, ROWS_PER_BLOCK.get(config.device, ROWS_PER_BLOCK["cpu"]) // b_rows
+                 * b_rows)
+    return max(b_rows, ROWS_PER_LAUNCH.get(config.device, ROWS_PER_LAUNCH["cpu"]) or stripe)

@@ -10,14 +10,12 @@ from ...plan import work
 from ..settings import MB, plural
 from . import dryrun
 from .config import EstimateConfig, backend_for, split, strategy_name
-from .scaled import Estimate, dry_run, estimate, representative
+from .scaled import Estimate, estimate, estimate_with_dry_run, representative
 
 
 def report(config: EstimateConfig, *, trace: bool, as_json: bool) -> int:
     """Print the estimate (and, with `trace`, the dry run at the real length); exit status 0."""
-    estimates = [estimate(config)]
-    if trace:
-        estimates.append(dry_run(config))
+    estimates = list(estimate_with_dry_run(config)) if trace else [estimate(config)]
     if as_json:
         print(json.dumps({"config": dataclasses.asdict(config),
                           "estimates": [dataclasses.asdict(e) for e in estimates]}, indent=2))
@@ -59,7 +57,9 @@ def _mb(x: int) -> str:
 
 def describe(config: EstimateConfig) -> str:
     mode = "training (forward + backward)" if config.training else "forward only"
-    what = ("dense ring attention" if config.impl == "ring" else
+    window = (f", sliding window of {config.window} keys" if config.window is not None
+              else "")
+    what = (f"dense ring attention{window}" if config.impl == "ring" else
             f"dilated attention, segments {list(config.segment_lengths)}, rates "
             f"{list(config.dilation_rates)}")
     lengths = config.lengths()

@@ -34,6 +34,11 @@ with fewer repeats, which ``representative`` arranges:
 - runs of equal launches differ in length only, which ``compact_plan`` cuts to
   their ends anyway.
 
+A sliding window (window.py, the halo exchange) has no row blocks that grow: its
+stripes, tiles and halos are as long whatever the rows, so the line is flat, as
+long as the representatives keep the real halos (pieces longer than twice the
+window's reach; its traffic is the halo schedule's, at the real length).
+
 The tests hold the result to the full dry run at lengths where both run: to the
 byte for LongNet's setting, accumulators that grow with the blocks, a geometric
 schedule spanning ranks and Ulysses (and, too slow for the tests, a dense causal
@@ -50,7 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ...plan import MAX_BLOCKS, ROWS_PER_BLOCK, ROWS_PER_LAUNCH, block_rows
 from . import dryrun
@@ -63,6 +68,12 @@ BUDGET = 1 << 14
 # A representative's rows are at least this many blocks of the device's minimum, so that
 # its blocks grow with its rows as the real ones do (above MAX_BLOCKS blocks' worth).
 _LARGE_BLOCKS = 2 * MAX_BLOCKS
+# A sliding window's dry run costs about one launch's per this many rows (its tiles run
+# per 512-row block, forward and backward: 1.4 s of CPU for 128K rows in training here).
+_WINDOW_ROWS_PER_LAUNCH = 8
+# A sliding window's representatives are at least this many stripes (row blocks) longer
+# than twice its reach.
+_WINDOW_STRIPES = 16
 # A ring of more ranks is estimated on a ring of this many, its pieces as long.
 _RING_RANKS = 8
 # Elements of a rank's largest tensor that the dry run creates on meta (torch indexes
@@ -92,18 +103,25 @@ class Estimate:
     rows: Tuple[int, ...] = ()
 
 
-def estimate(config: EstimateConfig, budget: int = BUDGET) -> Estimate:
-    """The estimate (Note [estimate]), with the traffic computed."""
+def estimate(config: EstimateConfig, budget: int = BUDGET, *,
+             traces: Optional[List[dryrun.Trace]] = None) -> Estimate:
+    """The estimate (Note [estimate]), with the traffic computed; `traces`: the dry run's
+    at the real length, where it has run (``estimate_with_dry_run``)."""
     start = time.perf_counter()
-    if config.impl == "ring" and config.mesh is None and config.world_size > _RING_RANKS:
-        # a ring rank holds what it holds whatever P is (Note [sub-blocks] in ring.py): trace
-        # a ring of _RING_RANKS ranks of the longest piece; traffic stays the real ring's
+    ranks = _ring_ranks(config)
+    if ranks < config.world_size:
+        # a ring rank holds what it holds whatever P is (Note [sub-blocks] in ring.py), a
+        # halo rank what its window reaches: trace a ring of `ranks` ranks of the longest
+        # piece; traffic stays the real ring's
         lengths = config.lengths()
-        best = estimate(dataclasses.replace(config, world_size=_RING_RANKS,
-                                            seq_len=_RING_RANKS * max(lengths)), budget)
-        best.rank = lengths.index(max(lengths))
+        best = estimate(dataclasses.replace(config, world_size=ranks,
+                                            seq_len=ranks * max(lengths)), budget)
+        if not config.windowed:
+            best.rank = lengths.index(max(lengths))
+        elif best.rank >= ranks // 2:  # a halo rank counted from the end it is near
+            best.rank += config.world_size - ranks
     else:
-        best = _estimate(config, budget)
+        best = _estimate(config, budget, traces)
     per_rank = traffic(config)
     best.traffic_rank = busiest(per_rank)
     (best.forward_bytes, best.forward_messages, best.backward_bytes,
@@ -112,11 +130,24 @@ def estimate(config: EstimateConfig, budget: int = BUDGET) -> Estimate:
     return best
 
 
-def _estimate(config: EstimateConfig, budget: int) -> Estimate:
+def _ring_ranks(config: EstimateConfig) -> int:
+    """Ranks of the ring whose ranks hold what the real ring's do: _RING_RANKS, and with a
+    sliding window enough that a middle rank's window reaches no end (P for the dilated
+    op and meshes)."""
+    if config.impl != "ring" or config.mesh is not None:
+        return config.world_size
+    if not config.windowed:
+        return _RING_RANKS
+    span = -(-max(config.reaches()) // min(config.lengths()))  # pieces a window crosses
+    return max(_RING_RANKS, 2 * span + 2)
+
+
+def _estimate(config: EstimateConfig, budget: int,
+              traces: Optional[List[dryrun.Trace]]) -> Estimate:
     """The peak: the dry run at the real length, or extrapolated from two representatives."""
     k = scale(config, budget)
     if k == 1:
-        best = _largest(config, [_from_trace(config, t) for t in _trace_all(config)])
+        best = _largest(config, [_from_trace(config, t) for t in traces or _trace_all(config)])
     else:
         large, small = representative(config, k), representative(config, 2 * k)
         ranks = dryrun.distinct_ranks(large)
@@ -127,16 +158,32 @@ def _estimate(config: EstimateConfig, budget: int) -> Estimate:
     return best
 
 
-def dry_run(config: EstimateConfig, **shortcuts) -> Estimate:
+def dry_run(config: EstimateConfig, *, traces: Optional[List[dryrun.Trace]] = None,
+            **shortcuts) -> Estimate:
     """The dry run at the real length, every distinct rank; traffic as ``comm`` counted it."""
     start = time.perf_counter()
-    traces = _trace_all(config, **shortcuts)
+    traces = traces or _trace_all(config, **shortcuts)
     best = _largest(config, [_from_trace(config, t) for t in traces])
     sent = max(traces, key=lambda t: (t.sent[0] + t.sent[2], t.piece))
     (best.forward_bytes, best.forward_messages, best.backward_bytes,
      best.backward_messages) = sent.sent
     best.traffic_rank, best.seconds = sent.piece, time.perf_counter() - start
     return best
+
+
+def estimate_with_dry_run(config: EstimateConfig) -> Tuple[Estimate, Estimate]:
+    """``--dry-run``: the estimate and the dry run at the real length. Where the estimate
+    runs the code at the real length itself, one run of each rank serves both (they differ
+    in their traffic: arithmetic against counted)."""
+    if _ring_ranks(config) < config.world_size or scale(config) > 1:
+        return estimate(config), dry_run(config)
+    start = time.perf_counter()
+    traces = _trace_all(config)
+    seconds = time.perf_counter() - start
+    both = estimate(config, traces=traces), dry_run(config, traces=traces)
+    for e in both:
+        e.seconds += seconds
+    return both
 
 
 def check_dry_run(config: EstimateConfig) -> None:
@@ -164,9 +211,14 @@ def _elements(config: EstimateConfig) -> int:
 def scale(config: EstimateConfig, budget: int = BUDGET) -> int:
     """k: 1 when the real length's plan has at most `budget` launches (and its tensors can
     be made); else the smallest power of two whose representative's plan has (the one at
-    2k then has about half), as long as both stay above _LARGE_BLOCKS blocks."""
+    2k then has about half), as long as both stay above _LARGE_BLOCKS blocks (a window:
+    its reach twice and _WINDOW_STRIPES stripes, so that the halos keep their rows and
+    rounds, and the stripes they write are followed by stripes they do not)."""
     rows = _traced_rows(config)
-    large = _LARGE_BLOCKS * ROWS_PER_BLOCK.get(config.device, ROWS_PER_BLOCK["cpu"])
+    block = ROWS_PER_BLOCK.get(config.device, ROWS_PER_BLOCK["cpu"])
+    large = _LARGE_BLOCKS * block
+    if config.windowed:
+        large = 2 * max(config.reaches()) + _WINDOW_STRIPES * block
     k = 1
     while (_launches(representative(config, k)) > budget
            or _elements(config) // k > _MAX_ELEMENTS) and rows // (4 * k) >= large:
@@ -180,7 +232,8 @@ def representative(config: EstimateConfig, k: int) -> EstimateConfig:
         return config
     n = config.seq_len // k
     if config.impl == "ring":
-        step = 2 * config.world_size if config.causal else 1  # zigzag: 2P equal chunks
+        # zigzag: 2P equal chunks
+        step = 2 * config.world_size if config.layout == "zigzag" else 1
         return dataclasses.replace(config, seq_len=n // step * step)
     rows = _traced_rows(config)
     block = block_rows(rows, config.segment_lengths, config.device)
@@ -207,10 +260,13 @@ def _traced_rows(config: EstimateConfig) -> int:
 
 
 def _launches(config: EstimateConfig) -> int:
-    """About how many launches the traced rank's plan has (the ring's do not grow with N)."""
+    """About how many launches the traced rank's plan has (the ring's do not grow with N; a
+    window's: its rows in _WINDOW_ROWS_PER_LAUNCH)."""
+    rows = _traced_rows(config)
+    if config.windowed:
+        return rows // _WINDOW_ROWS_PER_LAUNCH
     if config.impl == "ring":
         return 0
-    rows = _traced_rows(config)
     # CUDA launches take a whole block, but the plan still enumerates its segments: count
     # those in CPU-sized launches
     launch = ROWS_PER_LAUNCH.get(config.device) or ROWS_PER_LAUNCH["cpu"]
