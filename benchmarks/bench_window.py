@@ -48,6 +48,7 @@ import torch
 from dilated_attention import ring_attention
 from dilated_attention import window as windows
 from dilated_attention.distributed import comm
+from dilated_attention.tools import launch
 from dilated_attention.distributed.sharding import piece_lengths
 from dilated_attention.kernels import KernelOptions, attention_backward, attention_forward
 
@@ -153,7 +154,7 @@ def traffic_in_this_process(rank: int, ranks: int, window: int, dtype: torch.dty
                             seq_lens: List[int]) -> List[dict]:
     """This rank of a fake process group: (bytes, messages) it sends in the op's forward and
     backward on meta tensors, contiguous pieces, per N."""
-    group = comm.init_process_group("fake", rank=rank, world_size=ranks)
+    group = launch.init_process_group("fake", rank=rank, world_size=ranks)
     counts = []
     for n in seq_lens:
         rows = piece_lengths(n, ranks)[rank]

@@ -39,7 +39,7 @@ class RankFailure(RuntimeError):
 
 def subgroup(ranks: Sequence[int]):
     """A gloo subgroup of `ranks` (call on every rank); None on non-members."""
-    return comm.new_group(ranks)
+    return launch.new_group(ranks)
 
 
 def case_ranges(case: dict, world: int, rank: int) -> List[Tuple[int, int]]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dilated_attention.distributed import comm
+from dilated_attention.distributed.comm import counting
 from dist_harness import RankFailure, run_distributed, subgroup
 
 
@@ -27,15 +28,15 @@ def test_local_group_is_size_one():
 
 def test_counters_nest_and_are_separate_per_block():
     with comm.count_communication() as outer:
-        comm._record("send", 1, 10)
+        counting.record("send", 1, 10)
         with comm.count_communication() as inner:
-            comm._record("all_gather", 1, 5)
-            comm._record("agree", 1, 99)
-        comm._record("send", 2, 20)
+            counting.record("all_gather", 1, 5)
+            counting.record("agree", 1, 99)
+        counting.record("send", 2, 20)
     assert (inner.messages, inner.bytes_sent, inner.agreements) == (1, 5, 1)
     assert (outer.messages, outer.bytes_sent, outer.agreements) == (4, 35, 1)
     assert outer.messages_of("send") == 3 and outer.bytes_of("send") == 30
-    comm._record("send", 1, 1)  # outside any block: counted nowhere
+    counting.record("send", 1, 1)  # outside any block: counted nowhere
     assert outer.messages == 4
 
 

@@ -22,6 +22,7 @@ import torch
 
 from dilated_attention import LongNet, LongNetConfig, LongNetLM, all_reduce_gradients
 from dilated_attention.distributed import comm
+from dilated_attention.tools import launch
 from dilated_attention.distributed.sharding import shard_sequence
 from dilated_attention.models import IGNORE_INDEX
 from dist_harness import run_distributed
@@ -187,7 +188,7 @@ EXAMPLE_ARGS = ["--seq-len", "64", "--key-len", "4", "--batch-size", "4", "--ste
 def _rank_main(group):
     out = {}
     for world in SEQUENCE_WORLDS:
-        sub = comm.new_group(range(world))  # every rank calls; None outside
+        sub = launch.new_group(range(world))  # every rank calls; None outside
         out[world] = _sequence_cases(sub) if sub is not None else None
     out["mesh"] = _mesh_cases(group)
     # examples/train_long_context.py --mesh 2x2: what its spawned ranks run

@@ -14,6 +14,7 @@ import torch
 
 from dilated_attention import dilated_attention, ring_attention
 from dilated_attention.distributed import comm
+from dilated_attention.tools import launch
 from dilated_attention.distributed import strategy as strategies
 from dilated_attention.distributed.ulysses import HeadSplit
 from dilated_attention.plan import Layout
@@ -169,7 +170,7 @@ def test_ulysses_equals_one_process(world: int) -> None:
 
 
 def _mesh_ranks(group):
-    mesh = comm.init_device_mesh((2, 2))
+    mesh = launch.init_device_mesh((2, 2))
     u, s = mesh.get_coordinate()
     piece = s * 2 + u
     results = []
@@ -268,7 +269,7 @@ def _models_on_a_mesh(group, shape):
 
     from dilated_attention import LongNet, LongNetLM
 
-    mesh = comm.init_device_mesh(shape)
+    mesh = launch.init_device_mesh(shape)
     # heads that split over the mesh's head dimension: 6 over 2, or 4 over 4 (with one kv
     # head read by two ranks)
     heads = dict(num_heads=6) if shape[0] == 2 else dict(num_heads=4)

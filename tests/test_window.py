@@ -18,6 +18,7 @@ import torch
 from dilated_attention import dilated_attention, ring_attention
 from dilated_attention import window as windows
 from dilated_attention.distributed import comm
+from dilated_attention.tools import launch
 from dilated_attention.distributed.sharding import piece_lengths
 from dilated_attention.plan import Chunk
 from dist_harness import case_ranges, error_of, rows_of, run_distributed
@@ -275,7 +276,7 @@ def _window_ranks(group, cases):
     rank = comm.group_rank(group)
     results = {"cases": [_run_case(group, case) for case in cases]}
     if comm.group_size(group) == 4:
-        mesh = comm.init_device_mesh((2, 2))
+        mesh = launch.init_device_mesh((2, 2))
         u, s = mesh.get_coordinate()
         results["mesh"] = (s * 2 + u, [_mesh_case(mesh, s * 2 + u, c) for c in MESH_CASES])
     x = torch.randn(1, 4, 2, 8, dtype=torch.float64)

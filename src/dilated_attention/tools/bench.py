@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from ..distributed import comm
+from . import launch
 from ..distributed.sharding import piece_lengths, piece_ranges
 from ..distributed import strategy as strategies
 from ..functional import dilated_attention, ring_attention
@@ -481,12 +482,12 @@ def rank_main(world, config: BenchConfig, progress: Callable[[str], None], *, de
         if p == world_size:
             group = world
         else:  # every rank of the launch creates the subgroup of ranks 0..p-1
-            group = comm.new_group(list(range(p)))
+            group = launch.new_group(list(range(p)))
         if me < p:
             for impl, n, split in config.cases_for(p):
                 on = group if p > 1 else None
                 if split[0] == "mesh":  # every rank of the launch (p of them) builds it
-                    on = comm.init_device_mesh(split[1], device_type=device)
+                    on = launch.init_device_mesh(split[1], device_type=device)
                 row = run_case(impl, n, on, config, device, split)
                 if me == 0:
                     rows.append(row)

@@ -23,13 +23,16 @@ Under ``torchrun`` (RANK and WORLD_SIZE set) ``run_torchrun`` joins the
 launched ranks instead; ``device_setup(device)`` is the per-rank set-up both
 ways share (the rank's CUDA device, malloc tuning for honest RSS peaks).
 
-Process groups are created and destroyed through ``comm``, the one module
-that touches ``torch.distributed``.
+Process groups are created and destroyed here (``init_process_group``,
+``new_group``, ``init_device_mesh``, ``destroy_process_group``): the library's
+ops never create one, they take a group as an argument and talk to it only
+through ``distributed/comm``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import multiprocessing as mp
 import os
@@ -42,8 +45,52 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..distributed import comm
+from ..distributed.comm import ProcessGroup
+
+
+# --------------------------------------------------------------------------
+# Process groups, for launchers (the command line, benchmarks, tests)
+
+
+def init_process_group(
+    backend: str, *, timeout_s: float = 1800.0, **kwargs: Any
+) -> ProcessGroup:
+    """``dist.init_process_group`` with a timeout in seconds; returns WORLD."""
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return dist.group.WORLD
+
+
+def new_group(ranks: Sequence[int], **kwargs: Any) -> ProcessGroup:
+    """A subgroup of the given global ranks, or None on ranks outside it.
+
+    Every rank of WORLD must call this, members or not.
+    """
+    group = dist.new_group(list(ranks), **kwargs)
+    return None if group == dist.GroupMember.NON_GROUP_MEMBER else group
+
+
+def init_device_mesh(shape: Sequence[int], *, device_type: str = "cpu",
+                     names: Optional[Sequence[str]] = None) -> DeviceMesh:
+    """A DeviceMesh of `shape` over the initialised world (every rank must call this).
+
+    For a 2-D mesh passed as an op's `group`: dimension 0 head-parallel,
+    dimension 1 sequence-parallel.
+    """
+    from torch.distributed.device_mesh import init_device_mesh as init
+
+    return init(device_type, tuple(shape), mesh_dim_names=None if names is None else tuple(names))
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +188,7 @@ def _rank_entry(setup: _RankSetup, rank: int, fn: Callable, args: tuple, out_q) 
     try:
         torch.set_num_threads(setup.threads)
         extra = setup.prepare(rank) if setup.prepare is not None else {}
-        group = comm.init_process_group(
+        group = init_process_group(
             setup.backend, init_method=setup.init_method, rank=rank,
             world_size=setup.world_size, timeout_s=setup.pg_timeout,
         )
@@ -154,7 +201,7 @@ def _rank_entry(setup: _RankSetup, rank: int, fn: Callable, args: tuple, out_q) 
         payload = pickle.dumps(_to_cpu(fn(group, *positional, **extra)))
         # every rank is done with its traffic before any rank tears down
         comm.barrier(group)
-        comm.destroy_process_group()
+        destroy_process_group()
         out_q.put((rank, "ok", payload))
         code = 0
     except BaseException as exc:  # report everything, including SystemExit/KeyboardInterrupt
@@ -287,8 +334,8 @@ def fake_world(rank: int, world_size: int) -> comm.ProcessGroup:
     ``dilated-attention estimate`` runs a rank of P in (tools/estimate/dryrun.py)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # as torch picks for "fake"
 
-    world = comm.init_process_group("cpu:fake,meta:fake", rank=rank, world_size=world_size,
-                                    store=FakeStore(), timeout_s=60.0)
+    world = init_process_group("cpu:fake,meta:fake", rank=rank, world_size=world_size,
+                               store=FakeStore(), timeout_s=60.0)
     # torch 2.13 sets no default backend for a plugin named per device (it compares the
     # plugin's name in another case), and then warns on stderr at every destroy
     world._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
@@ -319,7 +366,7 @@ def run_torchrun(fn: Callable, args: Sequence[Any], *, device: str,
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     limit_malloc_caching()
     rank_device = _setup_device(device, local_rank)
-    world = comm.init_process_group(backend_for(device), timeout_s=1800.0)
+    world = init_process_group(backend_for(device), timeout_s=1800.0)
     report = progress if rank == 0 and progress is not None else _drop_label
     try:
         result = fn(world, *args, report, device=rank_device)
@@ -329,7 +376,7 @@ def run_torchrun(fn: Callable, args: Sequence[Any], *, device: str,
         raise LaunchFailed({rank: RankError(text.splitlines()[0], traceback.format_exc())},
                            comm.group_size(world)) from exc
     finally:
-        comm.destroy_process_group()
+        destroy_process_group()
     return result if rank == 0 else None
 
 

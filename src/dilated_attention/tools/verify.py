@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..distributed import comm
+from . import launch
 from ..distributed.sharding import piece_ranges
 from ..functional import dilated_attention, ring_attention
 
@@ -216,7 +217,7 @@ def run_case(case: Case, group, config: VerifyConfig, device: str, seed: int) ->
     p = comm.group_size(group)
     if case.mesh:
         # every rank builds the mesh (new groups); rank (u, s) holds piece s * U + u
-        group = comm.init_device_mesh(mesh_shape(p), device_type=device)
+        group = launch.init_device_mesh(mesh_shape(p), device_type=device)
     rank = comm.group_rank(group)
     lengths = case.lengths(p)
     n = sum(lengths)

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 from ... import launches
 from ...dilated import backward_flat, forward_flat
 from ...distributed import comm
+from .. import launch
 from ...distributed.sequence_parallel import (SequenceParallelDilatedAttentionFunction,
                                                sp_backward, sp_forward)
 from ...distributed.halo import halo_schedule
@@ -76,7 +77,7 @@ def trace(config: EstimateConfig, rank: int, *, reuse: bool = True,
     """Run the call of `rank` (a mesh's piece order: (u, s) is s U + u) on meta tensors.
 
     `reuse`, `compact`: the shortcuts (see LiveBytes, compact_plan)."""
-    if comm.is_initialized():
+    if launch.is_initialized():
         raise ValueError("the dry run needs a process without a default process group")
     # Imported here, not inside the trace: a meta kernel's first call imports it, and that
     # import keeps the frames that called it (and their tensors) until a garbage collection.
@@ -85,7 +86,7 @@ def trace(config: EstimateConfig, rank: int, *, reuse: bool = True,
     u, sp = split(config)
     world = fake_world(rank, config.world_size) if config.world_size > 1 else None
     try:
-        group = comm.resolve_group(comm.init_device_mesh((u, sp)) if config.mesh else world)
+        group = comm.resolve_group(launch.init_device_mesh((u, sp)) if config.mesh else world)
         piece = comm.group_rank(group)
         lengths = config.lengths()
         n = lengths[piece]
@@ -128,7 +129,7 @@ def trace(config: EstimateConfig, rank: int, *, reuse: bool = True,
             del out
     finally:
         if world is not None:
-            comm.destroy_process_group()
+            launch.destroy_process_group()
     return Trace(piece, n, peaks, (forward.bytes_sent, forward.messages, backward.bytes_sent,
                                    backward.messages), executor)
 

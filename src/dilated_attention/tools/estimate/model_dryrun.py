@@ -21,6 +21,7 @@ import time
 import torch
 
 from ...distributed import comm
+from .. import launch
 from ...models.lm import LongNetLM
 from ..launch import fake_world
 from .dryrun import LiveBytes
@@ -29,7 +30,7 @@ from .model import ModelEstimate, ModelSetup, op_working_bytes
 
 def dry_run(setup: ModelSetup, mode: str) -> ModelEstimate:
     """The device peak of one training step in checkpoint `mode`, traced."""
-    if comm.is_initialized():
+    if launch.is_initialized():
         raise ValueError("the dry run needs a process without a default process group")
     import torch._dynamo  # noqa: F401  (see dryrun.trace: imported before any tracing)
 
@@ -62,7 +63,7 @@ def dry_run(setup: ModelSetup, mode: str) -> ModelEstimate:
                 del loss, tokens, targets
     finally:
         if world is not None:
-            comm.destroy_process_group()
+            launch.destroy_process_group()
     stage = max(peaks, key=peaks.get)
     return ModelEstimate(mode, peaks[stage], 0, stage, {
         "peak live bytes (kernel buffers included)": peaks[stage],
