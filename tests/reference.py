@@ -159,17 +159,20 @@ def grads(outputs: Sequence[Tensor], grad_outputs: Sequence[Tensor], inputs: Seq
     return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(inputs, result))
 
 
-def close(got: Tensor, want: Tensor, dtype: torch.dtype, what: str = "") -> None:
+def close(got: Tensor, want: Tensor, dtype: torch.dtype, what: str = "",
+          terms: float = 1.0) -> None:
     """got ~ want (float64) to the tolerance of `dtype`, atol scaled by the size of `want`.
 
     Scaling atol matters for gradients: an entry that is exactly 0 in theory
     (a query that attends only itself has dq = 0) is a difference of two
     O(|dout| |v|) terms, so its rounding error is relative to those, not to 0.
+    `terms` is the factor those terms carry beyond |dout| |v| (dq and dk: the
+    scale times |k| or |q|), so such an entry is held to their rounding.
     Infinities must match exactly.
     """
     rtol, atol = TOLERANCE[dtype]
     finite = want[torch.isfinite(want)]
-    size = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+    size = max(1.0, terms, finite.abs().max().item()) if finite.numel() else max(1.0, terms)
     assert_close(got.double(), want, rtol=rtol, atol=atol * size, msg=lambda m: f"{what}: {m}")
 
 
