@@ -159,14 +159,11 @@ def test_models_and_integrations_build_on_the_ops() -> None:
 
 # A file is a room of one job; past this many lines it holds several (split it by job).
 MAX_LINES = 800
-# Files being split by their own work item, and their size cap until then, so they do not
-# grow meanwhile (tools/estimate.py was, issue 28: now the tools/estimate/ package).
-SPLIT_PENDING: Dict[str, int] = {}
 
 
 def test_no_library_file_is_too_long() -> None:
     lines = {m: len(p.read_text().splitlines()) for m, p in MODULES.items()}
-    long = {m: n for m, n in lines.items() if n > SPLIT_PENDING.get(m, MAX_LINES)}
+    long = {m: n for m, n in lines.items() if n > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines (split them by job): {long}"
 
 
