@@ -154,7 +154,7 @@ def traffic_in_this_process(rank: int, ranks: int, window: int, dtype: torch.dty
                             seq_lens: List[int]) -> List[dict]:
     """This rank of a fake process group: (bytes, messages) it sends in the op's forward and
     backward on meta tensors, contiguous pieces, per N."""
-    group = launch.init_process_group("fake", rank=rank, world_size=ranks)
+    group = launch.fake_world(rank, ranks)
     counts = []
     for n in seq_lens:
         rows = piece_lengths(n, ranks)[rank]
