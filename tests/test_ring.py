@@ -15,7 +15,7 @@ import torch
 
 from dilated_attention.distributed import comm
 from dilated_attention import ring_attention
-from dilated_attention.distributed.ring import RingAttentionFunction, SubBlocks
+from dilated_attention.distributed.ring import RingAttentionFunction, RingSizes
 from dilated_attention.distributed.sharding import piece_lengths
 from dilated_attention.kernels import KernelOptions
 from dist_harness import case_ranges, error_of, rows_of, run_distributed, subgroup
@@ -23,11 +23,11 @@ from reference import grads, reference_attention
 
 
 def _case(seed, *, lengths=None, n=None, layout="contiguous", causal, h=4, hk=4, b=2, d=8,
-          dtype=torch.float64, dlse=False, sub: Optional[SubBlocks] = None) -> Dict:
-    """One call's setting; `sub` forces the rows per K/V part and query chunk
-    (Note [parts]), None takes the default bound as the public op does."""
+          dtype=torch.float64, dlse=False, sizes: Optional[RingSizes] = None) -> Dict:
+    """One call's setting; `sizes` forces the rows per K/V sub-piece and query chunk
+    (Note [sub-pieces]), None takes the default bound as the public op does."""
     return dict(seed=seed, lengths=lengths, n=n, layout=layout, causal=causal, h=h, hk=hk, b=b,
-                d=d, dtype=dtype, dlse=dlse, sub=sub)
+                d=d, dtype=dtype, dlse=dlse, sizes=sizes)
 
 
 def _cases(world: int) -> List[Dict]:
@@ -40,22 +40,22 @@ def _cases(world: int) -> List[Dict]:
         _case(5, n=4 * world, layout="zigzag", causal=True, hk=2, dlse=True),
         _case(6, n=6 * world, layout="zigzag", causal=False),
         _case(7, lengths=list(reversed(uneven)), causal=True, dtype=torch.float32),
-        # sub-blocked: several parts per block (uneven ones, empty ones where a block is
-        # shorter than the part count) and several query chunks per launch
-        _case(8, lengths=[6] * world, causal=False, hk=2, sub=SubBlocks(2, 4)),
-        _case(9, lengths=uneven, causal=True, h=6, hk=2, dlse=True, sub=SubBlocks(2, 3)),
+        # forced sizes: several sub-pieces per piece (uneven ones, empty ones where a piece
+        # is shorter than the sub-piece count) and several query chunks per launch
+        _case(8, lengths=[6] * world, causal=False, hk=2, sizes=RingSizes(2, 4)),
+        _case(9, lengths=uneven, causal=True, h=6, hk=2, dlse=True, sizes=RingSizes(2, 3)),
         _case(10, lengths=list(reversed(uneven)), causal=False, hk=1, b=1, dlse=True,
-              sub=SubBlocks(3, 2)),
-        # zigzag pieces of 8 rows cut into parts [0, 2) [2, 5) [5, 8): one straddles the
+              sizes=RingSizes(3, 2)),
+        # zigzag pieces of 8 rows cut into sub-pieces [0, 2) [2, 5) [5, 8): one straddles the
         # chunk boundary at 4, and queries chunked by 2 cut the diagonal squares
         _case(13, n=8 * world, layout="zigzag", causal=True, hk=2, dlse=True,
-              sub=SubBlocks(3, 2)),
-        _case(14, n=6 * world, layout="zigzag", causal=False, sub=SubBlocks(4, 5)),
+              sizes=RingSizes(3, 2)),
+        _case(14, n=6 * world, layout="zigzag", causal=False, sizes=RingSizes(4, 5)),
         _case(15, n=8 * world, layout="zigzag", causal=True, b=1, dtype=torch.float32,
-              sub=SubBlocks(2, 3)),
-        _case(16, lengths=uneven, causal=True, hk=2, dtype=torch.bfloat16, sub=SubBlocks(2, 2)),
-        # the default bounds with pieces of 800 rows: forward parts of 512 rows (2 per
-        # block), backward parts of 256 (4 per block), query chunks of 768 (2 per piece)
+              sizes=RingSizes(2, 3)),
+        _case(16, lengths=uneven, causal=True, hk=2, dtype=torch.bfloat16, sizes=RingSizes(2, 2)),
+        # the default bounds with pieces of 800 rows: forward sub-pieces of 512 rows (2 per
+        # piece), backward ones of 256 (4 per piece), query chunks of 768 (2 per piece)
         _case(17, n=800 * world, layout="zigzag", causal=True, h=4, hk=2, b=1, d=4, dlse=True),
     ]
 
@@ -67,12 +67,12 @@ def _lengths(case: Dict, world: int) -> List[int]:
     return list(case["lengths"])
 
 
-def _parts(case: Dict, world: int, *, backward: bool) -> int:
-    """S: the parts every K/V block travels in, in one pass (Note [parts])."""
+def _sub_pieces(case: Dict, world: int, *, backward: bool) -> int:
+    """S: the sub-pieces every K/V piece travels in, in one pass (Note [sub-pieces])."""
     lengths = _lengths(case, world)
-    sub = case["sub"] or SubBlocks.bounded(max(lengths), case["h"], case["hk"], case["dtype"],
-                                           backward=backward)
-    return math.ceil(max(lengths) / sub.kv_rows)
+    sizes = case["sizes"] or RingSizes.bounded(max(lengths), case["h"], case["hk"],
+                                               case["dtype"], backward=backward)
+    return math.ceil(max(lengths) / sizes.kv_rows)
 
 
 def _full_inputs(case: Dict) -> Tuple[torch.Tensor, ...]:
@@ -94,14 +94,14 @@ def _run_case(group, case: Dict) -> Dict:
     ranges = case_ranges(case, world, rank)
     q, k, v = (rows_of(x, ranges).requires_grad_() for x in (q, k, v))
     with comm.count_communication() as fwd:
-        if case["sub"] is None:
+        if case["sizes"] is None:
             out, lse = ring_attention(q, k, v, is_causal=case["causal"], group=group,
                                       return_lse=True, layout=case["layout"])
         else:
-            # the op below the public one, which takes the sub-block sizes
+            # the op below the public one, which takes the ring sizes
             opts = KernelOptions(case["causal"], case["d"] ** -0.5, "cpu_flash")
             out, lse = RingAttentionFunction.apply(q, k, v, opts, group, case["layout"],
-                                                   _lengths(case, world), case["sub"])
+                                                   _lengths(case, world), case["sizes"])
             lse = lse.transpose(1, 2)  # (b, n, h) -> (b, h, n), as ring_attention returns
     upstream = [out, lse] if case["dlse"] else [out]
     grad_up = [rows_of(dout, ranges), rows_of(dlse, ranges, dim=2)][: len(upstream)]
@@ -139,28 +139,29 @@ def _sub_cases(world: int) -> List[Dict]:
     return [_case(11, lengths=[3 + r for r in range(world)], causal=True, hk=2, dlse=True),
             _case(12, n=4 * world, layout="zigzag", causal=True),
             _case(18, lengths=[3 + r for r in range(world)], causal=True, dlse=True,
-                  sub=SubBlocks(2, 2))]
+                  sizes=RingSizes(2, 2))]
 
 
 def _expected_traffic(case: Dict, world: int, rank: int):
     """(messages, bytes, agreements) of the forward and the backward on `rank`.
 
-    Bytes: exactly P-1 K/V blocks forward; P-1 K/V blocks and P dK/dV
-    blocks (fp32/fp64 accumulators) backward. Messages: each block of L
-    rows travels as its S parts (Note [parts]; S of the pass), min(L,
-    S) of them non-empty, k and v (dk and dv) one message each.
+    Bytes: exactly P-1 K/V pieces forward; P-1 K/V pieces and P dK/dV
+    pieces (fp32/fp64 accumulators) backward. Messages: each piece of L
+    rows travels as its S sub-pieces (Note [sub-pieces]; S of the pass),
+    min(L, S) of them non-empty, k and v (dk and dv) one message each.
     """
     lengths = _lengths(case, world)
-    fwd_parts, bwd_parts = (_parts(case, world, backward=b) for b in (False, True))
+    fwd_sub_pieces, bwd_sub_pieces = (_sub_pieces(case, world, backward=b)
+                                      for b in (False, True))
     row = case["b"] * case["hk"] * case["d"]
     item = torch.empty(0, dtype=case["dtype"]).element_size()
     acc_item = 8 if case["dtype"] == torch.float64 else 4
-    kv_blocks = [lengths[(rank - s) % world] for s in range(world - 1)]
-    dkv_blocks = [lengths[(rank - s) % world] for s in range(world)]
-    fwd = (2 * sum(min(m, fwd_parts) for m in kv_blocks), 2 * sum(kv_blocks) * row * item, 1)
-    bwd = (2 * sum(min(m, bwd_parts) for m in kv_blocks + dkv_blocks),
-           fwd[1] + 2 * sum(dkv_blocks) * row * acc_item, 0)
-    if case["sub"] is not None:
+    kv_pieces = [lengths[(rank - s) % world] for s in range(world - 1)]
+    dkv_pieces = [lengths[(rank - s) % world] for s in range(world)]
+    fwd = (2 * sum(min(m, fwd_sub_pieces) for m in kv_pieces), 2 * sum(kv_pieces) * row * item, 1)
+    bwd = (2 * sum(min(m, bwd_sub_pieces) for m in kv_pieces + dkv_pieces),
+           fwd[1] + 2 * sum(dkv_pieces) * row * acc_item, 0)
+    if case["sizes"] is not None:
         fwd = fwd[:2] + (0,)  # called below ring_attention: no agreement
     return fwd, bwd
 
@@ -234,29 +235,29 @@ def test_local_ring_is_plain_attention(causal, layout):
         torch.testing.assert_close(a.double(), b, **tol)
 
 
-def test_default_sub_blocks_follow_the_memory_bound():
-    """Note [parts]: a pass's parts in flight within half a q shard, a launch's output
+def test_default_ring_sizes_follow_the_memory_bound():
+    """Note [sub-pieces]: a pass's sub-pieces in flight within half a q shard, a launch's output
     within an eighth, unless the minimum rows (512 forward, 256 backward, 768) are more."""
     f32, bf16 = torch.float32, torch.bfloat16
     # 16384 rows over 4 ranks, 12 heads, fp32: forward 4 m hk d s = 4096 h d s / 2
-    assert SubBlocks.bounded(4096, 12, 12, f32, backward=False) == SubBlocks(512, 768)
-    assert SubBlocks(512, 768).parts([4096] * 4) == 8
+    assert RingSizes.bounded(4096, 12, 12, f32, backward=False) == RingSizes(512, 768)
+    assert RingSizes(512, 768).sub_pieces([4096] * 4) == 8
     # backward, (4 s + 6 a) m hk d <= 4096 h d s / 2: 204 rows, raised to 256
-    assert SubBlocks.bounded(4096, 12, 12, f32, backward=True) == SubBlocks(256, 768)
+    assert RingSizes.bounded(4096, 12, 12, f32, backward=True) == RingSizes(256, 768)
     # a longer piece: the bounds decide (fp32: n / 8, n / 20, n / 8)
-    assert SubBlocks.bounded(40960, 12, 12, f32, backward=False) == SubBlocks(5120, 5120)
-    assert SubBlocks.bounded(40960, 12, 12, f32, backward=True) == SubBlocks(2048, 5120)
+    assert RingSizes.bounded(40960, 12, 12, f32, backward=False) == RingSizes(5120, 5120)
+    assert RingSizes.bounded(40960, 12, 12, f32, backward=True) == RingSizes(2048, 5120)
     # bf16: K/V rows as fp32 forward; backward's fp32 dK/dV weigh twice as much
-    assert SubBlocks.bounded(40960, 12, 12, bf16, backward=True) == SubBlocks(1280, 5120)
-    # GQA: k and v are 4x smaller per row, so parts are 4x longer
-    assert SubBlocks.bounded(40960, 32, 8, f32, backward=False) == SubBlocks(20480, 5120)
-    # short pieces: the minimums, one part
-    assert SubBlocks.bounded(100, 12, 12, f32, backward=False) == SubBlocks(512, 768)
-    assert SubBlocks(512, 768).parts([100, 0, 37]) == 1
+    assert RingSizes.bounded(40960, 12, 12, bf16, backward=True) == RingSizes(1280, 5120)
+    # GQA: k and v are 4x smaller per row, so sub-pieces are 4x longer
+    assert RingSizes.bounded(40960, 32, 8, f32, backward=False) == RingSizes(20480, 5120)
+    # short pieces: the minimums, one sub-piece
+    assert RingSizes.bounded(100, 12, 12, f32, backward=False) == RingSizes(512, 768)
+    assert RingSizes(512, 768).sub_pieces([100, 0, 37]) == 1
     with pytest.raises(ValueError, match="kv_rows must be a positive int, got 0"):
-        SubBlocks(0, 4)
+        RingSizes(0, 4)
     with pytest.raises(ValueError, match="q_rows must be a positive int, got 2.5"):
-        SubBlocks(4, 2.5)
+        RingSizes(4, 2.5)
 
 
 def test_local_validation_errors():
@@ -280,20 +281,21 @@ from dilated_attention.distributed import comm
 from dilated_attention.tools.launch import fake_world
 fake_world(5, 16)
 P = 16
-# (rows, forward parts, backward parts) per block (Note [parts]): 64 rows, one
-# part; 1024 rows, 8 heads over 2 kv heads, fp32: forward parts of 1024 * 8 * 4 //
-# (2 * 2 * 16) = 512 rows, backward ones of max(256, 1024 * 8 * 4 // (2 * 2 * 40)) = 256
-for n, fwd_parts, bwd_parts in ((64, 1, 1), (1024, 2, 4)):
+# (rows, forward sub-pieces, backward sub-pieces) per piece (Note [sub-pieces]): 64
+# rows, one sub-piece; 1024 rows, 8 heads over 2 kv heads, fp32: forward sub-pieces of
+# 1024 * 8 * 4 // (2 * 2 * 16) = 512 rows, backward ones of
+# max(256, 1024 * 8 * 4 // (2 * 2 * 40)) = 256
+for n, fwd_sub_pieces, bwd_sub_pieces in ((64, 1, 1), (1024, 2, 4)):
     q = torch.empty(1, n, 8, 16, device="meta", requires_grad=True)
     k, v = (torch.empty(1, n, 2, 16, device="meta", requires_grad=True) for _ in range(2))
     with comm.count_communication() as s:
         out = ring_attention(q, k, v, is_causal=True, group=dist.group.WORLD, layout="zigzag")
         out.sum().backward()
-    block = n * 2 * 16 * 4
+    piece = n * 2 * 16 * 4
     assert out.is_meta and q.grad.shape == q.shape and k.grad.shape == k.shape
-    # forward and backward: P-1 K/V blocks each; backward: P dK/dV blocks; k and v apart
-    messages = 2 * (fwd_parts * (P - 1) + bwd_parts * ((P - 1) + P))
-    assert (s.messages, s.bytes_sent) == (messages, ((P - 1) + (P - 1) + P) * 2 * block), s
+    # forward and backward: P-1 K/V pieces each; backward: P dK/dV pieces; k and v apart
+    messages = 2 * (fwd_sub_pieces * (P - 1) + bwd_sub_pieces * ((P - 1) + P))
+    assert (s.messages, s.bytes_sent) == (messages, ((P - 1) + (P - 1) + P) * 2 * piece), s
 print("ok")
 """
 

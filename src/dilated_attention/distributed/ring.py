@@ -1,22 +1,22 @@
 """Ring attention: exact dense attention over a sequence spread across ranks.
 
-Notation: b batch, n this rank's query rows, m a K/V part's rows, r a
+Notation: b batch, n this rank's query rows, m a K/V sub-piece's rows, r a
 launch's query rows, h query heads, hk key/value heads, d head dim, P
-ranks, S parts per piece; layout (b, n, h, d). A rank's rows are its
-*piece*; pieces travel around the ring in *parts*.
+ranks, S sub-pieces per piece; layout (b, n, h, d). A rank's rows are its
+*piece*; pieces travel around the ring in *sub-pieces*.
 
 Every rank holds its piece of q, k, v. The K/V pieces travel around the
 ring (rank p sends to p+1, receives from p-1): at step s rank p holds the
-piece of rank (p - s) mod P. Pieces travel in parts (Note [parts]): the
-transfer of the next part is posted before the current one's compute, so
-communication overlaps compute while a rank holds two parts, not two
+piece of rank (p - s) mod P. Pieces travel in sub-pieces (Note [sub-pieces]): the
+transfer of the next sub-piece is posted before the current one's compute, so
+communication overlaps compute while a rank holds two sub-pieces, not two
 pieces. The partial results are merged with
 ``merge.merge_`` in fp32 (the output itself is the accumulator for fp32
 and fp64 inputs).
 
 The backward runs the ring again with the final merged ``out``/``lse``
 (``kernels.attention_backward`` then recomputes each launch's share of the
-global softmax exactly): dq accumulates locally, and each part's fp32
+global softmax exactly): dq accumulates locally, and each sub-piece's fp32
 dK/dV accumulator travels with it, gaining every rank's contribution, until
 one last transfer brings it home.
 
@@ -49,54 +49,55 @@ seen by rank p (every rank does 2c*c units of work at every step):
     src<p:   ###   ...        q rows [0, 2c)  x  k rows [0, c)
     src>p:   ###   ###        q rows [c, 2c)  x  k rows [0, 2c)
 
-A part (Note [parts]) meets the rows of this plan that its key rows fall
-in; on the diagonal (src == p) part [lo, hi) is a causal
+A sub-piece (Note [sub-pieces]) meets the rows of this plan that its key rows fall
+in; on the diagonal (src == p) sub-piece [lo, hi) is a causal
 square over queries [lo, hi) plus a full rectangle for the queries below.
 
-Note [parts]
-~~~~~~~~~~~~
+Note [sub-pieces]
+~~~~~~~~~~~~~~~~~
 Whole pieces in flight would add two K/V pieces to a rank's memory (the
 one computed on, the next arriving), each as large as its own k and v.
-Instead every piece is cut into S parts of nearly equal rows (part j of a
+Instead every piece is cut into S sub-pieces of nearly equal rows (sub-piece j of a
 piece of L rows is rows [j L // S,
-(j+1) L // S), empty when L < S) and the ring runs once per part:
-sub-ring j carries part j of every piece through the P steps. Every rank
-walks the same units in the same order, part-major:
+(j+1) L // S), empty when L < S) and the ring runs once per sub-piece:
+sub-ring j carries sub-piece j of every piece through the P steps. Every rank
+walks the same units in the same order, sub-piece-major:
 
-    unit (j, s): hold part j of piece (p - s); post sending it to p+1 and
-                 receiving part j of piece (p - s - 1) from p-1; compute;
+    unit (j, s): hold sub-piece j of piece (p - s); post sending it to p+1 and
+                 receiving sub-piece j of piece (p - s - 1) from p-1; compute;
                  wait (the last step of a sub-ring sends and receives none)
 
-Part-major, because what rank p forwards at one unit is what p+1 needs at
+Sub-piece-major, because what rank p forwards at one unit is what p+1 needs at
 its next unit; step-major would keep a whole piece arriving. The query
 rows are cut too: a launch covers at most r query rows, so a kernel's
 output lives r h d s bytes until it is merged.
 
 Memory (s bytes per element, a per fp32 accumulator element, n the longest
-piece): `SubBlocks.bounded` keeps the ring buffers of a pass within half a
+piece): `RingSizes.bounded` keeps the ring buffers of a pass within half a
 q shard (n h d s / 2) and a launch's output within an eighth. The backward
-runs its own ring with its own parts, cut smaller: they carry fp32 dK/dV
+runs its own ring with its own sub-pieces, cut smaller: they carry fp32 dK/dV
 (the one sent, the one arriving, this unit's own) as well as K/V.
 
-    forward   K/V parts in flight        4 m hk d s          <= n h d s / 2  ->  m = n h / (8 hk)
-    backward  those, 3 fp32 dK/dV parts  (4 s + 6 a) m hk d  <= n h d s / 2  ->  m = n h / (20 hk)
+    forward   K/V sub-pieces in flight   4 m hk d s          <= n h d s / 2  ->  m = n h / (8 hk)
+    backward  those, 3 fp32 dK/dV ones   (4 s + 6 a) m hk d  <= n h d s / 2  ->  m = n h / (20 hk)
     both      one launch's output        r h d s             <= n h d s / 8  ->  r = n / 8
 
 (the backward's m for fp32; n h / (32 hk) for bf16).
 
-A forward part has at least 512 rows: every part costs a merge over all n
-query rows (measured at n = 4096, 4 ranks, CPU time on a loaded machine:
-whole pieces 1.0, 512-row parts 1.02 to 1.06, 256-row parts 1.25); a
-backward part (no merges: dq adds once per launch) at least 256. A launch has at least 768 query rows, where the
-CPU flash kernel still tiles queries by 256 rows (by 64 below). For short
-pieces the minimums win over the bound. A rank runs about S P n / r
-launches per pass: S <= 8 hk / h + 1 parts forward, n / r <= 8.
+A forward sub-piece has at least 512 rows: every sub-piece costs a merge
+over all n query rows (measured at n = 4096, 4 ranks, CPU time on a loaded
+machine: whole pieces 1.0, 512-row sub-pieces 1.02 to 1.06, 256-row
+sub-pieces 1.25); a backward sub-piece (no merges: dq adds once per launch)
+at least 256. A launch has at least 768 query rows, where the CPU flash
+kernel still tiles queries by 256 rows (by 64 below). For short pieces the
+minimums win over the bound. A rank runs about S P n / r
+launches per pass: S <= 8 hk / h + 1 sub-pieces forward, n / r <= 8.
 
 At P = 4, N = 16384, 12 heads x 64, fp32 (forward m = 512, r = 768) a
-rank's forward holds q, k, v, out (4 shards, 50.3 MB) plus 6.3 MB of parts
+rank's forward holds q, k, v, out (4 shards, 50.3 MB) plus 6.3 MB of sub-pieces
 and 2.4 MB of launch output, against 4 full tensors (201 MB) at P = 1:
-0.29x; its backward (m = 256) adds to its 8 shards 3.1 MB of K/V parts,
-4.7 MB of dK/dV parts and one launch's gradients (BENCHMARKS.md has the
+0.29x; its backward (m = 256) adds to its 8 shards 3.1 MB of K/V sub-pieces,
+4.7 MB of dK/dV sub-pieces and one launch's gradients (BENCHMARKS.md has the
 measured peaks). With bf16 inputs the output's fp32 accumulator (n h d a)
 stays whole.
 """
@@ -120,14 +121,14 @@ from . import comm
 # never pair up with each other.
 _KV_TAG, _DKV_TAG = 0, 2
 
-# The fewest rows of a default forward part, backward part and launch's queries (Note
-# [parts]: merge cost, no merges, the CPU flash kernel's query tiles).
-MIN_FORWARD_PART_ROWS, MIN_BACKWARD_PART_ROWS, MIN_LAUNCH_ROWS = 512, 256, 768
+# The fewest rows of a default forward sub-piece, backward sub-piece and launch's queries
+# (Note [sub-pieces]: merge cost, no merges, the CPU flash kernel's query tiles).
+MIN_FORWARD_SUB_PIECE_ROWS, MIN_BACKWARD_SUB_PIECE_ROWS, MIN_LAUNCH_ROWS = 512, 256, 768
 
 
 @dataclasses.dataclass(frozen=True)
-class SubBlocks:
-    """Rows per K/V part and query rows per launch of a ring call (Note [parts]).
+class RingSizes:
+    """Rows per K/V sub-piece and query rows per launch of a ring call (Note [sub-pieces]).
 
     `kv_rows` bounds the received K/V and the travelling dK/dV buffers, and
     fixes the number of sub-rings, so every rank of a call must use the
@@ -141,39 +142,40 @@ class SubBlocks:
         for name in ("kv_rows", "q_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SubBlocks {name} must be a positive int, got {value!r}")
+                raise ValueError(f"RingSizes {name} must be a positive int, got {value!r}")
 
     @classmethod
     def bounded(cls, longest: int, heads: int, kv_heads: int, dtype: torch.dtype, *,
-                backward: bool) -> "SubBlocks":
-        """The default for one pass over pieces of at most `longest` rows (Note [parts]).
+                backward: bool) -> "RingSizes":
+        """The default for one pass over pieces of at most `longest` rows (Note [sub-pieces]).
 
         The pass's ring buffers stay within half a q shard, a launch's
         output within an eighth, unless the minimum rows are more.
         """
         s = torch.empty(0, dtype=dtype).element_size()
         a = torch.empty(0, dtype=lse_dtype(dtype)).element_size()
-        # bytes per part row and head dim of the ring buffers: two K/V parts in flight,
-        # in backward also three fp32 dK/dV parts
+        # bytes per sub-piece row and head dim of the ring buffers: two K/V sub-pieces in
+        # flight, in backward also three fp32 dK/dV sub-pieces
         per_row = kv_heads * (4 * s + (6 * a if backward else 0))
-        fewest = MIN_BACKWARD_PART_ROWS if backward else MIN_FORWARD_PART_ROWS
+        fewest = MIN_BACKWARD_SUB_PIECE_ROWS if backward else MIN_FORWARD_SUB_PIECE_ROWS
         return cls(kv_rows=max(fewest, longest * heads * s // (2 * per_row)),
                    q_rows=max(MIN_LAUNCH_ROWS, longest // 8))
 
-    def parts(self, lengths: Sequence[int]) -> int:
-        """S: the parts every piece is cut into (one sub-ring each)."""
+    def sub_pieces(self, lengths: Sequence[int]) -> int:
+        """S: the sub-pieces every piece is cut into (one sub-ring each)."""
         return max(1, -(-max(lengths) // self.kv_rows))
 
 
-def _part_rows(length: int, parts: int, j: int) -> Tuple[int, int]:
-    """Rows [lo, hi) of part `j` of a piece of `length` rows cut into `parts` parts."""
-    return j * length // parts, (j + 1) * length // parts
+def _sub_piece_rows(length: int, sub_pieces: int, j: int) -> Tuple[int, int]:
+    """Rows [lo, hi) of sub-piece `j` of a piece of `length` rows cut into `sub_pieces`."""
+    return j * length // sub_pieces, (j + 1) * length // sub_pieces
 
 
 class _Unit(NamedTuple):
-    """One unit of the ring: part `part` (rows [lo, hi)) of rank `src`'s piece, at `step`."""
+    """One unit of the ring: sub-piece `sub_piece` (rows [lo, hi)) of rank `src`'s piece, at
+    `step`."""
 
-    part: int
+    sub_piece: int
     step: int
     src: int
     lo: int
@@ -181,36 +183,38 @@ class _Unit(NamedTuple):
 
 
 class _Rotation:
-    """The K/V parts moving around the ring (Note [parts]), one unit at a time.
+    """The K/V sub-pieces moving around the ring (Note [sub-pieces]), one unit at a time.
 
     Iterating yields this rank's units; during a unit ``self.k``/``self.v``
-    (b, hi - lo, hk, d) hold the unit's part, and the next unit's transfer is
-    in flight. The parts live on this object, not in the caller's locals, so
-    a part is freed as soon as the ring moves past it.
+    (b, hi - lo, hk, d) hold the unit's sub-piece, and the next unit's transfer is
+    in flight. The sub-pieces live on this object, not in the caller's locals, so
+    a sub-piece is freed as soon as the ring moves past it.
     """
 
-    def __init__(self, group, k: Tensor, v: Tensor, lengths: Sequence[int], parts: int) -> None:
+    def __init__(self, group, k: Tensor, v: Tensor, lengths: Sequence[int],
+                 sub_pieces: int) -> None:
         self.ring = comm.RingComm(group, tag=_KV_TAG)
         self.own = (k, v)
         self.lengths = list(lengths)
-        self.parts = parts
+        self.sub_pieces = sub_pieces
         self.k: Optional[Tensor] = None
         self.v: Optional[Tensor] = None
 
     def __iter__(self) -> Iterator[_Unit]:
         size, rank = self.ring.size, self.ring.rank
-        for j in range(self.parts):
-            lo, hi = _part_rows(self.lengths[rank], self.parts, j)
-            # (b, n, hk, d) -> (b, hi - lo, hk, d): this rank's own part, a view
+        for j in range(self.sub_pieces):
+            lo, hi = _sub_piece_rows(self.lengths[rank], self.sub_pieces, j)
+            # (b, n, hk, d) -> (b, hi - lo, hk, d): this rank's own sub-piece, a view
             self.k, self.v = (x[:, lo:hi] for x in self.own)
             for step in range(size):
                 src = (rank - step) % size
                 last = step == size - 1
                 if not last:
-                    # post the next part's transfer before this part's compute
-                    rows = _rows(_part_rows(self.lengths[(src - 1) % size], self.parts, j))
+                    # post the next sub-piece's transfer before this sub-piece's compute
+                    previous = self.lengths[(src - 1) % size]
+                    rows = _rows(_sub_piece_rows(previous, self.sub_pieces, j))
                     arriving = _pass_on(self.ring, rows, self.k, self.v)
-                yield _Unit(j, step, src, *_part_rows(self.lengths[src], self.parts, j))
+                yield _Unit(j, step, src, *_sub_piece_rows(self.lengths[src], self.sub_pieces, j))
                 if not last:
                     self.ring.wait()
                     (self.k, self.v), arriving = arriving, []
@@ -221,12 +225,14 @@ def _rows(span: Tuple[int, int]) -> int:
     return span[1] - span[0]
 
 
-def _pass_on(ring: comm.RingComm, rows: int, *parts: Tensor) -> List[Tensor]:
-    """Post sending `parts` to the next rank and receiving the previous rank's (`rows` rows)."""
+def _pass_on(ring: comm.RingComm, rows: int, *sub_pieces: Tensor) -> List[Tensor]:
+    """Post sending `sub_pieces` to the next rank and receiving the previous rank's (`rows`
+    rows)."""
     received = [
-        # (b, m, hk, d) -> (b, rows, hk, d): the previous rank's part may differ in length
+        # (b, m, hk, d) -> (b, rows, hk, d): the previous rank's sub-piece may differ
+        # in length
         ring.send_recv(x, x.new_empty((x.shape[0], rows) + tuple(x.shape[2:])))
-        for x in parts
+        for x in sub_pieces
     ]
     ring.commit()
     return received
@@ -257,7 +263,7 @@ def _piece_plan(layout: Layout, causal: bool, rank: int,
 
 
 def _launches(plan, lo: int, hi: int, q_rows: int) -> List[Tuple[slice, slice, bool]]:
-    """The kernel launches of `plan` with key rows [lo, hi) of its piece (Note [parts]).
+    """The kernel launches of `plan` with key rows [lo, hi) of its piece (Note [sub-pieces]).
 
     Each is (query rows, key rows counted from `lo`, causal), at most
     `q_rows` query rows; a causal launch is a square, as the kernels need.
@@ -293,15 +299,15 @@ def _lengths(group, n: int, lengths: Optional[Sequence[int]]) -> List[int]:
     return lengths
 
 
-def _sub_blocks(sub_blocks: Optional[SubBlocks], lengths: Sequence[int], q: Tensor,
-                k: Tensor, *, backward: bool) -> SubBlocks:
-    """`sub_blocks`, checked, or the pass's default bound."""
-    if sub_blocks is None:
-        return SubBlocks.bounded(max(lengths), q.shape[2], k.shape[2], q.dtype,
+def _sizes(sizes: Optional[RingSizes], lengths: Sequence[int], q: Tensor, k: Tensor, *,
+           backward: bool) -> RingSizes:
+    """`sizes`, checked, or the pass's default bound."""
+    if sizes is None:
+        return RingSizes.bounded(max(lengths), q.shape[2], k.shape[2], q.dtype,
                                  backward=backward)
-    if not isinstance(sub_blocks, SubBlocks):
-        raise TypeError(f"sub_blocks must be a SubBlocks or None, got {sub_blocks!r}")
-    return sub_blocks
+    if not isinstance(sizes, RingSizes):
+        raise TypeError(f"sizes must be a RingSizes or None, got {sizes!r}")
+    return sizes
 
 
 def ring_forward(
@@ -313,13 +319,13 @@ def ring_forward(
     *,
     layout: str = "contiguous",
     lengths: Optional[Sequence[int]] = None,
-    sub_blocks: Optional[SubBlocks] = None,
+    sizes: Optional[RingSizes] = None,
 ) -> Tuple[Tensor, Tensor]:
     """q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse (b, n, h) fp32.
 
     `lengths`: every rank's piece length (default: all equal to this one's).
-    `sub_blocks`: rows per K/V part and query rows per launch (default
-    `SubBlocks.bounded` for the forward: Note [parts]). Every rank of
+    `sizes`: rows per K/V sub-piece and query rows per launch (default
+    `RingSizes.bounded` for the forward: Note [sub-pieces]). Every rank of
     `group` must call this with agreed arguments.
     """
     size, rank = comm.group_size(group), comm.group_rank(group)
@@ -328,14 +334,14 @@ def ring_forward(
     if size == 1:
         # one piece: the kernel's own result, with no fp32 accumulator and no merge
         return attention_forward(q, k, v, opts)
-    sub = _sub_blocks(sub_blocks, lengths, q, k, backward=False)
+    sizes = _sizes(sizes, lengths, q, k, backward=False)
     # fp32 (fp64) accumulators: for fp32 (fp64) inputs acc_out is the output itself
     acc_out, acc_lse = empty_accumulators(q.shape, q.dtype, q.device)
-    rotation = _Rotation(group, k, v, lengths, sub.parts(lengths))
+    rotation = _Rotation(group, k, v, lengths, sizes.sub_pieces(lengths))
     held = Layout.named(layout, lengths)
     for unit in rotation:
         plan = _piece_plan(held, opts.causal, rank, unit.src)
-        for rows, keys, causal in _launches(plan, unit.lo, unit.hi, sub.q_rows):
+        for rows, keys, causal in _launches(plan, unit.lo, unit.hi, sizes.q_rows):
             # merged at once: a launch's output is freed before the next one runs
             merge_(acc_out[:, rows], acc_lse[:, rows], *attention_forward(
                 q[:, rows], rotation.k[:, keys], rotation.v[:, keys],
@@ -356,13 +362,13 @@ def ring_backward(
     layout: str = "contiguous",
     lengths: Optional[Sequence[int]] = None,
     dlse: Optional[Tensor] = None,
-    sub_blocks: Optional[SubBlocks] = None,
+    sizes: Optional[RingSizes] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of this rank's piece, given the final out and lse of `ring_forward`.
 
     ``dlse`` (b, n, h), when given, is the gradient flowing into ``lse``.
-    `sub_blocks` as for `ring_forward` (default: the backward's own bound,
-    smaller parts); it need not be what the forward used, only the same on
+    `sizes` as for `ring_forward` (default: the backward's own bound,
+    smaller sub-pieces); it need not be what the forward used, only the same on
     every rank.
     """
     size, rank = comm.group_size(group), comm.group_rank(group)
@@ -370,14 +376,14 @@ def ring_backward(
     lengths = _lengths(group, n, lengths)
     if size == 1:
         return attention_backward(dout, q, k, v, out, lse, opts, dlse=dlse)
-    sub = _sub_blocks(sub_blocks, lengths, q, k, backward=True)
-    parts = sub.parts(lengths)
+    sizes = _sizes(sizes, lengths, q, k, backward=True)
+    sub_pieces = sizes.sub_pieces(lengths)
     acc = lse_dtype(q.dtype)
-    # for fp32 (fp64) inputs dq is its own accumulator, and dk/dv receive their parts'
-    # accumulators in place when the rows are contiguous
+    # for fp32 (fp64) inputs dq is its own accumulator, and dk/dv receive their
+    # sub-pieces' accumulators in place when the rows are contiguous
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    rotation = _Rotation(group, k, v, lengths, parts)
+    rotation = _Rotation(group, k, v, lengths, sub_pieces)
     held = Layout.named(layout, lengths)
     dkv_ring = comm.RingComm(group, tag=_DKV_TAG)
     arriving: Optional[List[Tensor]] = None  # the dK/dV posted after the previous unit
@@ -385,24 +391,25 @@ def ring_backward(
     for unit in rotation:
         plan = _piece_plan(held, opts.causal, rank, unit.src)
         grads = _unit_backward(
-            _launches(plan, unit.lo, unit.hi, sub.q_rows), rotation.k, rotation.v, dout, q, out,
+            _launches(plan, unit.lo, unit.hi, sizes.q_rows), rotation.k, rotation.v, dout, q, out,
             lse, dlse, dq, opts)
         dkv_ring.wait()  # the accumulators posted after the previous unit have arrived
         if home is not None:
             _deliver(arriving, dk, dv, home)
-        elif arriving is not None:  # this part's accumulators from the ranks before this one
+        elif arriving is not None:  # this sub-piece's accumulators from the ranks before
             grads = arriving if grads is None else [g.add_(a) for g, a in zip(grads, arriving)]
-        if grads is None:  # step 0 of a part no query here sees
+        if grads is None:  # step 0 of a sub-piece no query here sees
             grads = [x.new_zeros(x.shape, dtype=acc) for x in (rotation.k, rotation.v)]
-        # this part's dK/dV go to the next rank, which holds the part at the next step;
-        # after the last step that rank is the part's home, and what arrives here is
-        # this rank's own part's complete dK/dV
+        # this sub-piece's dK/dV go to the next rank, which holds the sub-piece at the next
+        # step; after the last step that rank is the sub-piece's home, and what arrives
+        # here is this rank's own sub-piece's complete dK/dV
         if unit.step < size - 1:
             home = None
-            rows = _rows(_part_rows(lengths[(unit.src - 1) % size], parts, unit.part))
+            previous = lengths[(unit.src - 1) % size]
+            rows = _rows(_sub_piece_rows(previous, sub_pieces, unit.sub_piece))
             buffers = [g.new_empty((g.shape[0], rows) + tuple(g.shape[2:])) for g in grads]
         else:
-            home = _part_rows(n, parts, unit.part)
+            home = _sub_piece_rows(n, sub_pieces, unit.sub_piece)
             buffers = [_home_buffer(x, home, acc) for x in (dk, dv)]
         arriving = [dkv_ring.send_recv(g, buf) for g, buf in zip(grads, buffers)]
         dkv_ring.commit()
@@ -415,7 +422,7 @@ def ring_backward(
 def _unit_backward(launches, k: Tensor, v: Tensor, dout: Tensor, q: Tensor, out: Tensor,
                    lse: Tensor, dlse: Optional[Tensor], dq: Tensor,
                    opts: KernelOptions) -> Optional[List[Tensor]]:
-    """Run one unit's backward launches: add into `dq`; return the part's (dk, dv) in fp32.
+    """Run one unit's backward launches: add into `dq`; return the sub-piece's (dk, dv) in fp32.
 
     None when no launch runs. Each launch's gradients are freed before the
     next launch allocates its own.
@@ -423,9 +430,9 @@ def _unit_backward(launches, k: Tensor, v: Tensor, dout: Tensor, q: Tensor, out:
     if not launches:
         return None
     acc = dq.dtype
-    # (b, m, hk, d) fp32: this unit's contribution to the part's dK/dV
-    dk_part = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv_part = torch.zeros(v.shape, dtype=acc, device=v.device)
+    # (b, m, hk, d) fp32: this unit's contribution to the sub-piece's dK/dV
+    dk_sub_piece = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv_sub_piece = torch.zeros(v.shape, dtype=acc, device=v.device)
     for rows, keys, causal in launches:
         dq_b, dk_b, dv_b = attention_backward(
             dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, rows],
@@ -433,10 +440,10 @@ def _unit_backward(launches, k: Tensor, v: Tensor, dout: Tensor, q: Tensor, out:
             dlse=None if dlse is None else dlse[:, rows],
         )
         dq[:, rows] += dq_b
-        dk_part[:, keys] += dk_b
-        dv_part[:, keys] += dv_b
+        dk_sub_piece[:, keys] += dk_b
+        dv_sub_piece[:, keys] += dv_b
         del dq_b, dk_b, dv_b  # freed before the next launch allocates its own
-    return [dk_part, dv_part]
+    return [dk_sub_piece, dv_sub_piece]
 
 
 def _arrives_in_place(x: Tensor, rows: Tuple[int, int], acc: torch.dtype) -> bool:
@@ -445,7 +452,7 @@ def _arrives_in_place(x: Tensor, rows: Tuple[int, int], acc: torch.dtype) -> boo
 
 
 def _home_buffer(x: Tensor, rows: Tuple[int, int], acc: torch.dtype) -> Tensor:
-    """Where a part of this rank's own dK (or dV) arrives: in place when `x` can take it."""
+    """Where a sub-piece of this rank's own dK (or dV) arrives: in place when `x` can take it."""
     view = x[:, rows[0]:rows[1]]
     if _arrives_in_place(x, rows, acc):
         return view
@@ -454,7 +461,8 @@ def _home_buffer(x: Tensor, rows: Tuple[int, int], acc: torch.dtype) -> Tensor:
 
 
 def _deliver(arrived: Sequence[Tensor], dk: Tensor, dv: Tensor, rows: Tuple[int, int]) -> None:
-    """Put this rank's own part's complete dK/dV into rows [lo, hi) of dk/dv (cast if needed)."""
+    """Put this rank's own sub-piece's complete dK/dV into rows [lo, hi) of dk/dv (cast if
+    needed)."""
     for buf, x in zip(arrived, (dk, dv)):
         if not _arrives_in_place(x, rows, buf.dtype):
             x[:, rows[0]:rows[1]].copy_(buf)
@@ -463,22 +471,22 @@ def _deliver(arrived: Sequence[Tensor], dk: Tensor, dv: Tensor, rows: Tuple[int,
 class RingAttentionFunction(torch.autograd.Function):
     """Saves q, k, v, out, lse; backward is `ring_backward` (a collective: every rank runs it).
 
-    `sub_blocks` (optional, last) overrides the default sizes of Note
-    [parts] in both passes; every rank must pass the same.
+    `sizes` (optional, last) overrides the default sizes of Note
+    [sub-pieces] in both passes; every rank must pass the same.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, opts, group, layout, lengths, sub_blocks=None):
+    def forward(ctx, q, k, v, opts, group, layout, lengths, sizes=None):
         result = ring_forward(group, q, k, v, opts, layout=layout, lengths=lengths,
-                              sub_blocks=sub_blocks)
-        return save_for_backward(ctx, q, k, v, result, (opts, group, layout, lengths, sub_blocks))
+                              sizes=sizes)
+        return save_for_backward(ctx, q, k, v, result, (opts, group, layout, lengths, sizes))
 
     @staticmethod
     def backward(ctx, dout, dlse):
         dout, q, k, v, out, lse = saved_for_backward(ctx, dout)
-        opts, group, layout, lengths, sub_blocks = ctx.args
+        opts, group, layout, lengths, sizes = ctx.args
         if comm.is_distributed(group):
             check_first_order("ring_attention with a group of several ranks")
         dq, dk, dv = ring_backward(group, dout, q, k, v, out, lse, opts, layout=layout,
-                                   lengths=lengths, dlse=dlse, sub_blocks=sub_blocks)
+                                   lengths=lengths, dlse=dlse, sizes=sizes)
         return dq, dk, dv, None, None, None, None, None

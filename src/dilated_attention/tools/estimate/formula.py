@@ -3,7 +3,7 @@
 - the op's minimum: the inputs a rank holds and the outputs the op returns (its
   contract, not its working memory, which the dry run measures);
 - traffic per rank: what each strategy's wire protocol sends, from segment shapes
-  only (``plan.transfer_counts``, ``strategy.ulysses_bytes``, the ring's parts);
+  only (``plan.transfer_counts``, ``strategy.ulysses_bytes``, the ring's sub-pieces);
 - the kernels' own buffers, which no tracing of tensors sees (modelled).
 
 Notation: b batch, n a rank's rows, h heads, hk key/value heads, d head dim, s bytes
@@ -14,10 +14,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
 
-import torch
-
 from ...distributed.halo import halo_schedule
-from ...distributed.ring import SubBlocks
+from ...distributed.ring import RingSizes
 from ...distributed.strategy import ulysses_bytes
 from ...distributed.ulysses import HeadSplit
 from ...kernels import lse_dtype
@@ -109,9 +107,9 @@ def _sequence(config: EstimateConfig, lengths: Sequence[int], heads: Heads) -> L
 
 
 def _ring(config: EstimateConfig, lengths: Sequence[int], heads: Heads) -> List[Traffic]:
-    """Ring attention (Note [sub-blocks] in distributed/ring.py): every rank's K/V block
-    passes every other rank in S parts, k and v apart; in backward again, in the backward's
-    parts, with the fp32 dK/dV parts one step further, home."""
+    """Ring attention (Note [sub-pieces] in distributed/ring.py): every rank's K/V piece
+    passes every other rank in S sub-pieces, k and v apart; in backward again, in the
+    backward's sub-pieces, with the fp32 dK/dV sub-pieces one step further, home."""
     p = len(lengths)
     if p == 1:
         return [(0, 0, 0, 0)]
@@ -121,19 +119,19 @@ def _ring(config: EstimateConfig, lengths: Sequence[int], heads: Heads) -> List[
     row = 2 * config.batch * hk * config.head_dim  # k and v of one row
     total = sum(lengths)
 
-    def parts(backward: bool) -> int:
-        return SubBlocks.bounded(max(lengths), h, hk, config.torch_dtype,
-                                 backward=backward).parts(lengths)
+    def sub_pieces(backward: bool) -> int:
+        return RingSizes.bounded(max(lengths), h, hk, config.torch_dtype,
+                                 backward=backward).sub_pieces(lengths)
 
-    def messages(parts: int, skip: int) -> int:  # k and v of every non-empty part
-        return 2 * (sum(min(x, parts) for x in lengths) - min(skip, parts))
+    def messages(count: int, skip: int) -> int:  # k and v of every non-empty sub-piece
+        return 2 * (sum(min(x, count) for x in lengths) - min(skip, count))
 
-    forward = parts(False)
-    backward = parts(True) if config.training else 0
+    forward = sub_pieces(False)
+    backward = sub_pieces(True) if config.training else 0
     out = []
     for r in range(p):
-        # forward: over P - 1 steps a rank passes on every block but its successor's; the
-        # backward passes them again and, one step further, every block's dK/dV
+        # forward: over P - 1 steps a rank passes on every piece but its successor's; the
+        # backward passes them again and, one step further, every piece's dK/dV
         skipped = lengths[(r + 1) % p]
         fb = (total - skipped) * row * s
         out.append((fb, messages(forward, skipped)) + (

@@ -110,7 +110,7 @@ def estimate(config: EstimateConfig, budget: int = BUDGET, *,
     start = time.perf_counter()
     ranks = _ring_ranks(config)
     if ranks < config.world_size:
-        # a ring rank holds what it holds whatever P is (Note [sub-blocks] in ring.py), a
+        # a ring rank holds what it holds whatever P is (Note [sub-pieces] in ring.py), a
         # halo rank what its window reaches: trace a ring of `ranks` ranks of the longest
         # piece; traffic stays the real ring's
         lengths = config.lengths()
