@@ -66,7 +66,7 @@ from dilated_attention import dilated_attention
 from dilated_attention.dilated import local_plan
 from dilated_attention.kernels import BACKENDS, KernelOptions, attention_backward
 from dilated_attention.kernels import attention_forward
-from dilated_attention import plan as planning
+from dilated_attention import policy
 from dilated_attention.patterns import Heads, Segments, gather, head_groups
 from dilated_attention.tools.bench import PeakMemory
 
@@ -318,7 +318,7 @@ def measure_memory(n: int, dtype_name: str, training: bool, schedule: str,
     if DEVICE == "cuda":
         return measure_cuda_memory(n, getattr(torch, dtype_name), training)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="2")
-    strided = {True: "on", False: "off"}[planning.STRIDED_VIEWS.get(DEVICE, False)]
+    strided = {True: "on", False: "off"}[policy.STRIDED_VIEWS.get(DEVICE, False)]
     out = subprocess.run(
         [sys.executable, __file__, "--memory-case", str(n), dtype_name, str(int(training)),
          "--strided", strided, "--schedule", schedule, "--backend", BACKEND]
@@ -373,9 +373,9 @@ def main(argv=None) -> None:
     BACKEND = args.backend
     FLOOR_BACKEND = args.floor_backend or (BACKEND if BACKEND != "triton" else "auto")
     if args.strided != "auto":
-        planning.STRIDED_VIEWS[args.device] = args.strided == "on"
+        policy.STRIDED_VIEWS[args.device] = args.strided == "on"
     if args.block_rows:
-        planning.ROWS_PER_BLOCK[args.device] = args.block_rows
+        policy.ROWS_PER_BLOCK[args.device] = args.block_rows
     if args.memory_case:
         n, dtype_name, training = args.memory_case
         print(measure_memory_in_this_process(int(n), getattr(torch, dtype_name),
@@ -393,8 +393,8 @@ def main(argv=None) -> None:
              else f"{torch.get_num_threads()} threads"
              + (", CPU time of the thread" if args.cpu_time else ", wall time"))
     print(f"torch {torch.__version__}, {where}, dtype {args.dtype}, backend {BACKEND} "
-          f"(floors: {FLOOR_BACKEND}), strided views {planning.STRIDED_VIEWS.get(DEVICE, False)}, "
-          f"block rows {planning.ROWS_PER_BLOCK.get(DEVICE)} (or n / {planning.MAX_BLOCKS}), "
+          f"(floors: {FLOOR_BACKEND}), strided views {policy.STRIDED_VIEWS.get(DEVICE, False)}, "
+          f"block rows {policy.ROWS_PER_BLOCK.get(DEVICE)} (or n / {policy.MAX_BLOCKS}), "
           f"h={HEADS} d={HEAD_DIM} schedule {args.schedule}: segments={list(SEGMENTS)} "
           f"rates={list(RATES)} batch 1, load average {os.getloadavg()[0]:.2f}", flush=True)
     if args.max_tokens:

@@ -5,7 +5,7 @@
 
 A rate-r head group whose (head, first row) columns are arithmetic can be
 read, merged and scattered through ``as_strided`` views (``patterns.Stride``)
-or gathered into dense copies by advanced indexing. ``plan.STRIDED_VIEWS``
+or gathered into dense copies by advanced indexing. ``policy.STRIDED_VIEWS``
 picks per device; this script runs the op with it on and off, alternating
 call by call (a machine whose speed drifts slows both alike), in the LongNet
 setting (12 heads x 64, segments [2048, 4096], rates [1, 2], batch 1 or
@@ -22,7 +22,7 @@ from unittest import mock
 
 import torch
 
-from dilated_attention import dilated_attention, plan
+from dilated_attention import dilated_attention, policy
 
 HEADS, HEAD_DIM = 12, 64
 SEGMENTS, RATES = [2048, 4096], [1, 2]
@@ -70,7 +70,7 @@ def main(argv=None) -> None:
         times = {True: [], False: []}
         for repeat in range(args.repeats + 1):
             for strided in (True, False):
-                with mock.patch.dict(plan.STRIDED_VIEWS, {args.device: strided}):
+                with mock.patch.dict(policy.STRIDED_VIEWS, {args.device: strided}):
                     seconds = call()
                 if repeat:  # the first round warms up (plans, allocator)
                     times[strided].append(seconds)

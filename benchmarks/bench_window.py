@@ -46,6 +46,7 @@ from typing import Callable, List
 import torch
 
 from dilated_attention import ring_attention
+from dilated_attention import policy
 from dilated_attention import window as windows
 from dilated_attention.distributed import comm
 from dilated_attention.tools import launch
@@ -93,10 +94,10 @@ def floor_step(n: int, window: int, dtype: torch.dtype, backward: bool,
             # views: the kernel reads them in place, as the op's launches do
             yield q[:, q0:q1], k[:, k0:q1], v[:, k0:q1]
 
-    forward = list(launches(windows.block_rows(window, 0, "cpu", backward=False)))
+    forward = list(launches(policy.window_block_rows(window, 0, "cpu", backward=False)))
     backward_launches = []
     if backward:
-        for q_b, k_b, v_b in launches(windows.block_rows(window, 0, "cpu", backward=True)):
+        for q_b, k_b, v_b in launches(policy.window_block_rows(window, 0, "cpu", backward=True)):
             out, lse = attention_forward(q_b, k_b, v_b, opts)
             backward_launches.append((q_b, k_b, v_b, out, lse))
 
@@ -196,7 +197,7 @@ def main(argv=None) -> None:
         return
     if args.memory_case:
         n, window, dtype_name, training = args.memory_case
-        windows.BLOCK_ROWS["cpu"] = tuple(args.block_rows)
+        policy.WINDOW_BLOCK_ROWS["cpu"] = tuple(args.block_rows)
         print(memory_in_this_process(int(n), int(window), getattr(torch, dtype_name),
                                      bool(int(training))))
         return
@@ -226,12 +227,12 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for b_rows in args.block_rows:
         _set_block_rows(b_rows)
-        b_rows = "{}, {}".format(*windows.BLOCK_ROWS["cpu"])
+        b_rows = "{}, {}".format(*policy.WINDOW_BLOCK_ROWS["cpu"])
         for n in args.seq_lens:
             input_bytes = n * HEADS * HEAD_DIM * item
             for backward in (False, True):
                 mem = memory(n, args.window, args.dtype, backward,
-                             windows.BLOCK_ROWS["cpu"]) / input_bytes
+                             policy.WINDOW_BLOCK_ROWS["cpu"]) / input_bytes
                 if args.memory_only:
                     times = None
                 else:
@@ -259,7 +260,7 @@ def main(argv=None) -> None:
 def _set_block_rows(rows: int) -> None:
     """B for both passes (0: the library's defaults)."""
     if rows:
-        windows.BLOCK_ROWS["cpu"] = (rows, rows)
+        policy.WINDOW_BLOCK_ROWS["cpu"] = (rows, rows)
         windows.window_plan.cache_clear()
 
 

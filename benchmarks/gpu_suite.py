@@ -13,7 +13,7 @@ a session runs the parts in two to four calls):
   other CUDA-marked tests), tests/test_compile.py, the fused kernel's tests
   (tests/test_fused*.py) on the GPU.
 - ``strided``: may the CUDA kernels read strided views instead of gathered
-  copies (``plan.STRIDED_VIEWS["cuda"]``)? Per SDPA kernel (cuDNN, flash,
+  copies (``policy.STRIDED_VIEWS["cuda"]``)? Per SDPA kernel (cuDNN, flash,
   memory-efficient) and dtype, forward and backward on the views a rate-2
   launch reads: equal to the same call on contiguous copies (bit for bit),
   and whether the call launches a copy of its own; the whole op with views
@@ -216,7 +216,7 @@ def strided_check() -> None:
     and off against the float64 reference."""
     import torch
 
-    from dilated_attention import dilated_attention, plan
+    from dilated_attention import dilated_attention, policy
     from dilated_attention.kernels import KernelOptions, attention_backward, attention_forward
     from dilated_attention.kernels import select_backend
     from dilated_attention.patterns import Heads, Segments, gather, head_groups, strided_view
@@ -287,7 +287,7 @@ def strided_check() -> None:
                 continue
             for strided in (False, True):
                 dev = [x.detach().to("cuda", dtype).requires_grad_() for x in ref_in]
-                with _patched(plan.STRIDED_VIEWS, "cuda", strided):
+                with _patched(policy.STRIDED_VIEWS, "cuda", strided):
                     got_out = dilated_attention(*dev, [2048, 4096], [1, 2], backend=backend)
                     got = [got_out] + list(torch.autograd.grad(got_out, dev,
                                                                dout.to("cuda", dtype)))

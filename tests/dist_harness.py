@@ -26,7 +26,6 @@ from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
 
-from dilated_attention.distributed import comm
 from dilated_attention.distributed.sharding import piece_ranges
 from dilated_attention.tools import launch
 

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from dilated_attention import dilated_attention, launches, plan
+from dilated_attention import dilated_attention, launches, policy
 from reference import TOLERANCE, close, dilated_counts, grads, reference_dilated_attention
 
 BACKENDS = ("cpu_flash", "blockwise")
@@ -145,9 +145,9 @@ def test_segments_launched_in_small_chunks(backend: str, cfg: Config, rows_per_l
     so that these short sequences cross block borders too (segments cut into parts), and
     the launches, so that gathered launches are cut by heads (patterns.split_heads);
     with strided views, or gathered copies as on CUDA."""
-    with mock.patch.dict(plan.ROWS_PER_BLOCK, {"cpu": rows_per_launch}), \
-            mock.patch.dict(plan.ROWS_PER_LAUNCH, {"cpu": rows_per_launch}), \
-            mock.patch.dict(plan.STRIDED_VIEWS, {"cpu": strided}):
+    with mock.patch.dict(policy.ROWS_PER_BLOCK, {"cpu": rows_per_launch}), \
+            mock.patch.dict(policy.ROWS_PER_LAUNCH, {"cpu": rows_per_launch}), \
+            mock.patch.dict(policy.STRIDED_VIEWS, {"cpu": strided}):
         check_against_reference(cfg, torch.float64, backend)
 
 
@@ -156,8 +156,8 @@ def test_segments_launched_in_small_chunks(backend: str, cfg: Config, rows_per_l
 @given(cfg=configs())
 def test_gathered_selections_match_reference(backend: str, cfg: Config) -> None:
     """The launches CUDA runs: every selection but the identity gathered into a copy
-    (plan.STRIDED_VIEWS), not read as a strided view."""
-    with mock.patch.dict(plan.STRIDED_VIEWS, {"cpu": False}):
+    (policy.STRIDED_VIEWS), not read as a strided view."""
+    with mock.patch.dict(policy.STRIDED_VIEWS, {"cpu": False}):
         check_against_reference(cfg, torch.float32, backend)
 
 
@@ -288,7 +288,7 @@ IN_OUTPUT = [  # (config, ROWS_PER_BLOCK, cu_seqlens)
 @pytest.mark.parametrize("cfg,block_rows,cu_seqlens", IN_OUTPUT)
 def test_half_precision_in_output_equals_fp32_accumulators(cfg, block_rows, cu_seqlens, dtype):
     """Blocks whose entries get at most two writes accumulate in the output itself
-    (launches.in_output): bit for bit what fp32 block accumulators give, out, lse and the
+    (policy.in_output): bit for bit what fp32 block accumulators give, out, lse and the
     gradients through both."""
     def run():
         q, k, v, dout, dlse = make_inputs(cfg, dtype)
@@ -296,17 +296,17 @@ def test_half_precision_in_output_equals_fp32_accumulators(cfg, block_rows, cu_s
         torch.autograd.backward([out, lse], [dout, dlse.to(lse.dtype)])
         return out, lse, q.grad, k.grad, v.grad
 
-    chosen, in_output = [], launches.in_output
+    chosen, in_output = [], policy.in_output
 
-    def spy(block, dtype):
-        chosen.append(in_output(block, dtype))
+    def spy(writes, dtype):
+        chosen.append(in_output(writes, dtype))
         return chosen[-1]
 
     rows = {"cpu": block_rows} if block_rows else {}
-    with mock.patch.dict(plan.ROWS_PER_BLOCK, rows):
-        with mock.patch.object(launches, "in_output", spy):
+    with mock.patch.dict(policy.ROWS_PER_BLOCK, rows):
+        with mock.patch.object(policy, "in_output", spy):
             got = run()
-        with mock.patch.object(launches, "in_output", lambda block, dtype: False):
+        with mock.patch.object(policy, "in_output", lambda writes, dtype: False):
             want = run()
     assert True in chosen and (block_rows is None or False in chosen)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
@@ -347,8 +347,8 @@ def test_first_writes_store_what_a_merge_gives(cfg, block_rows, launch_rows, pad
         return stored[-1]
 
     rows = {"cpu": block_rows} if block_rows else {}
-    with mock.patch.dict(plan.ROWS_PER_BLOCK, rows), \
-            mock.patch.dict(plan.ROWS_PER_LAUNCH, {"cpu": launch_rows or 2048}):
+    with mock.patch.dict(policy.ROWS_PER_BLOCK, rows), \
+            mock.patch.dict(policy.ROWS_PER_LAUNCH, {"cpu": launch_rows or 2048}):
         with mock.patch.object(launches, "stored_launches", spy):
             got = run()
         with mock.patch.object(launches, "stored_launches", lambda *args, **kwargs: 0):
@@ -363,7 +363,7 @@ def test_first_writes_store_what_a_merge_gives(cfg, block_rows, launch_rows, pad
 @pytest.mark.parametrize("dense", [True, False])
 def test_forward_kernels_read_dense_copies_of_strided_views(dense):
     """On CPU a forward launch's kernel reads dense copies of a rate-2 group's strided views
-    (launches.DENSE_KERNEL_INPUTS; the writes stay views), the views themselves with the
+    (policy.DENSE_KERNEL_INPUTS; the writes stay views), the views themselves with the
     policy off: exact against float64 either way."""
     cfg = Config(2, 64, 4, 2, 8, (16, 32), (1, 2), True, None, 38)
     seen, kernel = [], launches.attention_forward
@@ -372,7 +372,7 @@ def test_forward_kernels_read_dense_copies_of_strided_views(dense):
         seen.append(all(x.is_contiguous() for x in (q, k, v)))
         return kernel(q, k, v, *args, **kwargs)
 
-    with mock.patch.dict(launches.DENSE_KERNEL_INPUTS, {"cpu": dense}), \
+    with mock.patch.dict(policy.DENSE_KERNEL_INPUTS, {"cpu": dense}), \
             mock.patch.object(launches, "attention_forward", spy):
         check_against_reference(cfg, torch.float32, "cpu_flash")
     assert all(seen) if dense else not all(seen)

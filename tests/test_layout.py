@@ -194,3 +194,37 @@ def test_only_the_comm_package_talks_to_torch_distributed() -> None:
                if _uses_torch_distributed(p)
                and not any(m == o or m.startswith(o + ".") for o in DISTRIBUTED_OWNERS)]
     assert not talkers, talkers
+
+
+# Per-device tables that are not the memory policy: a kernel's speed (tile sizes, whether a
+# kernel is used) stays beside the kernel, and the devices' names in messages.
+NOT_MEMORY_POLICY = {f"{PACKAGE}.kernels.FUSED_BY_DEFAULT", f"{PACKAGE}.fused.TILE_SIZES",
+                     f"{PACKAGE}.merge.MERGE_KERNEL", f"{PACKAGE}.merge_kernel.BLOCK_ROWS",
+                     f"{PACKAGE}.kernels._DEVICE_NAMES"}
+DEVICE_TYPES = {"cpu", "cuda", "meta"}
+
+
+def _device_tables(module: str, path: Path) -> List[str]:
+    """Module-level names bound to a dict literal keyed by device types."""
+    found = []
+    for node in ast.parse(path.read_text()).body:
+        targets, value = [], None
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        if isinstance(value, ast.Dict) and any(
+                isinstance(k, ast.Constant) and k.value in DEVICE_TYPES for k in value.keys):
+            found += [f"{module}.{t.id}" for t in targets if isinstance(t, ast.Name)]
+    return found
+
+
+def test_the_memory_policy_lives_in_one_module() -> None:
+    """Every per-device size or switch of the memory policy (row blocks, launches, views,
+    slices) is a table in policy.py, read through its functions: a second table elsewhere
+    would let the plan, the executor and the estimate disagree."""
+    tables = [t for m, p in MODULES.items() for t in _device_tables(m, p)]
+    assert any(t.startswith(f"{PACKAGE}.policy.") for t in tables)
+    stray = [t for t in tables if not t.startswith(f"{PACKAGE}.policy.")
+             and t not in NOT_MEMORY_POLICY]
+    assert not stray, stray

@@ -4,7 +4,7 @@ The kernel is what ``merge.merge_`` runs on a GPU; here it runs on CPU tensors
 (TRITON_INTERPRET=1 when the module is imported), so CI checks the same code:
 exact to fp32 rounding against the eager chain and against float64, rows with
 no keys (-inf) on either side, strided views, and the half-precision output
-that is its own accumulator (launches.in_output), which must round once.
+that is its own accumulator (policy.in_output), which must round once.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from dilated_attention import dilated_attention, launches, merge, plan
+from dilated_attention import dilated_attention, merge, policy
 
 triton = pytest.importorskip("triton")
 
@@ -132,7 +132,7 @@ def test_kernel_on_strided_views(kernel):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_output_as_accumulator_rounds_once(kernel, dtype):
-    """An output in half precision that is its own accumulator (launches.in_output): the
+    """An output in half precision that is its own accumulator (policy.in_output): the
     merge is computed in fp32 and rounded once, so it is bit for bit the fp32 accumulator
     written out, and within one rounding of the eager chain's result."""
     acc_out, acc_lse, out, lse = sides((3, 40, 4, 64), out_dtype=dtype)
@@ -163,10 +163,10 @@ def test_op_with_kernel_merges(kernel, strided, dtype):
 
     def run(use_kernel, half_in_output=True):
         with mock.patch.dict(merge.MERGE_KERNEL, {"cpu": use_kernel}), \
-                mock.patch.dict(plan.STRIDED_VIEWS, {"cpu": strided}), \
-                mock.patch.dict(plan.ROWS_PER_BLOCK, {"cpu": 16}), \
-                mock.patch.object(launches, "in_output", launches.in_output
-                                  if half_in_output else lambda block, dtype: False):
+                mock.patch.dict(policy.STRIDED_VIEWS, {"cpu": strided}), \
+                mock.patch.dict(policy.ROWS_PER_BLOCK, {"cpu": 16}), \
+                mock.patch.object(policy, "in_output", policy.in_output
+                                  if half_in_output else lambda writes, dtype: False):
             return dilated_attention(q, k, v, segments, rates, return_lse=True)
 
     calls = []

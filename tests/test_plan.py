@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 import torch
 
-from dilated_attention import plan as plan_module
+from dilated_attention import policy
 from dilated_attention.distributed.sequence_parallel import pack
 from dilated_attention.launches import _remote_block
 from dilated_attention.patterns import Heads, _rows_of, cross_head_groups, selected_pairs
@@ -194,7 +194,7 @@ PLAN_CASES = [
 @pytest.mark.parametrize("lengths,patterns,causal,h,hk,documents", PLAN_CASES)
 def test_plans_cover_the_single_device_op(lengths, patterns, causal, h, hk, documents,
                                           block_rows):
-    with mock.patch.dict(plan_module.ROWS_PER_BLOCK, {"cpu": block_rows}):
+    with mock.patch.dict(policy.ROWS_PER_BLOCK, {"cpu": block_rows}):
         counts, plans = plan_counts(Layout.contiguous(lengths), patterns, causal, h, hk,
                                     documents)
     want = dilated_counts(sum(lengths), h, patterns[0], patterns[1], causal, documents)
@@ -240,10 +240,10 @@ def _writes_per_entry(plan, h: int, hk: int) -> Tuple[torch.Tensor, torch.Tensor
 @pytest.mark.parametrize("lengths,patterns,causal,h,hk,documents", PLAN_CASES)
 def test_entry_writes_bound_every_write(lengths, patterns, causal, h, hk, documents, block_rows):
     """Block.entry_writes (the licence to accumulate half precision in the output itself,
-    launches.in_output) is a true bound: no (row, head) entry of such a block gets more
+    policy.in_output) is a true bound: no (row, head) entry of such a block gets more
     writes, whichever launch (local, remote, split) or returning dK/dV makes them."""
     layout = Layout.contiguous(lengths)
-    with mock.patch.dict(plan_module.ROWS_PER_BLOCK, {"cpu": block_rows}):
+    with mock.patch.dict(policy.ROWS_PER_BLOCK, {"cpu": block_rows}):
         for rank in range(layout.ranks):
             plan = make_plan(layout, patterns, causal, Heads.of(h, hk), rank, "cpu", documents)
             q, kv = _writes_per_entry(plan, h, hk)
@@ -278,7 +278,7 @@ def test_gathered_launches_are_cut_by_heads():
     heads = Heads.of(12, 3)  # kv head c serves query heads 4c..4c+3, two per offset
     # 2048 rows, every head, gathered (as on CUDA)
     (group,) = cross_head_groups(0, 4096, 0, 4096, 2, heads, strided=False)
-    parts = split_heads(group, 2048 * 12 // plan_module.GATHERED_SHARE)
+    parts = split_heads(group, 2048 * 12 // policy.GATHERED_SHARE)
     # 6 (offset, kv head) pairs of 2 query heads; 3 heads fit, so 2 (one pair) per launch
     assert [(p.q_heads.numel(), p.kv_heads.numel()) for p in parts] == [(2, 1)] * 6
     assert torch.equal(torch.cat([p.q_heads for p in parts]), group.q_heads)

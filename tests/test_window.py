@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 from typing import Dict, List, Tuple
+from unittest import mock
 
 import pytest
 import torch
 
 from dilated_attention import dilated_attention, ring_attention
+from dilated_attention import policy
 from dilated_attention import window as windows
 from dilated_attention.distributed import comm
 from dilated_attention.tools import launch
@@ -29,18 +31,13 @@ from reference import close, grads, reference_window_attention, window_counts
 def small_sizes(block: int, stripe: int, launch: int):
     """Blocks of `block` rows, stripes of `stripe`, runs of `launch` rows: many blocks,
     runs and stripes at test sizes."""
-    saved = (dict(windows.BLOCK_ROWS), dict(windows.ROWS_PER_BLOCK),
-             dict(windows.ROWS_PER_LAUNCH))
-    windows.BLOCK_ROWS["cpu"], windows.ROWS_PER_BLOCK["cpu"] = (block, block), stripe
-    windows.ROWS_PER_LAUNCH["cpu"] = launch
     windows.window_plan.cache_clear()
     try:
-        yield
+        with mock.patch.dict(policy.WINDOW_BLOCK_ROWS, {"cpu": (block, block)}), \
+                mock.patch.dict(policy.ROWS_PER_BLOCK, {"cpu": stripe}), \
+                mock.patch.dict(policy.ROWS_PER_LAUNCH, {"cpu": launch}):
+            yield
     finally:
-        for table, old in zip((windows.BLOCK_ROWS, windows.ROWS_PER_BLOCK,
-                               windows.ROWS_PER_LAUNCH), saved):
-            table.clear()
-            table.update(old)
         windows.window_plan.cache_clear()
 
 

@@ -206,8 +206,8 @@ def merge_over_ranks(out: Tensor, lse: Tensor, group) -> Tuple[Tensor, Tensor]:
     packed = torch.cat([out, lse[..., None]], dim=-1)[None]
     everyone = comm.all_gather(packed, group, dim=0)  # (P, b, 1, h, d + 1)
     acc_out, acc_lse = empty_accumulators(out.shape, out.dtype, out.device)
-    for part in everyone:
-        merge_(acc_out, acc_lse, part[..., :-1], part[..., -1])
+    for partial in everyone:
+        merge_(acc_out, acc_lse, partial[..., :-1], partial[..., -1])
     return acc_out, acc_lse
 
 

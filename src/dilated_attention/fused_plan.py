@@ -85,7 +85,7 @@ bounds each span by its tile's last (first) row and masks per element.
 from __future__ import annotations
 
 import functools
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Sequence, Tuple
 
 import torch
 from torch import Tensor

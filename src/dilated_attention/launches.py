@@ -11,7 +11,7 @@ Note [block accumulators]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 Blocks take turns. The block whose turn it is holds fp32 accumulators (for
 fp32 inputs: views of the outputs themselves; also in half precision where
-no entry gets more than two writes, ``in_output``). A launch output for another
+no entry gets more than two writes, ``policy.in_output``). A launch output for another
 block (a cross launch's dK/dV, a remote launch's rows) is kept as it is,
 compact, and applied when that block's accumulators are made; if a block's
 pending outputs grow as large as its accumulators, these are made at once.
@@ -43,46 +43,19 @@ from typing import Callable, Dict, Iterator, List, Optional, Protocol, Tuple
 import torch
 from torch import Tensor
 
+from . import policy
 from .kernels import KernelOptions, attention_backward, attention_forward, lse_dtype
 from .merge import merge_, merge_selected_
 from .patterns import (HeadGroup, Segments, Stride, gather, is_view, scatter_add_, selection,
                        strided_view)
 from .plan import Block, Plan, RemoteLaunch, Transfer
 
-# Merges and scatters go in slices of at most this many elements: their
-# temporaries (an fp32 copy of a low-precision launch output, the selected
-# accumulator rows) stay small whatever the launch size. A GPU needs far larger
-# slices: each slice is several kernel launches, and at the CPU's size the
-# launch latency dominated (measured on an H100: the op ran 6-17x its kernels'
-# time with 2^19).
-SLICE_ELEMENTS = {"cpu": 1 << 17, "cuda": 1 << 24}
-
-
-def slice_elements(device: torch.device) -> int:
-    return SLICE_ELEMENTS.get(device.type, SLICE_ELEMENTS["cpu"])
-
-
-# Whether a device's forward kernels read dense copies of the strided views a launch
-# selects (patterns.Stride: a rate-r group's rows and heads, with gaps). Measured on CPU,
-# LongNet fp32, one thread, CPU time, the variants taking turns (a busy machine): the
-# flash kernel ran the rate-2 views slower than dense copies of them, by more than the
-# copies cost (8K, 20 turns: the forward's kernels 4.2% faster, the forward 2.4%, paired
-# medians; 16K: kernels 1.64 against 1.79 s, forward 1.75 against 1.88 s, medians of 8).
-# Its backward did not gain (8K: kernels 1.0% slower, the step 2.5%), so backward
-# launches read the views. Merges and scatters write through the views either way (no
-# advanced indexing). A launch holds its copies of q, k, v (ROWS_PER_LAUNCH rows at most)
-# until its kernel returns (working memory, forward, fp32: 16K 1.146 -> 1.297, 64K
-# 1.050 -> 1.086 input-sized tensors). CUDA launches read gathered copies already
-# (plan.STRIDED_VIEWS), views only where measured (gpu_suite's strided part). On meta
-# (estimate's dry run) only a CPU plan has views with gaps: copied, as on the CPU.
-DENSE_KERNEL_INPUTS = {"cpu": True, "meta": True}
-
-
 def _kernel_input(x: Tensor, segs: Segments, heads: Tensor, index: Tensor,
                   stride: Optional[Stride]) -> Tensor:
-    """`gather` for a local forward launch's kernel: dense where DENSE_KERNEL_INPUTS says."""
+    """`gather` for a local forward launch's kernel: dense where policy.DENSE_KERNEL_INPUTS
+    says."""
     y = gather(x, segs, heads, index, stride)
-    return y.contiguous() if DENSE_KERNEL_INPUTS.get(x.device.type, False) else y
+    return y.contiguous() if policy.dense_kernel_inputs(x.device.type) else y
 
 
 class RemoteKeys(Protocol):
@@ -120,18 +93,6 @@ class Kind(enum.IntEnum):
 
 FORWARD_KINDS = (Kind.OUT,)
 BACKWARD_KINDS = (Kind.DQ, Kind.DK, Kind.DV)
-
-
-def in_output(block: Block, dtype: torch.dtype) -> bool:
-    """Whether `block` accumulates in the output tensor itself, with no fp32 copy.
-
-    Always for the accumulator dtype. In half precision when no entry gets more
-    than two writes: the first lands exactly (a merge into the identity, an add
-    to zero), the second is computed in fp32 and rounded once, which is what an
-    fp32 accumulator written out at the end gives, bit for bit. A third write
-    would round twice.
-    """
-    return dtype == lse_dtype(dtype) or 0 < block.entry_writes <= 2
 
 
 class Blocks:
@@ -250,7 +211,7 @@ def output_accumulators(q: Tensor) -> Tuple[Tensor, Tensor, Callable, Callable, 
     def make(block: Block, kind: Kind, init: bool) -> Tuple[Tensor, Tensor]:
         # the merge's identity (0, -inf); lse is written in place, out too where it can
         lo, hi = block.lo, block.hi
-        acc_out = (out[:, lo:hi] if in_output(block, out.dtype)
+        acc_out = (out[:, lo:hi] if policy.in_output(block.entry_writes, out.dtype)
                    else torch.empty((b, hi - lo, h, d), dtype=acc, device=q.device))
         acc_lse = lse[:, lo:hi]
         if init:
@@ -259,11 +220,11 @@ def output_accumulators(q: Tensor) -> Tuple[Tensor, Tensor, Callable, Callable, 
         return acc_out, acc_lse
 
     def write(block: Block, kind: Kind, accs: Tuple[Tensor, Tensor]) -> None:
-        if not in_output(block, out.dtype):
+        if not policy.in_output(block.entry_writes, out.dtype):
             out[:, block.lo:block.hi] = accs[0]
 
     def nbytes(block: Block, kind: Kind) -> int:
-        if in_output(block, out.dtype):
+        if policy.in_output(block.entry_writes, out.dtype):
             return 0
         return b * (block.hi - block.lo) * h * d * torch.finfo(acc).bits // 8
 
@@ -280,19 +241,21 @@ def gradient_accumulators(*inputs: Tensor) -> Tuple[Tuple[Tensor, ...], Callable
 
     def make(block: Block, kind: Kind, init: bool) -> Tensor:
         g, lo, hi = of_kind[kind], block.lo, block.hi
-        if in_output(block, g.dtype):
+        if policy.in_output(block.entry_writes, g.dtype):
             return g[:, lo:hi].zero_() if init else g[:, lo:hi]
         new = torch.zeros if init else torch.empty
         return new((g.shape[0], hi - lo) + g.shape[2:], dtype=acc, device=g.device)
 
     def write(block: Block, kind: Kind, block_acc: Tensor) -> None:
-        if not in_output(block, of_kind[kind].dtype):
+        if not policy.in_output(block.entry_writes, of_kind[kind].dtype):
             of_kind[kind][:, block.lo:block.hi] = block_acc
 
     def nbytes(block: Block, kind: Kind) -> int:
         g = of_kind[kind]
         per_row = g[:, :1].numel() * torch.finfo(acc).bits // 8
-        return 0 if in_output(block, g.dtype) else (block.hi - block.lo) * per_row
+        if policy.in_output(block.entry_writes, g.dtype):
+            return 0
+        return (block.hi - block.lo) * per_row
 
     return grads, make, write, nbytes
 
@@ -363,7 +326,7 @@ def _assign(acc: Tensor, segs: Segments, y: Tensor) -> None:
 
 
 def row_slices(rows: int, per_row: int, device: torch.device) -> List[slice]:
-    step = max(1, slice_elements(device) // max(per_row, 1))
+    step = max(1, policy.slice_elements(device.type) // max(per_row, 1))
     return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 
@@ -545,14 +508,14 @@ def _scatter_into(blocks: Blocks, index: int, split, kind: Kind, sel, y: Tensor,
         return
     # one segment: (b, rows, heads, d) -> (b, rows * heads, d), the entries in each block
     flat = y.flatten(1, 2)
-    for part in split:
-        entries = flat[:, part.index]
+    for share in split:
+        entries = flat[:, share.index]
 
-        def apply(a: Tensor, part=part, entries=entries) -> None:
+        def apply(a: Tensor, share=share, entries=entries) -> None:
             # each (row, head) once within a block: read-add-write is exact
-            a[:, part.rows, part.heads] += entries
+            a[:, share.rows, share.heads] += entries
 
-        blocks.add(part.block, kind, apply, entries.nbytes)
+        blocks.add(share.block, kind, apply, entries.nbytes)
 
 
 def _backward_remote(saved, remote: RemoteKeys, blocks: Blocks, opts: KernelOptions) -> None:
@@ -590,9 +553,9 @@ def _add_home(home: Tensor, transfer: Transfer, blocks: Blocks) -> None:
     for index, rows, heads, columns in transfer.homes:
         for which, kind in enumerate((Kind.DK, Kind.DV)):
             # (b, e, d) entries of this block: each (row, kv head) once, so += is exact
-            part = home[which][:, columns]
+            entries = home[which][:, columns]
 
-            def apply(a: Tensor, part=part, rows=rows, heads=heads) -> None:
-                a[:, rows, heads] += part
+            def apply(a: Tensor, entries=entries, rows=rows, heads=heads) -> None:
+                a[:, rows, heads] += entries
 
-            blocks.add(index, kind, apply, part.nbytes)
+            blocks.add(index, kind, apply, entries.nbytes)

@@ -49,7 +49,7 @@ def merge_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
     acc_out (..., d) fp32/fp64, acc_lse (...); out (..., d) any float dtype,
     lse (...). Rows where both sides are -inf stay (0, -inf), never NaN.
     An acc_out in a lower precision than acc_lse (an output that is its own
-    accumulator, launches.in_output) merges through an fp32 copy, rounded once.
+    accumulator, policy.in_output) merges through an fp32 copy, rounded once.
     """
     if _use_kernel(acc_out.device):
         from . import merge_kernel

@@ -28,7 +28,7 @@ rows whatever n is:
   no mask; with causal only parts before it), and against its parts on
   other ranks (*transfers*: the selected key/value rows, fetched).
 
-A *sparse* part, whose heads read fewer than MIN_ROWS_PER_BLOCK_PART rows in
+A *sparse* part, whose heads read fewer than policy.MIN_ROWS_PER_BLOCK_PART rows in
 a block's share but at most a launch's rows in all (LongNet's long patterns,
 w / r = 2048, over blocks of a large rank), is not cut by blocks: one launch
 per head group covers it, and its outputs are split over the blocks they
@@ -69,38 +69,10 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from . import policy
 from .layout import Chunk, Documents, Layout, segments_between
 from .patterns import HeadGroup, Heads, Patterns, Segments, cross_head_groups
 from .patterns import selected_pairs, split_heads
-
-# Rows per block (and so per launch): at least this many rows, and at most
-# MAX_BLOCKS blocks per rank, so that the accumulators of a block stay a small
-# fraction of the rank's rows while the per-launch Python overhead stays
-# constant in n (which also keeps shape-only dry runs on meta tensors fast).
-# CUDA: 4096 rows (12 heads: 49,152 query rows, about 3 waves of the H100's
-# 132 SMs) keeps working memory at 64K tokens under 1.25 / 4.5 input-sized
-# tensors (forward / training, bf16: a launch's outputs, and in backward the
-# kernel's fp32 dq, are a sixteenth of an input each); blocks of 131,072 rows
-# held 3.13 / 10.16 there (estimate --device cuda --dry-run). From 128K tokens
-# on, blocks are n / MAX_BLOCKS rows.
-ROWS_PER_BLOCK = {"cpu": 2048, "cuda": 4096}
-MAX_BLOCKS = 32
-# Segments batched into one launch hold at most this many rows (a longer
-# segment is one launch): a launch's gathers, outputs and the kernel's own
-# scratch stay a fraction of a block. None: a whole block (the block already
-# bounds them; a GPU wants the largest launches that fit).
-ROWS_PER_LAUNCH = {"cpu": 2048, "cuda": None}
-# A launch on gathered rows copies its q, k, v and allocates its output (in
-# backward also dout, out and three gradients), where a launch on a view
-# allocates only its output: a gathered launch holds at most this share of a
-# launch's (row, head) entries, cut by heads (patterns.split_heads).
-GATHERED_SHARE = 4
-# Whether a device's launches read arithmetic selections (rate r, one offset per
-# run of heads) as strided views (patterns.Stride): on CPU a rate-2 launch's
-# merges and scatters then copy nothing (its forward kernel reads dense copies,
-# launches.DENSE_KERNEL_INPUTS, no advanced indexing); the CUDA kernels are given
-# dense gathered copies, as measured on an H100, until views are measured there.
-STRIDED_VIEWS = {"cpu": True, "cuda": False}
 
 # --------------------------------------------------------------------------
 # The plan's parts
@@ -274,21 +246,6 @@ class Plan(NamedTuple):
 # Building a plan
 
 
-def block_rows(n: int, segment_lengths: Sequence[int], device_type: str) -> int:
-    """Rows per block: the launch minimum or n / MAX_BLOCKS, a multiple of the largest
-    segment length that fits (so those segments never straddle a block border).
-
-    With at most two patterns a segment up to twice that fits too: a block that
-    only whole segments write then gets at most two writes per entry, and such a
-    block accumulates in the output itself, in any dtype (launches.in_output),
-    so a larger block costs no accumulator and saves the cut segments' launches.
-    """
-    target = max(ROWS_PER_BLOCK.get(device_type, ROWS_PER_BLOCK["cpu"]), -(-n // MAX_BLOCKS))
-    fits = target * (2 if len(segment_lengths) <= 2 else 1)
-    unit = max([w for w in segment_lengths if w <= fits], default=1)
-    return max(unit, target // unit * unit)
-
-
 def _blocks_of(chunks: List[Chunk], rows: int) -> List[Tuple[int, int, int]]:
     """(global lo, global hi, local lo) of this rank's blocks, chunk by chunk, on the global grid."""
     out = []
@@ -410,11 +367,10 @@ def make_plan(layout: Layout, patterns: Patterns, causal: bool, heads: Heads, ra
     are cached: a call with the same shapes reuses its plan.
     """
     kind = device_type or torch.device(device).type
-    rows = block_rows(layout.rows_of(rank), patterns[0], kind)
-    launch_rows = ROWS_PER_LAUNCH.get(kind, ROWS_PER_LAUNCH["cpu"]) or rows
-    min_part = MIN_ROWS_PER_BLOCK_PART.get(kind, MIN_ROWS_PER_BLOCK_PART["cpu"])
-    return _make_plan(layout, patterns, causal, heads, rank, device, documents, rows, launch_rows,
-                      min_part, STRIDED_VIEWS.get(kind, False))
+    rows = policy.block_rows(layout.rows_of(rank), patterns[0], kind)
+    return _make_plan(layout, patterns, causal, heads, rank, device, documents, rows,
+                      policy.rows_per_launch(kind, rows), policy.min_rows_per_block_part(kind),
+                      policy.strided_views(kind))
 
 
 @functools.lru_cache(maxsize=64)
@@ -488,7 +444,7 @@ class _PlanBuilder:
         q_hi, k_lo, k_hi)) over `count` segments: gathered groups cut by heads to a launch's
         share of entries (once per span: thousands of segments share a few); strided groups
         on a `run` of segments are views, and the identity group stays whole."""
-        entries = max(1, self.launch_rows * self.heads.count // GATHERED_SHARE // count)
+        entries = max(1, self.launch_rows * self.heads.count // policy.GATHERED_SHARE // count)
         key = (span, rate, entries, run)
         if key not in self._groups:
             span4 = span if len(span) == 4 else span + span
@@ -617,14 +573,6 @@ class _PlanBuilder:
                 out.append(RemoteLaunch(-1, Segments(self.local(qa), 1, qb - qa), g,
                                         _cut(directory, g, self.device), block))
         return tuple(out)
-
-
-# Below this many rows per head in a block's share of a segment, launches per pair of
-# blocks would be tiny: such a segment part runs whole (Note [plan], sparse parts). A
-# GPU's launches must be larger: with 4096-row blocks, LongNet's geometric schedule
-# (2048..65536 / 1..32) at 64K tokens made 273 launches of 6144 query rows (median)
-# with 256, 63 of 12,288 with 2048.
-MIN_ROWS_PER_BLOCK_PART = {"cpu": 256, "cuda": 2048}
 
 
 def _sparse(part: Chunk, rate: int, launch_rows: int, block_rows: int, min_part: int) -> bool:

@@ -42,7 +42,7 @@ Work per query row: left + right - B keys in the middle plus two B-row
 triangles, exactly the band's pairs; the kernels pay for the triangles a
 little more than half a square (the CPU flash kernel skips only whole
 512-row key blocks above its diagonal), hence blocks far shorter than the
-window (BLOCK_ROWS).
+window (policy.WINDOW_BLOCK_ROWS).
 
 Outputs merge into row *stripes* of about S rows (the accumulators of
 launches.Blocks: the output itself for fp32, fp32 buffers otherwise), the
@@ -60,20 +60,14 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Protocol, Tuple
 import torch
 from torch import Tensor
 
+from . import policy
 from .kernels import (KernelOptions, attention_backward, attention_forward, lse_dtype,
                       save_for_backward, saved_for_backward)
 from .launches import (BACKWARD_KINDS, FORWARD_KINDS, Blocks, Kind, gradient_accumulators,
                        output_accumulators, row_slices)
 from .merge import merge_
 from .layout import Chunk, Documents
-from .plan import ROWS_PER_BLOCK, ROWS_PER_LAUNCH
 from .validation import check_first_order
-
-# Query rows per block at most (B), forward and backward: a triangle of B rows costs the
-# CPU flash kernel about 3/4 of a B-square at 1024 rows (it skips 512-row key blocks
-# above the diagonal only), so larger blocks waste more; smaller ones make more launches
-# and merges, and in backward more dK/dV partials (the middle's keys, per block) to add.
-BLOCK_ROWS = {"cpu": (512, 1024), "cuda": (4096, 4096)}
 
 # A tile's mask: none, key j <= query i (the kernels' causal square), key j >= query i
 # (the causal square of the rows reversed)
@@ -170,12 +164,6 @@ class WindowPlan(NamedTuple):
     launches: int
 
 
-def block_rows(left: int, right: int, device_type: str, backward: bool = False) -> int:
-    """B: query rows per block of a pass (Note [window tiles])."""
-    rows = BLOCK_ROWS.get(device_type, BLOCK_ROWS["cpu"])[int(backward)]
-    return max(1, min(left + right, rows))
-
-
 def _document_pieces(chunk: Chunk, documents: Documents,
                      total: int) -> List[Tuple[int, int, int, int]]:
     """(global lo, hi, document start, stop) of the chunk cut at document boundaries."""
@@ -199,11 +187,10 @@ def window_plan(chunks: Tuple[Chunk, ...], received: Tuple[Tuple[int, int, int],
     ((global start, stop, round)) and sends the local rows `sent` ((lo, hi)) in an
     exchange of `rounds` rounds; reaches `left`, `right` (an unbounded side is `total`).
     One device: one chunk, no halos, no rounds. The forward and the `backward` may cut
-    their blocks differently (BLOCK_ROWS): each reruns every visible pair once."""
-    b_rows = block_rows(left, right, device_type, backward)
-    s_rows = max(b_rows, ROWS_PER_BLOCK.get(device_type, ROWS_PER_BLOCK["cpu"]) // b_rows * b_rows)
-    # None: a whole stripe (plan.ROWS_PER_LAUNCH)
-    launch_rows = max(b_rows, ROWS_PER_LAUNCH.get(device_type, ROWS_PER_LAUNCH["cpu"]) or s_rows)
+    their blocks differently (policy.WINDOW_BLOCK_ROWS): each reruns every visible pair once."""
+    b_rows = policy.window_block_rows(left, right, device_type, backward)
+    s_rows = policy.window_stripe_rows(b_rows, device_type)
+    launch_rows = max(b_rows, policy.rows_per_launch(device_type, s_rows))
     sources = tuple([Source(c.start, c.stop, c.local, -1) for c in chunks]
                     + [Source(a, z, None, r) for a, z, r in received])
     # the blocks of each chunk's documents (global lo, hi, document start, stop, local
@@ -581,17 +568,17 @@ def _add_own(blocks: Blocks, stripes: _Stripes, kind: Kind, lo: int, count: int,
     hi = lo + (count - 1) * step + length
     for index, first, a, z in stripes.pieces(lo, hi):
         if count > 1:  # one piece
-            part = grad
+            rows_grad = grad
 
-            def apply(acc: Tensor, at=a - first, part=part) -> None:
-                _rows(acc, at, count, length, step).add_(part)
+            def apply(acc: Tensor, at=a - first, rows_grad=rows_grad) -> None:
+                _rows(acc, at, count, length, step).add_(rows_grad)
         else:
-            part = grad[:, 0, a - lo:z - lo]
+            rows_grad = grad[:, 0, a - lo:z - lo]
 
-            def apply(acc: Tensor, at=a - first, part=part) -> None:
-                acc[:, at:at + part.shape[1]].add_(part)
+            def apply(acc: Tensor, at=a - first, rows_grad=rows_grad) -> None:
+                acc[:, at:at + rows_grad.shape[1]].add_(rows_grad)
 
-        blocks.add(index, kind, apply, part.nbytes)
+        blocks.add(index, kind, apply, rows_grad.nbytes)
 
 
 # --------------------------------------------------------------------------

@@ -242,13 +242,13 @@ def compact_plan(plan: Plan, heads: int) -> Plan:
         stored.update(l.id for l in block.backward[:launches.stored_launches(
             block.backward, span, heads, keys=True)])
         run: List[Launch] = []
-        for launch in block.forward + (None,):
-            sig = _own_launch(launch, block.index)
+        for item in block.forward + (None,):
+            sig = _own_launch(item, block.index)
             if run and (sig is None or sig != _own_launch(run[0], block.index)):
                 dropped.update(l.id for l in run[1:-1])
                 run = []
             if sig is not None:
-                run.append(launch)
+                run.append(item)
     dropped -= stored
     if not dropped:
         return plan

@@ -21,8 +21,8 @@ from ...distributed.ulysses import HeadSplit
 from ...kernels import lse_dtype
 from ...patterns import Heads
 from ...layout import Layout
-from ...plan import ROWS_PER_BLOCK, ROWS_PER_LAUNCH, Plan, transfer_counts
-from ...window import block_rows as window_block_rows
+from ... import policy
+from ...plan import Plan, transfer_counts
 from .config import EstimateConfig, split
 
 # forward bytes, forward messages, backward bytes, backward messages of one rank
@@ -205,7 +205,6 @@ def kernel_scratch(config: EstimateConfig, plan: Plan = None, n: int = 0) -> Tup
 def _window_launch_rows(config: EstimateConfig) -> int:
     """Query rows of a sliding window's largest kernel call: a run of tiles over a stripe
     of row blocks (window.window_plan; the backward's blocks are the longer)."""
-    b_rows = window_block_rows(*config.reaches(), config.device, backward=True)
-    stripe = max(b_rows, ROWS_PER_BLOCK.get(config.device, ROWS_PER_BLOCK["cpu"]) // b_rows
-                 * b_rows)
-    return max(b_rows, ROWS_PER_LAUNCH.get(config.device, ROWS_PER_LAUNCH["cpu"]) or stripe)
+    b_rows = policy.window_block_rows(*config.reaches(), config.device, backward=True)
+    stripe = policy.window_stripe_rows(b_rows, config.device)
+    return max(b_rows, policy.rows_per_launch(config.device, stripe))

@@ -20,7 +20,6 @@ import time
 
 import torch
 
-from ...distributed import comm
 from .. import launch
 from ...models.lm import LongNetLM
 from ..launch import fake_world

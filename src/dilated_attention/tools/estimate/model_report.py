@@ -9,7 +9,7 @@ from typing import Dict, List, Optional
 
 from ...models.checkpointing import CHECKPOINT_MODES
 from ..settings import MB, plural
-from .model import Fit, ModelEstimate, ModelSetup, estimate_modes, longest, world_sizes
+from .model import Fit, ModelSetup, estimate_modes, longest, world_sizes
 from .model_dryrun import dry_run
 
 

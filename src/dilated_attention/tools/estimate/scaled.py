@@ -16,7 +16,7 @@ at the real length (arithmetic) plus the working memory beyond them, which is
 extrapolated along the line through the two representatives' (per rank and
 phase; the modelled kernel buffers alike).
 
-Why a line: above MAX_BLOCKS row blocks per rank (``plan.block_rows``) a rank's
+Why a line: above policy.MAX_BLOCKS row blocks per rank (``policy.block_rows``) a rank's
 block grows with its rows, and so does every part of the working memory that is
 not constant: one block's accumulators, launches over segments cut by blocks and
 their pending outputs, the exchange's buffers. What stays constant is a launch of
@@ -57,7 +57,7 @@ import dataclasses
 import time
 from typing import Dict, List, Optional, Tuple
 
-from ...plan import MAX_BLOCKS, ROWS_PER_BLOCK, ROWS_PER_LAUNCH, block_rows
+from ... import policy
 from . import dryrun
 from .config import EstimateConfig, split
 from .formula import busiest, kernel_scratch, minimum, traffic
@@ -66,8 +66,8 @@ from .formula import busiest, kernel_scratch, minimum, traffic
 # two seconds of dry run on this machine's CPU).
 BUDGET = 1 << 14
 # A representative's rows are at least this many blocks of the device's minimum, so that
-# its blocks grow with its rows as the real ones do (above MAX_BLOCKS blocks' worth).
-_LARGE_BLOCKS = 2 * MAX_BLOCKS
+# its blocks grow with its rows as the real ones do (above policy.MAX_BLOCKS blocks' worth).
+_LARGE_BLOCKS = 2 * policy.MAX_BLOCKS
 # A sliding window's dry run costs about one launch's per this many rows (its tiles run
 # per 512-row block, forward and backward: 1.4 s of CPU for 128K rows in training here).
 _WINDOW_ROWS_PER_LAUNCH = 8
@@ -215,7 +215,7 @@ def scale(config: EstimateConfig, budget: int = BUDGET) -> int:
     its reach twice and _WINDOW_STRIPES stripes, so that the halos keep their rows and
     rounds, and the stripes they write are followed by stripes they do not)."""
     rows = _traced_rows(config)
-    block = ROWS_PER_BLOCK.get(config.device, ROWS_PER_BLOCK["cpu"])
+    block = policy.rows_per_block(config.device)
     large = _LARGE_BLOCKS * block
     if config.windowed:
         large = 2 * max(config.reaches()) + _WINDOW_STRIPES * block
@@ -236,8 +236,8 @@ def representative(config: EstimateConfig, k: int) -> EstimateConfig:
         step = 2 * config.world_size if config.layout == "zigzag" else 1
         return dataclasses.replace(config, seq_len=n // step * step)
     rows = _traced_rows(config)
-    block = block_rows(rows, config.segment_lengths, config.device)
-    target = rows // k // MAX_BLOCKS  # the representative's block
+    block = policy.block_rows(rows, config.segment_lengths, config.device)
+    target = rows // k // policy.MAX_BLOCKS  # the representative's block
     segs, rates = [], []
     for w, r in zip(*config.patterns):
         long = min(w, config.seq_len) > block
@@ -269,7 +269,7 @@ def _launches(config: EstimateConfig) -> int:
         return 0
     # CUDA launches take a whole block, but the plan still enumerates its segments: count
     # those in CPU-sized launches
-    launch = ROWS_PER_LAUNCH.get(config.device) or ROWS_PER_LAUNCH["cpu"]
+    launch = policy.ROWS_PER_LAUNCH.get(config.device) or policy.ROWS_PER_LAUNCH["cpu"]
     return sum(-(-rows // max(min(w, config.seq_len), launch)) for w in config.segment_lengths)
 
 
