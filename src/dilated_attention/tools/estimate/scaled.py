@@ -62,9 +62,11 @@ from . import dryrun
 from .config import EstimateConfig, split
 from .formula import busiest, kernel_scratch, minimum, traffic
 
-# Launches a rank's plan may have for the dry run to run at the real length (16K: about
-# two seconds of dry run on this machine's CPU).
-BUDGET = 1 << 14
+# Launches a rank's plan may have for the dry run to run at the real length (8K: about
+# three seconds of dry run on this machine's CPU; above it, two representatives of at
+# most this many launches: `estimate --seq-len 1T` traces 4M and 8M rows in about 6 s,
+# the same peak to the byte as with twice the budget, which took 9-11 s).
+BUDGET = 1 << 13
 # A representative's rows are at least this many blocks of the device's minimum, so that
 # its blocks grow with its rows as the real ones do (above policy.MAX_BLOCKS blocks' worth).
 _LARGE_BLOCKS = 2 * policy.MAX_BLOCKS
