@@ -40,6 +40,7 @@ cache of the same case.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from typing import Dict, List
@@ -169,9 +170,11 @@ def main(argv=None) -> None:
                 if size == 1:
                     single = busiest["cache_bytes"]
                 ratio = f"{busiest['cache_bytes'] / single:.3f}" if single else "-"
+                prefill = busiest["prefill_s"]
+                prefill = "-" if math.isnan(prefill) else f"{prefill:.1f}"  # --prefill random
                 print(f"| {preset} | {context} | {size} | {busiest['cache_bytes'] / 2**20:.1f} | "
                       f"{ratio} | {busiest['peak_bytes'] / 2**20:.0f} | "
-                      f"{busiest['prefill_s']:.1f} | {busiest['ms_per_token']:.1f} | "
+                      f"{prefill} | {busiest['ms_per_token']:.1f} | "
                       f"{busiest['wait_ms']:.1f} | {busiest['bytes_per_step']} "
                       f"({busiest['formula_bytes']}) | {busiest['messages_per_step']} |",
                       flush=True)
