@@ -142,6 +142,10 @@ def _add_model_options(p: argparse.ArgumentParser, *, many_lengths: bool) -> Non
                    help="key/value heads, dividing --heads (default: --heads)")
     p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
     p.add_argument("--causal", action="store_true", help="causal attention")
+    p.add_argument("--window", type=positive_int, default=None, metavar="L",
+                   help="ring attention with a sliding window (--impl ring): each query sees "
+                        "the L keys before it (and, without --causal, the L after it); "
+                        "sequence-parallel it runs the halo exchange")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,10 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
                        default=None, help="implementations (default dilated): dilated "
                        "attention (sequence-parallel for P > 1), dense ring attention, plain "
                        "single-device SDPA (dense, P = 1 only)")
-    bench.add_argument("--window", type=positive_int, default=None, metavar="L",
-                       help="ring attention with a sliding window: each query sees the L keys "
-                       "before it (and, without --causal, the L after it); sequence-parallel "
-                       "it runs the halo exchange")
     bench.add_argument("--dtype", choices=("auto",) + DTYPES, default="auto",
                        help="default recommended_dtype(device): float32 on CPU; on CUDA bfloat16 from "
                        "compute capability 8.0, float16 on 7.x, float32 below")
@@ -223,10 +223,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(estimate, many_lengths=False)
     estimate.add_argument("--impl", choices=("dilated", "ring"), default="dilated",
                           help="dilated attention or dense ring attention (dilated)")
-    estimate.add_argument("--window", type=positive_int, default=None, metavar="L",
-                          help="ring attention with a sliding window (as bench --window): each "
-                          "query sees the L keys before it (and, without --causal, the L after "
-                          "it); sequence-parallel it runs the halo exchange")
     estimate.add_argument("--dtype", choices=DTYPES, default="float32")
     estimate.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                           help="the device modelled: its row blocks, launch sizes and kernels "
