@@ -2,20 +2,20 @@
 
     python benchmarks/bench_window.py                                  # 64K, window 4096 causal
     python benchmarks/bench_window.py --seq-lens 16384 65536 --repeats 5
-    python benchmarks/bench_window.py --block-rows 512 1024 2048       # the block size B
+    python benchmarks/bench_window.py --tile-rows 512 1024 2048        # the tile-row size B
     python benchmarks/bench_window.py --traffic-only                   # bytes per rank, 4 ranks
 
 Time (one process, fp32 by default, 12 heads x 64, batch 1): the op
 (``ring_attention(q, k, v, window_size=(W, 0), is_causal=True)``), forward and
 forward + backward, against two floors that take turns with it (A B A B):
 
-- *reach floor*: per query block of the op's own B rows (each pass its own B),
-  one unmasked launch of the same kernel on exactly the keys the block's window
+- *reach floor*: per tile row of the op's own B rows (each pass its own B),
+  one unmasked launch of the same kernel on exactly the keys the row's window
   reaches, [q0 - W, q1) (B + W keys), no merge; forward + backward adds the
-  kernel's backward on each backward block, given that launch's out and lse.
-  What the op would cost if it read its keys once per block and masking were
+  kernel's backward on each backward tile row, given that launch's out and lse.
+  What the op would cost if it read its keys once per tile row and masking were
   free.
-- *band floor*: per query block, one unmasked launch on W + 1 keys (as many as
+- *band floor*: per tile row, one unmasked launch on W + 1 keys (as many as
   each query sees): the kernel's speed times the band's pairs, the least any
   exact method with this kernel computes.
 
@@ -81,7 +81,7 @@ def op_step(n: int, window: int, dtype: torch.dtype, backward: bool) -> Callable
 
 def floor_step(n: int, window: int, dtype: torch.dtype, backward: bool,
                keys: str) -> Callable[[], None]:
-    """One unmasked kernel launch per query block of the op's B rows (each pass its own B):
+    """One unmasked kernel launch per tile row of the op's B rows (each pass its own B):
     on the keys its window reaches (`keys` "reach") or on window + 1 keys ("band"). The
     backward launches get their out and lse ready, as the op's backward does."""
     q, k, v = make_inputs(n, dtype)
@@ -94,10 +94,10 @@ def floor_step(n: int, window: int, dtype: torch.dtype, backward: bool,
             # views: the kernel reads them in place, as the op's launches do
             yield q[:, q0:q1], k[:, k0:q1], v[:, k0:q1]
 
-    forward = list(launches(policy.window_block_rows(window, 0, "cpu", backward=False)))
+    forward = list(launches(policy.window_tile_rows(window, 0, "cpu", backward=False)))
     backward_launches = []
     if backward:
-        for q_b, k_b, v_b in launches(policy.window_block_rows(window, 0, "cpu", backward=True)):
+        for q_b, k_b, v_b in launches(policy.window_tile_rows(window, 0, "cpu", backward=True)):
             out, lse = attention_forward(q_b, k_b, v_b, opts)
             backward_launches.append((q_b, k_b, v_b, out, lse))
 
@@ -128,12 +128,12 @@ def memory_in_this_process(n: int, window: int, dtype: torch.dtype, training: bo
     return peak_bytes_of(call, n, warm_up=2 * window + 64)
 
 
-def memory(n: int, window: int, dtype_name: str, training: bool, block_rows) -> float:
-    """`memory_in_this_process` in a fresh process, with blocks of `block_rows` (fwd, bwd)."""
+def memory(n: int, window: int, dtype_name: str, training: bool, tile_rows) -> float:
+    """`memory_in_this_process` in a fresh process, with tile rows of `tile_rows` (fwd, bwd)."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="2")
     out = subprocess.run(
         [sys.executable, __file__, "--memory-case", str(n), str(window), dtype_name,
-         str(int(training)), "--block-rows", *map(str, block_rows)],
+         str(int(training)), "--tile-rows", *map(str, tile_rows)],
         env=env, capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -177,9 +177,9 @@ def main(argv=None) -> None:
     parser.add_argument("--window", type=int, default=4096, help="left reach W (causal)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--block-rows", type=int, nargs="+", default=[0],
-                        help="query rows per block B, forward and backward alike, one table "
-                        "each (0: the defaults of window.BLOCK_ROWS)")
+    parser.add_argument("--tile-rows", type=int, nargs="+", default=[0],
+                        help="query rows per tile row B, forward and backward alike, one table "
+                        "each (0: the defaults of policy.WINDOW_TILE_ROWS)")
     parser.add_argument("--memory-only", action="store_true")
     parser.add_argument("--traffic-only", action="store_true")
     parser.add_argument("--traffic-ranks", type=int, default=4)
@@ -197,7 +197,7 @@ def main(argv=None) -> None:
         return
     if args.memory_case:
         n, window, dtype_name, training = args.memory_case
-        policy.WINDOW_BLOCK_ROWS["cpu"] = tuple(args.block_rows)
+        policy.WINDOW_TILE_ROWS["cpu"] = tuple(args.tile_rows)
         print(memory_in_this_process(int(n), int(window), getattr(torch, dtype_name),
                                      bool(int(training))))
         return
@@ -225,14 +225,14 @@ def main(argv=None) -> None:
     print("\n| B (fwd, bwd) | n | pass | op s (min/med/max) | reach floor s | op / reach | band floor s "
           "| op / band | working memory (x input) |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for b_rows in args.block_rows:
-        _set_block_rows(b_rows)
-        b_rows = "{}, {}".format(*policy.WINDOW_BLOCK_ROWS["cpu"])
+    for b_rows in args.tile_rows:
+        _set_tile_rows(b_rows)
+        b_rows = "{}, {}".format(*policy.WINDOW_TILE_ROWS["cpu"])
         for n in args.seq_lens:
             input_bytes = n * HEADS * HEAD_DIM * item
             for backward in (False, True):
                 mem = memory(n, args.window, args.dtype, backward,
-                             policy.WINDOW_BLOCK_ROWS["cpu"]) / input_bytes
+                             policy.WINDOW_TILE_ROWS["cpu"]) / input_bytes
                 if args.memory_only:
                     times = None
                 else:
@@ -241,7 +241,7 @@ def main(argv=None) -> None:
                         "reach": floor_step(n, args.window, dtype, backward, "reach"),
                         "band": floor_step(n, args.window, dtype, backward, "band"),
                     }, args.repeats)
-                rows.append(dict(kind="time", block_rows=b_rows, n=n, backward=backward,
+                rows.append(dict(kind="time", tile_rows=b_rows, n=n, backward=backward,
                                  times=times, memory=mem))
                 pas = "fwd+bwd" if backward else "fwd"
                 if times is None:
@@ -257,10 +257,10 @@ def main(argv=None) -> None:
     _write(args.json, rows)
 
 
-def _set_block_rows(rows: int) -> None:
+def _set_tile_rows(rows: int) -> None:
     """B for both passes (0: the library's defaults)."""
     if rows:
-        policy.WINDOW_BLOCK_ROWS["cpu"] = (rows, rows)
+        policy.WINDOW_TILE_ROWS["cpu"] = (rows, rows)
         windows.window_plan.cache_clear()
 
 

@@ -28,12 +28,12 @@ from reference import close, grads, reference_window_attention, window_counts
 
 
 @contextlib.contextmanager
-def small_sizes(block: int, stripe: int, launch: int):
-    """Blocks of `block` rows, stripes of `stripe`, runs of `launch` rows: many blocks,
-    runs and stripes at test sizes."""
+def small_sizes(tile_rows: int, stripe: int, launch: int):
+    """Tile rows of `tile_rows` rows, stripes of `stripe`, runs of `launch` rows: many tile
+    rows, runs and stripes at test sizes."""
     windows.window_plan.cache_clear()
     try:
-        with mock.patch.dict(policy.WINDOW_BLOCK_ROWS, {"cpu": (block, block)}), \
+        with mock.patch.dict(policy.WINDOW_TILE_ROWS, {"cpu": (tile_rows, tile_rows)}), \
                 mock.patch.dict(policy.ROWS_PER_BLOCK, {"cpu": stripe}), \
                 mock.patch.dict(policy.ROWS_PER_LAUNCH, {"cpu": launch}):
             yield
@@ -90,7 +90,7 @@ def test_plan_computes_exactly_the_visible_pairs(window, documents):
     counts = window_counts(n, window, cu_seqlens=documents)
     assert _work(plan) == int(counts.sum())
     if window == (64, 0):
-        # blocks of 64 rows (B = left + right), two triangles each, in runs over a stripe
+        # tile rows of 64 rows (B = left + right), two triangles each, in runs over a stripe
         # of 2048 rows: two calls per stripe, and one anti triangle whose keys lie in the
         # stripe before (its dK/dV go there) on its own
         assert plan.launches == 2 * n // 2048 + 1
@@ -200,7 +200,7 @@ def _cases(world: int) -> List[Dict]:
         _case(5, window=(3, 4), n=6 * world, layout="zigzag", hk=1),
         # documents spanning ranks, padding
         _case(6, window=(4, 3), lengths=uneven, documents=[0, 2, 9, sum(uneven)], padded=True),
-        # small blocks, stripes and runs
+        # small tile rows, stripes and runs
         _case(7, window=(6, 2), lengths=[9] * world, dtype=torch.float32, sizes=(2, 4, 4)),
         _case(8, window=(5, 0), causal=True, n=8 * world, layout="zigzag", dtype=torch.bfloat16,
               sizes=(3, 6, 6)),
@@ -405,7 +405,7 @@ def test_halo_bytes_follow_the_window_not_n():
 
 
 def test_cuda_plan_on_meta_tensors():
-    """The CUDA sizes (blocks of up to 4096 rows; launches of a whole stripe) plan and run."""
+    """The CUDA sizes (tile rows of up to 4096 rows; launches of a whole stripe) plan and run."""
     q = torch.empty(1, 3000, 4, 8, device="meta")
     left, right = windows.reaches((1000, 0), 3000)
     plan = windows.window_plan((Chunk(0, 3000, 0, 0),), (), (), 0, left, right, 3000, None,

@@ -15,7 +15,7 @@ What each knob bounds (Note [block accumulators] in launches.py):
 - MIN_ROWS_PER_BLOCK_PART: when a sparse segment part runs whole (Note [plan]);
 - SLICE_ELEMENTS: the temporaries of merges and scatters;
 - STRIDED_VIEWS, DENSE_KERNEL_INPUTS: whether selections are views or copies;
-- WINDOW_BLOCK_ROWS: sliding-window blocks (Note [window tiles] in window.py);
+- WINDOW_TILE_ROWS: a sliding window's tile rows (Note [window tiles] in window.py);
 - ``in_output``: which blocks accumulate in the output tensor itself.
 """
 
@@ -91,12 +91,12 @@ STRIDED_VIEWS: Dict[str, bool] = {"cpu": True, "cuda": False}
 # views with gaps: copied, as on the CPU.
 DENSE_KERNEL_INPUTS: Dict[str, bool] = {"cpu": True, "meta": True}
 
-# Sliding windows: query rows per block at most (B), forward and backward. A triangle
+# Sliding windows: query rows per tile row at most (B), forward and backward. A triangle
 # of B rows costs the CPU flash kernel about 3/4 of a B-square at 1024 rows (it skips
-# 512-row key blocks above the diagonal only), so larger blocks waste more; smaller
+# 512 keys at a time above the diagonal only), so longer rows waste more; shorter
 # ones make more launches and merges, and in backward more dK/dV partials (the
-# middle's keys, per block) to add.
-WINDOW_BLOCK_ROWS: Dict[str, Tuple[int, int]] = {"cpu": (512, 1024), "cuda": (4096, 4096)}
+# middle's keys, per tile row) to add.
+WINDOW_TILE_ROWS: Dict[str, Tuple[int, int]] = {"cpu": (512, 1024), "cuda": (4096, 4096)}
 
 
 def _size(table: Dict[str, T], device_type: str) -> T:
@@ -145,15 +145,16 @@ def block_rows(n: int, segment_lengths: Sequence[int], device_type: str) -> int:
     return max(unit, target // unit * unit)
 
 
-def window_block_rows(left: int, right: int, device_type: str, backward: bool = False) -> int:
-    """B: query rows per block of a sliding window's pass (Note [window tiles])."""
-    rows = _size(WINDOW_BLOCK_ROWS, device_type)[int(backward)]
+def window_tile_rows(left: int, right: int, device_type: str, backward: bool = False) -> int:
+    """B: query rows per tile row of a sliding window's pass (Note [window tiles])."""
+    rows = _size(WINDOW_TILE_ROWS, device_type)[int(backward)]
     return max(1, min(left + right, rows))
 
 
-def window_stripe_rows(block: int, device_type: str) -> int:
-    """S: rows per stripe of a sliding window's pass, a multiple of its blocks."""
-    return max(block, rows_per_block(device_type) // block * block)
+def window_stripe_rows(tile_rows: int, device_type: str) -> int:
+    """S: rows per stripe (the window's row block) of a sliding window's pass, a multiple
+    of its tile rows."""
+    return max(tile_rows, rows_per_block(device_type) // tile_rows * tile_rows)
 
 
 def in_output(entry_writes: int, dtype: torch.dtype) -> bool:

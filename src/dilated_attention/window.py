@@ -7,13 +7,13 @@ sequence length, so every formula below is plain integer arithmetic.
 
 Notation: b batch, n this process's rows, h query heads, hk key/value heads,
 d head dim; "global" rows number the whole sequence, "local" rows this
-process's tensors; B rows per query block, S rows per stripe (accumulators).
+process's tensors; B rows per tile row, S rows per stripe (accumulators).
 
 Note [window tiles]
 ~~~~~~~~~~~~~~~~~~~
 In the (query, key) plane the visible pairs form a band between two
-diagonals. Cut the queries into blocks of B <= left + right rows; block
-[q0, q1) sees three kinds of key ranges, so no score outside the band is
+diagonals. Cut the queries into *tile rows* of B <= left + right rows;
+tile row [q0, q1) sees three kinds of key ranges, so no score outside the band is
 computed and no mask is built:
 
         keys:  q0-left     q1-left               q0+right    q1+right
@@ -22,27 +22,27 @@ computed and no mask is built:
                   |.##########|#####################|##.........|
     query q1-1    |..........#|#####################|###########|
 
-- anti: keys [q0 - left, q1 - left); query i of the block sees key j iff
+- anti: keys [q0 - left, q1 - left); query i of the tile row sees key j iff
   j >= i. The kernels mask only the other triangle (causal), so this tile
   runs on its rows reversed, where it is the causal square;
 - full: keys [q1 - left, q0 + right): every query sees every key;
 - causal: keys [q0 + right, q1 + right): j <= i, the kernels' causal square.
 
 (B <= left + right keeps the two triangles apart; a window of one row, left
-= right = 0, has blocks of one row and only the causal square.) The keys at
+= right = 0, has tile rows of one row and only the causal square.) The keys at
 hand are an interval: a document's rows, this rank's rows or a received
 halo (Note [halo exchange] in distributed/halo.py). Clipping a triangle to
 an interval leaves a smaller triangle and at most one full rectangle
 (``band_tiles``), so every visible pair is computed exactly once, whatever
-cuts the keys. Interior blocks have equal tiles: consecutive ones form a
+cuts the keys. Interior tile rows have equal tiles: consecutive ones form a
 *run*, one kernel call over a (b * count, rows, ...) batch of strided views
-(tiny windows: thousands of blocks, a few calls per stripe).
+(tiny windows: thousands of tile rows, a few calls per stripe).
 
 Work per query row: left + right - B keys in the middle plus two B-row
 triangles, exactly the band's pairs; the kernels pay for the triangles a
 little more than half a square (the CPU flash kernel skips only whole
-512-row key blocks above its diagonal), hence blocks far shorter than the
-window (policy.WINDOW_BLOCK_ROWS).
+512 keys at a time above its diagonal), hence tile rows far shorter than
+the window (policy.WINDOW_TILE_ROWS).
 
 Outputs merge into row *stripes* of about S rows (the accumulators of
 launches.Blocks: the output itself for fp32, fp32 buffers otherwise), the
@@ -82,7 +82,7 @@ def band_tiles(q0: int, q1: int, k0: int, k1: int, left: int,
     tiles]). Needs q1 - q0 <= max(1, left + right)."""
     rows = q1 - q0
     if rows > max(1, left + right):
-        raise ValueError(f"a block of {rows} query rows is longer than the window "
+        raise ValueError(f"a tile row of {rows} query rows is longer than the window "
                          f"{left} + {right}")
     tiles = []
     squares = [(q0 + right, CAUSAL)]
@@ -187,13 +187,14 @@ def window_plan(chunks: Tuple[Chunk, ...], received: Tuple[Tuple[int, int, int],
     ((global start, stop, round)) and sends the local rows `sent` ((lo, hi)) in an
     exchange of `rounds` rounds; reaches `left`, `right` (an unbounded side is `total`).
     One device: one chunk, no halos, no rounds. The forward and the `backward` may cut
-    their blocks differently (policy.WINDOW_BLOCK_ROWS): each reruns every visible pair once."""
-    b_rows = policy.window_block_rows(left, right, device_type, backward)
+    their tile rows differently (policy.WINDOW_TILE_ROWS): each reruns every visible pair
+    once."""
+    b_rows = policy.window_tile_rows(left, right, device_type, backward)
     s_rows = policy.window_stripe_rows(b_rows, device_type)
     launch_rows = max(b_rows, policy.rows_per_launch(device_type, s_rows))
     sources = tuple([Source(c.start, c.stop, c.local, -1) for c in chunks]
                     + [Source(a, z, None, r) for a, z, r in received])
-    # the blocks of each chunk's documents (global lo, hi, document start, stop, local
+    # the tile rows of each chunk's documents (global lo, hi, document start, stop, local
     # shift), grouped into stripes of at most s_rows consecutive local rows
     stripes: List[List[Tuple[int, int, int, int, int]]] = []
     spans: List[Tuple[int, int]] = []
@@ -215,8 +216,8 @@ def window_plan(chunks: Tuple[Chunk, ...], received: Tuple[Tuple[int, int, int],
 
     own: List[List[Tile]] = []
     remote: Dict[int, List[Tuple[int, Tile]]] = {}
-    for index, blocks in enumerate(stripes):
-        tiles = _stripe_tiles(blocks, sources, left, right, b_rows, launch_rows, stripe_of)
+    for index, tile_rows in enumerate(stripes):
+        tiles = _stripe_tiles(tile_rows, sources, left, right, b_rows, launch_rows, stripe_of)
         own.append([t for t in tiles if sources[t.source].round < 0])
         for t in tiles:
             if sources[t.source].round >= 0:
@@ -232,12 +233,14 @@ def window_plan(chunks: Tuple[Chunk, ...], received: Tuple[Tuple[int, int, int],
                       sent, len(every))
 
 
-def _stripe_tiles(blocks, sources, left, right, b_rows, launch_rows, stripe_of) -> List[Tile]:
-    """The tiles of one stripe's blocks against every source, consecutive equal ones as runs."""
+def _stripe_tiles(tile_rows, sources, left, right, b_rows, launch_rows,
+                  stripe_of) -> List[Tile]:
+    """The tiles of one stripe's tile rows against every source, consecutive equal ones as
+    runs."""
     runs: List[Tile] = []
-    open_runs: Dict[tuple, int] = {}  # a tile's signature relative to its block -> its run
-    previous = None  # the previous block's (q0, shift)
-    for q0, q1, ds, de, shift in blocks:
+    open_runs: Dict[tuple, int] = {}  # a tile's signature relative to its row -> its run
+    previous = None  # the previous tile row's (q0, shift)
+    for q0, q1, ds, de, shift in tile_rows:
         contiguous = previous == (q0 - b_rows, shift) and q1 - q0 == b_rows
         still_open = {}
         for index, s in enumerate(sources):
@@ -486,7 +489,8 @@ def _forward_tile(q: Tensor, source, tile: Tile, stripe: Stripe, opts: KernelOpt
             _rows(a, at, tile.count, tile.rows, tile.step).copy_(y)
 
     whole = _covers(tile, (stripe.lo, stripe.hi))
-    blocks.add(stripe.index, Kind.OUT, apply, out_t.nbytes + lse_t.nbytes, assign if whole else None)
+    blocks.add(stripe.index, Kind.OUT, apply, out_t.nbytes + lse_t.nbytes,
+               assign if whole else None)
 
 
 def window_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

@@ -205,6 +205,6 @@ def kernel_scratch(config: EstimateConfig, plan: Plan = None, n: int = 0) -> Tup
 def _window_launch_rows(config: EstimateConfig) -> int:
     """Query rows of a sliding window's largest kernel call: a run of tiles over a stripe
     of row blocks (window.window_plan; the backward's blocks are the longer)."""
-    b_rows = policy.window_block_rows(*config.reaches(), config.device, backward=True)
+    b_rows = policy.window_tile_rows(*config.reaches(), config.device, backward=True)
     stripe = policy.window_stripe_rows(b_rows, config.device)
     return max(b_rows, policy.rows_per_launch(config.device, stripe))
