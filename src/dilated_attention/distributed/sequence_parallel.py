@@ -54,12 +54,12 @@ def pack(x: Tensor, transfer: Transfer) -> Tensor:
     """Transfer's selected rows of x (b, n, hk, ...): (b, columns, ...), pair after pair."""
     keys = transfer.keys
     part = Segments(keys.local, 1, keys.stop - keys.start)
-    blocks = []
+    columns = []
     for g in transfer.groups:
         # (b, n, hk, ...) -> (b, kv_rows, hkv, ...) -> (b, hkv * kv_rows, ...)
-        block = gather(x, part, g.kv_heads, g.kv_index, g.kv_stride)
-        blocks.append(block.transpose(1, 2).flatten(1, 2))
-    return torch.cat(blocks, dim=1)
+        selected = gather(x, part, g.kv_heads, g.kv_index, g.kv_stride)
+        columns.append(selected.transpose(1, 2).flatten(1, 2))
+    return torch.cat(columns, dim=1)
 
 
 class Exchange:
