@@ -43,7 +43,7 @@ from ..functional import dilated_attention, ring_attention
 from ..kernels import lse_dtype, recommended_dtype
 from ..validation import check_strategy
 from .settings import (DEFAULT_SEQ_LENS, DEFAULT_WORLD_SIZES, MB, PROG, check_setting,
-                       check_zigzag, default_threads, plural, ring_layout)
+                       check_window, check_zigzag, default_threads, plural, ring_layout)
 
 IMPLS = ("dilated", "ring", "sdpa")
 # how a case's ranks split the work: ("group", strategy) on a one-dimensional group, or
@@ -213,9 +213,7 @@ def make_config(
     if dtype == "auto":
         # torch.float32 -> "float32": the config keeps the dtype's name
         dtype = str(recommended_dtype(device)).removeprefix("torch.")
-    if window is not None and "ring" not in impls:
-        raise ValueError(f"--window {window} is a sliding window of ring attention: add "
-                         f"--impl ring")
+    check_window(window, "ring" in impls)
     if "ring" in impls and causal and window is None:
         for n in seq_lens:
             for p in world_sizes:

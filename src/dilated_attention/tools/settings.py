@@ -56,6 +56,17 @@ def check_setting(
     return segs, rates, kv_heads
 
 
+def check_window(window: Optional[int], ring: bool) -> None:
+    """--window (bench and estimate): an int >= 1 keys each side, of ring attention only."""
+    if window is None:
+        return
+    if not ring:
+        raise ValueError(f"--window {window} is a sliding window of ring attention: add "
+                         f"--impl ring")
+    if type(window) is not int or window < 1:
+        raise ValueError(f"--window must be an int >= 1, got {window!r}")
+
+
 def check_zigzag(n: int, world_size: int) -> None:
     """Causal ring attention runs in the zigzag layout: N must cut into 2P equal chunks."""
     if world_size > 1 and n % (2 * world_size):

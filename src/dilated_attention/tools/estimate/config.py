@@ -17,7 +17,7 @@ from ...distributed.ulysses import HeadSplit
 from ...kernels import lse_dtype
 from ...validation import check_strategy
 from ...window import reaches
-from ..settings import check_setting, check_zigzag, default_threads, ring_layout
+from ..settings import check_setting, check_window, check_zigzag, default_threads, ring_layout
 
 DEVICES = ("cpu", "cuda")
 # Lengths are torch indices: a sequence of 2^63 rows or more cannot be indexed.
@@ -143,13 +143,8 @@ def make_config(
             f"world size {world_size} is larger than sequence length {seq_len}: every rank "
             f"needs at least one row"
         )
-    if window is not None:
-        if impl != "ring":
-            raise ValueError(f"--window {window} is a sliding window of ring attention: add "
-                             f"--impl ring")
-        if type(window) is not int or window < 1:
-            raise ValueError(f"--window must be an int >= 1, got {window!r}")
-    elif impl == "ring" and causal:
+    check_window(window, impl == "ring")
+    if window is None and impl == "ring" and causal:
         check_zigzag(seq_len, world_size)
     return EstimateConfig(
         seq_len=seq_len, world_size=world_size, segment_lengths=segs, dilation_rates=rates,
