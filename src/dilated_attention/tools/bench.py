@@ -42,8 +42,9 @@ from ..distributed import strategy as strategies
 from ..functional import dilated_attention, ring_attention
 from ..kernels import lse_dtype, recommended_dtype
 from ..validation import check_strategy
-from .settings import (DEFAULT_SEQ_LENS, DEFAULT_WORLD_SIZES, MB, PROG, check_setting,
-                       check_window, check_zigzag, default_threads, plural, ring_layout)
+from .settings import (DEFAULT_SEQ_LENS, DEFAULT_WORLD_SIZES, MB, PROG, AttentionSetting,
+                       check_setting, check_window, check_zigzag, default_threads, plural,
+                       ring_layout)
 
 IMPLS = ("dilated", "ring", "sdpa")
 # how a case's ranks split the work: ("group", strategy) on a one-dimensional group, or
@@ -75,18 +76,10 @@ COLUMNS = (
 
 
 @dataclasses.dataclass(frozen=True)
-class BenchConfig:
+class BenchConfig(AttentionSetting):
     seq_lens: Tuple[int, ...]
     world_sizes: Tuple[int, ...]
-    segment_lengths: Tuple[int, ...]
-    dilation_rates: Tuple[int, ...]
-    heads: int
-    head_dim: int
-    kv_heads: int
-    batch: int
-    dtype: str
     device: str
-    causal: bool
     backward: bool
     impls: Tuple[str, ...]
     warmup: int
@@ -97,14 +90,6 @@ class BenchConfig:
     strategies: Tuple[str, ...] = ("auto",)
     meshes: Tuple[Tuple[int, int], ...] = ()  # (U head-parallel, S sequence-parallel) ranks
     flat_world_sizes: Tuple[int, ...] = ()  # the world sizes run on a 1-D group
-    window: Optional[int] = None  # ring attention's sliding window: `window` keys each side
-
-    @property
-    def window_size(self) -> Tuple[int, int]:
-        """ring_attention's window_size: `window` keys back (and ahead unless causal)."""
-        if self.window is None:
-            return (-1, -1)
-        return (self.window, 0 if self.causal else self.window)
 
     def threads_for(self, world_size: int) -> int:
         """Torch threads per rank: the given number, else ``settings.default_threads``."""

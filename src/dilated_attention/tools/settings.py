@@ -8,6 +8,7 @@ of the attention options.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional, Sequence, Tuple
 
@@ -54,6 +55,28 @@ def check_setting(
     if heads % kv_heads:
         raise ValueError(f"--kv-heads {kv_heads} must divide --heads {heads}")
     return segs, rates, kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSetting:
+    """The attention call that bench and estimate take (``cli._add_model_options``)."""
+
+    segment_lengths: Tuple[int, ...]
+    dilation_rates: Tuple[int, ...]
+    heads: int
+    head_dim: int
+    kv_heads: int
+    batch: int
+    dtype: str
+    causal: bool
+    window: Optional[int]  # ring attention's sliding window: `window` keys each side
+
+    @property
+    def window_size(self) -> Tuple[int, int]:
+        """ring_attention's window_size: `window` keys back (and ahead unless causal)."""
+        if self.window is None:
+            return (-1, -1)
+        return (self.window, 0 if self.causal else self.window)
 
 
 def check_window(window: Optional[int], ring: bool) -> None:

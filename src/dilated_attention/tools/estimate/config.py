@@ -17,7 +17,8 @@ from ...distributed.ulysses import HeadSplit
 from ...kernels import lse_dtype
 from ...validation import check_strategy
 from ...window import reaches
-from ..settings import check_setting, check_window, check_zigzag, default_threads, ring_layout
+from ..settings import (AttentionSetting, check_setting, check_window, check_zigzag,
+                        default_threads, ring_layout)
 
 DEVICES = ("cpu", "cuda")
 # Lengths are torch indices: a sequence of 2^63 rows or more cannot be indexed.
@@ -25,32 +26,15 @@ MAX_SEQ_LEN = (1 << 63) - 1
 
 
 @dataclasses.dataclass(frozen=True)
-class EstimateConfig:
+class EstimateConfig(AttentionSetting):
     seq_len: int
     world_size: int
-    segment_lengths: Tuple[int, ...]
-    dilation_rates: Tuple[int, ...]
-    heads: int
-    head_dim: int
-    kv_heads: int
-    batch: int
-    dtype: str
-    causal: bool
     training: bool
     impl: str
     threads: int
     device: str = "cpu"
     strategy: str = "auto"
     mesh: Optional[Tuple[int, int]] = None  # (U head-parallel, S sequence-parallel)
-    window: Optional[int] = None  # the ring's sliding window: `window` keys each side
-
-    @property
-    def window_size(self) -> Tuple[int, int]:
-        """ring_attention's window_size: `window` keys back (and ahead unless causal), as
-        ``bench --window``."""
-        if self.window is None:
-            return (-1, -1)
-        return (self.window, 0 if self.causal else self.window)
 
     @property
     def windowed(self) -> bool:
