@@ -198,9 +198,8 @@ def test_only_the_comm_package_talks_to_torch_distributed() -> None:
 
 # Per-device tables that are not the memory policy: a kernel's speed (tile sizes, whether a
 # kernel is used) stays beside the kernel, and the devices' names in messages.
-NOT_MEMORY_POLICY = {f"{PACKAGE}.kernels.FUSED_BY_DEFAULT", f"{PACKAGE}.fused.TILE_SIZES",
-                     f"{PACKAGE}.merge.MERGE_KERNEL", f"{PACKAGE}.merge_kernel.BLOCK_ROWS",
-                     f"{PACKAGE}.kernels._DEVICE_NAMES"}
+NOT_MEMORY_POLICY = {f"{PACKAGE}.kernels.FUSED_BY_DEFAULT", f"{PACKAGE}.merge.MERGE_KERNEL",
+                     f"{PACKAGE}.merge_kernel.BLOCK_ELEMENTS", f"{PACKAGE}.kernels._DEVICE_NAMES"}
 DEVICE_TYPES = {"cpu", "cuda", "meta"}
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -31,31 +31,68 @@ from .patterns import Heads, Patterns
 from .layout import Documents
 
 
+class KernelTiles(NamedTuple):
+    """One kernel's tile: rows per program (query rows; key rows for dK/dV), elements of the
+    other side per chunk of its loop, and warps per program."""
+
+    rows: int
+    chunk: int
+    num_warps: int
+
+
 @dataclasses.dataclass(frozen=True)
 class TileSizes:
-    """Kernel tile sizes of one device: rows per query tile (forward, dq) and per key tile
-    (dK/dV), the other side's elements per chunk, and Triton's launch options."""
+    """The three kernels' tiles on one device, and how many chunks ahead their loops load
+    (Triton's num_stages)."""
 
-    query_rows: int
-    keys: int
-    key_rows: int
-    queries: int
-    num_warps: int
-    num_stages: int
+    forward: KernelTiles
+    dq: KernelTiles
+    dkdv: KernelTiles
+    num_stages: int = 2
 
 
-# The interpreter runs one numpy operation per block operation (fewer, larger blocks are
-# faster there; 16 is tl.dot's least size). CUDA: a first guess, NOT measured yet; a GPU
-# session tunes these first (query_rows 64 / 128 trade occupancy of small classes,
-# fused_plan.occupancy, against K/V reuse).
-TILE_SIZES = {
-    "cpu": TileSizes(32, 32, 32, 32, num_warps=1, num_stages=1),
-    "cuda": TileSizes(64, 64, 64, 64, num_warps=4, num_stages=2),
+# Triton's interpreter (CPU tensors) runs one numpy operation per block operation: fewer,
+# larger blocks are faster there (16 is tl.dot's least size).
+INTERPRETER_TILE_SIZES = TileSizes(*[KernelTiles(32, 32, num_warps=1)] * 3, num_stages=1)
+
+# CUDA, by the dot products' kind (fp16/bf16 "half"; fp32 on tensor cores "tf32", or on CUDA
+# cores "ieee") and the head dim padded to a power of two (64 at least, 256 at most). Each
+# kernel's is its largest tile (rows, then chunk; then fewer warps) that spills no register
+# on sm_80 and sm_90, with the loop pipelined, in the hungriest case (causal, a padding mask,
+# three extra counts per span): benchmarks/cross_compile.py. The half ones spill nothing in
+# any case (tests/test_cross_compile.py checks bf16 in CI); the fp32 ones spill 4-44 bytes
+# in some lighter cases, where ptxas picks a low register target of its own (a quick check:
+# Triton's maxnreg option removes those spills). Their SPEED is not measured yet: a GPU
+# session tunes them (benchmarks/gpu_suite.py).
+CUDA_TILE_SIZES = {
+    ("half", 64): TileSizes(KernelTiles(128, 32, 4), KernelTiles(128, 32, 8),
+                            KernelTiles(64, 32, 8)),
+    ("half", 128): TileSizes(KernelTiles(128, 32, 8), KernelTiles(64, 32, 4),
+                             KernelTiles(64, 32, 8)),
+    ("half", 256): TileSizes(KernelTiles(64, 32, 8), KernelTiles(32, 32, 4),
+                             KernelTiles(32, 32, 8)),
+    ("tf32", 64): TileSizes(KernelTiles(128, 64, 8), KernelTiles(128, 32, 8),
+                            KernelTiles(32, 64, 8)),
+    ("tf32", 128): TileSizes(KernelTiles(128, 32, 8), KernelTiles(32, 32, 4),
+                             KernelTiles(32, 64, 8)),
+    ("tf32", 256): TileSizes(KernelTiles(32, 32, 8), KernelTiles(32, 32, 8),
+                             KernelTiles(16, 32, 8)),
+    ("ieee", 64): TileSizes(KernelTiles(32, 16, 8), KernelTiles(16, 32, 8),
+                            KernelTiles(32, 32, 8)),
+    ("ieee", 128): TileSizes(KernelTiles(32, 16, 4), KernelTiles(16, 32, 4),
+                             KernelTiles(32, 16, 8)),
+    ("ieee", 256): TileSizes(KernelTiles(16, 16, 4), KernelTiles(16, 16, 4),
+                             KernelTiles(16, 16, 4)),
 }
 
 
-def tile_sizes(device: torch.device) -> TileSizes:
-    return TILE_SIZES.get(device.type, TILE_SIZES["cuda"])
+def tile_sizes(device: torch.device, dtype: torch.dtype, head_dim: int) -> TileSizes:
+    """The tile sizes of the fused kernels for a call on `device` (Triton's interpreter
+    anywhere but CUDA)."""
+    if device.type != "cuda":
+        return INTERPRETER_TILE_SIZES
+    kind = "half" if dtype in (torch.float16, torch.bfloat16) else _precision(dtype)
+    return CUDA_TILE_SIZES[kind, min(max(_head_block(head_dim), 64), 256)]
 
 
 def _kernels(device: torch.device):
@@ -159,8 +196,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
     lse = torch.empty((b, n, h), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or q.device.type == "meta":
         return out, lse
-    sizes = tile_sizes(q.device)
-    plan = planner(block_m=sizes.query_rows, keys=False)
+    sizes = tile_sizes(q.device, q.dtype, d)
+    plan = planner(block_m=sizes.forward.rows, keys=False)
     kernels = _kernels(q.device)
     has_mask = mask is not None
     mask, mask_strides = _mask_arg(mask, lse)
@@ -169,9 +206,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
         q, k, v, out, lse, mask, plan.tiles, plan.rows, plan.spans, plan.extras,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *mask_strides,
         d, scale * kernels.LOG2E,
-        CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
-        BLOCK_M=plan.block_m, BLOCK_N=sizes.keys, BLOCK_D=_head_block(d),
-        num_warps=sizes.num_warps, num_stages=sizes.num_stages,
+        CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype), EXTRAS=plan.max_extras,
+        BLOCK_M=plan.block_m, BLOCK_N=sizes.forward.chunk, BLOCK_D=_head_block(d),
+        num_warps=sizes.forward.num_warps, num_stages=sizes.num_stages,
     )
     return out, lse
 
@@ -185,9 +222,9 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if q.device.type == "meta" or b == 0 or h == 0 or d == 0:
         return dq, dk, dv
-    sizes = tile_sizes(q.device)
-    queries = planner(block_m=sizes.query_rows, keys=False)
-    keys = planner(block_m=sizes.key_rows, keys=True)
+    sizes = tile_sizes(q.device, q.dtype, d)
+    queries = planner(block_m=sizes.dq.rows, keys=False)
+    keys = planner(block_m=sizes.dkdv.rows, keys=True)
     kernels = _kernels(q.device)
     dout, out = dout.to(q.dtype), out.to(q.dtype)
     # delta shares lse's (contiguous) strides in the kernels
@@ -197,7 +234,7 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     has_mask = mask is not None
     mask, mask_strides = _mask_arg(mask, lse)
     flags = dict(CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
-                 BLOCK_D=_head_block(d), num_warps=sizes.num_warps, num_stages=sizes.num_stages)
+                 BLOCK_D=_head_block(d), num_stages=sizes.num_stages)
     if queries.tiles.shape[0]:
         kernels.fused_dq[(queries.tiles.shape[0], b)](
             q, k, v, out, dout, lse, dlse_arg, delta, dq, mask, queries.tiles, queries.rows,
@@ -205,7 +242,8 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(),
             *lse.stride(), *dlse_arg.stride(), *dq.stride(), *mask_strides,
             d, scale * kernels.LOG2E, scale,
-            HAS_DLSE=dlse is not None, BLOCK_M=queries.block_m, BLOCK_N=sizes.keys, **flags,
+            HAS_DLSE=dlse is not None, EXTRAS=queries.max_extras, BLOCK_M=queries.block_m,
+            BLOCK_N=sizes.dq.chunk, num_warps=sizes.dq.num_warps, **flags,
         )
     if keys.tiles.shape[0]:
         kernels.fused_dkdv[(keys.tiles.shape[0], b)](
@@ -214,6 +252,7 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
             *dk.stride(), *dv.stride(), *mask_strides,
             d, scale * kernels.LOG2E, scale,
-            BLOCK_M=keys.block_m, BLOCK_N=sizes.queries, **flags,
+            EXTRAS=keys.max_extras, BLOCK_M=keys.block_m, BLOCK_N=sizes.dkdv.chunk,
+            num_warps=sizes.dkdv.num_warps, **flags,
         )
     return dq, dk, dv

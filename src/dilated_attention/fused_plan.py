@@ -106,14 +106,16 @@ _BIG = 1 << 62
 class TilePlan(NamedTuple):
     """What the kernels loop over, as int32 tables (on the device they run on).
 
-    tiles (T, 6) (T = 0 only for an empty sequence): cell start (absolute row), first entry in ``rows``, row
-    count (1..BLOCK_M), head of the rows (query head; key/value head in a
-    ``keys`` plan), first span, span end. rows (R,): rows relative to their
-    cell start, ascending within a tile. spans (S, 6): the other side's head
-    (key/value head; query head in a ``keys`` plan), start relative to the
-    cell, stride, count, first extra, extra end. extras (E, 2): period and
-    phase of each extra count (Note [fused kernel]). Tables never empty:
-    an unused one holds a row of zeros, so the kernels get a valid pointer.
+    tiles (T, 6) (T = 0 only for an empty sequence): cell start (absolute row), first
+    entry in ``rows``, row count (1..BLOCK_M), head of the rows (query head; key/value
+    head in a ``keys`` plan), first span, span end. rows (R,): rows relative to their
+    cell start, ascending within a tile. spans (S, 6): the other side's head (key/value
+    head; query head in a ``keys`` plan), start relative to the cell, stride, count,
+    first extra, extra end. extras (E, 2): period and phase of each extra count (Note
+    [fused kernel]). Tables never empty: an unused one holds a row of zeros, so the
+    kernels get a valid pointer. max_extras: the most extras of one span, which the
+    kernels unroll (a loop inside their key loop would keep Triton from pipelining the
+    key loads).
     """
 
     tiles: Tensor
@@ -121,6 +123,7 @@ class TilePlan(NamedTuple):
     spans: Tensor
     extras: Tensor
     block_m: int
+    max_extras: int
 
     def to(self, device) -> "TilePlan":
         return self._replace(**{name: getattr(self, name).to(device)
@@ -168,7 +171,7 @@ def _dense_plan(n, m, heads, num_kv_heads, block_m, keys, device) -> TilePlan:
             tiles.append((0, lo, min(block_m, rows - lo), row_head, span_lo, len(spans)))
     return TilePlan(torch.tensor(tiles, dtype=torch.int32).reshape(-1, 6),
                     torch.arange(max(rows, 1), dtype=torch.int32),
-                    _table(spans, 6), _table([], 2), block_m).to(device)
+                    _table(spans, 6), _table([], 2), block_m, 0).to(device)
 
 
 def _table(entries: Sequence[Tuple[int, ...]], width: int) -> Tensor:
@@ -414,8 +417,10 @@ def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, caus
     within = torch.arange(cell.numel()) - (torch.cumsum(count, 0) - count)[cell]
     tiles = torch.cat([cells.starts[cell, None], template[shape_lo[cells.shape][cell] + within]],
                       dim=1)
+    per_span = spans.table[:, 5] - spans.table[:, 4]
     return TilePlan(_int32(tiles), _int32(_nonempty(torch.cat(rows))),
-                    _int32(_nonempty(spans.table)), _int32(_nonempty(spans.extras)), block_m)
+                    _int32(_nonempty(spans.table)), _int32(_nonempty(spans.extras)), block_m,
+                    int(per_span.max()) if per_span.numel() else 0)
 
 
 def _nonempty(table: Tensor) -> Tensor:

@@ -32,36 +32,45 @@ from torch import Tensor
 # Leading dims the kernel indexes through their strides: every caller's shape fits
 # ((b, segments, rows, heads, d) at most); views need no copy whatever their strides.
 MAX_DIMS = 4
-# Rows per program: on a GPU 64 rows x 64 columns, 16 KB of fp32 per tensor side; the
-# interpreter (CPU tensors, tests) runs a program as numpy operations, so fewer, larger
+# Elements (rows x the head dim padded to a power of two) per program: on a GPU 4,096 (64
+# rows of 64), 16 KB of fp32 per tensor side, 32 elements per thread of each side, which
+# leaves no register spilled up to d = 256 on sm_80 and sm_90 (benchmarks/cross_compile.py);
+# the interpreter (CPU tensors, tests) runs a program as numpy operations, so fewer, larger
 # programs are faster there.
-BLOCK_ROWS = {"cuda": 64, "cpu": 1024}
+BLOCK_ELEMENTS = {"cuda": 4096, "cpu": 65536}
 
 
 @triton.jit
 def _offsets(r, n1, n2, n3, s0, s1, s2, s3):
-    """Element offsets of leading indices r (BLOCK_R,) in one tensor: r decomposed over the
-    sizes (n0, n1, n2, n3) (the last fastest), dotted with that tensor's strides s."""
+    """Element offsets (int64) of leading indices r (BLOCK_R,) in one tensor: r decomposed
+    over the sizes (n0, n1, n2, n3) (the last fastest), dotted with that tensor's strides s.
+    In int32 where r is (WIDE_ROWS off): a GPU divides 64-bit integers in a called
+    subroutine, and the calls made the kernel spill (benchmarks/cross_compile.py)."""
     i3 = r % n3
     r = r // n3
     i2 = r % n2
     r = r // n2
-    return (r // n1) * s0 + (r % n1) * s1 + i2 * s2 + i3 * s3
+    return ((r // n1).to(tl.int64) * s0 + (r % n1).to(tl.int64) * s1 + i2.to(tl.int64) * s2
+            + i3.to(tl.int64) * s3)
 
 
-# sizes and strides are plain integers, not specialised: no new compile per shape
-_DYNAMIC = ["rows", "d", "n1", "n2", "n3"] + [f"{t}{i}" for t in ("ao", "al", "o", "l")
-                                               for i in range(MAX_DIMS + 1)]
-
-
-@triton.jit(do_not_specialize=_DYNAMIC)
+# Every integer is specialised as Triton does by default (1, a multiple of 16, or neither:
+# a few compiles, not one per shape). The strides' hints are what make each row's elements
+# one vector load: without them every element needed its own 64-bit address (255
+# registers and 1,224 bytes spilled on sm_90, benchmarks/cross_compile.py).
+@triton.jit
 def _merge_kernel(acc_out, acc_lse, out, lse, rows, d, n1, n2, n3,
                   ao0, ao1, ao2, ao3, ao4, al0, al1, al2, al3, al4,
                   o0, o1, o2, o3, o4, l0, l1, l2, l3, l4,
-                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
+                  WIDE_ROWS: tl.constexpr):
     """One program: BLOCK_R rows of all four tensors. Strides: ao acc_out, al acc_lse, o out,
-    l lse; 0-3 the leading dims, 4 the last (unused for the lse tensors)."""
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    l lse; 0-3 the leading dims, 4 the last (unused for the lse tensors). WIDE_ROWS: the
+    rows are counted in int64 (2^31 rows or more)."""
+    if WIDE_ROWS:
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    else:
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = r < rows
     r = tl.where(row_ok, r, 0)
     acc_lse_ptr = acc_lse + _offsets(r, n1, n2, n3, al0, al1, al2, al3)
@@ -139,7 +148,9 @@ def merge_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
     d = acc_out.shape[-1]
     sizes = [1] * (MAX_DIMS - leading) + list(acc_out.shape[:-1])
     strides = [s for x in (acc_out, acc_lse, out, lse) for s in _strides(x, leading)]
-    block = BLOCK_ROWS.get(acc_out.device.type, BLOCK_ROWS["cuda"])
+    block_d = max(16, triton.next_power_of_2(d))
+    block = max(1, BLOCK_ELEMENTS.get(acc_out.device.type, BLOCK_ELEMENTS["cuda"]) // block_d)
     _merge_kernel[(triton.cdiv(rows, block),)](
         acc_out, acc_lse, out, lse, rows, d, *sizes[1:], *strides, BLOCK_R=block,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), BF16=acc_out.dtype == torch.bfloat16)
+        BLOCK_D=block_d, BF16=acc_out.dtype == torch.bfloat16,
+        WIDE_ROWS=rows + block >= 2**31)

@@ -107,9 +107,26 @@ def _key_span(spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, sv
 
 
 @triton.jit
+def _log2_counts(extras, extra_lo, extra_hi, idx, EXTRAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(N,) log2 of how many patterns select span elements idx: 1 + the span's extras
+    (period, phase) with idx mod period == phase. Unrolled over the plan's most extras of
+    one span (EXTRAS): a loop in the key loop would keep Triton from pipelining its loads."""
+    count = tl.full((BLOCK_N,), 1.0, tl.float32)
+    for j in tl.static_range(EXTRAS):
+        e = extra_lo + j
+        live = e < extra_hi
+        # a span with fewer extras: period 1, phase -1 matches no element
+        period = tl.load(extras + 2 * e, mask=live, other=1)
+        phase = tl.load(extras + 2 * e + 1, mask=live, other=-1)
+        count += tl.where(idx % period == phase, 1.0, 0.0)
+    return tl.log2(count)
+
+
+@triton.jit
 def _key_scores(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
                 extra_hi, skn, svn, smn, d_ok, scale_log2, CAUSAL: tl.constexpr,
-                HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+                HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
+                BLOCK_N: tl.constexpr):
     """Keys c .. c + N of a span against the tile's q rows t: k, v (N, D) and the (M, N)
     base-2 logits with the keys' counts, -inf where masked (causal, padding, past hi).
 
@@ -121,13 +138,10 @@ def _key_scores(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi,
     u64 = u.to(tl.int64)
     k = tl.load(k_at + u64[:, None] * skn, mask=key_ok[:, None] & d_ok, other=0.0)
     v = tl.load(v_at + u64[:, None] * svn, mask=key_ok[:, None] & d_ok, other=0.0)
-    # key idx counts once per pattern that selects it: 1 + the extras that match
-    count = tl.full((BLOCK_N,), 1.0, tl.float32)
-    for e in range(extra_lo, extra_hi):
-        count += tl.where(idx % tl.load(extras + 2 * e) == tl.load(extras + 2 * e + 1), 1.0, 0.0)
     # (M, D) x (D, N) -> (M, N)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-    scores += tl.log2(count)[None, :]
+    if EXTRAS > 0:
+        scores += _log2_counts(extras, extra_lo, extra_hi, idx, EXTRAS, BLOCK_N)[None, :]
     valid = row_ok[:, None] & key_ok[None, :]
     if CAUSAL:
         valid &= u[None, :] <= t[:, None]
@@ -143,7 +157,7 @@ def fused_forward(
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, slb, sln, slh, smb, smn, smh,
     head_dim, scale_log2,
-    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """out, lse of one query tile: the online softmax over its spans' keys."""
@@ -160,7 +174,7 @@ def fused_forward(
         for c in range(lo, hi, BLOCK_N):
             k, v, scores = _key_scores(
                 q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                extra_hi, skn, svn, smn, d_ok, scale_log2, CAUSAL, HAS_MASK, PRECISION,
+                extra_hi, skn, svn, smn, d_ok, scale_log2, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
                 BLOCK_N)
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             # a row with no key yet keeps max -inf: shift by 0 so that exp2 gives 0, not NaN
@@ -194,7 +208,7 @@ def fused_dq(
     sdqb, sdqn, sdqh, sdqd, smb, smn, smh,
     head_dim, scale_log2, scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DLSE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dq of one query tile, and delta = rowsum(dout * out) - dlse of its rows (the
@@ -220,7 +234,7 @@ def fused_dq(
         for c in range(lo, hi, BLOCK_N):
             k, v, scores = _key_scores(
                 q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                extra_hi, skn, svn, smn, d_ok, scale_log2, CAUSAL, HAS_MASK, PRECISION,
+                extra_hi, skn, svn, smn, d_ok, scale_log2, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
                 BLOCK_N)
             # (M, N): the final softmax's probabilities (counts included; masked: 0)
             p = tl.exp2(scores - lse[:, None])
@@ -237,7 +251,7 @@ def fused_dkdv(
     sdob, sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd,
     sdvb, sdvn, sdvh, sdvd, smb, smn, smh,
     head_dim, scale_log2, scale,
-    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dK, dV of one key tile (rows of one key/value head): over the spans of query rows
@@ -274,13 +288,10 @@ def fused_dkdv(
             # a query that attends nothing: +inf, so that its p is 0
             lse = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
             delta = tl.load(delta_at + t64 * sln, mask=q_ok, other=0.0)
-            count = tl.full((BLOCK_N,), 1.0, tl.float32)
-            for e in range(extra_lo, extra_hi):
-                count += tl.where(idx % tl.load(extras + 2 * e) == tl.load(extras + 2 * e + 1),
-                                  1.0, 0.0)
             # (M keys, N queries), base-2 logits with the queries' counts
             scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
-            scores += tl.log2(count)[None, :]
+            if EXTRAS > 0:
+                scores += _log2_counts(extras, extra_lo, extra_hi, idx, EXTRAS, BLOCK_N)[None, :]
             valid = live[:, None] & q_ok[None, :]
             if CAUSAL:
                 valid &= u[:, None] <= t[None, :]

@@ -1,0 +1,343 @@
+"""Compile the Triton kernels for NVIDIA GPUs on any machine, and report what a GPU would run.
+
+    python benchmarks/cross_compile.py                           # sm_80 and sm_90, every case
+    python benchmarks/cross_compile.py --archs 90 --dtypes bfloat16 --head-dims 128
+    python benchmarks/cross_compile.py --sizes 128,64,8 64,64,4 64,32,8   # other tiles
+
+Why: the CI machines have no GPU. Triton's interpreter (TRITON_INTERPRET=1)
+checks what the kernels compute, not whether they compile for a GPU nor what
+they cost there. But Triton compiles for a target it is given
+(``triton.compile(..., target=GPUTarget("cuda", 90, 32))``) without a driver,
+and the ptxas it ships reports registers and spilled bytes. So every kernel a
+CUDA call would launch (the fused forward, dq and dK/dV kernels; the merge
+kernel) is compiled here for each architecture, exactly as the launch would
+specialise it: the calls run on small CPU tensors with the kernels replaced by
+recorders, and each recorded launch goes through Triton's own binder (strides
+of 1 become constants, multiples of 16 get divisibility hints), with the CUDA
+tile sizes (``fused.tile_sizes``).
+
+Per kernel and case the report gives registers per thread, spilled bytes
+(stores to local memory), shared memory against the architecture's limit per
+block, and whether the key loop is software-pipelined (asynchronous copies in
+the TTGIR; Triton pipelines only innermost loops, so a loop inside the key
+loop would switch it off). A row fails when the kernel spills, needs more
+shared memory than the architecture has, or is not pipelined with
+num_stages > 1; the exit status is 1 if any row fails, and
+tests/test_cross_compile.py runs a subset on every CI run.
+
+What this cannot say: time. Occupancy and tile sizes trade against each
+other on a real device (benchmarks/gpu_suite.py measures them there).
+
+Notation: M rows per tile, N elements per chunk of the other side, d head dim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+from unittest import mock
+
+# Kernels created under the interpreter cannot be compiled for a GPU: this process
+# compiles them, whatever the environment says.
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from dilated_attention import dilated, fused, merge_kernel, triton_kernels  # noqa: E402
+
+# Shared memory one block may use (the opt-in maximum, bytes), per compute capability.
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+# "tf32": float32 tensors with torch.set_float32_matmul_precision("high"), so the dot products
+# run on tensor cores; "float32" at the default "highest" runs them in full fp32.
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "tf32": torch.float32}
+# Pattern sets: LongNet's two patterns (one extra count per span at most) and a geometric
+# schedule whose rate-1 spans carry three extras (the kernels unroll them).
+PATTERNS = {"longnet": ([512, 1024], [1, 2]), "geometric": ([128, 256, 512, 1024], [1, 2, 4, 8])}
+ROWS, HEADS = 1024, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One call of the op whose launches are compiled."""
+
+    dtype: str
+    head_dim: int
+    causal: bool
+    masked: bool
+    patterns: str
+
+    def describe(self) -> str:
+        flags = [f for f, on in (("causal", self.causal), ("mask", self.masked)) if on]
+        return f"{self.dtype} d={self.head_dim} {self.patterns} {'+'.join(flags) or 'full'}"
+
+
+@dataclasses.dataclass
+class Launch:
+    """A kernel launch recorded instead of run: the JIT function and its arguments."""
+
+    kernel: "triton.runtime.jit.JITFunction"
+    args: tuple
+    kwargs: dict
+
+
+@dataclasses.dataclass
+class Compiled:
+    kernel: str
+    arch: int
+    case: Case
+    sizes: str
+    registers: int
+    spilled: int
+    shared: int
+    pipelined: Optional[bool]  # None: the kernel has no loop to pipeline
+
+    @property
+    def problems(self) -> List[str]:
+        found = []
+        if self.spilled:
+            found.append(f"spills {self.spilled} bytes")
+        if self.shared > SHARED_LIMIT[self.arch]:
+            found.append(f"shared {self.shared} > {SHARED_LIMIT[self.arch]}")
+        if self.pipelined is False:
+            found.append("key loop not pipelined")
+        return found
+
+
+class _Recorder:
+    """Stands in for a JIT function: ``kernel[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self, kernel, launches: List[Launch]):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(Launch(self.kernel, args, kwargs))
+
+
+def _recorded_kernels(launches: List[Launch]):
+    """The triton_kernels module as fused.py uses it, with recorders for the kernels."""
+    names = ("fused_forward", "fused_dq", "fused_dkdv")
+    return type("RecordedKernels", (), {
+        "LOG2E": triton_kernels.LOG2E,
+        **{name: _Recorder(getattr(triton_kernels, name), launches) for name in names}})
+
+
+def record_launches(case: Case, sizes: Optional[fused.TileSizes] = None) -> List[Launch]:
+    """The fused kernels' launches of one forward and backward of `case`, as on CUDA."""
+    launches: List[Launch] = []
+    dtype = DTYPES[case.dtype]
+    shipped = fused.tile_sizes
+
+    def cuda_sizes(device: torch.device, dtype: torch.dtype, head_dim: int) -> fused.TileSizes:
+        return sizes or shipped(torch.device("cuda"), dtype, head_dim)
+
+    # q, k, v, out, dout (b, n, h, d); lse, dlse (b, n, h); mask (b, n)
+    q, k, v, out, dout = (torch.randn(1, ROWS, HEADS, case.head_dim, dtype=dtype)
+                          for _ in range(5))
+    lse, dlse = torch.randn(1, ROWS, HEADS), torch.randn(1, ROWS, HEADS)
+    mask = torch.zeros(1, ROWS, dtype=torch.bool) if case.masked else None
+    segments, rates = PATTERNS[case.patterns]
+    call = (segments, rates, case.causal, case.head_dim ** -0.5, "triton", 0.0, 0, 0,
+            list(range(HEADS)), None)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if case.dtype == "tf32" else "highest")
+    try:
+        with mock.patch.object(fused, "_kernels", lambda device: _recorded_kernels(launches)), \
+                mock.patch.object(fused, "tile_sizes", cuda_sizes):
+            dilated.forward_flat(q, k, v, *call, mask)
+            dilated.backward_flat(dout, q, k, v, out, lse, dlse, *call, mask)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    return launches
+
+
+def record_merge(dtype: str, head_dim: int) -> List[Launch]:
+    """merge_kernel's launch of one merge of `dtype` outputs into accumulators of that dtype
+    (policy.in_output: a block that writes into the output)."""
+    launches: List[Launch] = []
+    acc_dtype = DTYPES[dtype]
+    # accumulators (b, segments, rows, h, d) as launches.Blocks holds them
+    acc_out = torch.zeros(1, 2, 512, HEADS, head_dim, dtype=acc_dtype)
+    out = torch.randn(1, 2, 512, HEADS, head_dim, dtype=DTYPES[dtype])
+    acc_lse, lse = torch.randn(1, 2, 512, HEADS), torch.randn(1, 2, 512, HEADS)
+    with mock.patch.object(merge_kernel, "_merge_kernel",
+                           _Recorder(merge_kernel._merge_kernel, launches)), \
+            mock.patch.dict(merge_kernel.BLOCK_ELEMENTS,
+                            {"cpu": merge_kernel.BLOCK_ELEMENTS["cuda"]}):
+        merge_kernel.merge_(acc_out, acc_lse, out, lse)
+    return launches
+
+
+def compile_launch(launch: Launch, arch: int):
+    """`launch` compiled for compute capability `arch` as Triton's launcher would: its
+    binder makes the signature, constants and divisibility hints from the arguments."""
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = launch.kernel
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, launch.kwargs, bound,
+                                                             specialization, options)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                          options=options.__dict__)
+
+
+def ptxas_usage(ptx: str, arch: int) -> Dict[str, int]:
+    """Registers per thread and spilled bytes of `ptx`, from the ptxas Triton uses."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(ptx)
+        done = subprocess.run([get_ptxas(arch).path, "-v", f"-arch=sm_{arch}{'a' if arch >= 90 else ''}",
+                               str(source), "-o", str(Path(tmp) / "kernel.o")],
+                              capture_output=True, text=True, check=True)
+    registers = re.search(r"Used (\d+) registers", done.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", done.stderr)
+    return {"registers": int(registers.group(1)), "spilled": int(spills.group(1))}
+
+
+def compile_report(launch: Launch, arch: int, case: Case) -> Compiled:
+    compiled = compile_launch(launch, arch)
+    usage = ptxas_usage(compiled.asm["ptx"], arch)
+    kwargs = launch.kwargs
+    has_loop = launch.kernel.fn.__name__ != "_merge_kernel"
+    stages = kwargs.get("num_stages", 1)
+    pipelined = ("async_copy_global_to_local" in compiled.asm["ttgir"]
+                 if has_loop and stages > 1 else None)
+    sizes = (f"M{kwargs['BLOCK_M']} N{kwargs['BLOCK_N']} w{kwargs['num_warps']} s{stages}"
+             if has_loop else f"R{kwargs['BLOCK_R']}")
+    return Compiled(launch.kernel.fn.__name__, arch, case, sizes, usage["registers"],
+                    usage["spilled"], compiled.metadata.shared, pipelined)
+
+
+def cases(dtypes: Sequence[str], head_dims: Sequence[int], flags: Sequence[str],
+          patterns: Sequence[str]) -> List[Case]:
+    """flags: "full" (neither), "causal", "mask", "causal+mask"."""
+    return [Case(dtype, d, "causal" in f, "mask" in f, p)
+            for dtype, d, f, p in itertools.product(dtypes, head_dims, flags, patterns)]
+
+
+def run(archs: Sequence[int], chosen: Sequence[Case], sizes: Optional[fused.TileSizes] = None,
+        merge: bool = True, progress: Callable[[Compiled], None] = lambda row: None
+        ) -> List[Compiled]:
+    rows: List[Compiled] = []
+    seen = set()
+    for case in chosen:
+        launches = record_launches(case, sizes)
+        if merge and (DTYPES[case.dtype], case.head_dim) not in seen:
+            seen.add((DTYPES[case.dtype], case.head_dim))
+            launches += record_merge(case.dtype, case.head_dim)
+        for arch, launch in itertools.product(archs, launches):
+            rows.append(compile_report(launch, arch, case))
+            progress(rows[-1])
+    return rows
+
+
+def _case(row: Compiled) -> str:
+    # the merge kernel sees only the dtype and head dim of a call
+    if row.kernel == "_merge_kernel":
+        return f"{row.case.dtype} d={row.case.head_dim}"
+    return row.case.describe()
+
+
+def _pipelined(values: Sequence[Optional[bool]]) -> str:
+    if all(v is None for v in values):
+        return "-"
+    return "yes" if all(v is not False for v in values) else "NO"
+
+
+def table(rows: Sequence[Compiled]) -> str:
+    """Every compiled kernel, one row each."""
+    lines = ["| arch | kernel | case | tile sizes | registers | spilled bytes | shared KiB "
+             "(limit) | pipelined | problems |", "|" + "---|" * 9]
+    for r in rows:
+        lines.append(f"| sm_{r.arch} | {r.kernel} | {_case(r)} | {r.sizes} | {r.registers} | "
+                     f"{r.spilled} | {r.shared / 1024:.1f} ({SHARED_LIMIT[r.arch] // 1024}) | "
+                     f"{_pipelined([r.pipelined])} | {'; '.join(r.problems) or '-'} |")
+    return "\n".join(lines)
+
+
+def summary(rows: Sequence[Compiled]) -> str:
+    """Per architecture, kernel, dtype and head dim: the most registers, spilled bytes and
+    shared memory over the cases (flags, pattern sets)."""
+    groups: Dict[tuple, List[Compiled]] = {}
+    for r in rows:
+        groups.setdefault((r.arch, r.kernel, r.case.dtype, r.case.head_dim), []).append(r)
+    lines = ["| arch | kernel | dtype | d | tile sizes | cases | registers (most) | spilled "
+             "bytes (most) | shared KiB (most) | pipelined |", "|" + "---|" * 10]
+    for (arch, kernel, dtype, d), group in groups.items():
+        sizes = ", ".join(sorted({r.sizes for r in group}))
+        lines.append(f"| sm_{arch} | {kernel} | {dtype} | {d} | {sizes} | {len(group)} | "
+                     f"{max(r.registers for r in group)} | {max(r.spilled for r in group)} | "
+                     f"{max(r.shared for r in group) / 1024:.1f} | "
+                     f"{_pipelined([r.pipelined for r in group])} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--archs", type=int, nargs="+", default=[80, 90],
+                        choices=sorted(SHARED_LIMIT), help="compute capabilities (x10)")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--flags", nargs="+", default=["full", "causal+mask"],
+                        choices=["full", "causal", "mask", "causal+mask"])
+    parser.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=list(PATTERNS))
+    parser.add_argument("--sizes", nargs=3, metavar="ROWS,CHUNK,WARPS",
+                        help="tiles to try instead of fused.tile_sizes, for the forward, dq "
+                        "and dK/dV kernels (fused.KernelTiles)")
+    parser.add_argument("--stages", type=int, default=2,
+                        help="num_stages with --sizes (default 2)")
+    parser.add_argument("--no-merge", action="store_true", help="skip the merge kernel")
+    parser.add_argument("--out", help="also write the markdown table to this file")
+    args = parser.parse_args(argv)
+    for d in args.head_dims:
+        if d < 1:
+            parser.error(f"--head-dims: {d} is not a head dim")
+    sizes = None
+    if args.sizes:
+        try:
+            sizes = fused.TileSizes(*(fused.KernelTiles(*(int(x) for x in triple.split(",")))
+                                      for triple in args.sizes), num_stages=args.stages)
+        except (TypeError, ValueError):
+            parser.error(f"--sizes: {' '.join(args.sizes)!r} is not three ROWS,CHUNK,WARPS")
+    start = time.perf_counter()
+    chosen = cases(args.dtypes, args.head_dims, args.flags, args.patterns)
+    rows = run(args.archs, chosen, sizes, merge=not args.no_merge,
+               progress=lambda r: print(f"sm_{r.arch} {r.kernel} {_case(r)} {r.sizes}: "
+                                        f"{r.registers} registers, {r.spilled} B spilled, "
+                                        f"{r.shared} B shared {' '.join(r.problems)}",
+                                        flush=True))
+    report = (f"Cross-compiled with triton {triton.__version__}, torch {torch.__version__} "
+              f"({len(rows)} kernels, {time.perf_counter() - start:.0f} s)\n\n"
+              f"{summary(rows)}\n\n{table(rows)}\n")
+    print("\n" + report)
+    if args.out:
+        Path(args.out).write_text(report)
+    failed = [r for r in rows if r.problems]
+    if failed:
+        print(f"{len(failed)} of {len(rows)} kernels have problems", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
