@@ -206,8 +206,10 @@ def ptxas_usage(ptx: str, arch: int) -> Dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "kernel.ptx"
         source.write_text(ptx)
-        done = subprocess.run([get_ptxas(arch).path, "-v", f"-arch=sm_{arch}{'a' if arch >= 90 else ''}",
-                               str(source), "-o", str(Path(tmp) / "kernel.o")],
+        # Triton compiles sm_90 as sm_90a (its wgmma instructions)
+        name = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        done = subprocess.run([get_ptxas(arch).path, "-v", f"-arch={name}", str(source), "-o",
+                               str(Path(tmp) / "kernel.o")],
                               capture_output=True, text=True, check=True)
     registers = re.search(r"Used (\d+) registers", done.stderr)
     spills = re.search(r"(\d+) bytes spill stores", done.stderr)

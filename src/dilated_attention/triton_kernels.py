@@ -130,8 +130,10 @@ def _key_scores(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi,
     """Keys c .. c + N of a span against the tile's q rows t: k, v (N, D) and the (M, N)
     base-2 logits with the keys' counts, -inf where masked (causal, padding, past hi).
 
-    The loads and the counts are written out here, not in helpers: in the interpreter a
-    helper call costs as much as ten block operations, and this runs once per chunk."""
+    The loads are written out here, not in helpers: in the interpreter a helper call
+    costs as much as ten block operations, and this runs once per chunk. The counts are
+    one helper, ``_log2_counts``, shared with the dK/dV kernel and called only for plans
+    with extras."""
     idx = c + tl.arange(0, BLOCK_N)
     key_ok = idx < hi
     u = start + idx * stride
@@ -277,7 +279,7 @@ def fused_dkdv(
         lse_at = Lse + b.to(tl.int64) * slb + head.to(tl.int64) * slh
         delta_at = Delta + b.to(tl.int64) * slb + head.to(tl.int64) * slh
         for c in range(lo, hi, BLOCK_N):
-            # no helper calls in this loop (see _key_scores)
+            # no helper calls in this loop but the counts' (see _key_scores)
             idx = c + tl.arange(0, BLOCK_N)
             q_ok = idx < hi
             t = start + idx * stride
