@@ -11,6 +11,8 @@ traffic of an op. Library ops never create groups: launchers do
 - ``groups.py``: process groups, device meshes and grids, sizes and ranks;
 - ``agreement.py``: ``agree``, the small collective before an op;
 - ``point_to_point.py``: ``RingComm`` and exchanges with any peers;
+- ``release.py``: a collective returns only once gloo has let go of its
+  tensors (a rank could otherwise abort at interpreter exit);
 - ``collectives.py``: all-gather, all-reduce, reduce-scatter, broadcast and
   all-to-all, with uneven pieces.
 """

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from .collectives import all_gather_flat
 from .counting import record
 from .groups import Grid, ProcessGroup, group_size, is_distributed, plain
+from .release import released_on_return
 
 
 def agree(
@@ -114,12 +115,14 @@ def _all_gather_bytes(data: bytes, group: ProcessGroup) -> List[Any]:
     size = group_size(group)
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = torch.empty(size, dtype=torch.int64, device=device)
-    all_gather_flat(lengths, length, group=group)
+    with released_on_return(group, lengths, length):
+        all_gather_flat(lengths, length, group=group)
     longest = int(lengths.max())
     mine = torch.zeros(longest, dtype=torch.uint8, device=device)
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     everyone = torch.empty(size * longest, dtype=torch.uint8, device=device)
-    all_gather_flat(everyone, mine, group=group)
+    with released_on_return(group, everyone, mine):
+        all_gather_flat(everyone, mine, group=group)
     # (size * longest,) -> (size, longest): one padded payload per rank
     rows = everyone.view(size, longest).cpu()
     return [pickle.loads(bytes(rows[r, : int(n)].tolist())) for r, n in enumerate(lengths.cpu())]
