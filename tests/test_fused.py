@@ -369,3 +369,13 @@ def test_needs_the_triton_package(monkeypatch) -> None:
 def test_dtypes_it_cannot_run(dtype, device, match) -> None:
     with pytest.raises(ValueError, match=match):
         select_backend(torch.device(device), dtype, backend="triton")
+
+
+def test_gpus_older_than_sm80_are_refused(monkeypatch) -> None:
+    """The CUDA tiles are checked for sm_80 and newer (benchmarks/cross_compile.py): a T4
+    (sm_75) gets a ValueError saying so, not Triton's OutOfResources at the first launch."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(ValueError, match=r"compute capability 8\.0 or newer \(got 7\.5\)"):
+        select_backend(torch.device("cuda"), torch.float16, backend="triton")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    assert select_backend(torch.device("cuda"), torch.float16, backend="triton") == "triton"

@@ -57,26 +57,29 @@ INTERPRETER_TILE_SIZES = TileSizes(*[KernelTiles(32, 32, num_warps=1)] * 3, num_
 
 # CUDA, by the dot products' kind (fp16/bf16 "half"; fp32 on tensor cores "tf32", or on CUDA
 # cores "ieee") and the head dim padded to a power of two (64 at least, 256 at most). Each
-# kernel's is its largest tile (rows, then chunk; then fewer warps) that spills no register
-# on sm_80 and sm_90, with the loop pipelined, in the hungriest case (causal, a padding mask,
-# three extra counts per span): benchmarks/cross_compile.py. The half ones spill nothing in
-# any case (tests/test_cross_compile.py checks bf16 in CI); the fp32 ones spill 4-44 bytes
-# in some lighter cases, where ptxas picks a low register target of its own (a quick check:
-# Triton's maxnreg option removes those spills). Their SPEED is not measured yet: a GPU
-# session tunes them (benchmarks/gpu_suite.py).
+# kernel's is the largest tile (rows, then chunk; then fewer warps) that spills nothing on
+# sm_80 and sm_90, made smaller where needed until it compiles, with its loop pipelined, for
+# every architecture from sm_80 on: A100 (sm_80), consumer Ampere and Ada (sm_86, sm_89),
+# H100/H200 (sm_90), B200 (sm_100), consumer Blackwell (sm_120). So it fits the 99 KiB of
+# shared memory a block has on sm_86/89/120 (a bigger one would not launch there: Triton's
+# OutOfResources) and does not spill at 255 registers a thread, with and without causal and
+# a padding mask, three extra counts per span or one (benchmarks/cross_compile.py;
+# tests/test_cross_compile.py checks bf16 in CI). Where ptxas gives a kernel fewer registers
+# on its own (for occupancy) it may spill a few bytes. Their SPEED is not measured yet: a
+# GPU session tunes them (benchmarks/gpu_suite.py).
 CUDA_TILE_SIZES = {
-    ("half", 64): TileSizes(KernelTiles(128, 32, 4), KernelTiles(128, 32, 8),
+    ("half", 64): TileSizes(KernelTiles(128, 32, 8), KernelTiles(128, 32, 8),
                             KernelTiles(64, 32, 8)),
     ("half", 128): TileSizes(KernelTiles(128, 32, 8), KernelTiles(64, 32, 4),
                              KernelTiles(64, 32, 8)),
     ("half", 256): TileSizes(KernelTiles(64, 32, 8), KernelTiles(32, 32, 4),
                              KernelTiles(32, 32, 8)),
-    ("tf32", 64): TileSizes(KernelTiles(128, 64, 8), KernelTiles(128, 32, 8),
+    ("tf32", 64): TileSizes(KernelTiles(128, 32, 8), KernelTiles(128, 16, 8),
                             KernelTiles(32, 64, 8)),
-    ("tf32", 128): TileSizes(KernelTiles(128, 32, 8), KernelTiles(32, 32, 4),
-                             KernelTiles(32, 64, 8)),
-    ("tf32", 256): TileSizes(KernelTiles(32, 32, 8), KernelTiles(32, 32, 8),
-                             KernelTiles(16, 32, 8)),
+    ("tf32", 128): TileSizes(KernelTiles(64, 32, 8), KernelTiles(32, 32, 4),
+                             KernelTiles(32, 32, 4)),
+    ("tf32", 256): TileSizes(KernelTiles(32, 16, 8), KernelTiles(16, 16, 4),
+                             KernelTiles(16, 16, 8)),
     ("ieee", 64): TileSizes(KernelTiles(32, 16, 8), KernelTiles(16, 32, 8),
                             KernelTiles(32, 32, 8)),
     ("ieee", 128): TileSizes(KernelTiles(32, 16, 4), KernelTiles(16, 32, 4),

@@ -126,8 +126,9 @@ _NEEDS = {
     "cuda_flash": _Needs(("cuda", "meta"), _HALF, capability=(8, 0)),
     "cuda_efficient": _Needs(("cuda", "meta"), _HALF + (torch.float32,)),
     "flash_attn": _Needs(("cuda",), _HALF, capability=(8, 0), package="flash-attn"),
-    "triton": _Needs(("cuda", "cpu", "meta"), (torch.float32,) + _HALF, package="triton",
-                     interpreted_on_cpu=(torch.float32, torch.float16)),
+    # its tiles are checked for sm_80 and newer (fused.CUDA_TILE_SIZES)
+    "triton": _Needs(("cuda", "cpu", "meta"), (torch.float32,) + _HALF, capability=(8, 0),
+                     package="triton", interpreted_on_cpu=(torch.float32, torch.float16)),
 }
 
 
