@@ -5,9 +5,10 @@
     python benchmarks/gpu_suite.py --list                                       # parts, commands
 
 Parts, each a list of commands run from the repository root (their output is
-printed as it comes and kept for the report), with the minutes each took on
-an H100 as a guide (about 25 in all; one device call may run at most 10, so
-a session runs the parts in two to four calls):
+printed as it comes and kept for the report). Not run on a GPU yet: about
+30 minutes in all is an estimate; one device call may run at most 10, so a
+session runs the parts in three or four calls, ``tiles`` before
+``bench-triton`` (a faster tile goes into fused.CUDA_TILE_SIZES first):
 
 - ``tests``: the CUDA tests (``pytest -m cuda``: tests/test_cuda.py and the
   other CUDA-marked tests), tests/test_compile.py, the fused kernel's tests
@@ -19,6 +20,10 @@ a session runs the parts in two to four calls):
   and whether the call launches a copy of its own; the whole op with views
   on and off against the float64 reference; then their times
   (bench_strided.py).
+- ``tiles``: tune_tiles.py, bf16 at 64K tokens (the LongNet setting), d 64
+  and 128: every candidate tile of each fused kernel timed in the op against
+  the shipped one, and the fastest as fused.CUDA_TILE_SIZES entries (each to
+  be checked with cross_compile.py before it is shipped).
 - ``bench-auto`` / ``bench-triton``: bench_single_device.py in bf16 for the
   backend (the default SDPA path; the fused Triton kernel), 8K to 1M tokens,
   the LongNet setting and the geometric schedule: op / ideal floor, op /
@@ -88,6 +93,9 @@ def parts() -> Dict[str, List[List[str]]]:
         "bench-auto": bench_commands("auto") + [
             BENCH + ["--seq-lens", *SEQ_LENS[:6], "--repeats", "5", "--dense-max", "0",
                      "--block-rows", "131072", "--json", "bench-out/gpu_auto_blocks131072.json"]],
+        # the fused kernels' tiles, timed (fused.CUDA_TILE_SIZES are untimed choices)
+        "tiles": [[PY, "benchmarks/tune_tiles.py", "--head-dims", "64", "128",
+                   "--out", "bench-out/gpu_tiles.md"]],
         "bench-triton": bench_commands("triton"),
         "memory": [
             BENCH + ["--backend", backend, "--seq-lens", "65536", "1048576", "--memory-only",

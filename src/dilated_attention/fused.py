@@ -94,8 +94,13 @@ def tile_sizes(device: torch.device, dtype: torch.dtype, head_dim: int) -> TileS
     anywhere but CUDA)."""
     if device.type != "cuda":
         return INTERPRETER_TILE_SIZES
+    return CUDA_TILE_SIZES[cuda_tile_key(dtype, head_dim)]
+
+
+def cuda_tile_key(dtype: torch.dtype, head_dim: int) -> Tuple[str, int]:
+    """The CUDA_TILE_SIZES entry of a call: its products' kind and padded head dim."""
     kind = "half" if dtype in (torch.float16, torch.bfloat16) else _precision(dtype)
-    return CUDA_TILE_SIZES[kind, min(max(_head_block(head_dim), 64), 256)]
+    return kind, min(max(_head_block(head_dim), 64), 256)
 
 
 def _kernels(device: torch.device):
