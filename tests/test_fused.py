@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import pytest
 import torch
 
-from dilated_attention import MultiheadDilatedAttention, dilated_attention
+from dilated_attention import MultiheadDilatedAttention, dilated_attention, fused
 from dilated_attention.kernels import select_backend
 from dilated_attention.patterns import Heads
 from reference import attention_with_counts, close, dilated_counts, grads
@@ -379,3 +379,31 @@ def test_gpus_older_than_sm80_are_refused(monkeypatch) -> None:
         select_backend(torch.device("cuda"), torch.float16, backend="triton")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
     assert select_backend(torch.device("cuda"), torch.float16, backend="triton") == "triton"
+
+
+# Every tile shape the CUDA table ships (rows per tile 16 to 128, chunks of 16 to 64) under
+# the interpreter: the plan and the kernels' masks at those sizes, which the interpreter's
+# own 32 x 32 tiles do not reach (num_warps and num_stages mean nothing there).
+CUDA_TILES_CASE = Case(160, (32, 64, 128), (1, 2, 4), True, d=16, cu_seqlens=(0, 70, 160),
+                       masked=True)
+KERNEL_ROLES = ("forward", "dq", "dkdv")
+
+
+def _cuda_tile_shapes():
+    """TileSizes that together give each kernel every (rows, chunk) the CUDA table does."""
+    shapes = {role: sorted({getattr(sizes, role)[:2] for sizes in fused.CUDA_TILE_SIZES.values()})
+              for role in KERNEL_ROLES}
+    count = max(len(s) for s in shapes.values())
+    return [fused.TileSizes(*(fused.KernelTiles(*shapes[role][i % len(shapes[role])], 1)
+                              for role in KERNEL_ROLES)) for i in range(count)]
+
+
+def _tiles_id(sizes: fused.TileSizes) -> str:
+    return "-".join(f"{t.rows}x{t.chunk}" for t in (sizes.forward, sizes.dq, sizes.dkdv))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every call runs the CUDA tiles")
+@pytest.mark.parametrize("sizes", _cuda_tile_shapes(), ids=_tiles_id)
+def test_the_cuda_tiles_compute_the_op(sizes, monkeypatch) -> None:
+    monkeypatch.setattr(fused, "tile_sizes", lambda device, dtype, head_dim: sizes)
+    check(CUDA_TILES_CASE, op(CUDA_TILES_CASE))
