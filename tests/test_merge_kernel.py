@@ -86,11 +86,15 @@ def fused(kernel, acc_out, acc_lse, out, lse):
 
 @pytest.mark.parametrize("shape", [(37, 64), (2, 19, 3, 48), (2, 3, 11, 4, 72), (5, 1)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_eager_merge(kernel, shape, out_dtype):
+@pytest.mark.parametrize("block", ["cpu", "cuda", 128])
+def test_kernel_matches_eager_merge(kernel, shape, out_dtype, block):
     """fp32 accumulators, any number of leading dims (up to 4), head dims that are not a
-    power of two, a launch output in the input dtype."""
+    power of two, a launch output in the input dtype; programs of the CPU's rows (one for
+    these shapes), the GPU's (several, the last one partial), or a few rows each."""
     args = sides(shape, out_dtype=out_dtype)
-    got_out, got_lse = fused(kernel, *args)
+    elements = kernel.BLOCK_ELEMENTS.get(block, block)
+    with mock.patch.dict(kernel.BLOCK_ELEMENTS, {"cpu": elements}):
+        got_out, got_lse = fused(kernel, *args)
     want_out, want_lse = eager(*args)
     ref_out, ref_lse = reference(*args)
     assert torch.equal(torch.isinf(got_lse), torch.isinf(want_lse))
