@@ -20,10 +20,12 @@ session runs the parts in three or four calls, ``tiles`` before
   and whether the call launches a copy of its own; the whole op with views
   on and off against the float64 reference; then their times
   (bench_strided.py).
-- ``tiles``: tune_tiles.py, bf16 at 64K tokens (the LongNet setting), d 64
-  and 128: every candidate tile of each fused kernel timed in the op against
-  the shipped one, and the fastest as fused.CUDA_TILE_SIZES entries (each to
-  be checked with cross_compile.py before it is shipped).
+- ``tiles``: tune_tiles.py, bf16 at 64K tokens, the LongNet setting (12
+  heads of 64, the targets' setting): every candidate tile of each fused
+  kernel timed in the op against the shipped one, and the fastest as a
+  fused.CUDA_TILE_SIZES entry (to be checked with cross_compile.py before it
+  is shipped). 19 candidates x 3 kernels, each compiled on first use: d 128
+  (``--head-dims 128``) is a second call by hand.
 - ``bench-auto`` / ``bench-triton``: bench_single_device.py in bf16 for the
   backend (the default SDPA path; the fused Triton kernel), 8K to 1M tokens,
   the LongNet setting and the geometric schedule: op / ideal floor, op /
@@ -94,7 +96,7 @@ def parts() -> Dict[str, List[List[str]]]:
             BENCH + ["--seq-lens", *SEQ_LENS[:6], "--repeats", "5", "--dense-max", "0",
                      "--block-rows", "131072", "--json", "bench-out/gpu_auto_blocks131072.json"]],
         # the fused kernels' tiles, timed (fused.CUDA_TILE_SIZES are untimed choices)
-        "tiles": [[PY, "benchmarks/tune_tiles.py", "--head-dims", "64", "128",
+        "tiles": [[PY, "benchmarks/tune_tiles.py", "--head-dims", "64",
                    "--out", "bench-out/gpu_tiles.md"]],
         "bench-triton": bench_commands("triton"),
         "memory": [
