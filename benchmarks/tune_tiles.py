@@ -9,10 +9,10 @@ fused.CUDA_TILE_SIZES holds tiles that compile on every architecture
 kernel (the forward; dq; dK/dV), every candidate tile (rows x chunk x warps,
 and num_stages) in the op itself, 12 heads as in bench_single_device.py, the
 other two kernels keeping their shipped tiles: the forward kernel by a
-forward under no_grad, dq and dK/dV by the backward call (one kernel's tile
-changed at a time, so the rows of one kernel differ by that kernel's time;
-num_stages is one value for all three kernels: the suggestion takes the
-forward's). The candidates take turns
+forward under no_grad, dq and dK/dV by the backward of one forward whose
+graph is kept (one kernel's tile changed at a time, so the rows of one
+kernel differ by that kernel's time; num_stages is one value for all three
+kernels: the suggestion takes the forward's). The candidates take turns
 (A B C A B C ...), so that drift slows all alike.
 
 A candidate that does not launch (Triton's OutOfResources: too much shared
@@ -84,19 +84,17 @@ def candidates(shipped: fused.TileSizes, kernel: str, rows: Sequence[int],
     return out
 
 
-def _step(kernel: str, q, k, v, dout, segments, rates) -> Callable[[], object]:
-    """One call that runs `kernel`: a forward without autograd, or a forward + backward
-    (its result: out, or the gradients)."""
+def _step(kernel: str, q, k, v, out, dout, segments, rates) -> Callable[[], object]:
+    """One call that runs `kernel`: a forward without autograd (its result: out), or the
+    backward of `out` (the gradients)."""
     if kernel == "forward":
         def forward():
             with torch.no_grad():
                 return dilated_attention(q, k, v, segments, rates, backend="triton")
         return forward
-    out = dilated_attention(q, k, v, segments, rates, backend="triton")
 
     def backward():
         q.grad = k.grad = v.grad = None
-        # the forward is not timed again: its graph is kept for every backward
         out.backward(dout, retain_graph=True)
         return torch.cat([q.grad.flatten(), k.grad.flatten(), v.grad.flatten()])
     return backward
@@ -117,6 +115,10 @@ def tune_kernel(kernel: str, head_dim: int, options: argparse.Namespace,
     q, k, v, dout = (torch.randn(1, options.seq_len, options.heads, head_dim, generator=gen,
                                  device=device, dtype=dtype) for _ in range(4))
     q, k, v = (x.requires_grad_(kernel != "forward") for x in (q, k, v))
+    # one forward (shipped tiles) whose graph every backward candidate reuses: the
+    # backward kernels plan their tiles when they run
+    out = (None if kernel == "forward" else
+           dilated_attention(q, k, v, segments, rates, backend="triton"))
     rows: List[Timed] = []
     steps: Dict[int, Callable[[], object]] = {}
     reference = None
@@ -127,7 +129,7 @@ def tune_kernel(kernel: str, head_dim: int, options: argparse.Namespace,
         patch = mock.patch.object(fused, "tile_sizes", lambda *_, sizes=sizes: sizes)
         try:
             with patch:
-                step = _step(kernel, q, k, v, dout, segments, rates)
+                step = _step(kernel, q, k, v, out, dout, segments, rates)
                 result = step()
         except Exception as error:  # noqa: BLE001  (OutOfResources, compile errors: reported)
             timed.problem = f"did not run: {type(error).__name__}: {str(error)[:120]}"
