@@ -57,16 +57,17 @@ INTERPRETER_TILE_SIZES = TileSizes(*[KernelTiles(32, 32, num_warps=1)] * 3, num_
 
 # CUDA, by the dot products' kind (fp16/bf16 "half"; fp32 on tensor cores "tf32", or on CUDA
 # cores "ieee") and the head dim padded to a power of two (64 at least, 256 at most). Each
-# kernel's is the largest tile (rows, then chunk; then fewer warps) that spills nothing on
-# sm_80 and sm_90, made smaller where needed until it compiles, with its loop pipelined, for
-# every architecture from sm_80 on: A100 (sm_80), consumer Ampere and Ada (sm_86, sm_89),
-# H100/H200 (sm_90), B200 (sm_100), consumer Blackwell (sm_120). So it fits the 99 KiB of
-# shared memory a block has on sm_86/89/120 (a bigger one would not launch there: Triton's
-# OutOfResources) and does not spill at 255 registers a thread, with and without causal and
-# a padding mask, three extra counts per span or one (benchmarks/cross_compile.py;
-# tests/test_cross_compile.py checks bf16 in CI). Where ptxas gives a kernel fewer registers
-# on its own (for occupancy) it may spill a few bytes. Their SPEED is not measured yet: a
-# GPU session tunes them (benchmarks/gpu_suite.py).
+# kernel's tile began as the largest (rows, then chunk; then fewer warps) that spilled
+# nothing on sm_80 and sm_90 in the hungriest case, and was made smaller where needed until
+# it compiles, with its loop pipelined, for each of six architectures: A100 (sm_80),
+# consumer Ampere and Ada (sm_86, sm_89), H100/H200 (sm_90), B200 (sm_100), consumer
+# Blackwell (sm_120). So it fits the 99 KiB of shared memory a block has on sm_86/89/120 (a
+# bigger one would not launch there: Triton's OutOfResources) and does not spill at 255
+# registers a thread, with and without causal and a padding mask, three extra counts per
+# span or one (benchmarks/cross_compile.py; tests/test_cross_compile.py checks bf16 in CI).
+# Where ptxas gives a kernel fewer registers on its own (for occupancy) it may spill a few
+# bytes. Their SPEED is not measured yet: a GPU session tunes them
+# (benchmarks/tune_tiles.py, the GPU suite's tiles part).
 CUDA_TILE_SIZES = {
     ("half", 64): TileSizes(KernelTiles(128, 32, 8), KernelTiles(128, 32, 8),
                             KernelTiles(64, 32, 8)),
