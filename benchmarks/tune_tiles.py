@@ -136,9 +136,8 @@ def tune_kernel(kernel: str, head_dim: int, options: argparse.Namespace,
             continue
         if reference is None:
             reference = result
-        elif _deviation(result, reference) > TOLERANCE[dtype]:
-            timed.problem = (f"differs from the shipped tiles' result by "
-                             f"{_deviation(result, reference):.2e} (relative)")
+        elif (deviation := _deviation(result, reference)) > TOLERANCE[dtype]:
+            timed.problem = f"differs from the shipped tiles' result by {deviation:.2e} (relative)"
             continue
 
         def patched(step=step, patch=patch):
