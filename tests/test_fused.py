@@ -362,6 +362,24 @@ def test_needs_the_triton_package(monkeypatch) -> None:
         _call()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors only")
+def test_an_interpreter_too_old_for_numpy_is_refused(monkeypatch) -> None:
+    """Triton's interpreter before 3.7 cannot run the kernels' loops beside numpy 2.4 (it
+    takes int() of a 1-element array): a ValueError naming both versions, not an
+    InterpreterError from inside the kernel. Compiled kernels are not affected."""
+    from dilated_attention import kernels
+
+    assert kernels._interpreter_problem((3, 6), (2, 3)) is None
+    assert kernels._interpreter_problem((3, 7), (2, 4)) is None
+    assert kernels._interpreter_problem((), (2, 4)) is None
+    problem = kernels._interpreter_problem((3, 6), (2, 4))
+    monkeypatch.setattr(kernels, "_INTERPRETER_PROBLEM", problem)
+    with pytest.raises(ValueError, match=r"triton 3\.7 or newer.*got triton 3\.6 and numpy 2\.4"):
+        _call()
+    with pytest.raises(ValueError, match=r"triton 3\.7 or newer"):
+        select_backend(torch.device("cpu"), torch.float32, backend="triton")
+
+
 @pytest.mark.parametrize("dtype,device,match", [
     (torch.float64, "cpu", "float64"),
     (torch.bfloat16, "cpu", "bfloat16 matrix products are wrong"),

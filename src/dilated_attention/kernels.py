@@ -17,6 +17,7 @@ triangle (n == m, query i sees keys 0..i); callers never need another mask.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
 import math
 import os
@@ -34,6 +35,32 @@ MASKED_BACKENDS = ("auto", "cpu_flash", "blockwise", "triton")
 # break torch.compile's graph), imported only by the launches that use them
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _release(package: str) -> Tuple[int, ...]:
+    """The installed `package`'s (major, minor), or () when it is not installed."""
+    try:
+        version = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+    return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+
+
+def _interpreter_problem(triton: Tuple[int, ...], numpy: Tuple[int, ...]) -> Optional[str]:
+    """What Triton's interpreter (CPU tensors) lacks to run the fused kernels, given the
+    (major, minor) releases of triton and numpy, or None. Before Triton 3.7 the
+    interpreter takes a loaded scalar (a loop bound) as int() of a 1-element array, which
+    numpy 2.4 refuses: triton 3.0, 3.2, 3.4, 3.5 and 3.6 fail so, 3.7-3.9 run. Compiled
+    kernels (CUDA) are not affected."""
+    if triton and numpy and triton < (3, 7) and numpy >= (2, 4):
+        return (f"triton 3.7 or newer for Triton's interpreter beside numpy 2.4 or newer "
+                f"(got triton {'.'.join(map(str, triton))} and numpy "
+                f"{'.'.join(map(str, numpy))}: that interpreter cannot run these kernels' "
+                f"loops)")
+    return None
+
+
+_INTERPRETER_PROBLEM = _interpreter_problem(_release("triton"), _release("numpy"))
 
 # Whether backend="auto" runs the fused Triton kernel (fused.py: every pattern in one pass)
 # on a device. The one place a GPU measurement flips: on CUDA once bench_single_device.py
@@ -108,6 +135,8 @@ class _Needs:
                 unmet.append(f"a CUDA device, or the environment variable TRITON_INTERPRET=1 on "
                              f"CPU tensors (Triton's interpreter; set before the first call; "
                              f"it is {os.environ.get('TRITON_INTERPRET')!r})")
+            if _INTERPRETER_PROBLEM is not None:
+                unmet.append(_INTERPRETER_PROBLEM)
             if dtype in self.dtypes and dtype not in self.interpreted_on_cpu:
                 names = " or ".join(str(t).replace("torch.", "") for t in self.interpreted_on_cpu)
                 unmet.append(f"{names} on CPU (got {dtype}: the interpreter's {dtype} matrix "
