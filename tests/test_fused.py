@@ -365,11 +365,13 @@ def test_needs_the_triton_package(monkeypatch) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors only")
 def test_an_interpreter_too_old_for_numpy_is_refused(monkeypatch) -> None:
     """Triton's interpreter before 3.7 cannot run the kernels' loops beside numpy 2.4 (it
-    takes int() of a 1-element array): a ValueError naming both versions, not an
-    InterpreterError from inside the kernel. Compiled kernels are not affected."""
+    takes int() of a 1-element array), nor 3.0 and 3.1's at all: a ValueError naming the
+    versions, not an InterpreterError from inside the kernel. Compiled kernels are not
+    affected."""
     from dilated_attention import kernels
 
     assert kernels._interpreter_problem((3, 6), (2, 3)) is None
+    assert "triton 3.2 or newer" in kernels._interpreter_problem((3, 1), (2, 3))
     assert kernels._interpreter_problem((3, 7), (2, 4)) is None
     assert kernels._interpreter_problem((), (2, 4)) is None
     problem = kernels._interpreter_problem((3, 6), (2, 4))

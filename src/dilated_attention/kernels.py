@@ -48,15 +48,24 @@ def _release(package: str) -> Tuple[int, ...]:
 
 def _interpreter_problem(triton: Tuple[int, ...], numpy: Tuple[int, ...]) -> Optional[str]:
     """What Triton's interpreter (CPU tensors) lacks to run the fused kernels, given the
-    (major, minor) releases of triton and numpy, or None. Before Triton 3.7 the
-    interpreter takes a loaded scalar (a loop bound) as int() of a 1-element array, which
-    numpy 2.4 refuses: triton 3.0, 3.2, 3.4, 3.5 and 3.6 fail so, 3.7-3.9 run. Compiled
-    kernels (CUDA) are not affected."""
-    if triton and numpy and triton < (3, 7) and numpy >= (2, 4):
+    (major, minor) releases of triton and numpy, or None. Checked by running
+    tests/test_fused.py: triton 3.0 and 3.1's interpreter refuses tl.arange of a helper's
+    constexpr argument; before 3.7 it takes a loaded loop bound as int() of a 1-element
+    array, which numpy 2.4 refuses (3.2, 3.4 and 3.5 ran them beside numpy 2.3, 3.7-3.9
+    beside 2.4).
+    Compiled kernels (CUDA) are not affected."""
+    def release(version: Tuple[int, ...]) -> str:
+        return ".".join(map(str, version))
+
+    if not triton or not numpy:
+        return None
+    if triton < (3, 2):
+        return (f"triton 3.2 or newer for Triton's interpreter (got {release(triton)}, whose "
+                f"interpreter cannot run these kernels)")
+    if triton < (3, 7) and numpy >= (2, 4):
         return (f"triton 3.7 or newer for Triton's interpreter beside numpy 2.4 or newer "
-                f"(got triton {'.'.join(map(str, triton))} and numpy "
-                f"{'.'.join(map(str, numpy))}: that interpreter cannot run these kernels' "
-                f"loops)")
+                f"(got triton {release(triton)} and numpy {release(numpy)}: that interpreter "
+                f"cannot run these kernels' loops; or numpy<2.4)")
     return None
 
 
