@@ -64,6 +64,9 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+# The oldest Triton whose compile internals this calls as it does (the binder, the
+# launcher's _pack_args): 3.4 has no _pack_args, and 3.0-3.2 bind differently
+OLDEST_TRITON = (3, 5)
 
 from dilated_attention import dilated, fused, merge_kernel, triton_kernels  # noqa: E402
 
@@ -220,7 +223,11 @@ def ptxas_usage(ptx: str, arch: int) -> Dict[str, int]:
         source.write_text(ptx)
         # Triton compiles sm_90 as sm_90a (its wgmma instructions)
         name = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
-        done = subprocess.run([get_ptxas(arch).path, "-v", f"-arch={name}", str(source), "-o",
+        try:
+            ptxas = get_ptxas(arch)
+        except TypeError:  # before Triton 3.6: one ptxas for every architecture
+            ptxas = get_ptxas()
+        done = subprocess.run([ptxas.path, "-v", f"-arch={name}", str(source), "-o",
                                str(Path(tmp) / "kernel.o")],
                               capture_output=True, text=True, check=True)
     registers = re.search(r"Used (\d+) registers", done.stderr)
@@ -339,6 +346,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="compile in this many processes (default: one per core)")
     parser.add_argument("--out", help="also write the markdown table to this file")
     args = parser.parse_args(argv)
+    release = tuple(int(part) for part in triton.__version__.split(".")[:2])
+    if release < OLDEST_TRITON:
+        parser.error(f"needs triton {OLDEST_TRITON[0]}.{OLDEST_TRITON[1]} or newer (Triton's "
+                     f"compile internals); got {triton.__version__}")
     for d in args.head_dims:
         if d < 1:
             parser.error(f"--head-dims: {d} is not a head dim")
