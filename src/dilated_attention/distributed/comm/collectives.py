@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .counting import nbytes, record
-from .groups import Grid, ProcessGroup, global_rank, group_rank, group_size, is_distributed, plain
+from .groups import (Grid, ProcessGroup, global_rank, group_rank, group_size, is_distributed,
+                     moves_data, plain)
 from .release import released_on_return
 
 # The flat-buffer collectives: torch 2.13 deprecates the *_tensor names for
@@ -57,8 +58,9 @@ def all_gather(
     out = front.new_empty((size * longest,) + tuple(front.shape[1:]))
     if longest > 0:
         record("all_gather", 1, nbytes(front) * (size - 1))
-        with released_on_return(group, out, front):
-            all_gather_flat(out, front, group=group)
+        if moves_data(out, front):
+            with released_on_return(group, out, front):
+                all_gather_flat(out, front, group=group)
     # (size * longest, ...) -> pieces of their true lengths, back along dim
     pieces = [out[r * longest : r * longest + n] for r, n in enumerate(sizes)]
     return torch.cat(pieces).movedim(0, dim)
@@ -79,8 +81,9 @@ def all_reduce_(x: Tensor, group: ProcessGroup, *, op: str = "sum") -> Tensor:
     size = group_size(group)
     record("all_reduce", 1, 2 * (size - 1) * nbytes(x) // size)
     # gloo has no AVG: sum, then divide
-    with released_on_return(group, x):
-        dist.all_reduce(x, op=ops["sum" if op == "avg" else op], group=group)
+    if moves_data(x):
+        with released_on_return(group, x):
+            dist.all_reduce(x, op=ops["sum" if op == "avg" else op], group=group)
     if op == "avg":
         x.div_(size)
     return x
@@ -132,8 +135,9 @@ def reduce_scatter(
     out = inp.new_empty((longest,) + tuple(inp.shape[1:]))
     if longest > 0:
         record("reduce_scatter", 1, nbytes(out) * (size - 1))
-        with released_on_return(group, out, inp):
-            reduce_scatter_flat(out, inp, group=group)
+        if moves_data(out, inp):
+            with released_on_return(group, out, inp):
+                reduce_scatter_flat(out, inp, group=group)
     return out[: sizes[rank]].movedim(0, dim)
 
 
@@ -146,8 +150,9 @@ def broadcast_(x: Tensor, src: int, group: ProcessGroup) -> Tensor:
     size = group_size(group)
     if group_rank(group) == src:
         record("broadcast", 1, (size - 1) * nbytes(x))
-    with released_on_return(group, x):
-        dist.broadcast(x, global_rank(group, src), group=group)
+    if moves_data(x):
+        with released_on_return(group, x):
+            dist.broadcast(x, global_rank(group, src), group=group)
     return x
 
 
@@ -181,7 +186,8 @@ def all_to_all(sends: Sequence[Tensor], recv_shapes: Sequence[Sequence[int]],
         return recv.copy_(sends[0].reshape(-1))
     send = torch.cat([x.reshape(-1) for x in sends])
     record("all_to_all", 1, sum(nbytes(x) for p, x in enumerate(sends) if p != rank))
-    with released_on_return(group, recv, send):
-        dist.all_to_all_single(recv, send, output_split_sizes=numels,
-                               input_split_sizes=[x.numel() for x in sends], group=group)
+    if moves_data(recv, send):
+        with released_on_return(group, recv, send):
+            dist.all_to_all_single(recv, send, output_split_sizes=numels,
+                                   input_split_sizes=[x.numel() for x in sends], group=group)
     return recv

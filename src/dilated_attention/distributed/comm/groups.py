@@ -97,6 +97,13 @@ def is_distributed(group: ProcessGroup) -> bool:
     return group is not None and group_size(group) > 1
 
 
+def moves_data(*tensors) -> bool:
+    """Whether a collective over `tensors` has data to move: not for meta tensors (shape-only
+    runs: estimate --dry-run on a fake group), whose c10d ops have no meta kernels before
+    torch 2.11. Callers still count the bytes such a call would send."""
+    return not all(t.is_meta for t in tensors)
+
+
 def group_size(group: ProcessGroup) -> int:
     """Ranks in `group`; None (local) is 1; a Grid U * S."""
     group = plain(group)

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .counting import nbytes, record, record_wait
-from .groups import ProcessGroup, global_rank, group_rank, group_size, is_distributed
+from .groups import (ProcessGroup, global_rank, group_rank, group_size, is_distributed,
+                     moves_data)
 
 Tensors = Union[Tensor, Sequence[Tensor]]
 
@@ -32,6 +33,8 @@ def _post(ops: List[Tuple[str, Tensor, int, int]], group: ProcessGroup) -> List[
     for kind, tensor, _, _ in ops:
         if kind == "send":
             record("send", 1, nbytes(tensor))
+    if not moves_data(*(op[1] for op in ops)):
+        return []
     fns = {"send": dist.isend, "recv": dist.irecv}
     p2p = [dist.P2POp(fns[kind], t, peer, group=group, tag=tag) for kind, t, peer, tag in ops]
     return dist.batch_isend_irecv(p2p)
