@@ -15,7 +15,7 @@ from .groups import (Grid, ProcessGroup, global_rank, group_rank, group_size, is
 from .release import released_on_return
 
 # The flat-buffer collectives: torch 2.13 deprecates the *_tensor names for
-# *_single ones that older releases (this package supports >= 2.4) lack.
+# *_single ones that older releases (this package supports >= 2.9) lack.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
