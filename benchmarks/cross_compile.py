@@ -69,6 +69,7 @@ sys.path.insert(0, str(ROOT / "src"))
 OLDEST_TRITON = (3, 5)
 
 from dilated_attention import dilated, fused, merge_kernel, triton_kernels  # noqa: E402
+from dilated_attention.kernels import installed_release  # noqa: E402
 
 # Shared memory one block may use (the opt-in maximum, bytes), per compute capability.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
@@ -346,8 +347,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="compile in this many processes (default: one per core)")
     parser.add_argument("--out", help="also write the markdown table to this file")
     args = parser.parse_args(argv)
-    release = tuple(int(part) for part in triton.__version__.split(".")[:2])
-    if release < OLDEST_TRITON:
+    if installed_release("triton") < OLDEST_TRITON:
         parser.error(f"needs triton {OLDEST_TRITON[0]}.{OLDEST_TRITON[1]} or newer (Triton's "
                      f"compile internals); got {triton.__version__}")
     for d in args.head_dims:

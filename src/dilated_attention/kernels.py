@@ -37,7 +37,7 @@ _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def _release(package: str) -> Tuple[int, ...]:
+def installed_release(package: str) -> Tuple[int, ...]:
     """The installed `package`'s (major, minor), or () when it is not installed."""
     try:
         version = importlib.metadata.version(package)
@@ -69,7 +69,8 @@ def _interpreter_problem(triton: Tuple[int, ...], numpy: Tuple[int, ...]) -> Opt
     return None
 
 
-_INTERPRETER_PROBLEM = _interpreter_problem(_release("triton"), _release("numpy"))
+_INTERPRETER_PROBLEM = _interpreter_problem(installed_release("triton"),
+                                            installed_release("numpy"))
 
 # Whether backend="auto" runs the fused Triton kernel (fused.py: every pattern in one pass)
 # on a device. The one place a GPU measurement flips: on CUDA once bench_single_device.py
