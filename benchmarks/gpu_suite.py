@@ -3,6 +3,7 @@
     python benchmarks/gpu_suite.py --commit $(git rev-parse --short HEAD)       # everything
     python benchmarks/gpu_suite.py --part tests strided                         # some parts
     python benchmarks/gpu_suite.py --list                                       # parts, commands
+    python benchmarks/gpu_suite.py --part bench-triton tiles --seq-lens 8192 65536 --budget 400
 
 Parts, each a list of commands run from the repository root (their output is
 printed as it comes and kept for the report). Not run on a GPU yet: about
@@ -67,38 +68,40 @@ SEQ_LENS = ["8192", "16384", "32768", "65536", "131072", "262144", "524288", "10
 BENCH = [PY, "benchmarks/bench_single_device.py", "--device", "cuda", "--dtype", "bfloat16"]
 
 
-def bench_commands(backend: str) -> List[List[str]]:
-    """The backend's bench_single_device runs: both schedules, 8K to 1M."""
-    return [BENCH + ["--backend", backend, "--schedule", schedule, "--seq-lens", *SEQ_LENS,
+def bench_commands(backend: str, seq_lens: Sequence[str]) -> List[List[str]]:
+    """The backend's bench_single_device runs: both schedules, at `seq_lens`."""
+    return [BENCH + ["--backend", backend, "--schedule", schedule, "--seq-lens", *seq_lens,
                      "--repeats", "5", "--dense-max", "32768",
                      "--json", f"bench-out/gpu_{backend}_{schedule}.json"]
             for schedule in ("longnet", "geometric")]
 
 
-def parts() -> Dict[str, List[List[str]]]:
-    """Part name -> its commands, in order."""
+def parts(seq_lens: Sequence[str] = SEQ_LENS) -> Dict[str, List[List[str]]]:
+    """Part name -> its commands, in order; the bench parts at `seq_lens`."""
     fused_tests = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_fused*.py"))
     estimate = [PY, "-m", "dilated_attention", "estimate", "--device", "cuda", "--dtype",
                 "bfloat16", "--seq-len", "65536", "--dry-run"]
     return {
-        "tests": [
+        # the fused kernel's tests first: they have never run compiled
+        "tests": ([[PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", *fused_tests]]
+                  if fused_tests else []) + [
             [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "tests"],
             [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_compile.py"],
-        ] + ([[PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", *fused_tests]]
-             if fused_tests else []),
+        ],
         "strided": [
             [PY, "benchmarks/gpu_suite.py", "--strided-check"],
             [PY, "benchmarks/bench_strided.py", "--device", "cuda", "--dtype", "bfloat16",
              "--cases", "65536:fwd", "65536:bwd", "1048576:fwd", "1048576:bwd"],
         ],
         # and the CUDA row blocks before the 64K memory bound (131072 rows): what it costs
-        "bench-auto": bench_commands("auto") + [
-            BENCH + ["--seq-lens", *SEQ_LENS[:6], "--repeats", "5", "--dense-max", "0",
+        "bench-auto": bench_commands("auto", seq_lens) + [
+            BENCH + ["--seq-lens", *[n for n in seq_lens if int(n) <= 262144],
+                     "--repeats", "5", "--dense-max", "0",
                      "--block-rows", "131072", "--json", "bench-out/gpu_auto_blocks131072.json"]],
         # the fused kernels' tiles, timed (fused.CUDA_TILE_SIZES are untimed choices)
         "tiles": [[PY, "benchmarks/tune_tiles.py", "--head-dims", "64",
                    "--out", "bench-out/gpu_tiles.md"]],
-        "bench-triton": bench_commands("triton"),
+        "bench-triton": bench_commands("triton", seq_lens),
         "memory": [
             BENCH + ["--backend", backend, "--seq-lens", "65536", "1048576", "--memory-only",
                      "--json", f"bench-out/gpu_memory_{backend}.json"]
@@ -201,13 +204,20 @@ def write_report(path: Path, header: str, sections: Dict[str, str]) -> None:
         shutil.copy(path, Path(out) / path.name)
 
 
-def run_part(name: str, commands: List[List[str]], timeout: float) -> str:
-    """Run a part's commands; its report section."""
+def run_part(name: str, commands: List[List[str]], timeout: float, deadline: float) -> str:
+    """Run a part's commands, each stopped after `timeout` seconds or at `deadline`
+    (time.perf_counter); commands not started by the deadline are listed as skipped.
+    Its report section."""
     start = time.perf_counter()
     chunks = []
     for command in commands:
-        output, status, seconds = run(command, timeout)
         shown = " ".join(c if c != PY else "python" for c in command)
+        left = deadline - time.perf_counter()
+        if left < 5:
+            print(f"$ {shown}\n[not run: the --budget was spent]", flush=True)
+            chunks.append(f"### `{shown}`\n\nnot run: the --budget was spent\n")
+            continue
+        output, status, seconds = run(command, min(timeout, left))
         chunks.append(f"### `{shown}`\n\nexit status {status}, {seconds:.0f} s\n\n```\n"
                       f"{output.rstrip()}\n```\n")
     minutes = (time.perf_counter() - start) / 60
@@ -400,15 +410,22 @@ def main(argv=None) -> int:
                         help="the commit measured (default: git rev-parse, where .git exists)")
     parser.add_argument("--timeout", type=float, default=540,
                         help="seconds after which one command is stopped (default 540)")
+    parser.add_argument("--budget", type=float, default=float("inf"),
+                        help="seconds for the whole run: a command still running then is "
+                        "stopped, later ones are listed as not run (a device call's limit)")
+    parser.add_argument("--seq-lens", nargs="+", default=SEQ_LENS, metavar="N",
+                        help="the bench parts' lengths (default 8K..1M)")
     parser.add_argument("--list", action="store_true", help="print the parts' commands and exit")
     parser.add_argument("--strided-check", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile-case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    todo = names if "all" in args.part else [n for n in names if n in args.part]
+    # the parts in the order asked for (all: the suite's order)
+    todo = names if "all" in args.part else list(dict.fromkeys(args.part))
+    table = parts(args.seq_lens)
     if args.list:
         for name in todo:
             print(f"{name}:")
-            for command in parts()[name]:
+            for command in table[name]:
                 print("    " + " ".join(c if c != PY else "python" for c in command))
         return 0
     import torch
@@ -428,8 +445,9 @@ def main(argv=None) -> int:
     print(header, flush=True)
     out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
     start = time.perf_counter()
+    deadline = start + args.budget
     for name in todo:
-        section = run_part(name, parts()[name], args.timeout)
+        section = run_part(name, table[name], args.timeout, deadline)
         write_report(out, header, {name: section})  # after each part: a stopped run keeps it
     print(f"== {', '.join(todo)}: {(time.perf_counter() - start) / 60:.1f} min; report {out}",
           flush=True)
