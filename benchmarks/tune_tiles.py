@@ -217,7 +217,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", help="also write the report (markdown) to this file")
     args = parser.parse_args(argv)
-    for name in ("rows", "chunks", "warps", "stages"):
+    for name in ("rows", "chunks", "warps"):
         bad = [x for x in getattr(args, name) or [] if x < 1 or x & (x - 1)]
         if bad:
             parser.error(f"--{name}: {bad} are not powers of two")

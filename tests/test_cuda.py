@@ -112,7 +112,8 @@ def test_merge_kernel_on_cuda_matches_eager_merge(acc_dtype) -> None:
 
     results = []
     for use_kernel, dtype in ((True, acc_dtype), (False, acc_dtype), (True, torch.float32)):
-        acc, acc_lse = acc_full.to(dtype).clone(), lse_full.clone()
+        # the same values in each run: the fp32 run's accumulator holds the rounded ones
+        acc, acc_lse = acc_full.to(acc_dtype).to(dtype).clone(), lse_full.clone()
         with mock.patch.dict(merge.MERGE_KERNEL, {"cuda": use_kernel}), \
                 mock.patch.object(merge_kernel, "merge_", wraps=merge_kernel.merge_) as spy:
             merge.merge_(view(acc), view(acc_lse), out, lse)

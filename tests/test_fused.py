@@ -58,6 +58,8 @@ CASES = {
     "duplicates-long-segment": Case(50, (10, 10, 200), (2, 2, 3), True, h=3, hk=3, d=5,
                                     scale=0.7),
     "lcm-not-power-of-two": Case(45, (9, 18, 30), (3, 6, 5), False, h=3, hk=1),
+    # an extra of period 3 (rate 3 on rate 1's keys): the kernels' modulo by division
+    "period-three-causal": Case(54, (18, 54), (1, 3), True, h=3, hk=3, with_lse=False),
     "documents-and-padding": Case(80, (8, 32), (1, 2), True, h=2, hk=1,
                                   cu_seqlens=(0, 20, 20, 57, 80), masked=True),
     "fp16-causal-documents": Case(48, (8, 16), (1, 2), True, d=16, dtype=torch.float16,
@@ -427,3 +429,4 @@ def _tiles_id(sizes: fused.TileSizes) -> str:
 def test_the_cuda_tiles_compute_the_op(sizes, monkeypatch) -> None:
     monkeypatch.setattr(fused, "tile_sizes", lambda device, dtype, head_dim: sizes)
     check(CUDA_TILES_CASE, op(CUDA_TILES_CASE))
+

@@ -46,7 +46,10 @@ def expand(plan: TilePlan, n: int, m: int, heads: Heads, num_kv_heads: int, caus
             assert 0 <= int(e.min()) and int(e.max()) < (n if keys else m)
             mult = torch.ones(elements, dtype=torch.int64)
             for period, phase in extras[extra_lo:extra_hi].tolist():
-                mult += (idx % period == phase).long()
+                # as the kernels take it: a bit mask where the plan says every period is a
+                # power of two (a wrong claim miscounts here)
+                hit = ((idx & (period - 1)) if plan.pow2_periods else idx % period) == phase
+                mult += hit.long()
             # (rows, elements): what one program adds, under the kernels' causal mask
             visits = mult.expand(count, -1)
             if keys:
@@ -143,6 +146,17 @@ def test_dense_plan(n: int, m: int, causal: bool) -> None:
         got, writes = expand(plan, n, m, heads, 2, causal, keys)
         assert bool((writes == 1).all())
         assert torch.equal(got, want)
+
+
+def test_periods_are_powers_of_two_where_the_rates_ratios_are() -> None:
+    """The kernels' bit-mask modulo (POW2_PERIODS) is taken where every extra's period is a
+    power of two: rates 1, 2, 4 (and repeats, period 1); not rates 1 and 3."""
+    heads = Heads.of(2, 1)
+    for rates, pow2 in (((1, 2, 4), True), ((2, 2), True), ((1, 3), False), ((3, 6), True)):
+        plan = tile_plan(48, ((12, 24, 48)[:len(rates)], rates), heads, 1, False, None, 16,
+                         False)
+        assert int(plan.extras[:, 0].max()) > 1 or rates == (2, 2)
+        assert plan.pow2_periods == pow2, rates
 
 
 def test_occupancy_below_the_per_pattern_floor() -> None:

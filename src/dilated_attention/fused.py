@@ -90,12 +90,33 @@ CUDA_TILE_SIZES = {
 }
 
 
+# Tiles timed on a GPU (benchmarks/tune_tiles.py: candidates in the op, bf16, 64K tokens,
+# LongNet's setting), by compute capability: there they replace CUDA_TILE_SIZES' portable
+# entry. sm_90 (H100): 4 warps and 3 stages were the fastest for all three kernels (d 64:
+# the whole backward 0.48 of the portable tiles' time, the forward 0.80; BENCHMARKS.md,
+# "Tuning the tiles"), although ptxas spills up to a few hundred bytes at 255 registers in
+# them, which the portable table avoids (the spill rule of benchmarks/cross_compile.py
+# stands in for a timing where there is none).
+TUNED_TILE_SIZES = {
+    ((9, 0), "half", 64): TileSizes(KernelTiles(128, 64, 4), KernelTiles(128, 64, 4),
+                                    KernelTiles(128, 32, 4), num_stages=3),
+}
+
+
 def tile_sizes(device: torch.device, dtype: torch.dtype, head_dim: int) -> TileSizes:
     """The tile sizes of the fused kernels for a call on `device` (Triton's interpreter
     anywhere but CUDA)."""
     if device.type != "cuda":
         return INTERPRETER_TILE_SIZES
-    return CUDA_TILE_SIZES[cuda_tile_key(dtype, head_dim)]
+    return cuda_tile_sizes(torch.cuda.get_device_capability(device), dtype, head_dim)
+
+
+def cuda_tile_sizes(capability: Tuple[int, int], dtype: torch.dtype,
+                    head_dim: int) -> TileSizes:
+    """The tiles on a GPU of compute `capability`: a timed entry where there is one, else
+    the portable one."""
+    key = cuda_tile_key(dtype, head_dim)
+    return TUNED_TILE_SIZES.get((tuple(capability),) + key, CUDA_TILE_SIZES[key])
 
 
 def cuda_tile_key(dtype: torch.dtype, head_dim: int) -> Tuple[str, int]:
@@ -216,7 +237,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *mask_strides,
         d, scale * kernels.LOG2E,
         CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype), EXTRAS=plan.max_extras,
-        BLOCK_M=plan.block_m, BLOCK_N=sizes.forward.chunk, BLOCK_D=_head_block(d),
+        POW2_PERIODS=plan.pow2_periods, BLOCK_M=plan.block_m, BLOCK_N=sizes.forward.chunk, BLOCK_D=_head_block(d),
         num_warps=sizes.forward.num_warps, num_stages=sizes.num_stages,
     )
     return out, lse
@@ -251,7 +272,8 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(),
             *lse.stride(), *dlse_arg.stride(), *dq.stride(), *mask_strides,
             d, scale * kernels.LOG2E, scale,
-            HAS_DLSE=dlse is not None, EXTRAS=queries.max_extras, BLOCK_M=queries.block_m,
+            HAS_DLSE=dlse is not None, EXTRAS=queries.max_extras,
+            POW2_PERIODS=queries.pow2_periods, BLOCK_M=queries.block_m,
             BLOCK_N=sizes.dq.chunk, num_warps=sizes.dq.num_warps, **flags,
         )
     if keys.tiles.shape[0]:
@@ -261,7 +283,8 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
             *dk.stride(), *dv.stride(), *mask_strides,
             d, scale * kernels.LOG2E, scale,
-            EXTRAS=keys.max_extras, BLOCK_M=keys.block_m, BLOCK_N=sizes.dkdv.chunk,
+            EXTRAS=keys.max_extras, POW2_PERIODS=keys.pow2_periods, BLOCK_M=keys.block_m,
+            BLOCK_N=sizes.dkdv.chunk,
             num_warps=sizes.dkdv.num_warps, **flags,
         )
     return dq, dk, dv

@@ -115,7 +115,8 @@ class TilePlan(NamedTuple):
     [fused kernel]). Tables never empty: an unused one holds a row of zeros, so the
     kernels get a valid pointer. max_extras: the most extras of one span, which the
     kernels unroll (a loop inside their key loop would keep Triton from pipelining the
-    key loads).
+    key loads). pow2_periods: every extra's period is a power of two (rates 1, 2, 4, ...),
+    so the kernels take it modulo with a bit mask, not a division.
     """
 
     tiles: Tensor
@@ -124,6 +125,7 @@ class TilePlan(NamedTuple):
     extras: Tensor
     block_m: int
     max_extras: int
+    pow2_periods: bool = True
 
     def to(self, device) -> "TilePlan":
         return self._replace(**{name: getattr(self, name).to(device)
@@ -418,9 +420,11 @@ def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, caus
     tiles = torch.cat([cells.starts[cell, None], template[shape_lo[cells.shape][cell] + within]],
                       dim=1)
     per_span = spans.table[:, 5] - spans.table[:, 4]
+    period = spans.extras[:, 0]
     return TilePlan(_int32(tiles), _int32(_nonempty(torch.cat(rows))),
                     _int32(_nonempty(spans.table)), _int32(_nonempty(spans.extras)), block_m,
-                    int(per_span.max()) if per_span.numel() else 0)
+                    int(per_span.max()) if per_span.numel() else 0,
+                    bool((period & (period - 1) == 0).all()))
 
 
 def _nonempty(table: Tensor) -> Tensor:

@@ -107,10 +107,14 @@ def _key_span(spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, sv
 
 
 @triton.jit
-def _log2_counts(extras, extra_lo, extra_hi, idx, EXTRAS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _log2_counts(extras, extra_lo, extra_hi, idx, EXTRAS: tl.constexpr,
+                 POW2_PERIODS: tl.constexpr, BLOCK_N: tl.constexpr):
     """(N,) log2 of how many patterns select span elements idx: 1 + the span's extras
     (period, phase) with idx mod period == phase. Unrolled over the plan's most extras of
-    one span (EXTRAS): a loop in the key loop would keep Triton from pipelining its loads."""
+    one span (EXTRAS): a loop in the key loop would keep Triton from pipelining its loads.
+    POW2_PERIODS (every period a power of two, as rates 1, 2, 4, ... give): idx mod period
+    is a bit mask; an integer division per element and extra would cost more than the
+    rest of the softmax's arithmetic."""
     count = tl.full((BLOCK_N,), 1.0, tl.float32)
     for j in tl.static_range(EXTRAS):
         e = extra_lo + j
@@ -118,39 +122,99 @@ def _log2_counts(extras, extra_lo, extra_hi, idx, EXTRAS: tl.constexpr, BLOCK_N:
         # a span with fewer extras: period 1, phase -1 matches no element
         period = tl.load(extras + 2 * e, mask=live, other=1)
         phase = tl.load(extras + 2 * e + 1, mask=live, other=-1)
-        count += tl.where(idx % period == phase, 1.0, 0.0)
+        if POW2_PERIODS:
+            hit = (idx & (period - 1)) == phase
+        else:
+            hit = idx % period == phase
+        count += tl.where(hit, 1.0, 0.0)
     return tl.log2(count)
 
 
 @triton.jit
+def _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL: tl.constexpr,
+                     HAS_MASK: tl.constexpr, KEY_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[full_lo, full_hi): the span's whole chunks (from lo, BLOCK_N apart) that every row
+    of a tile of rows first..last reads in full, so that they need no mask: no element
+    past hi, and under causal no key after the tile's first row (query tiles) or no query
+    before its last row (key tiles). None with a padding mask. The chunks before
+    full_lo and from full_hi on are masked."""
+    full_lo = lo
+    end = hi
+    if CAUSAL:
+        if KEY_TILES:
+            # queries t = start + stride * i >= last
+            reach = last - start
+            need = tl.minimum(tl.where(reach > 0, (reach + stride - 1) // stride, 0), hi)
+            full_lo = lo + tl.maximum(need - lo + BLOCK_N - 1, 0) // BLOCK_N * BLOCK_N
+        else:
+            # keys u = start + stride * i <= first
+            reach = first - start
+            end = tl.minimum(end, tl.where(reach >= 0, reach // stride + 1, 0))
+    full_hi = full_lo + tl.maximum(end - full_lo, 0) // BLOCK_N * BLOCK_N
+    if HAS_MASK:
+        full_hi = full_lo
+    return full_lo, full_hi
+
+
+@triton.jit
 def _key_scores(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                extra_hi, skn, svn, smn, d_ok, scale_log2, CAUSAL: tl.constexpr,
-                HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+                extra_hi, skn, svn, smn, d_ok, scale_log2, MASKED: tl.constexpr,
+                CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+                EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys c .. c + N of a span against the tile's q rows t: k, v (N, D) and the (M, N)
-    base-2 logits with the keys' counts, -inf where masked (causal, padding, past hi).
+    base-2 logits with the keys' counts; MASKED: -inf where masked (causal, padding, past
+    hi), else every key is read by every row (``_unmasked_chunks``) and nothing is masked
+    (rows past the tile's are garbage there, never stored).
 
     The loads are written out here, not in helpers: in the interpreter a helper call
     costs as much as ten block operations, and this runs once per chunk. The counts are
     one helper, ``_log2_counts``, shared with the dK/dV kernel and called only for plans
     with extras."""
     idx = c + tl.arange(0, BLOCK_N)
-    key_ok = idx < hi
     u = start + idx * stride
     u64 = u.to(tl.int64)
-    k = tl.load(k_at + u64[:, None] * skn, mask=key_ok[:, None] & d_ok, other=0.0)
-    v = tl.load(v_at + u64[:, None] * svn, mask=key_ok[:, None] & d_ok, other=0.0)
+    if MASKED:
+        key_ok = idx < hi
+        k = tl.load(k_at + u64[:, None] * skn, mask=key_ok[:, None] & d_ok, other=0.0)
+        v = tl.load(v_at + u64[:, None] * svn, mask=key_ok[:, None] & d_ok, other=0.0)
+    else:
+        k = tl.load(k_at + u64[:, None] * skn, mask=d_ok, other=0.0)
+        v = tl.load(v_at + u64[:, None] * svn, mask=d_ok, other=0.0)
     # (M, D) x (D, N) -> (M, N)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     if EXTRAS > 0:
-        scores += _log2_counts(extras, extra_lo, extra_hi, idx, EXTRAS, BLOCK_N)[None, :]
-    valid = row_ok[:, None] & key_ok[None, :]
-    if CAUSAL:
-        valid &= u[None, :] <= t[:, None]
-    if HAS_MASK:
-        ignored = tl.load(mask_at + u64 * smn, mask=key_ok, other=1)
-        valid &= (ignored == 0)[None, :]
-    return k, v, tl.where(valid, scores, float("-inf"))
+        scores += _log2_counts(extras, extra_lo, extra_hi, idx, EXTRAS, POW2_PERIODS,
+                               BLOCK_N)[None, :]
+    if MASKED:
+        valid = row_ok[:, None] & key_ok[None, :]
+        if CAUSAL:
+            valid &= u[None, :] <= t[:, None]
+        if HAS_MASK:
+            ignored = tl.load(mask_at + u64 * smn, mask=key_ok, other=1)
+            valid &= (ignored == 0)[None, :]
+        scores = tl.where(valid, scores, float("-inf"))
+    return k, v, scores
+
+
+@triton.jit
+def _softmax_step(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
+                  extra_hi, skn, svn, smn, d_ok, scale_log2, m_i, l_i, acc,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                  PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """The online softmax over one chunk of keys: the new (m_i, l_i, acc)."""
+    k, v, scores = _key_scores(
+        q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo, extra_hi,
+        skn, svn, smn, d_ok, scale_log2, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
+        POW2_PERIODS, BLOCK_N)
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    # a row with no key yet keeps max -inf: shift by 0 so that exp2 gives 0, not NaN
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(scores - shift[:, None])
+    alpha = tl.exp2(m_i - shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -160,9 +224,11 @@ def fused_forward(
     sob, son, soh, sod, slb, sln, slh, smb, smn, smh,
     head_dim, scale_log2,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    POW2_PERIODS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """out, lse of one query tile: the online softmax over its spans' keys."""
+    """out, lse of one query tile: the online softmax over its spans' keys, each span's
+    whole unmasked chunks first, then the masked rest."""
     b, head, span_lo, span_hi, cell, t, row_ok, first, last = _program(tiles, rows, BLOCK_M)
     q = _load_rows(Q, b, t, row_ok, head, sqb, sqn, sqh, sqd, head_dim, BLOCK_D)
     d_ok = tl.arange(0, BLOCK_D)[None, :] < head_dim
@@ -173,19 +239,19 @@ def fused_forward(
         start, stride, lo, hi, extra_lo, extra_hi, k_at, v_at, mask_at = _key_span(
             spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, svh, svd, smb,
             smh, CAUSAL, BLOCK_D)
-        for c in range(lo, hi, BLOCK_N):
-            k, v, scores = _key_scores(
+        # query tiles: the masked chunks are the last ones (full_lo is lo)
+        _, full_hi = _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL, HAS_MASK,
+                                      False, BLOCK_N)
+        for c in range(lo, full_hi, BLOCK_N):
+            m_i, l_i, acc = _softmax_step(
                 q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                extra_hi, skn, svn, smn, d_ok, scale_log2, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
-                BLOCK_N)
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            # a row with no key yet keeps max -inf: shift by 0 so that exp2 gives 0, not NaN
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(scores - shift[:, None])
-            alpha = tl.exp2(m_i - shift)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+                extra_hi, skn, svn, smn, d_ok, scale_log2, m_i, l_i, acc, False, CAUSAL,
+                HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, BLOCK_N)
+        for c in range(full_hi, hi, BLOCK_N):
+            m_i, l_i, acc = _softmax_step(
+                q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
+                extra_hi, skn, svn, smn, d_ok, scale_log2, m_i, l_i, acc, True, CAUSAL,
+                HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, BLOCK_N)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     _store_rows(Out, out, b, t, row_ok, head, sob, son, soh, sod, head_dim, BLOCK_D)
@@ -203,6 +269,23 @@ def _lse_log2(lse):
 
 
 @triton.jit
+def _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, start, stride, c,
+             hi, extra_lo, extra_hi, skn, svn, smn, d_ok, scale_log2, MASKED: tl.constexpr,
+             CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+             EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dq of the tile's rows plus one chunk of keys' share."""
+    k, v, scores = _key_scores(
+        q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo, extra_hi,
+        skn, svn, smn, d_ok, scale_log2, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
+        POW2_PERIODS, BLOCK_N)
+    # (M, N): the final softmax's probabilities (counts included; masked: 0)
+    p = tl.exp2(scores - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+
+
+@triton.jit
 def fused_dq(
     Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
@@ -210,7 +293,7 @@ def fused_dq(
     sdqb, sdqn, sdqh, sdqd, smb, smn, smh,
     head_dim, scale_log2, scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DLSE: tl.constexpr,
-    PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
+    PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dq of one query tile, and delta = rowsum(dout * out) - dlse of its rows (the
@@ -233,17 +316,59 @@ def fused_dq(
         start, stride, lo, hi, extra_lo, extra_hi, k_at, v_at, mask_at = _key_span(
             spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, svh, svd, smb,
             smh, CAUSAL, BLOCK_D)
-        for c in range(lo, hi, BLOCK_N):
-            k, v, scores = _key_scores(
-                q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                extra_hi, skn, svn, smn, d_ok, scale_log2, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
-                BLOCK_N)
-            # (M, N): the final softmax's probabilities (counts included; masked: 0)
-            p = tl.exp2(scores - lse[:, None])
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        _, full_hi = _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL, HAS_MASK,
+                                      False, BLOCK_N)
+        for c in range(lo, full_hi, BLOCK_N):
+            dq = _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, start,
+                          stride, c, hi, extra_lo, extra_hi, skn, svn, smn, d_ok, scale_log2,
+                          False, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, BLOCK_N)
+        for c in range(full_hi, hi, BLOCK_N):
+            dq = _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, start,
+                          stride, c, hi, extra_lo, extra_hi, skn, svn, smn, d_ok, scale_log2,
+                          True, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, BLOCK_N)
     _store_rows(dQ, dq * scale, b, t, row_ok, head, sdqb, sdqn, sdqh, sdqd, head_dim, BLOCK_D)
+
+
+@triton.jit
+def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, start, stride, c,
+               hi, extra_lo, extra_hi, sqn, sdon, sln, d_ok, scale_log2, MASKED: tl.constexpr,
+               CAUSAL: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
+               POW2_PERIODS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dk, dv of the tile's key rows plus one chunk of queries' share; MASKED as in
+    ``_key_scores`` (else every query of the chunk reads every key row: no mask)."""
+    # no helper calls here but the counts' (see _key_scores)
+    idx = c + tl.arange(0, BLOCK_N)
+    t = start + idx * stride
+    t64 = t.to(tl.int64)
+    if MASKED:
+        q_ok = idx < hi
+        q = tl.load(q_at + t64[:, None] * sqn, mask=q_ok[:, None] & d_ok, other=0.0)
+        do = tl.load(do_at + t64[:, None] * sdon, mask=q_ok[:, None] & d_ok, other=0.0)
+        lse = tl.load(lse_at + t64 * sln, mask=q_ok, other=0.0)
+        delta = tl.load(delta_at + t64 * sln, mask=q_ok, other=0.0)
+    else:
+        q = tl.load(q_at + t64[:, None] * sqn, mask=d_ok, other=0.0)
+        do = tl.load(do_at + t64[:, None] * sdon, mask=d_ok, other=0.0)
+        lse = tl.load(lse_at + t64 * sln)
+        delta = tl.load(delta_at + t64 * sln)
+    # a query that attends nothing: +inf, so that its p is 0
+    lse = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    # (M keys, N queries), base-2 logits with the queries' counts
+    scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
+    if EXTRAS > 0:
+        scores += _log2_counts(extras, extra_lo, extra_hi, idx, EXTRAS, POW2_PERIODS,
+                               BLOCK_N)[None, :]
+    p = tl.exp2(scores - lse[None, :])
+    if MASKED:
+        valid = live[:, None] & q_ok[None, :]
+        if CAUSAL:
+            valid &= u[:, None] <= t[None, :]
+        p = tl.where(valid, p, 0.0)
+    dv = tl.dot(p.to(do.dtype), do, dv, input_precision=PRECISION)
+    dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    ds = p * (dp - delta[None, :])
+    dk = tl.dot(ds.to(q.dtype), q, dk, input_precision=PRECISION)
+    return dk, dv
 
 
 @triton.jit
@@ -254,10 +379,13 @@ def fused_dkdv(
     sdvb, sdvn, sdvh, sdvd, smb, smn, smh,
     head_dim, scale_log2, scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    POW2_PERIODS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """dK, dV of one key tile (rows of one key/value head): over the spans of query rows
-    that read them, for every query head of its GQA group; written once.
+    that read them, for every query head of its GQA group; written once. Per span the
+    masked chunks (causal: the first ones, queries before the tile's last row; the last,
+    partial one) and the unmasked ones between them.
 
     Delta has lse's strides."""
     b, kv, span_lo, span_hi, cell, u, row_ok, first, last = _program(tiles, rows, BLOCK_M)
@@ -278,29 +406,22 @@ def fused_dkdv(
         # lse and delta share their strides
         lse_at = Lse + b.to(tl.int64) * slb + head.to(tl.int64) * slh
         delta_at = Delta + b.to(tl.int64) * slb + head.to(tl.int64) * slh
-        for c in range(lo, hi, BLOCK_N):
-            # no helper calls in this loop but the counts' (see _key_scores)
-            idx = c + tl.arange(0, BLOCK_N)
-            q_ok = idx < hi
-            t = start + idx * stride
-            t64 = t.to(tl.int64)
-            q = tl.load(q_at + t64[:, None] * sqn, mask=q_ok[:, None] & d_ok, other=0.0)
-            do = tl.load(do_at + t64[:, None] * sdon, mask=q_ok[:, None] & d_ok, other=0.0)
-            lse = tl.load(lse_at + t64 * sln, mask=q_ok, other=0.0)
-            # a query that attends nothing: +inf, so that its p is 0
-            lse = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-            delta = tl.load(delta_at + t64 * sln, mask=q_ok, other=0.0)
-            # (M keys, N queries), base-2 logits with the queries' counts
-            scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
-            if EXTRAS > 0:
-                scores += _log2_counts(extras, extra_lo, extra_hi, idx, EXTRAS, BLOCK_N)[None, :]
-            valid = live[:, None] & q_ok[None, :]
-            if CAUSAL:
-                valid &= u[:, None] <= t[None, :]
-            p = tl.where(valid, tl.exp2(scores - lse[None, :]), 0.0)
-            dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
-            dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-            ds = p * (dp - delta[None, :])
-            dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
+        full_lo, full_hi = _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL,
+                                            HAS_MASK, True, BLOCK_N)
+        for c in range(lo, full_lo, BLOCK_N):
+            dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras,
+                                start, stride, c, hi, extra_lo, extra_hi, sqn, sdon, sln, d_ok,
+                                scale_log2, True, CAUSAL, PRECISION, EXTRAS, POW2_PERIODS,
+                                BLOCK_N)
+        for c in range(full_lo, full_hi, BLOCK_N):
+            dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras,
+                                start, stride, c, hi, extra_lo, extra_hi, sqn, sdon, sln, d_ok,
+                                scale_log2, False, CAUSAL, PRECISION, EXTRAS, POW2_PERIODS,
+                                BLOCK_N)
+        for c in range(full_hi, hi, BLOCK_N):
+            dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras,
+                                start, stride, c, hi, extra_lo, extra_hi, sqn, sdon, sln, d_ok,
+                                scale_log2, True, CAUSAL, PRECISION, EXTRAS, POW2_PERIODS,
+                                BLOCK_N)
     _store_rows(dK, dk * scale, b, u, row_ok, kv, sdkb, sdkn, sdkh, sdkd, head_dim, BLOCK_D)
     _store_rows(dV, dv, b, u, row_ok, kv, sdvb, sdvn, sdvh, sdvd, head_dim, BLOCK_D)
