@@ -132,12 +132,12 @@ def _log2_counts(extras, extra_lo, extra_hi, idx, EXTRAS: tl.constexpr,
 
 @triton.jit
 def _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL: tl.constexpr,
-                     HAS_MASK: tl.constexpr, KEY_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+                     KEY_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
     """[full_lo, full_hi): the span's whole chunks (from lo, BLOCK_N apart) that every row
     of a tile of rows first..last reads in full, so that they need no mask: no element
     past hi, and under causal no key after the tile's first row (query tiles) or no query
-    before its last row (key tiles). None with a padding mask. The chunks before
-    full_lo and from full_hi on are masked."""
+    before its last row (key tiles). The chunks before full_lo and from full_hi on are
+    masked. (With a padding mask every chunk is: the kernels do not call this.)"""
     full_lo = lo
     end = hi
     if CAUSAL:
@@ -151,8 +151,6 @@ def _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL: tl.constexpr,
             reach = first - start
             end = tl.minimum(end, tl.where(reach >= 0, reach // stride + 1, 0))
     full_hi = full_lo + tl.maximum(end - full_lo, 0) // BLOCK_N * BLOCK_N
-    if HAS_MASK:
-        full_hi = full_lo
     return full_lo, full_hi
 
 
@@ -239,14 +237,17 @@ def fused_forward(
         start, stride, lo, hi, extra_lo, extra_hi, k_at, v_at, mask_at = _key_span(
             spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, svh, svd, smb,
             smh, CAUSAL, BLOCK_D)
-        # query tiles: the masked chunks are the last ones (full_lo is lo)
-        _, full_hi = _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL, HAS_MASK,
-                                      False, BLOCK_N)
-        for c in range(lo, full_hi, BLOCK_N):
-            m_i, l_i, acc = _softmax_step(
-                q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                extra_hi, skn, svn, smn, d_ok, scale_log2, m_i, l_i, acc, False, CAUSAL,
-                HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, BLOCK_N)
+        # query tiles: the masked chunks are the last ones (full_lo is lo); a padding
+        # mask masks every chunk (and the unmasked loop is not compiled: fewer registers)
+        full_hi = lo
+        if not HAS_MASK:
+            _, full_hi = _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL, False,
+                                          BLOCK_N)
+            for c in range(lo, full_hi, BLOCK_N):
+                m_i, l_i, acc = _softmax_step(
+                    q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
+                    extra_hi, skn, svn, smn, d_ok, scale_log2, m_i, l_i, acc, False, CAUSAL,
+                    HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             m_i, l_i, acc = _softmax_step(
                 q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
@@ -316,12 +317,15 @@ def fused_dq(
         start, stride, lo, hi, extra_lo, extra_hi, k_at, v_at, mask_at = _key_span(
             spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, svh, svd, smb,
             smh, CAUSAL, BLOCK_D)
-        _, full_hi = _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL, HAS_MASK,
-                                      False, BLOCK_N)
-        for c in range(lo, full_hi, BLOCK_N):
-            dq = _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, start,
-                          stride, c, hi, extra_lo, extra_hi, skn, svn, smn, d_ok, scale_log2,
-                          False, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, BLOCK_N)
+        full_hi = lo  # as in fused_forward
+        if not HAS_MASK:
+            _, full_hi = _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL, False,
+                                          BLOCK_N)
+            for c in range(lo, full_hi, BLOCK_N):
+                dq = _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras,
+                              start, stride, c, hi, extra_lo, extra_hi, skn, svn, smn, d_ok,
+                              scale_log2, False, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
+                              POW2_PERIODS, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             dq = _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, start,
                           stride, c, hi, extra_lo, extra_hi, skn, svn, smn, d_ok, scale_log2,
@@ -406,18 +410,22 @@ def fused_dkdv(
         # lse and delta share their strides
         lse_at = Lse + b.to(tl.int64) * slb + head.to(tl.int64) * slh
         delta_at = Delta + b.to(tl.int64) * slb + head.to(tl.int64) * slh
-        full_lo, full_hi = _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL,
-                                            HAS_MASK, True, BLOCK_N)
-        for c in range(lo, full_lo, BLOCK_N):
-            dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras,
-                                start, stride, c, hi, extra_lo, extra_hi, sqn, sdon, sln, d_ok,
-                                scale_log2, True, CAUSAL, PRECISION, EXTRAS, POW2_PERIODS,
-                                BLOCK_N)
-        for c in range(full_lo, full_hi, BLOCK_N):
-            dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras,
-                                start, stride, c, hi, extra_lo, extra_hi, sqn, sdon, sln, d_ok,
-                                scale_log2, False, CAUSAL, PRECISION, EXTRAS, POW2_PERIODS,
-                                BLOCK_N)
+        # a padding mask masks every chunk (the other loops are not compiled then)
+        full_hi = lo
+        if not HAS_MASK:
+            full_lo, full_hi = _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL,
+                                                True, BLOCK_N)
+            if CAUSAL:
+                for c in range(lo, full_lo, BLOCK_N):
+                    dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at,
+                                        extras, start, stride, c, hi, extra_lo, extra_hi, sqn,
+                                        sdon, sln, d_ok, scale_log2, True, CAUSAL, PRECISION,
+                                        EXTRAS, POW2_PERIODS, BLOCK_N)
+            for c in range(full_lo, full_hi, BLOCK_N):
+                dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at,
+                                    extras, start, stride, c, hi, extra_lo, extra_hi, sqn,
+                                    sdon, sln, d_ok, scale_log2, False, CAUSAL, PRECISION,
+                                    EXTRAS, POW2_PERIODS, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras,
                                 start, stride, c, hi, extra_lo, extra_hi, sqn, sdon, sln, d_ok,
