@@ -93,13 +93,15 @@ CUDA_TILE_SIZES = {
 # Tiles timed on a GPU (benchmarks/tune_tiles.py: candidates in the op, bf16, 64K tokens,
 # LongNet's setting), by compute capability: there they replace CUDA_TILE_SIZES' portable
 # entry. sm_90 (H100): 4 warps and 3 stages were the fastest for all three kernels (d 64:
-# the whole backward 0.48 of the portable tiles' time, the forward 0.80; BENCHMARKS.md,
-# "Tuning the tiles"), although ptxas spills up to a few hundred bytes at 255 registers in
-# them, which the portable table avoids (the spill rule of benchmarks/cross_compile.py
-# stands in for a timing where there is none).
+# the whole backward 0.48 of the portable tiles' time, the forward 0.80; d 128: forward
+# 0.67, backward about 0.5; BENCHMARKS.md, "Tuning the tiles"), although ptxas spills up to
+# a few hundred bytes at 255 registers in them, which the portable table avoids (the spill
+# rule of benchmarks/cross_compile.py stands in for a timing where there is none).
 TUNED_TILE_SIZES = {
     ((9, 0), "half", 64): TileSizes(KernelTiles(128, 64, 4), KernelTiles(128, 64, 4),
                                     KernelTiles(128, 32, 4), num_stages=3),
+    ((9, 0), "half", 128): TileSizes(KernelTiles(128, 32, 4), KernelTiles(128, 32, 4),
+                                     KernelTiles(64, 32, 4), num_stages=3),
 }
 
 
