@@ -430,3 +430,24 @@ def test_the_cuda_tiles_compute_the_op(sizes, monkeypatch) -> None:
     monkeypatch.setattr(fused, "tile_sizes", lambda device, dtype, head_dim: sizes)
     check(CUDA_TILES_CASE, op(CUDA_TILES_CASE))
 
+
+def test_auto_runs_the_fused_kernel_for_a_whole_op_in_half_precision_on_cuda(monkeypatch):
+    """kernels.FUSED_BY_DEFAULT: on CUDA (an H100 here, capability patched) backend="auto"
+    runs a single-device op in bf16/fp16 with the fused kernel, padding mask or not; the
+    sequence-parallel launches, fp32 (not measured on a GPU) and head dims past the tiles
+    keep the SDPA kernels."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    assert select_backend(cuda, torch.bfloat16, whole_op=True, head_dim=64) == "triton"
+    assert select_backend(cuda, torch.float16, whole_op=True, head_dim=128,
+                          masked=True) == "triton"
+    assert select_backend(cuda, torch.bfloat16, head_dim=64) == "cuda_cudnn"
+    assert select_backend(cuda, torch.float32, whole_op=True, head_dim=64) == "cuda_efficient"
+    assert select_backend(cuda, torch.bfloat16, whole_op=True, head_dim=512) == "cuda_cudnn"
+    assert select_backend(torch.device("cpu"), torch.float32, whole_op=True) == "cpu_flash"
+
+
+def test_head_dims_past_the_tiles_are_refused() -> None:
+    q = torch.randn(1, 8, 2, 264)
+    with pytest.raises(ValueError, match=r"head dim of at most 256 \(got 264\)"):
+        dilated_attention(q, q, q, [4], [1], backend="triton")

@@ -284,7 +284,8 @@ def dilated_attention(
             # derived from the arguments above (the comm check names the first key that
             # differs, in this order): the kernel, this rank's dropout seed
             "backend": select_backend(q.device, q.dtype, dropout_p=p, backend=backend,
-                                      masked=tensors["key_padding_mask"]),
+                                      masked=tensors["key_padding_mask"],
+                                      head_dim=q.shape[-1], whole_op=not distributed),
             "seed": dropout_seed(p),
         }
 
@@ -435,7 +436,8 @@ def ring_attention(
             "layout": check_layout(layout),
             "cu_seqlens": check.check_cu_seqlens(cu_seqlens),
             "backend": select_backend(q.device, q.dtype, backend=backend,
-                                      masked=tensors["key_padding_mask"]),
+                                      masked=tensors["key_padding_mask"],
+                                      head_dim=q.shape[-1]),
         }
 
     infos = comm.agree(group, config, per_rank=_PER_RANK)

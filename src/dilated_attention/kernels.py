@@ -21,7 +21,7 @@ import importlib.metadata
 import importlib.util
 import math
 import os
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -72,11 +72,17 @@ def _interpreter_problem(triton: Tuple[int, ...], numpy: Tuple[int, ...]) -> Opt
 _INTERPRETER_PROBLEM = _interpreter_problem(installed_release("triton"),
                                             installed_release("numpy"))
 
-# Whether backend="auto" runs the fused Triton kernel (fused.py: every pattern in one pass)
-# on a device. The one place a GPU measurement flips: on CUDA once bench_single_device.py
-# measures it faster than the SDPA path (not measured yet); on CPU the interpreter is a
-# test vehicle, never the fast path.
-FUSED_BY_DEFAULT = {"cpu": False, "cuda": False}
+# The dtypes for which backend="auto" runs a single-device dilated op with the fused Triton
+# kernel (fused.py: every pattern in one pass), per device. CUDA: fp16/bf16, measured on an
+# H100 faster than the SDPA path at every length from 8K to 1M tokens, LongNet's setting and
+# the geometric schedule, forward and forward + backward (BENCHMARKS.md, "One H100"); fp32
+# (TF32 or full-precision products) is not measured there. Sequence-parallel calls keep the
+# SDPA kernels for their launches: as a plain attention kernel the fused one is slower than
+# cuDNN's. On CPU the interpreter is a test vehicle, never the fast path.
+FUSED_BY_DEFAULT: Dict[str, Tuple[torch.dtype, ...]] = {
+    "cpu": (), "cuda": (torch.float16, torch.bfloat16)}
+# The largest head dim the fused kernels have tiles for (fused.CUDA_TILE_SIZES).
+FUSED_MAX_HEAD_DIM = 256
 
 # Rows per block of the pure-PyTorch kernel: big enough to amortise Python
 # overhead, small enough that a (b, hk, g, rows, rows) fp32 score block stays
@@ -173,9 +179,13 @@ _NEEDS = {
 
 def select_backend(
     device: torch.device, dtype: torch.dtype, *, dropout_p: float = 0.0, backend: str = "auto",
-    masked: bool = False,
+    masked: bool = False, head_dim: Optional[int] = None, whole_op: bool = False,
 ) -> str:
     """Pick the fastest kernel that supports `device`, `dtype`, dropout and key masks.
+
+    whole_op: the call computes the whole dilated op on this device (not sequence-parallel
+    launches, nor a dense block): where auto may run the fused kernel (FUSED_BY_DEFAULT).
+    head_dim: the call's, where known (the fused kernel takes at most FUSED_MAX_HEAD_DIM).
 
     Runs once per call, when the public op validates it (inside the
     cross-rank agreement: an error is raised on every rank); the call's
@@ -199,6 +209,8 @@ def select_backend(
         )
     needs = _NEEDS.get(backend)
     unmet = [] if needs is None else needs.unmet(torch.device(device), dtype)
+    if backend == "triton" and head_dim is not None and head_dim > FUSED_MAX_HEAD_DIM:
+        unmet.append(f"a head dim of at most {FUSED_MAX_HEAD_DIM} (got {head_dim})")
     if unmet:
         raise ValueError(
             f"backend {backend!r} needs {'; '.join(unmet)}; backend='auto' picks a kernel "
@@ -209,7 +221,8 @@ def select_backend(
     if dropout_p > 0.0:
         # Only the blockwise kernel can replay the same dropout mask in backward.
         return "blockwise"
-    if (FUSED_BY_DEFAULT.get(device.type, False) and _HAS_TRITON
+    if (whole_op and dtype in FUSED_BY_DEFAULT.get(device.type, ()) and _HAS_TRITON
+            and (head_dim is None or head_dim <= FUSED_MAX_HEAD_DIM)
             and not _NEEDS["triton"].unmet(torch.device(device), dtype)):
         return "triton"
     if masked:
