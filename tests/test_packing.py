@@ -179,7 +179,7 @@ def test_nonfinite_values_reach_exactly_the_queries_that_attend_them():
 
 
 def test_finite_values_whose_sum_overflows_give_the_same_result():
-    """The non-finite check is one sum per input (functional._finite): finite entries whose
+    """The non-finite check is one sum per input (functional._all_finite): finite entries whose
     sum overflows take the exact path for non-finite rows, which finds none: the same out
     and lse as the plain path, finite."""
     from unittest import mock
@@ -190,9 +190,9 @@ def test_finite_values_whose_sum_overflows_give_the_same_result():
     q, k, v = (x.float() for x in (q, k, v))
     for d in range(4):
         v[0, 3 + d, 1, d] = 1e38  # finite, one per column (no output overflows); the sum does
-    assert not functional._finite(v) and functional._finite(q)
+    assert not functional._all_finite(q, k, v) and functional._all_finite(q, k)
     got = dilated_attention(q, k, v, [8, 24], [1, 2], return_lse=True)
-    with mock.patch.object(functional, "_finite", lambda x: True):
+    with mock.patch.object(functional, "_all_finite", lambda *tensors: True):
         want = dilated_attention(q, k, v, [8, 24], [1, 2], return_lse=True)
     for a, b in zip(got, want):
         assert torch.equal(a, b) and torch.isfinite(a).all()

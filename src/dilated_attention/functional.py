@@ -92,23 +92,27 @@ def _tensor_config(q: Tensor, k: Tensor, v: Tensor, key_padding_mask, *,
         # whether a key or value row holds a non-finite number (see _nonfinite_keys)
         "n": n,
         "masked_keys": mask is not None and (not inspect or bool(mask.any())),
-        "nonfinite": inspect and not all(map(_finite, (q, k, v))),
+        "nonfinite": inspect and not _all_finite(q, k, v),
     }
 
 
 _PER_RANK = ("n", "masked_keys", "nonfinite")
 
 
-def _finite(x: Tensor) -> bool:
-    """No NaN or infinity in x, by one sum: a NaN or an infinity makes it non-finite.
+def _all_finite(*tensors: Tensor) -> bool:
+    """No NaN or infinity in any of `tensors` (one dtype and device), by one sum each: a NaN
+    or an infinity makes it non-finite.
 
     A sum is the cheapest full read (1.6x faster than aminmax on CPU, measured at
     16K x 12 x 64 fp32, one thread: 9.5 against 15 ms; the op reads q, k and v so on
-    every call). A sum of finite entries that overflows (entries near the dtype's
-    largest) also says non-finite: the call then takes the exact path for non-finite
-    rows (``_nonfinite_keys``), which finds none and gives the same result, slower.
+    every call). The sums are read back once: on a GPU each read is a device sync (three
+    per call before, seen in an H100 profile). A sum of finite entries that overflows
+    (entries near the dtype's largest) also says non-finite: the call then takes the
+    exact path for non-finite rows (``_nonfinite_keys``), which finds none and gives the
+    same result, slower.
     """
-    return x.numel() == 0 or bool(torch.isfinite(x.sum(dtype=lse_dtype(x.dtype))))
+    sums = [x.sum(dtype=lse_dtype(x.dtype)) for x in tensors if x.numel()]
+    return not sums or bool(torch.isfinite(torch.stack(sums)).all())
 
 
 def _bad_keys(k: Tensor, v: Tensor) -> Tensor:
