@@ -101,7 +101,8 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS) -> Dict[str, List[List[str]]]:
             BENCH + ["--seq-lens", *[n for n in seq_lens if int(n) <= 262144],
                      "--repeats", "5", "--dense-max", "0",
                      "--block-rows", "131072", "--json", "bench-out/gpu_auto_blocks131072.json"]],
-        # the fused kernels' tiles, timed (fused.CUDA_TILE_SIZES are untimed choices)
+        # the fused kernels' tiles, timed (fused.CUDA_TILE_SIZES are untimed choices; the
+        # fastest go into fused.TUNED_TILE_SIZES for this GPU's capability)
         "tiles": [[PY, "benchmarks/tune_tiles.py", "--head-dims", "64",
                    "--out", "bench-out/gpu_tiles.md"]],
         "bench-triton": bench_commands("triton", seq_lens),

@@ -5,7 +5,8 @@
     python benchmarks/tune_tiles.py --rows 64 128 --chunks 32 64 --warps 4 8 --stages 2 3
 
 fused.CUDA_TILE_SIZES holds tiles that compile on every architecture
-(benchmarks/cross_compile.py), not timed ones. This times, per head dim and
+(benchmarks/cross_compile.py), not timed ones; fused.TUNED_TILE_SIZES those
+this timed on one GPU, by compute capability. This times, per head dim and
 kernel (the forward; dq; dK/dV), every candidate tile (rows x chunk x warps,
 and num_stages) in the op itself, 12 heads as in bench_single_device.py, the
 other two kernels keeping their shipped tiles: the forward kernel by a
@@ -18,10 +19,11 @@ kernels: the suggestion takes the forward's). The candidates take turns
 A candidate that does not launch (Triton's OutOfResources: too much shared
 memory) or whose result differs from the shipped tiles' beyond rounding is
 reported and left out. The report: milliseconds min/median/max per candidate,
-its ratio to the shipped tile's median, and per head dim the
-fused.CUDA_TILE_SIZES entry of the fastest. Before shipping that entry,
+its ratio to the shipped tile's median, and per head dim the entry of the
+fastest. It goes into fused.TUNED_TILE_SIZES under the GPU's compute
+capability (only that GPU gets it); for the portable fused.CUDA_TILE_SIZES,
 `python benchmarks/cross_compile.py --sizes F D K --stages S` must pass on
-every architecture (the command is printed).
+every architecture first (the command is printed).
 
 On CPU tensors (TRITON_INTERPRET=1, a small --seq-len) the same code runs
 under Triton's interpreter: its times mean nothing; tests/test_tune_tiles.py
@@ -37,7 +39,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from unittest import mock
 
 import torch
@@ -175,9 +177,11 @@ def _fastest(group: Sequence[Timed]) -> Optional[Timed]:
     return min(ran, key=lambda r: statistics.median(r.seconds)) if ran else None
 
 
-def suggestion(rows: Sequence[Timed], dtype: torch.dtype) -> str:
-    """Per head dim, the CUDA_TILE_SIZES entry of each kernel's fastest tile, and the
-    cross_compile command to run before shipping it."""
+def suggestion(rows: Sequence[Timed], dtype: torch.dtype,
+               capability: Optional[Tuple[int, int]] = None) -> str:
+    """Per head dim, the table entry of each kernel's fastest tile (keyed by `capability`
+    for TUNED_TILE_SIZES where given, else as a CUDA_TILE_SIZES key), and the
+    cross_compile command to run before shipping it to every GPU."""
     lines = []
     for d, group in itertools.groupby(rows, lambda r: r.head_dim):
         group = list(group)
@@ -189,6 +193,8 @@ def suggestion(rows: Sequence[Timed], dtype: torch.dtype) -> str:
         tiles = {kernel: best[kernel].tile for kernel in KERNELS}
         stages = best["forward"].sizes.num_stages  # one value for the three kernels
         key = fused.cuda_tile_key(dtype, d)
+        if capability is not None:
+            key = (capability,) + key
         entry = ", ".join(f"KernelTiles({t.rows}, {t.chunk}, {t.num_warps})"
                           for t in tiles.values())
         sizes = " ".join(f"{t.rows},{t.chunk},{t.num_warps}" for t in tiles.values())
@@ -232,11 +238,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for d, kernel in itertools.product(args.head_dims, args.kernels):
         rows += tune_kernel(kernel, d, args, dtype, args.device)
         print(report([r for r in rows if (r.head_dim, r.kernel) == (d, kernel)]), flush=True)
-    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (interpreter)"
+    if args.device == "cuda":
+        name, capability = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
+        table = f"fused.TUNED_TILE_SIZES entries (compute capability {capability})"
+    else:
+        name, capability, table = "CPU (interpreter)", None, "fused.CUDA_TILE_SIZES entries"
     text = (f"{name}, {args.dtype}, {args.heads} heads, {args.seq_len} tokens, "
             f"{args.schedule} patterns, {args.repeats} turns\n\n{report(rows)}\n\n"
-            f"Fastest per kernel, as fused.CUDA_TILE_SIZES entries:\n\n"
-            f"{suggestion(rows, dtype)}\n")
+            f"Fastest per kernel, as {table}:\n\n"
+            f"{suggestion(rows, dtype, capability)}\n")
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text)

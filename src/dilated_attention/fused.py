@@ -66,8 +66,8 @@ INTERPRETER_TILE_SIZES = TileSizes(*[KernelTiles(32, 32, num_warps=1)] * 3, num_
 # registers a thread, with and without causal and a padding mask, three extra counts per
 # span or one (benchmarks/cross_compile.py; tests/test_cross_compile.py checks bf16 in CI).
 # Where ptxas gives a kernel fewer registers on its own (for occupancy) it may spill a few
-# bytes. Their SPEED is not measured yet: a GPU session tunes them
-# (benchmarks/tune_tiles.py, the GPU suite's tiles part).
+# bytes. They are the tiles of every GPU whose capability has no timed entry below
+# (TUNED_TILE_SIZES, from benchmarks/tune_tiles.py; on the H100 these were 1.2-2x slower).
 CUDA_TILE_SIZES = {
     ("half", 64): TileSizes(KernelTiles(128, 32, 8), KernelTiles(128, 32, 8),
                             KernelTiles(64, 32, 8)),
