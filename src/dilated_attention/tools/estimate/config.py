@@ -170,7 +170,11 @@ def backend_for(config: EstimateConfig) -> str:
     CPU: the flash op. CUDA: on a compute capability 9.0+ GPU without
     flash-attn (an H100), cuDNN for bf16/fp16 and the memory-efficient op for
     fp32; fp64 runs the blockwise kernel. Their meta kernels give the outputs'
-    shapes, so the dry run allocates what the real launches allocate.
+    shapes, so the dry run allocates what the real launches allocate. Not yet
+    modelled: a single-device bf16/fp16 call there runs the fused Triton kernel
+    (kernels.FUSED_BY_DEFAULT), whose working memory is below the SDPA path's
+    (measured on an H100 at 64K: 1.03 / 4.07 input-sized tensors against 1.10 /
+    4.35), so for such a call the estimate errs high.
     """
     if config.device == "cpu":
         return "cpu_flash"
