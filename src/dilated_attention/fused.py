@@ -68,6 +68,8 @@ INTERPRETER_TILE_SIZES = TileSizes(*[KernelTiles(32, 32, num_warps=1)] * 3, num_
 # Where ptxas gives a kernel fewer registers on its own (for occupancy) it may spill a few
 # bytes. They are the tiles of every GPU whose capability has no timed entry below
 # (TUNED_TILE_SIZES, from benchmarks/tune_tiles.py; on the H100 these were 1.2-2x slower).
+# The largest head dim the tables have tiles for (kernels.select_backend refuses more).
+MAX_HEAD_DIM = 256
 CUDA_TILE_SIZES = {
     ("half", 64): TileSizes(KernelTiles(128, 32, 8), KernelTiles(128, 32, 8),
                             KernelTiles(64, 32, 8)),
@@ -124,7 +126,7 @@ def cuda_tile_sizes(capability: Tuple[int, int], dtype: torch.dtype,
 def cuda_tile_key(dtype: torch.dtype, head_dim: int) -> Tuple[str, int]:
     """The CUDA_TILE_SIZES entry of a call: its products' kind and padded head dim."""
     kind = "half" if dtype in (torch.float16, torch.bfloat16) else _precision(dtype)
-    return kind, min(max(_head_block(head_dim), 64), 256)
+    return kind, min(max(_head_block(head_dim), 64), MAX_HEAD_DIM)
 
 
 def _kernels(device: torch.device):

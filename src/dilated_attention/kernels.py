@@ -26,6 +26,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import fused  # its tile tables (no triton: that is imported by its launches)
+
 BACKENDS = ("auto", "cpu_flash", "cuda_cudnn", "cuda_flash", "cuda_efficient", "flash_attn",
             "blockwise", "triton")
 # the kernels that honour a key padding mask
@@ -81,8 +83,6 @@ _INTERPRETER_PROBLEM = _interpreter_problem(installed_release("triton"),
 # cuDNN's. On CPU the interpreter is a test vehicle, never the fast path.
 FUSED_BY_DEFAULT: Dict[str, Tuple[torch.dtype, ...]] = {
     "cpu": (), "cuda": (torch.float16, torch.bfloat16)}
-# The largest head dim the fused kernels have tiles for (fused.CUDA_TILE_SIZES).
-FUSED_MAX_HEAD_DIM = 256
 
 # Rows per block of the pure-PyTorch kernel: big enough to amortise Python
 # overhead, small enough that a (b, hk, g, rows, rows) fp32 score block stays
@@ -185,7 +185,7 @@ def select_backend(
 
     whole_op: the call computes the whole dilated op on this device (not sequence-parallel
     launches, nor a dense block): where auto may run the fused kernel (FUSED_BY_DEFAULT).
-    head_dim: the call's, where known (the fused kernel takes at most FUSED_MAX_HEAD_DIM).
+    head_dim: the call's, where known (the fused kernel takes at most fused.MAX_HEAD_DIM).
 
     Runs once per call, when the public op validates it (inside the
     cross-rank agreement: an error is raised on every rank); the call's
@@ -209,8 +209,8 @@ def select_backend(
         )
     needs = _NEEDS.get(backend)
     unmet = [] if needs is None else needs.unmet(torch.device(device), dtype)
-    if backend == "triton" and head_dim is not None and head_dim > FUSED_MAX_HEAD_DIM:
-        unmet.append(f"a head dim of at most {FUSED_MAX_HEAD_DIM} (got {head_dim})")
+    if backend == "triton" and head_dim is not None and head_dim > fused.MAX_HEAD_DIM:
+        unmet.append(f"a head dim of at most {fused.MAX_HEAD_DIM} (got {head_dim})")
     if unmet:
         raise ValueError(
             f"backend {backend!r} needs {'; '.join(unmet)}; backend='auto' picks a kernel "
@@ -222,7 +222,7 @@ def select_backend(
         # Only the blockwise kernel can replay the same dropout mask in backward.
         return "blockwise"
     if (whole_op and dtype in FUSED_BY_DEFAULT.get(device.type, ()) and _HAS_TRITON
-            and (head_dim is None or head_dim <= FUSED_MAX_HEAD_DIM)
+            and (head_dim is None or head_dim <= fused.MAX_HEAD_DIM)
             and not _NEEDS["triton"].unmet(torch.device(device), dtype)):
         return "triton"
     if masked:
@@ -285,8 +285,6 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, opts: KernelOptions, *,
     causal, scale, dropout_p, seed = opts.causal, opts.scale, opts.dropout_p, opts.seed
     backend = _launch_backend(opts, q, key_mask is not None)
     if backend == "triton":
-        from . import fused  # imports triton
-
         # reads any strides in place
         return fused.dense_forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask)
     q, k, v = _unit_last_stride(q, k, v)
@@ -390,8 +388,6 @@ def attention_backward(
         x is not None and x.requires_grad for x in (dout, q, k, v, out, lse, dlse))
     backend = "blockwise" if recorded else _launch_backend(opts, q, key_mask is not None)
     if backend == "triton":
-        from . import fused  # imports triton
-
         return fused.dense_backward(dout, q, k, v, out, lse, dlse, causal=causal, scale=scale,
                                     key_mask=key_mask)
     dout, q, k, v, out = _unit_last_stride(dout, q, k, v, out)
