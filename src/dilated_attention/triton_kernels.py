@@ -171,13 +171,12 @@ def _key_scores(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi,
     idx = c + tl.arange(0, BLOCK_N)
     u = start + idx * stride
     u64 = u.to(tl.int64)
+    load_ok = d_ok
     if MASKED:
         key_ok = idx < hi
-        k = tl.load(k_at + u64[:, None] * skn, mask=key_ok[:, None] & d_ok, other=0.0)
-        v = tl.load(v_at + u64[:, None] * svn, mask=key_ok[:, None] & d_ok, other=0.0)
-    else:
-        k = tl.load(k_at + u64[:, None] * skn, mask=d_ok, other=0.0)
-        v = tl.load(v_at + u64[:, None] * svn, mask=d_ok, other=0.0)
+        load_ok = key_ok[:, None] & d_ok
+    k = tl.load(k_at + u64[:, None] * skn, mask=load_ok, other=0.0)
+    v = tl.load(v_at + u64[:, None] * svn, mask=load_ok, other=0.0)
     # (M, D) x (D, N) -> (M, N)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     if EXTRAS > 0:
