@@ -14,9 +14,9 @@ short lease --budget and the most wanted parts first (they run in the order
 named); ``tiles`` before ``bench-triton`` (a faster tile goes into
 fused.TUNED_TILE_SIZES first):
 
-- ``tests``: the CUDA tests (``pytest -m cuda``: tests/test_cuda.py and the
-  other CUDA-marked tests), tests/test_compile.py, the fused kernel's tests
-  (tests/test_fused*.py) on the GPU.
+- ``tests``: the fused kernel's tests (tests/test_fused*.py) on the GPU, the
+  CUDA tests (``pytest -m cuda``: tests/test_cuda.py and the other
+  CUDA-marked tests), tests/test_compile.py.
 - ``strided``: may the CUDA kernels read strided views instead of gathered
   copies (``policy.STRIDED_VIEWS["cuda"]``)? Per SDPA kernel (cuDNN, flash,
   memory-efficient) and dtype, forward and backward on the views a rate-2
