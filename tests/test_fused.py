@@ -244,13 +244,22 @@ def test_double_backward() -> None:
 # --------------------------------------------------------------------------
 # Sequence parallel: the exchange and the ring call the per-launch kernel, which with
 # backend="triton" is the fused kernel over one dense pattern; Ulysses runs the fused
-# single-device op on each rank's heads.
+# single-device op on each rank's heads. backend="auto" (with the fused kernel made the
+# CPU's default for fp32 in the ranks, as FUSED_BY_DEFAULT makes it CUDA's for bf16/fp16)
+# runs it where a rank computes the whole op, a Ulysses rank's heads, and not in the
+# exchange's launches.
 
-SHARDED = [  # (name, lengths, segment_lengths, dilation_rates, causal, h, hk)
-    ("exchange", (10, 14), (8, 16), (1, 2), True, 2, 1),
-    ("ulysses", (9, 7), (4, 16), (1, 2), False, 4, 2),
-    ("ring", (8, 5), None, None, True, 2, 2),
+SHARDED = [  # (name, lengths, segment_lengths, dilation_rates, causal, h, hk, backend)
+    ("exchange", (10, 14), (8, 16), (1, 2), True, 2, 1, "triton"),
+    ("ulysses", (9, 7), (4, 16), (1, 2), False, 4, 2, "triton"),
+    ("ring", (8, 5), None, None, True, 2, 2, "triton"),
+    ("ulysses", (6, 10), (8, 16), (1, 4), True, 2, 2, "auto"),
+    ("exchange", (10, 6), (8, 16), (1, 2), False, 2, 2, "auto"),
 ]
+# how often each case's ranks ran the fused kernel: (dense per-launch blocks, whole op)
+FUSED_CALLS = {("exchange", "triton"): (True, False), ("ulysses", "triton"): (False, True),
+               ("ring", "triton"): (True, False), ("ulysses", "auto"): (False, True),
+               ("exchange", "auto"): (False, False)}
 
 
 def _full_inputs(lengths, h, hk, seed):
@@ -266,11 +275,12 @@ def _sharded(group, cases):
     often the fused kernels ran (dense per-launch blocks, the whole op)."""
     from unittest import mock
 
-    from dilated_attention import fused, ring_attention
+    from dilated_attention import fused, kernels, ring_attention
     from dilated_attention.distributed import comm
 
     rank, results = comm.group_rank(group), []
-    for name, lengths, segs, rates, causal, h, hk in cases:
+    fused_by_default = mock.patch.dict(kernels.FUSED_BY_DEFAULT, {"cpu": (torch.float32,)})
+    for name, lengths, segs, rates, causal, h, hk, backend in cases:
         calls = {"dense": 0, "op": 0}
 
         def counted(fn, key):
@@ -285,15 +295,15 @@ def _sharded(group, cases):
         lo, hi = sum(lengths[:rank]), sum(lengths[:rank + 1])
         q, k, v, dout = (x[:, lo:hi] for x in _full_inputs(lengths, h, hk, seed=len(results)))
         q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
-        with patches[0], patches[1]:
+        with patches[0], patches[1], fused_by_default:
             if name == "ring":
                 out, lse = ring_attention(q, k, v, is_causal=causal, group=group,
-                                          return_lse=True, backend="triton")
+                                          return_lse=True, backend=backend)
             else:
                 out, lse = dilated_attention(q, k, v, list(segs), list(rates),
                                              is_causal=causal, group=group, return_lse=True,
-                                             backend="triton", strategy=name)
-        (out * dout).sum().backward()
+                                             backend=backend, strategy=name)
+            (out * dout).sum().backward()
         results.append(((out, lse, q.grad, k.grad, v.grad), calls))
     return results
 
@@ -301,12 +311,13 @@ def _sharded(group, cases):
 @pytest.mark.distributed
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU tensors")
 def test_sequence_parallel_with_the_fused_kernel() -> None:
-    """2 spawned ranks: the exchange, Ulysses and the ring with backend="triton" give each
-    rank its rows of the fp64 reference of the whole sequence."""
+    """2 spawned ranks: the exchange, Ulysses and the ring with backend="triton", and
+    Ulysses and the exchange with "auto", give each rank its rows of the fp64 reference of
+    the whole sequence, and run the fused kernel where FUSED_CALLS says."""
     from dist_harness import run_distributed
 
     by_rank = run_distributed(_sharded, 2, SHARDED, timeout=300)
-    for i, (name, lengths, segs, rates, causal, h, hk) in enumerate(SHARDED):
+    for i, (name, lengths, segs, rates, causal, h, hk, backend) in enumerate(SHARDED):
         q, k, v, dout = _full_inputs(lengths, h, hk, seed=i)
         n = sum(lengths)
         case = Case(n, segs or (n,), rates or (1,), causal, h=h, hk=hk)
@@ -317,8 +328,8 @@ def test_sequence_parallel_with_the_fused_kernel() -> None:
         for rank in range(2):
             lo, hi = sum(lengths[:rank]), sum(lengths[:rank + 1])
             (out, lse, dq, dk, dv), calls = by_rank[rank][i]
-            # Ulysses runs the whole op on each rank's heads; the others, launch by launch
-            assert calls["op" if name == "ulysses" else "dense"] > 0, (name, calls)
+            ran = (calls["dense"] > 0, calls["op"] > 0)
+            assert ran == FUSED_CALLS[name, backend], (name, backend, calls)
             got = (out, lse.transpose(1, 2), dq, dk, dv)
             for what, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
                 close(g, w[:, lo:hi], torch.float32, f"{name} rank {rank} {what}")

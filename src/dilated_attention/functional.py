@@ -272,6 +272,9 @@ def dilated_attention(
         segs, rates = check.check_patterns(segment_lengths, dilation_rates)
         p = check.check_dropout(dropout_p)
         tensors = _tensor_config(q, k, v, key_padding_mask, allow_empty=distributed)
+        kernel = functools.partial(select_backend, q.device, q.dtype, dropout_p=p,
+                                   backend=backend, masked=tensors["key_padding_mask"],
+                                   head_dim=q.shape[-1])
         return {
             **tensors,
             "segment_lengths": segs,
@@ -286,10 +289,12 @@ def dilated_attention(
             "strategy": check.check_strategy(strategy),
             "window_size": _no_window(window_size),
             # derived from the arguments above (the comm check names the first key that
-            # differs, in this order): the kernel, this rank's dropout seed
-            "backend": select_backend(q.device, q.dtype, dropout_p=p, backend=backend,
-                                      masked=tensors["key_padding_mask"],
-                                      head_dim=q.shape[-1], whole_op=not distributed),
+            # differs, in this order): the kernel of the exchange's launches; the kernel
+            # where a rank computes the whole op on its rows (one device, or a Ulysses
+            # rank's heads over all rows of its block: auto may pick the fused kernel
+            # there); this rank's dropout seed
+            "backend": kernel(),
+            "whole_op_backend": kernel(whole_op=True),
             "seed": dropout_seed(p),
         }
 
@@ -313,8 +318,9 @@ def dilated_attention(
             return sequence_parallel_dilated_attention(
                 q, k, v, patterns, opts, group, lengths, heads=heads, documents=documents,
                 key_mask=mask, layout=Layout.named(layout, lengths))
-        return dilated_attention_local(q, k, v, patterns, opts, heads=heads,
-                                       documents=documents, key_mask=mask)
+        return dilated_attention_local(
+            q, k, v, patterns, dataclasses.replace(opts, backend=call["whole_op_backend"]),
+            heads=heads, documents=documents, key_mask=mask)
 
     run = functools.partial(route.run, lengths=lengths, opts=opts, sequence=sequence)
     out, lse = _attend(run, q, k, v, key_padding_mask, infos)
