@@ -254,6 +254,10 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    # delta shares lse's (contiguous) strides in the kernels; on meta tensors (estimate's
+    # dry run) it is made all the same, as what the launches hold
+    lse = lse.to(torch.float32).contiguous()
+    delta = torch.empty_like(lse)
     if q.device.type == "meta" or b == 0 or h == 0 or d == 0:
         return dq, dk, dv
     sizes = tile_sizes(q.device, q.dtype, d)
@@ -261,9 +265,6 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     keys = planner(block_m=sizes.dkdv.rows, keys=True)
     kernels = _kernels(q.device)
     dout, out = dout.to(q.dtype), out.to(q.dtype)
-    # delta shares lse's (contiguous) strides in the kernels
-    lse = lse.to(torch.float32).contiguous()
-    delta = torch.empty_like(lse)
     dlse_arg = lse if dlse is None else dlse.to(torch.float32)
     has_mask = mask is not None
     mask, mask_strides = _mask_arg(mask, lse)

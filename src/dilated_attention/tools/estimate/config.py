@@ -14,7 +14,8 @@ import torch
 from ...distributed import strategy as strategies
 from ...distributed.sharding import piece_lengths
 from ...distributed.ulysses import HeadSplit
-from ...kernels import lse_dtype
+from ...fused import MAX_HEAD_DIM
+from ...kernels import FUSED_BY_DEFAULT, lse_dtype
 from ...validation import check_strategy
 from ...window import reaches
 from ..settings import (AttentionSetting, check_setting, check_window, check_zigzag,
@@ -167,17 +168,25 @@ def strategy_name(config: EstimateConfig) -> str:
 def backend_for(config: EstimateConfig) -> str:
     """The kernel the modelled device runs: what ``kernels.select_backend`` picks there.
 
-    CPU: the flash op. CUDA: on a compute capability 9.0+ GPU without
-    flash-attn (an H100), cuDNN for bf16/fp16 and the memory-efficient op for
-    fp32; fp64 runs the blockwise kernel. Their meta kernels give the outputs'
-    shapes, so the dry run allocates what the real launches allocate. Not yet
-    modelled: a single-device bf16/fp16 call there runs the fused Triton kernel
-    (kernels.FUSED_BY_DEFAULT), whose working memory is below the SDPA path's
-    (measured on an H100 at 64K: 1.03 / 4.07 input-sized tensors against 1.10 /
-    4.35), so for such a call the estimate errs high.
+    CPU: the flash op. CUDA: on a compute capability 9.0+ GPU with triton and
+    without flash-attn (an H100), the fused Triton kernel for bf16/fp16 where a
+    rank computes the whole dilated op (one device, or Ulysses over every rank:
+    ``fuses``); elsewhere cuDNN for bf16/fp16 and the memory-efficient op for fp32;
+    fp64 runs the blockwise kernel. Their meta kernels give the outputs' shapes, so
+    the dry run allocates what the real launches allocate.
     """
     if config.device == "cpu":
         return "cpu_flash"
+    if fuses(config):
+        return "triton"
     if config.torch_dtype in (torch.float16, torch.bfloat16):
         return "cuda_cudnn"
     return "cuda_efficient" if config.torch_dtype == torch.float32 else "blockwise"
+
+
+def fuses(config: EstimateConfig) -> bool:
+    """Whether each rank runs the whole dilated op with the fused kernel (``backend="auto"``
+    on the modelled GPU: kernels.FUSED_BY_DEFAULT), not launches of the SDPA kernels."""
+    return (config.device == "cuda" and config.impl == "dilated" and split(config)[1] == 1
+            and config.torch_dtype in FUSED_BY_DEFAULT["cuda"]
+            and config.head_dim <= MAX_HEAD_DIM)

@@ -11,8 +11,11 @@ counts what the rank sends.
 
 What runs: the dilated op's executor under its validation (``launches`` on one
 device, ``sp_forward``/``sp_backward`` over the group) with the plan of the device
-modelled (the public op would plan for its tensors' device, meta); the public op
-for the ring and for Ulysses and 2-D meshes, which plan on the CPU's sizes.
+modelled (the public op would plan for its tensors' device, meta), or where the
+modelled GPU runs the whole op with the fused kernel (``config.fuses``) that
+kernel's host side (``fused.forward``/``backward``, which on meta allocates what
+its launches write); the public op for the ring and for Ulysses and 2-D meshes,
+which plan on the CPU's sizes.
 
 Two shortcuts keep it fast and leave the bytes as they are (tests trace with and
 without them): ``compact_plan``, and ``LiveBytes(reuse=True)``.
@@ -21,6 +24,7 @@ without them): ``compact_plan``, and ``LiveBytes(reuse=True)``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import weakref
 from typing import Dict, List, Optional, Tuple
@@ -30,8 +34,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ... import launches
-from ...dilated import backward_flat, forward_flat
+from ... import fused, launches
+from ...dilated import backward_flat, dilated_attention_local, forward_flat
 from ...distributed import comm
 from .. import launch
 from ...distributed.sequence_parallel import (SequenceParallelDilatedAttentionFunction,
@@ -44,7 +48,7 @@ from ...patterns import Heads
 from ...layout import Layout
 from ...plan import Launch, Plan, make_plan
 from ..launch import fake_world
-from .config import EstimateConfig, backend_for, split
+from .config import EstimateConfig, backend_for, fuses, split
 from .formula import Traffic
 
 # The single-device op is a pair of custom ops: a dispatch mode sees each call as one
@@ -92,7 +96,11 @@ def trace(config: EstimateConfig, rank: int, *, reuse: bool = True,
         n = lengths[piece]
         opts = KernelOptions(config.causal, 1.0 / math.sqrt(config.head_dim), backend_for(config))
         # the plan before the tracker: its index tensors are made once per shape and cached
-        executor = None if config.impl == "ring" else _plan(config, group, u, compact)
+        # (the fused kernel's too: formula.fused_plan_bytes counts those)
+        fused_op = fuses(config)
+        executor = (None if config.impl == "ring" or fused_op
+                    else _plan(config, group, u, compact))
+        whole_op = functools.partial(_fused_op, config, Heads.of(config.heads, config.kv_heads))
         tracker = LiveBytes(reuse=reuse)
         with tracker:
             # (b, n, heads, d) on meta: shapes only
@@ -110,7 +118,9 @@ def trace(config: EstimateConfig, rank: int, *, reuse: bool = True,
                                          layout="contiguous" if config.mesh else config.layout,
                                          backend=opts.backend, window_size=config.window_size)
                 elif u > 1:
-                    out = _ulysses(q, k, v, group, lengths, executor, opts)
+                    out = _ulysses(q, k, v, group, lengths, executor, opts, config.patterns)
+                elif fused_op:
+                    out, lse = whole_op(fused.forward, q, k, v)
                 else:
                     out, lse = (launches.forward(q, k, v, executor, opts) if group is None
                                 else sp_forward(q, k, v, executor, opts, group))
@@ -119,6 +129,9 @@ def trace(config: EstimateConfig, rank: int, *, reuse: bool = True,
             with comm.count_communication() as backward:
                 if config.training and autograd:
                     out.backward(dout)
+                elif config.training and fused_op:
+                    grads = whole_op(fused.backward, dout, q, k, v, out, lse, None)
+                    del grads
                 elif config.training:
                     grads = (launches.backward(dout, q, k, v, out, lse, executor, opts)
                              if group is None else
@@ -155,15 +168,26 @@ def _plan(config: EstimateConfig, group, u: int, compact: bool) -> Plan:
     return compact_plan(plan, heads.count) if compact else plan
 
 
-def _ulysses(q: Tensor, k: Tensor, v: Tensor, group, lengths, plan: Plan,
-             opts: KernelOptions) -> Tensor:
+def _fused_op(config: EstimateConfig, heads: Heads, step, *tensors: Tensor):
+    """The fused kernel's `step` (fused.forward or fused.backward) of one device's call."""
+    return step(*tensors, config.patterns, causal=config.causal,
+                scale=1.0 / math.sqrt(config.head_dim), heads=heads, documents=None,
+                key_mask=None)
+
+
+def _ulysses(q: Tensor, k: Tensor, v: Tensor, group, lengths, plan: Optional[Plan],
+             opts: KernelOptions, patterns) -> Tensor:
     """The dilated op head-parallel, as ``functional`` routes it: ``ulysses_attention`` over
-    the heads group, the executor over the sequence group on all rows of the heads' block."""
+    the heads group, the executor over the sequence group on all rows of the heads' block
+    (`plan`), or with none (Ulysses over every rank, opts.backend the fused kernel) the
+    single-device op on them."""
     heads, sequence = _groups(group)
     size = comm.group_size(heads)
     blocks = [lengths[t * size:(t + 1) * size] for t in range(comm.group_size(sequence))]
 
     def attend(q_u, k_u, v_u, local: Heads, mask):
+        if plan is None:
+            return dilated_attention_local(q_u, k_u, v_u, patterns, opts, heads=local)
         return SequenceParallelDilatedAttentionFunction.apply(q_u, k_u, v_u, plan, opts,
                                                               sequence, None)
 

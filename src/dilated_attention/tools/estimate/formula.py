@@ -18,18 +18,21 @@ from ...distributed.halo import halo_schedule
 from ...distributed.ring import RingSizes
 from ...distributed.strategy import ulysses_bytes
 from ...distributed.ulysses import HeadSplit
+from ...fused import cuda_tile_sizes
+from ...fused_plan import tile_plan
 from ...kernels import lse_dtype
 from ...patterns import Heads
 from ...layout import Layout
 from ... import policy
 from ...plan import Plan, transfer_counts
-from .config import EstimateConfig, split
+from .config import EstimateConfig, fuses, split
 
 # forward bytes, forward messages, backward bytes, backward messages of one rank
 Traffic = Tuple[int, int, int, int]
 
 SCRATCH = "CPU kernel scratch (modelled)"
 CUDA_SCRATCH = "CUDA kernel workspace (modelled)"
+FUSED_PLANS = "fused kernel plan tables (modelled)"
 # CPU flash kernel blocking (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp):
 # query blocks of 256 rows (64 below 768 rows, 32 below 192), key blocks of 512.
 _KV_SPLIT = 512
@@ -180,7 +183,11 @@ def kernel_scratch(config: EstimateConfig, plan: Plan = None, n: int = 0) -> Tup
     key block sizes. CUDA: CUDA_WORKSPACE (the fused kernels keep their tiles on chip),
     in backward also an fp32 dq and row statistic per query row and head of the
     largest launch (the flash-style backward accumulates dq in fp32 across key blocks).
+    The fused Triton kernel (``fuses``): no workspace, but its plan's tables on the
+    device (``fused_plan_bytes``).
     """
+    if fuses(config):
+        return FUSED_PLANS, fused_plan_bytes(config)
     b, d = config.batch, config.head_dim
     s, a = sizes(config)
     if plan is None and config.windowed:
@@ -200,6 +207,28 @@ def kernel_scratch(config: EstimateConfig, plan: Plan = None, n: int = 0) -> Tup
         per_thread += 2 * qs * ks * a
         extra = b * entries * d * s if launches else 0
     return SCRATCH, config.threads * per_thread + extra
+
+
+def fused_plan_bytes(config: EstimateConfig) -> int:
+    """Bytes of the fused kernel's plans on an H100 (compute capability 9.0's tiles) for the
+    heads of head-parallel rank 0 over all rows: the query tiles (forward and dq, one plan
+    where their tiles agree) and in training the key tiles (dK/dV). The op caches them on
+    the device (fused_plan.tile_plan), where they outlive the call; made on meta here,
+    shapes only. About 24 bytes per tile of 64-128 (row, head) pairs and one int32 per (row,
+    head) of each distinct cell geometry: well under 1% of q at long sequences."""
+    head_split = HeadSplit.of(split(config)[0], config.heads, config.kv_heads)
+    heads, kv_heads = head_split.local_heads(0), len(head_split.kv(0))
+    tiles = cuda_tile_sizes((9, 0), config.torch_dtype, config.head_dim)
+    plans = {(tiles.forward.rows, False), (tiles.dq.rows, False)}
+    if config.training:
+        plans.add((tiles.dkdv.rows, True))
+    total = 0
+    for rows, keys in plans:
+        plan = tile_plan(config.seq_len, config.patterns, heads, kv_heads, config.causal, None,
+                         block_m=rows, keys=keys, device="meta")
+        total += sum(t.numel() * t.element_size()
+                     for t in (plan.tiles, plan.rows, plan.spans, plan.extras))
+    return total
 
 
 def _window_launch_rows(config: EstimateConfig) -> int:
