@@ -249,30 +249,41 @@ def test_double_backward() -> None:
 # runs it where a rank computes the whole op, a Ulysses rank's heads, and not in the
 # exchange's launches.
 
-SHARDED = [  # (name, lengths, segment_lengths, dilation_rates, causal, h, hk, backend)
-    ("exchange", (10, 14), (8, 16), (1, 2), True, 2, 1, "triton"),
-    ("ulysses", (9, 7), (4, 16), (1, 2), False, 4, 2, "triton"),
-    ("ring", (8, 5), None, None, True, 2, 2, "triton"),
-    ("ulysses", (6, 10), (8, 16), (1, 4), True, 2, 2, "auto"),
-    ("exchange", (10, 6), (8, 16), (1, 2), False, 2, 2, "auto"),
+@dataclasses.dataclass(frozen=True)
+class Sharded:
+    """A call split over 2 ranks: `strategy` ("exchange", "ulysses", or "ring" for
+    ring_attention, whose case has one segment of n, rate 1), each rank's rows, the
+    call (n = sum(lengths)), and whether the ranks ran the fused kernel on dense
+    per-launch blocks and on the whole op."""
+
+    strategy: str
+    lengths: Tuple[int, int]
+    case: Case
+    backend: str
+    fused: Tuple[bool, bool]
+
+
+SHARDED = [
+    Sharded("exchange", (10, 14), Case(24, (8, 16), (1, 2), True, h=2, hk=1), "triton",
+            (True, False)),
+    Sharded("ulysses", (9, 7), Case(16, (4, 16), (1, 2), False), "triton", (False, True)),
+    Sharded("ring", (8, 5), Case(13, (13,), (1,), True, h=2, hk=2), "triton", (True, False)),
+    Sharded("ulysses", (6, 10), Case(16, (8, 16), (1, 4), True, h=2, hk=2), "auto",
+            (False, True)),
+    Sharded("exchange", (10, 6), Case(16, (8, 16), (1, 2), False, h=2, hk=2), "auto",
+            (False, False)),
+    # packed documents and padding (a run of ignored keys leaves rows that attend nothing)
+    Sharded("ulysses", (11, 13), Case(24, (8, 16), (1, 2), True, cu_seqlens=(0, 10, 24),
+                                      masked=True), "auto", (False, True)),
+    Sharded("exchange", (12, 12), Case(24, (8, 16), (1, 2), False, h=2, hk=1,
+                                       cu_seqlens=(0, 15, 24), masked=True), "triton",
+            (True, False)),
 ]
-# how often each case's ranks ran the fused kernel: (dense per-launch blocks, whole op)
-FUSED_CALLS = {("exchange", "triton"): (True, False), ("ulysses", "triton"): (False, True),
-               ("ring", "triton"): (True, False), ("ulysses", "auto"): (False, True),
-               ("exchange", "auto"): (False, False)}
 
 
-def _full_inputs(lengths, h, hk, seed):
-    gen = torch.Generator().manual_seed(seed)
-    n, d = sum(lengths), 8
-    q = torch.randn(1, n, h, d, generator=gen)
-    k, v = torch.randn(1, n, hk, d, generator=gen), torch.randn(1, n, hk, d, generator=gen)
-    return q, k, v, torch.randn(1, n, h, d, generator=gen)
-
-
-def _sharded(group, cases):
-    """Every case on this rank's piece: out, lse, the gradients of <out, dout>, and how
-    often the fused kernels ran (dense per-launch blocks, the whole op)."""
+def _sharded(group, calls):
+    """Every call on this rank's piece: out, lse and the gradients of <out, dout> + <lse,
+    dlse>, and how often the fused kernels ran (dense per-launch blocks, the whole op)."""
     from unittest import mock
 
     from dilated_attention import fused, kernels, ring_attention
@@ -280,31 +291,33 @@ def _sharded(group, cases):
 
     rank, results = comm.group_rank(group), []
     fused_by_default = mock.patch.dict(kernels.FUSED_BY_DEFAULT, {"cpu": (torch.float32,)})
-    for name, lengths, segs, rates, causal, h, hk, backend in cases:
-        calls = {"dense": 0, "op": 0}
+    for call in calls:
+        case, ran = call.case, {"dense": 0, "op": 0}
 
         def counted(fn, key):
             def run(*args, **kwargs):
-                calls[key] += 1
+                ran[key] += 1
                 return fn(*args, **kwargs)
             return run
 
         patches = (mock.patch.object(fused, "dense_forward",
                                      counted(fused.dense_forward, "dense")),
                    mock.patch.object(fused, "forward", counted(fused.forward, "op")))
-        lo, hi = sum(lengths[:rank]), sum(lengths[:rank + 1])
-        q, k, v, dout = (x[:, lo:hi] for x in _full_inputs(lengths, h, hk, seed=len(results)))
-        q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+        lo, hi = sum(call.lengths[:rank]), sum(call.lengths[:rank + 1])
+        leaves, dout, dlse, mask = inputs(case)
+        q, k, v = (x.detach()[:, lo:hi].requires_grad_() for x in leaves)
+        options = dict(is_causal=case.causal, group=group, return_lse=True,
+                       backend=call.backend, cu_seqlens=case.cu_seqlens,
+                       key_padding_mask=None if mask is None else mask[:, lo:hi])
         with patches[0], patches[1], fused_by_default:
-            if name == "ring":
-                out, lse = ring_attention(q, k, v, is_causal=causal, group=group,
-                                          return_lse=True, backend=backend)
+            if call.strategy == "ring":
+                out, lse = ring_attention(q, k, v, **options)
             else:
-                out, lse = dilated_attention(q, k, v, list(segs), list(rates),
-                                             is_causal=causal, group=group, return_lse=True,
-                                             backend=backend, strategy=name)
-            (out * dout).sum().backward()
-        results.append(((out, lse, q.grad, k.grad, v.grad), calls))
+                out, lse = dilated_attention(q, k, v, list(case.segment_lengths),
+                                             list(case.dilation_rates),
+                                             strategy=call.strategy, **options)
+            got = grads([out, lse], [dout[:, lo:hi], dlse[:, :, lo:hi]], [q, k, v])
+        results.append(((out, lse) + got, ran))
     return results
 
 
@@ -312,27 +325,25 @@ def _sharded(group, cases):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU tensors")
 def test_sequence_parallel_with_the_fused_kernel() -> None:
     """2 spawned ranks: the exchange, Ulysses and the ring with backend="triton", and
-    Ulysses and the exchange with "auto", give each rank its rows of the fp64 reference of
-    the whole sequence, and run the fused kernel where FUSED_CALLS says."""
+    Ulysses and the exchange with "auto", give each rank its rows of the fp64 reference
+    of the whole sequence (out, lse and the gradients with an lse gradient; packed
+    documents and padding too), and run the fused kernel where `Sharded.fused` says."""
     from dist_harness import run_distributed
 
     by_rank = run_distributed(_sharded, 2, SHARDED, timeout=300)
-    for i, (name, lengths, segs, rates, causal, h, hk, backend) in enumerate(SHARDED):
-        q, k, v, dout = _full_inputs(lengths, h, hk, seed=i)
-        n = sum(lengths)
-        case = Case(n, segs or (n,), rates or (1,), causal, h=h, hk=hk)
-        ref_leaves, ref_out, ref_lse = reference(case, [q, k, v], None)
-        # lse (b, h, n) -> (b, n, h): every tensor's rows on dim 1
-        want = (ref_out, ref_lse.transpose(1, 2)) + grads([ref_out], [dout.double()],
-                                                        ref_leaves)
+    for i, call in enumerate(SHARDED):
+        leaves, dout, dlse, mask = inputs(call.case)
+        ref_leaves, ref_out, ref_lse = reference(call.case, leaves, mask)
+        want = (ref_out, ref_lse) + grads([ref_out, ref_lse], [dout.double(), dlse.double()],
+                                          ref_leaves)
         for rank in range(2):
-            lo, hi = sum(lengths[:rank]), sum(lengths[:rank + 1])
-            (out, lse, dq, dk, dv), calls = by_rank[rank][i]
-            ran = (calls["dense"] > 0, calls["op"] > 0)
-            assert ran == FUSED_CALLS[name, backend], (name, backend, calls)
-            got = (out, lse.transpose(1, 2), dq, dk, dv)
+            lo, hi = sum(call.lengths[:rank]), sum(call.lengths[:rank + 1])
+            got, ran = by_rank[rank][i]
+            assert (ran["dense"] > 0, ran["op"] > 0) == call.fused, (call, ran)
             for what, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
-                close(g, w[:, lo:hi], torch.float32, f"{name} rank {rank} {what}")
+                # rows on dim 1, but lse (b, h, n) on dim 2
+                w = w[:, :, lo:hi] if what == "lse" else w[:, lo:hi]
+                close(g, w, torch.float32, f"{call.strategy} {call.backend} rank {rank} {what}")
 
 
 # --------------------------------------------------------------------------
