@@ -7,7 +7,7 @@
 
 Parts, each a list of commands run from the repository root (their output is
 printed as it comes and kept for the report). Measured on an H100: the
-fused and CUDA tests took 1.6 min, bench-triton and bench-auto at five
+fused and CUDA tests took 1.6 min, bench-triton and bench-sdpa at five
 lengths (--seq-lens 8192 32768 65536 262144 1048576) 2 min together, the
 Triton compiles included; a tiles run of 24 candidates about 1 min. Give a
 short lease --budget and the most wanted parts first (they run in the order
@@ -30,10 +30,12 @@ fused.TUNED_TILE_SIZES first):
   fused.CUDA_TILE_SIZES entry (to be checked with cross_compile.py before it
   is shipped). 19 candidates x 3 kernels, each compiled on first use: d 128
   (``--head-dims 128``) is a second call by hand.
-- ``bench-auto`` / ``bench-triton``: bench_single_device.py in bf16 for the
-  backend (the default SDPA path; the fused Triton kernel), 8K to 1M tokens,
+- ``bench-sdpa`` / ``bench-triton``: bench_single_device.py in bf16 for the
+  backend (the SDPA path, ``sdpa_backend``: what auto ran before the fused
+  kernel, and still runs for fp32 and the exchange's launches; the fused
+  Triton kernel, auto's choice for a whole op in bf16), 8K to 1M tokens,
   the LongNet setting and the geometric schedule: op / ideal floor, op /
-  per-launch floor, working memory per length; bench-auto also runs the
+  per-launch floor, working memory per length; bench-sdpa also runs the
   LongNet setting with the CUDA row blocks from before the 64K memory bound
   (131,072 rows), which says what the bound costs in time.
 - ``memory``: working memory at 64K and 1M (both backends), the longest
@@ -79,8 +81,21 @@ def bench_commands(backend: str, seq_lens: Sequence[str]) -> List[List[str]]:
             for schedule in ("longnet", "geometric")]
 
 
+def sdpa_backend() -> str:
+    """The SDPA path's kernel on this GPU in bf16 (``select_backend`` of a launch, not a
+    whole op): cuDNN on an H100; without a GPU, that."""
+    import torch
+
+    from dilated_attention.kernels import select_backend
+
+    if not torch.cuda.is_available():
+        return "cuda_cudnn"
+    return select_backend(torch.device("cuda"), torch.bfloat16)
+
+
 def parts(seq_lens: Sequence[str] = SEQ_LENS) -> Dict[str, List[List[str]]]:
     """Part name -> its commands, in order; the bench parts at `seq_lens`."""
+    sdpa = sdpa_backend()
     fused_tests = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_fused*.py"))
     estimate = [PY, "-m", "dilated_attention", "estimate", "--device", "cuda", "--dtype",
                 "bfloat16", "--seq-len", "65536", "--dry-run"]
@@ -97,10 +112,10 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS) -> Dict[str, List[List[str]]]:
              "--cases", "65536:fwd", "65536:bwd", "1048576:fwd", "1048576:bwd"],
         ],
         # and the CUDA row blocks before the 64K memory bound (131072 rows): what it costs
-        "bench-auto": bench_commands("auto", seq_lens) + [
-            BENCH + ["--seq-lens", *[n for n in seq_lens if int(n) <= 262144],
-                     "--repeats", "5", "--dense-max", "0",
-                     "--block-rows", "131072", "--json", "bench-out/gpu_auto_blocks131072.json"]],
+        "bench-sdpa": bench_commands(sdpa, seq_lens) + [
+            BENCH + ["--backend", sdpa, "--seq-lens", *[n for n in seq_lens if int(n) <= 262144],
+                     "--repeats", "5", "--dense-max", "0", "--block-rows", "131072",
+                     "--json", f"bench-out/gpu_{sdpa}_blocks131072.json"]],
         # the fused kernels' tiles, timed (fused.CUDA_TILE_SIZES are untimed choices; the
         # fastest go into fused.TUNED_TILE_SIZES for this GPU's capability)
         "tiles": [[PY, "benchmarks/tune_tiles.py", "--head-dims", "64",
@@ -109,14 +124,14 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS) -> Dict[str, List[List[str]]]:
         "memory": [
             BENCH + ["--backend", backend, "--seq-lens", "65536", "1048576", "--memory-only",
                      "--json", f"bench-out/gpu_memory_{backend}.json"]
-            for backend in ("auto", "triton")
+            for backend in (sdpa, "triton")
         ] + [
             BENCH + ["--max-tokens", "--json", "bench-out/gpu_max_tokens.json"],
             estimate,
             estimate + ["--training"],
         ],
         "profile": [[PY, "benchmarks/gpu_suite.py", "--profile-case", backend]
-                    for backend in ("auto", "triton")],
+                    for backend in (sdpa, "triton")],
     }
 
 
@@ -303,7 +318,7 @@ def strided_check() -> None:
     dout = torch.randn(1, 4096, 12, 64, generator=gen, dtype=torch.float64)
     ref_out, _ = reference_dilated_attention(*ref_in, [2048, 4096], [1, 2])
     ref = [ref_out] + list(torch.autograd.grad(ref_out, ref_in, dout))
-    for backend in ("auto", "cuda_cudnn", "cuda_flash", "cuda_efficient"):
+    for backend in ("cuda_cudnn", "cuda_flash", "cuda_efficient"):
         for dtype in (torch.bfloat16, torch.float16):
             try:
                 select_backend(torch.device("cuda"), dtype, backend=backend)

@@ -32,11 +32,13 @@ def test_without_cuda_it_says_so_and_exits_0():
 def test_list_names_every_part(suite, capsys):
     assert suite.main(["--list"]) == 0
     out = capsys.readouterr().out
-    for name in ("tests", "strided", "bench-auto", "tiles", "bench-triton", "memory",
+    for name in ("tests", "strided", "bench-sdpa", "tiles", "bench-triton", "memory",
                  "profile"):
         assert f"{name}:" in out
     assert "--schedule geometric" in out and "--max-tokens" in out and "-m cuda" in out
     assert "tune_tiles.py" in out
+    # the SDPA path is benchmarked by its kernel's name: auto runs the fused kernel on a GPU
+    assert "--backend cuda_cudnn" in out and "--backend auto" not in out
 
 
 def test_report_keeps_parts_and_replaces_a_part_run_again(suite, tmp_path, monkeypatch):
