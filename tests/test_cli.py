@@ -146,9 +146,13 @@ ESTIMATE_CASES = [
     dict(impl="dilated", seq_len=16384, mesh=(4, 1), kv_heads=2, training=True,
          segment_lengths=[2048, 16384], dilation_rates=[1, 8], device="cuda"),
     # ... and in bf16, where each rank runs the fused kernel on its heads (kv heads read by
-    # two ranks each)
+    # two ranks each); the exchange in bf16, each rank's own pairs fused beside the launches
+    # on received keys (a segment spanning both ranks)
     dict(impl="dilated", seq_len=16384, world_size=4, strategy="ulysses", kv_heads=2,
          causal=True, training=True, dtype="bfloat16", device="cuda"),
+    dict(impl="dilated", seq_len=2**15, world_size=2, segment_lengths=[2048, 32768],
+         dilation_rates=[1, 8], training=True, dtype="bfloat16", device="cuda",
+         strategy="exchange"),
     dict(impl="ring", seq_len=16384, mesh=(2, 2), training=True),  # Ulysses x the ring
     # one rank (one kernel call); two ranks with batch 2 (the part sent at step 0 is a copy)
     dict(impl="ring", seq_len=4096, world_size=1, training=True),
@@ -290,16 +294,19 @@ def test_estimate_models_cuda_sizes_and_kernels(capsys, monkeypatch):
     blocks = dryrun.plan_for(cuda, 0).blocks
     assert [(b.hi - b.lo, b.entry_writes) for b in blocks] == [(4096, 2)] * 16
     assert {sum(l.queries.rows for l in b.forward if l.heads.identity) for b in blocks} == {4096}
-    # the kernels: the fused one where a rank computes the whole op in bf16/fp16 (one device,
-    # Ulysses over every rank), else the SDPA kernels for the launches
-    assert est_config.backend_for(cuda) == "triton"
+    # the kernels in bf16/fp16: the fused one for the whole op where a rank computes it (one
+    # device, Ulysses over every rank), else for each rank's own pairs, with the SDPA
+    # kernels on received keys; those alone for fp32 and head dims past the fused tiles
+    assert est_config.backend_for(cuda) == "cuda_cudnn"
     ulysses = dataclasses.replace(cuda, world_size=4, strategy="ulysses")
-    assert est_config.backend_for(ulysses) == "triton"
-    for other in (dataclasses.replace(cuda, world_size=4, strategy="exchange"),
-                  dataclasses.replace(cuda, world_size=4, mesh=(2, 2)),
-                  dataclasses.replace(cuda, head_dim=512)):
-        assert est_config.backend_for(other) == "cuda_cudnn", other
-    assert est_config.backend_for(dataclasses.replace(cuda, dtype="float32")) == "cuda_efficient"
+    for config in (cuda, ulysses):
+        assert est_config.kernels_name(config) == "triton"
+    for config in (dataclasses.replace(cuda, world_size=4, strategy="exchange"),
+                   dataclasses.replace(cuda, world_size=4, mesh=(2, 2))):
+        assert est_config.kernels_name(config) == "triton; cuda_cudnn on received keys"
+    assert est_config.kernels_name(dataclasses.replace(cuda, head_dim=512)) == "cuda_cudnn"
+    assert est_config.kernels_name(dataclasses.replace(cuda, dtype="float32")) == \
+        "cuda_efficient"
     cpu = estimate.make_config(seq_len=65536, dtype="bfloat16", threads=1)
     # two patterns: blocks of the longer segment (4096 rows), whole: no fp32 accumulators
     blocks = dryrun.plan_for(cpu, 0).blocks

@@ -254,7 +254,8 @@ class Sharded:
     """A call split over 2 ranks: `strategy` ("exchange", "ulysses", or "ring" for
     ring_attention, whose case has one segment of n, rate 1), each rank's rows, the
     call (n = sum(lengths)), and whether the ranks ran the fused kernel on dense
-    per-launch blocks and on the whole op."""
+    per-launch blocks (on some rank) and on the whole op or their piece's own pairs (on
+    every rank)."""
 
     strategy: str
     lengths: Tuple[int, int]
@@ -265,19 +266,19 @@ class Sharded:
 
 SHARDED = [
     Sharded("exchange", (10, 14), Case(24, (8, 16), (1, 2), True, h=2, hk=1), "triton",
-            (True, False)),
+            (True, True)),
     Sharded("ulysses", (9, 7), Case(16, (4, 16), (1, 2), False), "triton", (False, True)),
     Sharded("ring", (8, 5), Case(13, (13,), (1,), True, h=2, hk=2), "triton", (True, False)),
     Sharded("ulysses", (6, 10), Case(16, (8, 16), (1, 4), True, h=2, hk=2), "auto",
             (False, True)),
     Sharded("exchange", (10, 6), Case(16, (8, 16), (1, 2), False, h=2, hk=2), "auto",
-            (False, False)),
+            (False, True)),
     # packed documents and padding (a run of ignored keys leaves rows that attend nothing)
     Sharded("ulysses", (11, 13), Case(24, (8, 16), (1, 2), True, cu_seqlens=(0, 10, 24),
                                       masked=True), "auto", (False, True)),
     Sharded("exchange", (12, 12), Case(24, (8, 16), (1, 2), False, h=2, hk=1,
                                        cu_seqlens=(0, 15, 24), masked=True), "triton",
-            (True, False)),
+            (True, True)),
 ]
 
 
@@ -321,29 +322,46 @@ def _sharded(group, calls):
     return results
 
 
+# Three ranks, the exchange with its own pairs fused: a dense segment over every rank (the
+# rotate rounds), a causal segment over two of them beside an empty piece, GQA in fp16
+THREE_RANKS = [
+    Sharded("exchange", (8, 9, 7), Case(24, (24,), (1,), False, h=2, hk=1), "triton",
+            (True, True)),
+    Sharded("exchange", (10, 0, 14), Case(24, (4, 24), (1, 3), True, h=3, hk=3), "auto",
+            (False, True)),
+    Sharded("exchange", (12, 12, 8), Case(32, (8, 32), (1, 2), True, d=16, h=4, hk=2,
+                                          dtype=torch.float16), "triton", (True, True)),
+]
+
+
 @pytest.mark.distributed
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU tensors")
-def test_sequence_parallel_with_the_fused_kernel() -> None:
-    """2 spawned ranks: the exchange, Ulysses and the ring with backend="triton", and
-    Ulysses and the exchange with "auto", give each rank its rows of the fp64 reference
-    of the whole sequence (out, lse and the gradients with an lse gradient; packed
-    documents and padding too), and run the fused kernel where `Sharded.fused` says."""
+@pytest.mark.parametrize("ranks,calls", [(2, SHARDED), (3, THREE_RANKS)], ids=["2", "3"])
+def test_sequence_parallel_with_the_fused_kernel(ranks, calls) -> None:
+    """Spawned ranks: the exchange, Ulysses and the ring with backend="triton", and Ulysses
+    and the exchange with "auto", give each rank its rows of the fp64 reference of the
+    whole sequence (out, lse and the gradients with an lse gradient; packed documents and
+    padding too), and run the fused kernel where `Sharded.fused` says: the exchange runs
+    each rank's own pairs in one fused call, its launches on received keys beside it."""
     from dist_harness import run_distributed
 
-    by_rank = run_distributed(_sharded, 2, SHARDED, timeout=300)
-    for i, call in enumerate(SHARDED):
+    by_rank = run_distributed(_sharded, ranks, calls, timeout=300)
+    for i, call in enumerate(calls):
         leaves, dout, dlse, mask = inputs(call.case)
         ref_leaves, ref_out, ref_lse = reference(call.case, leaves, mask)
         want = (ref_out, ref_lse) + grads([ref_out, ref_lse], [dout.double(), dlse.double()],
                                           ref_leaves)
-        for rank in range(2):
+        ran = [by_rank[rank][i][1] for rank in range(ranks)]
+        assert (any(r["dense"] for r in ran), all(r["op"] for r in ran)) == call.fused, \
+            (call, ran)
+        for rank in range(ranks):
             lo, hi = sum(call.lengths[:rank]), sum(call.lengths[:rank + 1])
-            got, ran = by_rank[rank][i]
-            assert (ran["dense"] > 0, ran["op"] > 0) == call.fused, (call, ran)
+            got, _ = by_rank[rank][i]
             for what, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
                 # rows on dim 1, but lse (b, h, n) on dim 2
                 w = w[:, :, lo:hi] if what == "lse" else w[:, lo:hi]
-                close(g, w, torch.float32, f"{call.strategy} {call.backend} rank {rank} {what}")
+                close(g, w, call.case.dtype,
+                      f"{call.strategy} {call.backend} rank {rank} {what}")
 
 
 # --------------------------------------------------------------------------

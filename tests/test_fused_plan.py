@@ -86,12 +86,18 @@ def plan_cases(draw):
 
 def check_plan(n: int, patterns, h: int, hk: int, first: int, causal: bool,
                documents: Optional[Tuple[int, ...]], block_m: int,
-               kv_of: Optional[Tuple[int, ...]] = None) -> None:
+               kv_of: Optional[Tuple[int, ...]] = None,
+               window: Optional[Tuple[int, int]] = None) -> None:
+    """The plan visits the count matrix; with a `window` (lo, hi), its rows against its
+    keys (numbered from lo), and every (row, head) of it in one tile."""
     heads = Heads(first, kv_of) if kv_of else Heads.of(h, hk, first)
     want = dilated_counts(n, h, patterns[0], patterns[1], causal, documents, first_head=first)
+    lo, hi = window or (0, n)
+    want = want[:, lo:hi, lo:hi]
     for keys in (False, True):
-        plan = tile_plan(n, patterns, heads, hk, causal, documents, block_m, keys)
-        got, writes = expand(plan, n, n, heads, hk, causal, keys)
+        plan = tile_plan(n, patterns, heads, hk, causal, documents, block_m, keys,
+                         window=window)
+        got, writes = expand(plan, hi - lo, hi - lo, heads, hk, causal, keys)
         assert bool((writes == 1).all()), f"keys={keys}: every (row, head) in one tile"
         mismatch = (got != want).nonzero()
         assert not mismatch.numel(), (
@@ -103,6 +109,15 @@ def check_plan(n: int, patterns, h: int, hk: int, first: int, causal: bool,
 @given(case=plan_cases())
 def test_plan_visits_the_count_matrix(case) -> None:
     check_plan(**case)
+
+
+@settings(max_examples=300)
+@given(case=plan_cases(), data=st.data())
+def test_a_window_visits_its_rows_against_its_keys(case, data) -> None:
+    """A sequence-parallel rank's piece (rows [lo, hi), possibly empty): its own block of
+    the count matrix, segments and documents cut by the piece's ends."""
+    lo = data.draw(st.integers(0, case["n"]))
+    check_plan(**case, window=(lo, data.draw(st.integers(lo, case["n"]))))
 
 
 PLAN_CORNERS = [

@@ -292,7 +292,7 @@ def dilated_attention(
             # differs, in this order): the kernel of the exchange's launches; the kernel
             # where a rank computes the whole op on its rows (one device, or a Ulysses
             # rank's heads over all rows of its block: auto may pick the fused kernel
-            # there); this rank's dropout seed
+            # there, which then runs the exchange's own pairs too); this rank's dropout seed
             "backend": kernel(),
             "whole_op_backend": kernel(whole_op=True),
             "seed": dropout_seed(p),
@@ -315,9 +315,11 @@ def dilated_attention(
                  opts: KernelOptions, group, lengths) -> Tuple[Tensor, Tensor]:
         """The attention of these rows over `group` (the exchange), or locally."""
         if comm.is_distributed(group):
+            # the rank's own pairs in one fused call where the whole op would run fused
             return sequence_parallel_dilated_attention(
                 q, k, v, patterns, opts, group, lengths, heads=heads, documents=documents,
-                key_mask=mask, layout=Layout.named(layout, lengths))
+                key_mask=mask, layout=Layout.named(layout, lengths),
+                fused_pairs=call["whole_op_backend"] == "triton")
         return dilated_attention_local(
             q, k, v, patterns, dataclasses.replace(opts, backend=call["whole_op_backend"]),
             heads=heads, documents=documents, key_mask=mask)

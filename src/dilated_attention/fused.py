@@ -174,23 +174,33 @@ Planner = Callable[..., TilePlan]
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, *, causal: bool, scale: float,
-            heads: Heads, documents: Documents,
-            key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    """q (b, n, h, d), k/v (b, n, hk, d), key_mask (b, n) or None -> out, lse (b, n, h)."""
-    planner = functools.partial(tile_plan, q.shape[1], patterns, heads, k.shape[2], causal,
-                                documents, device=str(q.device))
-    return _forward(q, k, v, planner, causal, scale, _per_kv_head(key_mask, k))
+            heads: Heads, documents: Documents, key_mask: Optional[Tensor],
+            piece: Optional[Tuple[int, int]] = None) -> Tuple[Tensor, Tensor]:
+    """q (b, n, h, d), k/v (b, n, hk, d), key_mask (b, n) or None -> out, lse (b, n, h).
+
+    piece (first row, total rows): q, k, v are rows [first, first + n) of a longer sequence
+    (a sequence-parallel rank's); out and lse are then those rows' attention over these
+    keys alone (tile_plan's window), a part to merge with the other keys' by the lse."""
+    return _forward(q, k, v, _planner(q, k, patterns, causal, heads, documents, piece), causal,
+                    scale, _per_kv_head(key_mask, k))
 
 
 def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              dlse: Optional[Tensor], patterns: Patterns, *, causal: bool, scale: float,
-             heads: Heads, documents: Documents,
-             key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients of `forward` from its out and lse (dlse (b, n, h): the gradient of lse)."""
-    planner = functools.partial(tile_plan, q.shape[1], patterns, heads, k.shape[2], causal,
-                                documents, device=str(q.device))
-    return _backward(dout, q, k, v, out, lse, dlse, planner, causal, scale,
+             heads: Heads, documents: Documents, key_mask: Optional[Tensor],
+             piece: Optional[Tuple[int, int]] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `forward` from the final out and lse (dlse (b, n, h): the gradient of
+    lse); with a `piece`, those of its pairs (rows and keys both in it)."""
+    return _backward(dout, q, k, v, out, lse, dlse,
+                     _planner(q, k, patterns, causal, heads, documents, piece), causal, scale,
                      _per_kv_head(key_mask, k))
+
+
+def _planner(q: Tensor, k: Tensor, patterns: Patterns, causal: bool, heads: Heads,
+             documents: Documents, piece: Optional[Tuple[int, int]]) -> Planner:
+    first, total = piece or (0, q.shape[1])
+    return functools.partial(tile_plan, total, patterns, heads, k.shape[2], causal, documents,
+                             device=str(q.device), window=(first, first + q.shape[1]))
 
 
 def _per_kv_head(key_mask: Optional[Tensor], k: Tensor) -> Optional[Tensor]:

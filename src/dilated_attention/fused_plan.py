@@ -85,7 +85,7 @@ bounds each span by its tile's last (first) row and masks per element.
 from __future__ import annotations
 
 import functools
-from typing import List, NamedTuple, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -133,23 +133,31 @@ class TilePlan(NamedTuple):
 
 
 def tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, causal: bool,
-              documents: Documents, block_m: int, keys: bool, device: str = "cpu") -> TilePlan:
+              documents: Documents, block_m: int, keys: bool, device: str = "cpu",
+              window: Optional[Tuple[int, int]] = None) -> TilePlan:
     """The query tiles (``keys=False``: forward and dq) or key tiles (dK/dV) of a call.
+
+    window (lo, hi): only the rows [lo, hi) of the n-row sequence, queries and keys
+    alike (a sequence-parallel rank's piece: its rows against its own keys; the keys
+    of the other ranks are not in the plan). Its rows are numbered from lo (the tensors
+    hold the piece); segments, documents and head offsets stay those of the whole
+    sequence. None: every row.
 
     Cached per shape and device: a training step's forward and backward, and
     every step of equal shape, build it once.
     """
+    window = (0, n) if window is None else tuple(window)
     if device != "cpu":
         return _device_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys,
-                            device)
-    return _tile_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys)
+                            window, device)
+    return _tile_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys, window)
 
 
 @functools.lru_cache(maxsize=64)
-def _device_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys,
+def _device_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys, window,
                  device) -> TilePlan:
     return _tile_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m,
-                      keys).to(device)
+                      keys, window).to(device)
 
 
 def dense_plan(n: int, m: int, heads: Heads, num_kv_heads: int, block_m: int, keys: bool,
@@ -201,33 +209,41 @@ def _groups(heads: Heads, num_kv_heads: int, keys: bool
 class _Cells(NamedTuple):
     """starts (C,): each cell's first row; shape (C,): its geometry's index;
     length (U,), seg_lo (U, P), seg_hi (U, P): each geometry's length and every
-    pattern's segment relative to the cell start (seg_lo <= 0 < length <= seg_hi)."""
+    pattern's segment relative to the cell start, cut to the window (seg_lo <= 0 <
+    length <= seg_hi); phase (U, P): the segment's true start relative to the cell
+    start modulo its rate (its rows' residues count from there)."""
 
     starts: Tensor
     shape: Tensor
     length: Tensor
     seg_lo: Tensor
     seg_hi: Tensor
+    phase: Tensor
 
 
-def _cells(n: int, patterns: Patterns, documents: Documents) -> _Cells:
-    segments = [segments_between(0, n, w, documents, n) for w in patterns[0]]
-    # every segment start (they include every non-empty document's start) and n
-    bounds = torch.unique(torch.cat([starts for starts, _ in segments]
-                                    + [torch.tensor([n], dtype=torch.int64)]))
+def _cells(n: int, patterns: Patterns, documents: Documents,
+           window: Tuple[int, int]) -> _Cells:
+    lo, hi = window
+    segments = [segments_between(lo, hi, w, documents, n) for w in patterns[0]]
+    # every segment start in the window (they include every non-empty document's start),
+    # the window's start when a segment straddles it, and its end
+    bounds = torch.unique(torch.cat([torch.clamp(starts, min=lo) for starts, _ in segments]
+                                    + [torch.tensor([hi], dtype=torch.int64)]))
     starts, stops = bounds[:-1], bounds[1:]
     geometry = [stops - starts]
-    seg_lo, seg_hi = [], []
-    for seg_starts, seg_lengths in segments:
+    seg_lo, seg_hi, phase = [], [], []
+    for (seg_starts, seg_lengths), rate in zip(segments, patterns[1]):
         # the segment holding each cell: the last one starting at or before it
         i = torch.searchsorted(seg_starts, starts, right=True) - 1
-        seg_lo.append(seg_starts[i] - starts)
-        seg_hi.append(seg_starts[i] + seg_lengths[i] - starts)
-    # (C, 1 + 2P): length, segment starts, segment ends; equal rows = equal geometry
-    key = torch.stack(geometry + seg_lo + seg_hi, dim=1)
+        seg_lo.append(torch.maximum(seg_starts[i], torch.tensor(lo)) - starts)
+        seg_hi.append(torch.minimum(seg_starts[i] + seg_lengths[i], torch.tensor(hi)) - starts)
+        phase.append((seg_starts[i] - starts) % rate)
+    # (C, 1 + 3P): length, segment starts, segment ends, phases; equal rows = equal geometry
+    key = torch.stack(geometry + seg_lo + seg_hi + phase, dim=1)
     unique, shape = torch.unique(key, dim=0, return_inverse=True)
     p = len(patterns[0])
-    return _Cells(starts, shape, unique[:, 0], unique[:, 1:1 + p], unique[:, 1 + p:])
+    return _Cells(starts, shape, unique[:, 0], unique[:, 1:1 + p], unique[:, 1 + p:1 + 2 * p],
+                  unique[:, 1 + 2 * p:])
 
 
 # --------------------------------------------------------------------------
@@ -262,7 +278,7 @@ class _Rows(NamedTuple):
         length = cells.length
         shape = torch.repeat_interleave(torch.arange(length.numel()), length)
         row = torch.arange(shape.numel()) - (torch.cumsum(length, 0) - length)[shape]
-        return cls(shape, row, (row[:, None] - cells.seg_lo[shape]) % rates)
+        return cls(shape, row, (row[:, None] - cells.phase[shape]) % rates)
 
 
 def _classes(rows: _Rows, offsets: Tensor) -> _Classes:
@@ -360,8 +376,9 @@ def _spans(selected: Tensor, first: Tensor, seg_lo: Tensor, seg_hi: Tensor, leng
 
 @functools.lru_cache(maxsize=64)
 def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, causal: bool,
-               documents: Documents, block_m: int, keys: bool) -> TilePlan:
-    cells = _cells(n, patterns, documents)
+               documents: Documents, block_m: int, keys: bool,
+               window: Tuple[int, int]) -> TilePlan:
+    cells = _cells(n, patterns, documents, window)
     rates = torch.tensor(patterns[1], dtype=torch.int64)
     every_row = _Rows.of(cells, rates)
     by_offsets = {}  # heads of equal offsets (LongNet's rates 1, 2: two kinds) share classes
@@ -417,8 +434,9 @@ def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, caus
     count = per_shape[cells.shape]
     cell = torch.repeat_interleave(torch.arange(cells.starts.numel()), count)
     within = torch.arange(cell.numel()) - (torch.cumsum(count, 0) - count)[cell]
-    tiles = torch.cat([cells.starts[cell, None], template[shape_lo[cells.shape][cell] + within]],
-                      dim=1)
+    # cell starts in the window's rows
+    tiles = torch.cat([cells.starts[cell, None] - window[0],
+                       template[shape_lo[cells.shape][cell] + within]], dim=1)
     per_span = spans.table[:, 5] - spans.table[:, 4]
     period = spans.extras[:, 0]
     return TilePlan(_int32(tiles), _int32(_nonempty(torch.cat(rows))),
@@ -462,7 +480,7 @@ def occupancy(n: int, patterns: Patterns, heads: Heads, causal: bool, documents:
               block_m: int, block_n: int) -> Occupancy:
     """The query plan's work against the per-pattern floor (forward; dq does the same)."""
     plan = _tile_plan(n, patterns, heads, max(heads.kv_of) + 1, causal, documents, block_m,
-                      False)
+                      False, (0, n))
     tiles, rows, spans = plan.tiles.long(), plan.rows.long(), plan.spans.long()
     per_tile = tiles[:, 5] - tiles[:, 4]
     tile = torch.repeat_interleave(torch.arange(tiles.shape[0]), per_tile)

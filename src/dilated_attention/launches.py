@@ -29,7 +29,9 @@ over their rows.
 
 A rank of a sequence-parallel call also attends key rows of other ranks;
 the distributed op passes a ``RemoteKeys`` that moves them, and the launches
-on them run here like the local ones.
+on them run here like the local ones. ``forward_beside``/``backward_beside``
+run them beside outputs that already hold the rank's own pairs (the fused
+kernel's): the accumulators of the blocks they write start from those.
 
 Notation: b batch, n this rank's rows, h query heads, hk key/value heads,
 d head dim.
@@ -108,7 +110,8 @@ class Blocks:
     """
 
     def __init__(self, plan: Plan, kinds: Tuple[Kind, ...], make: Callable, write: Callable,
-                 nbytes: Callable, writers: Dict[Tuple[int, Kind], int]) -> None:
+                 nbytes: Callable, writers: Dict[Tuple[int, Kind], int],
+                 unwritten: bool = True) -> None:
         self.by_index = {block.index: block for block in plan.blocks}
         self.spans = {block.index: (block.lo, block.hi) for block in plan.blocks}
         self.order = [block.index for block in plan.blocks]
@@ -121,6 +124,9 @@ class Blocks:
         # accumulators made uninitialised, still taking the stores that tile them
         self.storing: set = set()
         self.current: Optional[int] = None
+        # whether finish_all makes (the identity) and writes out accumulators that no
+        # write reached; not where the outputs already hold a part (forward_beside)
+        self.unwritten = unwritten
 
     def turn(self, index: int) -> None:
         """Block `index` runs now: outputs for it are applied at once."""
@@ -188,8 +194,9 @@ class Blocks:
     def finish_all(self) -> None:
         for index in self.order:
             for kind in self.kinds:
-                if (index, kind) not in self.finished:
-                    self._finish((index, kind))
+                key = (index, kind)
+                if key not in self.finished and (self.unwritten or key in self.writers):
+                    self._finish(key)
 
     def relative(self, index: int, segs: Segments) -> Segments:
         """`segs` in rows of block `index` (its accumulators' rows)."""
@@ -199,19 +206,27 @@ class Blocks:
         return segs._replace(starts=segs.starts + by)
 
 
-def output_accumulators(q: Tensor) -> Tuple[Tensor, Tensor, Callable, Callable, Callable]:
+def output_accumulators(q: Tensor, own: Optional[Tuple[Tensor, Tensor]] = None
+                        ) -> Tuple[Tensor, Tensor, Callable, Callable, Callable]:
     """The forward's outputs out (b, n, h, d) and lse (b, n, h), uninitialised, and the
     ``make``, ``write`` and ``nbytes`` of their block accumulators (`Blocks`, of
-    FORWARD_KINDS: (out, lse))."""
+    FORWARD_KINDS: (out, lse)). `own`: outputs that already hold a part of the result
+    (``forward_beside``), which the accumulators start from instead of the identity."""
     b, n, h, d = q.shape
     acc = lse_dtype(q.dtype)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, n, h), dtype=acc, device=q.device)
+    if own is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((b, n, h), dtype=acc, device=q.device)
+    else:
+        out, lse = own
 
     def make(block: Block, kind: Kind, init: bool) -> Tuple[Tensor, Tensor]:
         # the merge's identity (0, -inf); lse is written in place, out too where it can
         lo, hi = block.lo, block.hi
-        acc_out = (out[:, lo:hi] if policy.in_output(block.entry_writes, out.dtype)
+        in_output = policy.in_output(block.entry_writes, out.dtype)
+        if own is not None:
+            return (out[:, lo:hi] if in_output else out[:, lo:hi].to(acc)), lse[:, lo:hi]
+        acc_out = (out[:, lo:hi] if in_output
                    else torch.empty((b, hi - lo, h, d), dtype=acc, device=q.device))
         acc_lse = lse[:, lo:hi]
         if init:
@@ -231,16 +246,21 @@ def output_accumulators(q: Tensor) -> Tuple[Tensor, Tensor, Callable, Callable, 
     return out, lse, make, write, nbytes
 
 
-def gradient_accumulators(*inputs: Tensor) -> Tuple[Tuple[Tensor, ...], Callable, Callable,
-                                                    Callable]:
+def gradient_accumulators(*inputs: Tensor, own: Optional[Tuple[Tensor, ...]] = None
+                          ) -> Tuple[Tuple[Tensor, ...], Callable, Callable, Callable]:
     """The backward's gradients, one per input (dq, dK, dV: BACKWARD_KINDS), uninitialised,
-    and the ``make``, ``write`` and ``nbytes`` of their block accumulators (`Blocks`)."""
+    and the ``make``, ``write`` and ``nbytes`` of their block accumulators (`Blocks`).
+    `own`: gradients that already hold a part (``backward_beside``), which the
+    accumulators start from instead of zeros."""
     acc = lse_dtype(inputs[0].dtype)
-    grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in inputs)
+    grads = own or tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in inputs)
     of_kind = dict(zip(BACKWARD_KINDS, grads))
 
     def make(block: Block, kind: Kind, init: bool) -> Tensor:
         g, lo, hi = of_kind[kind], block.lo, block.hi
+        if own is not None:
+            in_output = policy.in_output(block.entry_writes, g.dtype)
+            return g[:, lo:hi] if in_output else g[:, lo:hi].to(acc)
         if policy.in_output(block.entry_writes, g.dtype):
             return g[:, lo:hi].zero_() if init else g[:, lo:hi]
         new = torch.zeros if init else torch.empty
@@ -260,15 +280,16 @@ def gradient_accumulators(*inputs: Tensor) -> Tuple[Tuple[Tensor, ...], Callable
     return grads, make, write, nbytes
 
 
-def count_writers(plan: Plan, backward: bool) -> Dict[Tuple[int, Kind], int]:
-    """How many writes each (block, kind) gets: launches, remote launches, dK/dV home."""
+def count_writers(plan: Plan, backward: bool, local: bool = True) -> Dict[Tuple[int, Kind], int]:
+    """How many writes each (block, kind) gets: launches (unless not `local`), remote
+    launches, dK/dV home."""
     counts: Dict[Tuple[int, Kind], int] = {}
     queries = Kind.DQ if backward else Kind.OUT
 
     def add(index: int, kind: Kind) -> None:
         counts[(index, kind)] = counts.get((index, kind), 0) + 1
 
-    for block in plan.blocks:
+    for block in plan.blocks if local else ():
         for launch in block.forward:
             for index in launch.q_blocks:
                 add(index, queries)
@@ -401,6 +422,32 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, *,
     return out, lse
 
 
+def forward_beside(q: Tensor, plan: Plan, opts: KernelOptions,
+                   own: Callable[[], Tuple[Tensor, Tensor]],
+                   remote: RemoteKeys) -> Tuple[Tensor, Tensor]:
+    """`forward` with the plan's local launches replaced by `own()`: out (b, n, h, d) and
+    lse (b, n, h) of this rank's rows over its own keys alone (the fused kernel's piece),
+    computed while the first exchange is in flight. The launches on received keys merge
+    into those outputs through block accumulators that start from them (in the output
+    where ``policy.in_output`` allows, else fp32 copies of the blocks they write)."""
+    remote.post()
+    out, lse, *accumulators = output_accumulators(q, own())
+    blocks = _remote_blocks(plan, FORWARD_KINDS, accumulators, backward=False)
+    _forward_remote(q, remote, blocks, opts)
+    blocks.finish_all()
+    return out, lse
+
+
+def _remote_blocks(plan: Plan, kinds: Tuple[Kind, ...], accumulators, backward: bool
+                   ) -> Blocks:
+    """Accumulators of the blocks that launches on received keys (and dK/dV sent home)
+    write, for ``forward_beside``/``backward_beside``: every other block is final already."""
+    writers = count_writers(plan, backward, local=False)
+    written = {index for index, _ in writers}
+    blocks = plan._replace(blocks=tuple(b for b in plan.blocks if b.index in written))
+    return Blocks(blocks, kinds, *accumulators, writers, unwritten=False)
+
+
 def _merge_into(blocks: Blocks, launch, out_g: Tensor, lse_g: Tensor,
                 store: bool = False) -> None:
     """Merge a launch's results into its query block's accumulators (now or pending), or
@@ -490,6 +537,22 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
             _scatter_into(blocks, launch.k_block, launch.k_split, Kind.DV, kv_sel, dv_g, store)
             del dq_g, dk_g, dv_g  # free before the next launch gathers
         blocks.end_turn(block.index)
+    blocks.finish_all()
+    return grads
+
+
+def backward_beside(dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, plan: Plan,
+                    opts: KernelOptions, own: Callable[[], Tuple[Tensor, Tensor, Tensor]],
+                    remote: RemoteKeys, dlse: Optional[Tensor] = None
+                    ) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `forward_beside`: `own()` gives dq, dk, dv of this rank's pairs (rows
+    and keys its own, from the final out and lse), computed while the first exchange is in
+    flight; the launches on received keys add dq, and the dK/dV that readers send home,
+    through block accumulators that start from them."""
+    remote.post()
+    grads, *accumulators = gradient_accumulators(q, own=own())
+    blocks = _remote_blocks(plan, BACKWARD_KINDS, accumulators, backward=True)
+    _backward_remote((dout, q, out, lse, dlse), remote, blocks, opts)
     blocks.finish_all()
     return grads
 

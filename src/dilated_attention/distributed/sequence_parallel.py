@@ -19,6 +19,11 @@ The backward fetches the remote keys again (nothing but the inputs is
 saved), keeps dq local and sends the dK/dV of remote keys home, where they
 are summed into the key rows' accumulators.
 
+With the fused kernel (``FusedPiece``), a rank's local launches are one fused
+call instead, over its own pairs (its rows against its own keys), run while
+the first round is in flight; the launches on received keys merge into its
+outputs (launches.forward_beside / backward_beside).
+
 Memory: ``dilated-attention estimate`` measures this code itself, run on meta
 tensors with a fake process group (tools/estimate, Note [estimate]): no model
 of it to keep in step.
@@ -37,7 +42,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import launches
+from .. import fused, launches
 from ..kernels import KernelOptions, lse_dtype, save_for_backward, saved_for_backward
 from ..patterns import Heads, Patterns, Segments, gather
 from ..layout import Documents, Layout
@@ -137,42 +142,83 @@ class Exchange:
         return list(zip(rnd.sends, homes))
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedPiece:
+    """This rank's own pairs (its rows against its own keys) in one fused-kernel call
+    instead of the plan's local launches (fused.py, ``piece``): the call over the whole
+    sequence (patterns, heads, documents) and where the rank's rows lie in it, [first,
+    first + n) of `total` rows. The launches on received keys then merge into its
+    outputs (launches.forward_beside)."""
+
+    patterns: Patterns
+    heads: Heads
+    documents: Documents
+    first: int
+    total: int
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, opts: KernelOptions,
+                key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        return fused.forward(q, k, v, self.patterns, piece=(self.first, self.total),
+                             **self._call(opts, key_mask))
+
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                 lse: Tensor, dlse: Optional[Tensor], opts: KernelOptions,
+                 key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+        return fused.backward(dout, q, k, v, out, lse, dlse, self.patterns,
+                              piece=(self.first, self.total), **self._call(opts, key_mask))
+
+    def _call(self, opts: KernelOptions, key_mask: Optional[Tensor]):
+        return dict(causal=opts.causal, scale=opts.scale, heads=self.heads,
+                    documents=self.documents, key_mask=key_mask)
+
+
 def sp_forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, group: Any,
-               key_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """q (b, n, h, d), k/v (b, n, hk, d) pieces -> out (b, n, h, d), lse (b, n, h) fp32."""
-    return launches.forward(q, k, v, plan, opts, key_mask=key_mask,
-                            remote=Exchange(plan, k, v, key_mask, group))
+               key_mask: Optional[Tensor] = None,
+               piece: Optional[FusedPiece] = None) -> Tuple[Tensor, Tensor]:
+    """q (b, n, h, d), k/v (b, n, hk, d) pieces -> out (b, n, h, d), lse (b, n, h) fp32;
+    with a `piece`, the rank's own pairs in the fused kernel."""
+    exchange = Exchange(plan, k, v, key_mask, group)
+    if piece is None:
+        return launches.forward(q, k, v, plan, opts, key_mask=key_mask, remote=exchange)
+    return launches.forward_beside(q, plan, opts, lambda: piece.forward(q, k, v, opts, key_mask),
+                                   exchange)
 
 
 def sp_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                 plan: Plan, opts: KernelOptions, group: Any, dlse: Optional[Tensor] = None,
-                key_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                key_mask: Optional[Tensor] = None,
+                piece: Optional[FusedPiece] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of `sp_forward` for this rank's pieces, given its final out and lse."""
-    return launches.backward(dout, q, k, v, out, lse, plan, opts, dlse=dlse, key_mask=key_mask,
-                             remote=Exchange(plan, k, v, key_mask, group))
+    exchange = Exchange(plan, k, v, key_mask, group)
+    if piece is None:
+        return launches.backward(dout, q, k, v, out, lse, plan, opts, dlse=dlse,
+                                 key_mask=key_mask, remote=exchange)
+    own = lambda: piece.backward(dout, q, k, v, out, lse, dlse, opts, key_mask)  # noqa: E731
+    return launches.backward_beside(dout, q, out, lse, plan, opts, own, exchange, dlse=dlse)
 
 
 class SequenceParallelDilatedAttentionFunction(torch.autograd.Function):
     """Saves q, k, v, out, lse; backward is `sp_backward` (a collective: every rank calls it)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, opts, group, key_mask):
-        result = sp_forward(q, k, v, plan, opts, group, key_mask)
-        return save_for_backward(ctx, q, k, v, result, (plan, opts, group, key_mask))
+    def forward(ctx, q, k, v, plan, opts, group, key_mask, piece=None):
+        result = sp_forward(q, k, v, plan, opts, group, key_mask, piece)
+        return save_for_backward(ctx, q, k, v, result, (plan, opts, group, key_mask, piece))
 
     @staticmethod
     def backward(ctx, dout, dlse):
         check_first_order("sequence-parallel dilated attention")
         dout, q, k, v, out, lse = saved_for_backward(ctx, dout)
-        plan, opts, group, key_mask = ctx.args
-        dq, dk, dv = sp_backward(dout, q, k, v, out, lse, plan, opts, group, dlse, key_mask)
-        return dq, dk, dv, None, None, None, None
+        plan, opts, group, key_mask, piece = ctx.args
+        dq, dk, dv = sp_backward(dout, q, k, v, out, lse, plan, opts, group, dlse, key_mask,
+                                 piece)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def sequence_parallel_dilated_attention(
     q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, opts: KernelOptions, group: Any,
     lengths: Tuple[int, ...], *, heads: Optional[Heads] = None, documents: Documents = None,
-    key_mask: Optional[Tensor] = None, layout: Optional[Layout] = None,
+    key_mask: Optional[Tensor] = None, layout: Optional[Layout] = None, fused_pairs: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Dilated attention over the sequence split across `group` (differentiable).
 
@@ -182,11 +228,19 @@ def sequence_parallel_dilated_attention(
     (b, n_p, h, d) and lse (b, n_p, h) (fp32; fp64 for fp64). The call must
     already be agreed on every rank (functional.py validates it once, in the
     agreement collective), `opts.seed` included: each rank decorrelates it by
-    its rank. Every rank must also run the backward.
+    its rank. Every rank must also run the backward. `fused_pairs`: the rank's own
+    pairs run in one fused-kernel call (``FusedPiece``) where its rows are one
+    contiguous piece; the launches on received keys keep `opts.backend`.
     """
     rank = comm.group_rank(group)
     heads = heads or Heads.of(q.shape[2], k.shape[2])
     layout = layout or Layout.contiguous(lengths)
     plan = make_plan(layout, patterns, opts.causal, heads, rank, str(q.device), documents)
     opts = dataclasses.replace(opts, seed=opts.seed + rank * _SEED_STRIDE)
-    return SequenceParallelDilatedAttentionFunction.apply(q, k, v, plan, opts, group, key_mask)
+    chunks = layout.of_rank(rank)
+    piece = None
+    if fused_pairs and len(chunks) <= 1:
+        first = chunks[0].start if chunks else 0
+        piece = FusedPiece(patterns, heads, documents, first, layout.total)
+    return SequenceParallelDilatedAttentionFunction.apply(q, k, v, plan, opts, group, key_mask,
+                                                          piece)

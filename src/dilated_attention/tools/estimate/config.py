@@ -166,27 +166,36 @@ def strategy_name(config: EstimateConfig) -> str:
 
 
 def backend_for(config: EstimateConfig) -> str:
-    """The kernel the modelled device runs: what ``kernels.select_backend`` picks there.
+    """The kernel of the launches on the modelled device: what ``kernels.select_backend``
+    picks there.
 
     CPU: the flash op. CUDA: on a compute capability 9.0+ GPU with triton and
-    without flash-attn (an H100), the fused Triton kernel for bf16/fp16 where a
-    rank computes the whole dilated op (one device, or Ulysses over every rank:
-    ``fuses``); elsewhere cuDNN for bf16/fp16 and the memory-efficient op for fp32;
-    fp64 runs the blockwise kernel. Their meta kernels give the outputs' shapes, so
-    the dry run allocates what the real launches allocate.
+    without flash-attn (an H100), cuDNN for bf16/fp16 and the memory-efficient op for
+    fp32; fp64 runs the blockwise kernel. Their meta kernels give the outputs' shapes,
+    so the dry run allocates what the real launches allocate. Where the call runs the
+    fused kernel (``fuses``), these are the launches on received keys only.
     """
     if config.device == "cpu":
         return "cpu_flash"
-    if fuses(config):
-        return "triton"
     if config.torch_dtype in (torch.float16, torch.bfloat16):
         return "cuda_cudnn"
     return "cuda_efficient" if config.torch_dtype == torch.float32 else "blockwise"
 
 
 def fuses(config: EstimateConfig) -> bool:
-    """Whether each rank runs the whole dilated op with the fused kernel (``backend="auto"``
-    on the modelled GPU: kernels.FUSED_BY_DEFAULT), not launches of the SDPA kernels."""
-    return (config.device == "cuda" and config.impl == "dilated" and split(config)[1] == 1
+    """Whether the modelled GPU runs the dilated op with the fused Triton kernel (auto there:
+    kernels.FUSED_BY_DEFAULT): the whole op where a rank computes it (one device, Ulysses
+    over every rank), else each rank's own pairs, the launches on received keys beside it
+    (the exchange on contiguous pieces, as the estimate lays them out)."""
+    return (config.device == "cuda" and config.impl == "dilated"
             and config.torch_dtype in FUSED_BY_DEFAULT["cuda"]
             and config.head_dim <= MAX_HEAD_DIM)
+
+
+def kernels_name(config: EstimateConfig) -> str:
+    """The modelled CUDA kernels, as the report names them."""
+    if not fuses(config):
+        return backend_for(config)
+    if split(config)[1] == 1:
+        return "triton"
+    return f"triton; {backend_for(config)} on received keys"

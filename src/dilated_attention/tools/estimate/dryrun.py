@@ -11,11 +11,12 @@ counts what the rank sends.
 
 What runs: the dilated op's executor under its validation (``launches`` on one
 device, ``sp_forward``/``sp_backward`` over the group) with the plan of the device
-modelled (the public op would plan for its tensors' device, meta), or where the
-modelled GPU runs the whole op with the fused kernel (``config.fuses``) that
-kernel's host side (``fused.forward``/``backward``, which on meta allocates what
-its launches write); the public op for the ring and for Ulysses and 2-D meshes,
-which plan on the CPU's sizes.
+modelled (the public op would plan for its tensors' device, meta). Where the
+modelled GPU runs the fused kernel (``config.fuses``): its host side
+(``fused.forward``/``backward``, which on meta allocates what its launches write)
+for the whole op, or over the group for each rank's own pairs beside the launches
+on received keys (``FusedPiece``). The public op for the ring and for Ulysses and
+2-D meshes, which plan on the CPU's sizes.
 
 Two shortcuts keep it fast and leave the bytes as they are (tests trace with and
 without them): ``compact_plan``, and ``LiveBytes(reuse=True)``.
@@ -24,7 +25,6 @@ without them): ``compact_plan``, and ``LiveBytes(reuse=True)``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import weakref
 from typing import Dict, List, Optional, Tuple
@@ -38,7 +38,8 @@ from ... import fused, launches
 from ...dilated import backward_flat, dilated_attention_local, forward_flat
 from ...distributed import comm
 from .. import launch
-from ...distributed.sequence_parallel import (SequenceParallelDilatedAttentionFunction,
+from ...distributed.sequence_parallel import (FusedPiece,
+                                               SequenceParallelDilatedAttentionFunction,
                                                sp_backward, sp_forward)
 from ...distributed.halo import halo_schedule
 from ...distributed.ulysses import HeadSplit, ulysses_attention
@@ -96,11 +97,14 @@ def trace(config: EstimateConfig, rank: int, *, reuse: bool = True,
         n = lengths[piece]
         opts = KernelOptions(config.causal, 1.0 / math.sqrt(config.head_dim), backend_for(config))
         # the plan before the tracker: its index tensors are made once per shape and cached
-        # (the fused kernel's too: formula.fused_plan_bytes counts those)
-        fused_op = fuses(config)
-        executor = (None if config.impl == "ring" or fused_op
+        # (the fused kernel's too: formula.fused_plan_bytes counts those). The fused kernel
+        # runs the whole op where a rank computes it (no plan), else each rank's own pairs
+        whole_op = fuses(config) and sp == 1
+        executor = (None if config.impl == "ring" or whole_op
                     else _plan(config, group, u, compact))
-        whole_op = functools.partial(_fused_op, config, Heads.of(config.heads, config.kv_heads))
+        own = _piece(config, group, u) if fuses(config) and not whole_op else None
+        if whole_op:
+            opts = dataclasses.replace(opts, backend="triton")
         tracker = LiveBytes(reuse=reuse)
         with tracker:
             # (b, n, heads, d) on meta: shapes only
@@ -118,24 +122,26 @@ def trace(config: EstimateConfig, rank: int, *, reuse: bool = True,
                                          layout="contiguous" if config.mesh else config.layout,
                                          backend=opts.backend, window_size=config.window_size)
                 elif u > 1:
-                    out = _ulysses(q, k, v, group, lengths, executor, opts, config.patterns)
-                elif fused_op:
-                    out, lse = whole_op(fused.forward, q, k, v)
+                    out = _ulysses(q, k, v, group, lengths, executor, opts, config.patterns,
+                                   own)
+                elif whole_op:
+                    out, lse = _whole_op(config, fused.forward, q, k, v)
                 else:
                     out, lse = (launches.forward(q, k, v, executor, opts) if group is None
-                                else sp_forward(q, k, v, executor, opts, group))
+                                else sp_forward(q, k, v, executor, opts, group, piece=own))
             peaks = {"forward": tracker.peak}
             tracker.peak = tracker.live
             with comm.count_communication() as backward:
                 if config.training and autograd:
                     out.backward(dout)
-                elif config.training and fused_op:
-                    grads = whole_op(fused.backward, dout, q, k, v, out, lse, None)
+                elif config.training and whole_op:
+                    grads = _whole_op(config, fused.backward, dout, q, k, v, out, lse, None)
                     del grads
                 elif config.training:
                     grads = (launches.backward(dout, q, k, v, out, lse, executor, opts)
                              if group is None else
-                             sp_backward(dout, q, k, v, out, lse, executor, opts, group))
+                             sp_backward(dout, q, k, v, out, lse, executor, opts, group,
+                                         piece=own))
                     del grads
             if config.training:
                 peaks["backward"] = tracker.peak
@@ -152,9 +158,9 @@ def _groups(group) -> Tuple[comm.ProcessGroup, comm.ProcessGroup]:
     return (group.heads, group.sequence) if isinstance(group, comm.Grid) else (group, None)
 
 
-def _plan(config: EstimateConfig, group, u: int, compact: bool) -> Plan:
-    """The plan the dilated op's executor runs on this rank: of its piece, or under Ulysses
-    of its heads over all rows of its heads group's block."""
+def _sequence_rows(config: EstimateConfig, group, u: int) -> Tuple[Heads, int, List[int]]:
+    """(heads, rank, piece lengths) of the sequence-parallel op this rank runs: its piece of
+    every head, or under Ulysses its heads over its heads group's block of rows."""
     heads, rank, lengths = Heads.of(config.heads, config.kv_heads), comm.group_rank(group), \
         config.lengths()
     if u > 1:
@@ -163,24 +169,36 @@ def _plan(config: EstimateConfig, group, u: int, compact: bool) -> Plan:
             comm.group_rank(head_group))
         rank = comm.group_rank(sequence)
         lengths = [sum(lengths[t * u:(t + 1) * u]) for t in range(len(lengths) // u)]
+    return heads, rank, list(lengths)
+
+
+def _plan(config: EstimateConfig, group, u: int, compact: bool) -> Plan:
+    """The plan the dilated op's executor runs on this rank (``_sequence_rows``)."""
+    heads, rank, lengths = _sequence_rows(config, group, u)
     plan = make_plan(Layout.contiguous(lengths), config.patterns, config.causal, heads, rank,
                      "meta", device_type=config.device)
     return compact_plan(plan, heads.count) if compact else plan
 
 
-def _fused_op(config: EstimateConfig, heads: Heads, step, *tensors: Tensor):
+def _piece(config: EstimateConfig, group, u: int) -> FusedPiece:
+    """This rank's own pairs in the fused kernel, as the op runs them on the modelled GPU."""
+    heads, rank, lengths = _sequence_rows(config, group, u)
+    return FusedPiece(config.patterns, heads, None, sum(lengths[:rank]), sum(lengths))
+
+
+def _whole_op(config: EstimateConfig, step, *tensors: Tensor):
     """The fused kernel's `step` (fused.forward or fused.backward) of one device's call."""
     return step(*tensors, config.patterns, causal=config.causal,
-                scale=1.0 / math.sqrt(config.head_dim), heads=heads, documents=None,
-                key_mask=None)
+                scale=1.0 / math.sqrt(config.head_dim),
+                heads=Heads.of(config.heads, config.kv_heads), documents=None, key_mask=None)
 
 
 def _ulysses(q: Tensor, k: Tensor, v: Tensor, group, lengths, plan: Optional[Plan],
-             opts: KernelOptions, patterns) -> Tensor:
+             opts: KernelOptions, patterns, piece: Optional[FusedPiece]) -> Tensor:
     """The dilated op head-parallel, as ``functional`` routes it: ``ulysses_attention`` over
     the heads group, the executor over the sequence group on all rows of the heads' block
-    (`plan`), or with none (Ulysses over every rank, opts.backend the fused kernel) the
-    single-device op on them."""
+    (`plan`, `piece`), or with none (Ulysses over every rank, opts.backend the fused
+    kernel) the single-device op on them."""
     heads, sequence = _groups(group)
     size = comm.group_size(heads)
     blocks = [lengths[t * size:(t + 1) * size] for t in range(comm.group_size(sequence))]
@@ -189,7 +207,7 @@ def _ulysses(q: Tensor, k: Tensor, v: Tensor, group, lengths, plan: Optional[Pla
         if plan is None:
             return dilated_attention_local(q_u, k_u, v_u, patterns, opts, heads=local)
         return SequenceParallelDilatedAttentionFunction.apply(q_u, k_u, v_u, plan, opts,
-                                                              sequence, None)
+                                                              sequence, None, piece)
 
     return ulysses_attention(q, k, v, None, heads, blocks[comm.group_rank(sequence)], attend)[0]
 

@@ -33,6 +33,7 @@ Traffic = Tuple[int, int, int, int]
 SCRATCH = "CPU kernel scratch (modelled)"
 CUDA_SCRATCH = "CUDA kernel workspace (modelled)"
 FUSED_PLANS = "fused kernel plan tables (modelled)"
+FUSED_BESIDE = "fused kernel plan tables, CUDA kernel workspace (modelled)"
 # CPU flash kernel blocking (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp):
 # query blocks of 256 rows (64 below 768 rows, 32 below 192), key blocks of 512.
 _KV_SPLIT = 512
@@ -184,21 +185,30 @@ def kernel_scratch(config: EstimateConfig, plan: Plan = None, n: int = 0) -> Tup
     in backward also an fp32 dq and row statistic per query row and head of the
     largest launch (the flash-style backward accumulates dq in fp32 across key blocks).
     The fused Triton kernel (``fuses``): no workspace, but its plan's tables on the
-    device (``fused_plan_bytes``).
+    device (``fused_plan_bytes``); beside it (the exchange) the CUDA kernels' of the
+    launches on received keys.
     """
-    if fuses(config):
-        return FUSED_PLANS, fused_plan_bytes(config)
     b, d = config.batch, config.head_dim
     s, a = sizes(config)
+    fused = fuses(config)
+    if fused and split(config)[1] == 1:
+        return FUSED_PLANS, fused_plan_bytes(config)
     if plan is None and config.windowed:
         n = min(n, _window_launch_rows(config))
-    launches = [(l.queries.count * l.heads.rows, l.heads.q_heads.numel())
-                for blk in (plan.blocks if plan is not None else ()) for l in blk.forward]
+    if fused:
+        # the launches on received keys (the fused kernel runs the local ones)
+        launches = [(l.queries.count * l.heads.rows, l.heads.q_heads.numel())
+                    for rnd in plan.rounds for t in rnd.recvs for l in t.launches]
+    else:
+        launches = [(l.queries.count * l.heads.rows, l.heads.q_heads.numel())
+                    for blk in (plan.blocks if plan is not None else ()) for l in blk.forward]
     rows = max((r for r, _ in launches), default=n)
-    entries = max((r * h for r, h in launches), default=n * config.heads)
+    entries = max((r * h for r, h in launches), default=0 if fused else n * config.heads)
     if config.device == "cuda":
-        return CUDA_SCRATCH, CUDA_WORKSPACE + (b * entries * (d + 1) * 4 if config.training
-                                               else 0)
+        workspace = CUDA_WORKSPACE + (b * entries * (d + 1) * 4 if config.training else 0)
+        if fused:
+            return FUSED_BESIDE, fused_plan_bytes(config) + workspace
+        return CUDA_SCRATCH, workspace
     qs = min(256 if rows >= 768 else 64 if rows >= 192 else 32, rows)
     ks = min(_KV_SPLIT, rows)
     per_thread = (qs * ks + 2 * qs + qs * d) * a + (qs * ks * s if s < a else 0)
@@ -211,21 +221,24 @@ def kernel_scratch(config: EstimateConfig, plan: Plan = None, n: int = 0) -> Tup
 
 def fused_plan_bytes(config: EstimateConfig) -> int:
     """Bytes of the fused kernel's plans on an H100 (compute capability 9.0's tiles) for the
-    heads of head-parallel rank 0 over all rows: the query tiles (forward and dq, one plan
-    where their tiles agree) and in training the key tiles (dK/dV). The op caches them on
-    the device (fused_plan.tile_plan), where they outlive the call; made on meta here,
-    shapes only. About 24 bytes per tile of 64-128 (row, head) pairs and one int32 per (row,
-    head) of each distinct cell geometry: well under 1% of q at long sequences."""
-    head_split = HeadSplit.of(split(config)[0], config.heads, config.kv_heads)
+    first rank: its heads (of head-parallel rank 0) over its rows (the first block of the
+    sequence-parallel dimension: all rows without one). The query tiles (forward and dq,
+    one plan where their tiles agree) and in training the key tiles (dK/dV). The op caches
+    them on the device (fused_plan.tile_plan), where they outlive the call; made on meta
+    here, shapes only. About 24 bytes per tile of 64-128 (row, head) pairs and one int32 per
+    (row, head) of each distinct cell geometry: well under 1% of q at long sequences."""
+    u = split(config)[0]
+    head_split = HeadSplit.of(u, config.heads, config.kv_heads)
     heads, kv_heads = head_split.local_heads(0), len(head_split.kv(0))
+    rows = sum(config.lengths()[:u])
     tiles = cuda_tile_sizes((9, 0), config.torch_dtype, config.head_dim)
     plans = {(tiles.forward.rows, False), (tiles.dq.rows, False)}
     if config.training:
         plans.add((tiles.dkdv.rows, True))
     total = 0
-    for rows, keys in plans:
+    for block_m, keys in plans:
         plan = tile_plan(config.seq_len, config.patterns, heads, kv_heads, config.causal, None,
-                         block_m=rows, keys=keys, device="meta")
+                         block_m=block_m, keys=keys, device="meta", window=(0, rows))
         total += sum(t.numel() * t.element_size()
                      for t in (plan.tiles, plan.rows, plan.spans, plan.extras))
     return total

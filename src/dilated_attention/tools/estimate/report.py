@@ -9,7 +9,7 @@ from typing import List, Tuple
 from ...plan import work
 from ..settings import MB, plural
 from . import dryrun
-from .config import EstimateConfig, backend_for, split, strategy_name
+from .config import EstimateConfig, kernels_name, split, strategy_name
 from .scaled import Estimate, estimate, estimate_with_dry_run, representative
 
 
@@ -66,7 +66,7 @@ def describe(config: EstimateConfig) -> str:
     rows = (f"{min(lengths):,} to {max(lengths):,} rows each" if min(lengths) != max(lengths)
             else f"{lengths[0]:,} rows each")
     kernels = (f"CPU kernels, {plural(config.threads, 'thread')} per rank"
-               if config.device == "cpu" else f"CUDA kernels ({backend_for(config)})")
+               if config.device == "cpu" else f"CUDA kernels ({kernels_name(config)})")
     return (f"{what}; N = {config.seq_len:,} over P = {plural(config.world_size, 'rank')} "
             f"({rows}, {config.layout}; strategy {strategy_name(config)}); batch "
             f"{config.batch}, {config.heads} heads x "
