@@ -2,6 +2,7 @@
 
     python benchmarks/bench_plan.py                          # 2^30 tokens over 128 and 256 ranks
     python benchmarks/bench_plan.py --world-sizes 128 --device cuda --causal
+    python benchmarks/bench_plan.py --world-sizes 128 --fused    # and the fused kernel's
 
 LongNet's geometric schedule (w / r = 2048): segments [2048, 16384, 131072,
 2^20, 2^23, 2^26, 2^29, 2^30] with rates [1, 8, 64, 512, 4096, 32768, 2^18,
@@ -13,7 +14,11 @@ rank of a real run builds for itself before its first launch, and what
 first rank of a world size also pays the transfer schedule that all its
 ranks share, and the very first plan the one-time imports. Printed: seconds
 per rank (wall clock, and this process's CPU time, which a machine busy with
-other work inflates less), launches, row blocks and exchange rounds.
+other work inflates less), launches, row blocks and exchange rounds. With
+--fused also what a rank builds where its own pairs run in the fused kernel
+(CUDA, bf16: ``fused_plan.tile_plan`` of its piece, query tiles of 128 rows
+and key tiles of 128, the H100's): seconds (wall) and int32 entries of the
+row tables.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from dilated_attention.fused_plan import _tile_plan
 from dilated_attention.patterns import Heads
 from dilated_attention.plan import Layout, make_plan
 
@@ -28,9 +34,13 @@ SEGMENTS = (2048, 16384, 131072, 2**20, 2**23, 2**26, 2**29, 2**30)
 RATES = tuple(w // 2048 for w in SEGMENTS)
 
 
-def plan_times(n: int, world_size: int, ranks, *, causal: bool, device: str, heads: int):
+def pieces(n: int, world_size: int) -> Layout:
+    """n rows over world_size ranks, the first n % world_size one row longer."""
+    return Layout.contiguous([n // world_size + (p < n % world_size) for p in range(world_size)])
+
+
+def plan_times(layout: Layout, ranks, *, causal: bool, device: str, heads: int):
     """(rank, wall s, cpu s, plan) for each rank's plan, built in order."""
-    layout = Layout.contiguous([n // world_size + (p < n % world_size) for p in range(world_size)])
     out = []
     for rank in ranks:
         wall, cpu = time.perf_counter(), time.process_time()
@@ -38,6 +48,19 @@ def plan_times(n: int, world_size: int, ranks, *, causal: bool, device: str, hea
                          device_type=device)
         out.append((rank, time.perf_counter() - wall, time.process_time() - cpu, plan))
     return out
+
+
+def fused_plan_time(layout: Layout, rank: int, *, causal: bool, heads: int):
+    """(wall s, row table entries) of the rank's fused-kernel piece plans, built cold
+    (uncached: the op caches them per shape)."""
+    chunks = layout.of_rank(rank)
+    window = (chunks[0].start, chunks[0].stop) if chunks else (0, 0)
+    wall, rows = time.perf_counter(), 0
+    for keys in (False, True):
+        plan = _tile_plan(layout.total, (SEGMENTS, RATES), Heads.of(heads, heads), heads,
+                          causal, None, 128, keys, window)
+        rows += plan.rows.numel()
+    return time.perf_counter() - wall, rows
 
 
 def main(argv=None) -> None:
@@ -48,18 +71,28 @@ def main(argv=None) -> None:
                    help="whose row blocks and launch sizes to plan with (default cpu)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--fused", action="store_true",
+                   help="also time the fused kernel's plans of each rank's piece")
     args = p.parse_args(argv)
     print(f"N = {args.seq_len:,}, segments {list(SEGMENTS)}, rates {list(RATES)}, "
           f"{args.heads} heads, {'causal, ' if args.causal else ''}{args.device} sizes")
-    print("| ranks | rank | seconds (wall) | seconds (CPU) | launches | row blocks | rounds |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    fused = (" fused plans s (wall) | fused row entries |", " --- | --- |") if args.fused \
+        else ("", "")
+    print("| ranks | rank | seconds (wall) | seconds (CPU) | launches | row blocks | rounds |"
+          + fused[0])
+    print("| --- | --- | --- | --- | --- | --- | --- |" + fused[1])
     for world_size in args.world_sizes:
         ranks = list(dict.fromkeys([0, 5, world_size // 2, world_size - 1]))
-        for rank, wall, cpu, plan in plan_times(args.seq_len, world_size, ranks,
-                                                causal=args.causal, device=args.device,
-                                                heads=args.heads):
+        layout = pieces(args.seq_len, world_size)
+        for rank, wall, cpu, plan in plan_times(layout, ranks, causal=args.causal,
+                                                device=args.device, heads=args.heads):
+            extra = ""
+            if args.fused:
+                seconds, entries = fused_plan_time(layout, rank, causal=args.causal,
+                                                   heads=args.heads)
+                extra = f" {seconds:.2f} | {entries:,} |"
             print(f"| {world_size} | {rank} | {wall:.2f} | {cpu:.2f} | {plan.launches:,} | "
-                  f"{len(plan.blocks)} | {len(plan.rounds)} |", flush=True)
+                  f"{len(plan.blocks)} | {len(plan.rounds)} |" + extra, flush=True)
 
 
 if __name__ == "__main__":
