@@ -67,7 +67,13 @@ start: the tables hold each geometry once and a tile names its cell start.
 A long regular sequence has a handful of geometries (LongNet's setting 2,
 the geometric schedule 2048..65536 / 1..32 32), so the plan costs what its
 distinct cells cost, not n; many packed documents of distinct lengths cost
-about n rows of vectorised work.
+about n rows of vectorised work. The classes depend only on a geometry's
+*kind*: its length and its patterns' segment starts modulo their rates. So
+the row table holds each kind's classes once, and a tile unit is a
+(geometry, class of its kind): LongNet's billion-token schedule (segments
+2048 .. 2^30, w / r = 2048) cuts a rank's 8M rows into 4,096 geometries
+(the long segments' bounds differ from cell to cell) but 256 kinds, 6.3M
+row entries for 12 heads instead of 101M (benchmarks/bench_plan.py --fused).
 
 dK/dV (``keys=True``). The relation "t reads u" is symmetric but for the
 causal mask, so the same construction with key rows as tiles and query
@@ -220,6 +226,14 @@ class _Cells(NamedTuple):
     seg_hi: Tensor
     phase: Tensor
 
+    def kinds(self) -> Tuple[Tensor, Tensor, Tensor]:
+        """(kind (U,), length (V,), phase (V, P)): geometries of equal length and phases
+        have the same rows in the same classes (only their spans differ), so the classes
+        are found once per kind."""
+        key = torch.cat([self.length[:, None], self.phase], dim=1)
+        unique, kind = torch.unique(key, dim=0, return_inverse=True)
+        return kind, unique[:, 0], unique[:, 1:]
+
 
 def _cells(n: int, patterns: Patterns, documents: Documents,
            window: Tuple[int, int]) -> _Cells:
@@ -274,11 +288,11 @@ class _Rows(NamedTuple):
     residue: Tensor
 
     @classmethod
-    def of(cls, cells: _Cells, rates: Tensor) -> "_Rows":
-        length = cells.length
+    def of(cls, length: Tensor, phase: Tensor, rates: Tensor) -> "_Rows":
+        """Rows of geometries (or kinds) of `length` (G,) and `phase` (G, P)."""
         shape = torch.repeat_interleave(torch.arange(length.numel()), length)
         row = torch.arange(shape.numel()) - (torch.cumsum(length, 0) - length)[shape]
-        return cls(shape, row, (row[:, None] - cells.phase[shape]) % rates)
+        return cls(shape, row, (row[:, None] - phase[shape]) % rates)
 
 
 def _classes(rows: _Rows, offsets: Tensor) -> _Classes:
@@ -380,14 +394,16 @@ def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, caus
                window: Tuple[int, int]) -> TilePlan:
     cells = _cells(n, patterns, documents, window)
     rates = torch.tensor(patterns[1], dtype=torch.int64)
-    every_row = _Rows.of(cells, rates)
+    kind, kind_length, kind_phase = cells.kinds()
+    every_row = _Rows.of(kind_length, kind_phase, rates)
     by_offsets = {}  # heads of equal offsets (LongNet's rates 1, 2: two kinds) share classes
-    # per group of heads: its classes; then the spans of every (class, member) at once
+    # Per group of heads: its classes (per kind of geometry); then the spans of every
+    # (geometry, class of its kind, member) at once. A tile unit is a (geometry, class)
+    # pair: the class's rows (one row table entry per kind) against the geometry's spans.
     rows: List[Tensor] = []
-    class_of: List[Tuple[Tensor, int]] = []  # per group: (classes' geometry, tile row head)
-    sizes: List[Tensor] = []
+    row_base = 0
+    unit_shape, unit_size, unit_row_lo, unit_head, unit_members = [], [], [], [], []
     readers: List[Tuple[Tensor, ...]] = []
-    members_per_class: List[Tensor] = []
     for row_head, members, span_heads in _groups(heads, num_kv_heads, keys):
         offsets = tuple(tuple((heads.first + j) % r for r in patterns[1]) for j in members)
         if offsets not in by_offsets:
@@ -395,31 +411,39 @@ def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, caus
                 offsets, dtype=torch.int64).reshape(len(members), len(patterns[1])))
         classes = by_offsets[offsets]
         rows.append(classes.rows)
-        sizes.append(classes.size)
-        class_of.append((classes.shape, row_head))
-        k, m = classes.size.numel(), len(members)
-        members_per_class.append(torch.full((k,), m, dtype=torch.int64))
-        # (K, m) readers, class-major
-        readers.append((classes.selected.flatten(0, 1),
-                        classes.first.repeat_interleave(m),
-                        classes.shape.repeat_interleave(m),
-                        torch.tensor(span_heads, dtype=torch.int64).repeat(k)))
+        # classes are numbered kind-major: those of kind c are [first_of[c], + per_kind[c])
+        per_kind = torch.bincount(classes.shape, minlength=kind_length.numel())
+        first_of = torch.cumsum(per_kind, 0) - per_kind
+        count = per_kind[kind]  # (U,) classes of each geometry
+        shape = torch.repeat_interleave(torch.arange(kind.numel()), count)
+        k = first_of[kind][shape] + torch.arange(shape.numel()) \
+            - (torch.cumsum(count, 0) - count)[shape]
+        m = len(members)
+        unit_shape.append(shape)
+        unit_size.append(classes.size[k])
+        unit_row_lo.append(row_base + (torch.cumsum(classes.size, 0) - classes.size)[k])
+        unit_head.append(torch.full_like(shape, row_head))
+        unit_members.append(torch.full_like(shape, m))
+        row_base += classes.rows.numel()
+        # (units, m) readers, unit-major
+        readers.append((classes.selected[k].flatten(0, 1), classes.first[k].repeat_interleave(m),
+                        shape.repeat_interleave(m),
+                        torch.tensor(span_heads, dtype=torch.int64).repeat(k.numel())))
     selected, first, shape, span_heads = (torch.cat(x) for x in zip(*readers))
     spans = _spans(selected, first, cells.seg_lo[shape], cells.seg_hi[shape],
                    cells.length[shape], rates, span_heads, causal, keys)
 
-    # span range of each class: its readers' spans (readers, and so spans, are class-major)
-    size = torch.cat(sizes)
-    class_of_reader = torch.repeat_interleave(torch.arange(size.numel()),
-                                              torch.cat(members_per_class))
-    per_class = torch.bincount(class_of_reader[spans.reader], minlength=size.numel())
-    class_span_hi = torch.cumsum(per_class, 0)
-    class_span_lo = class_span_hi - per_class
+    # span range of each unit: its readers' spans (readers, and so spans, are unit-major)
+    size = torch.cat(unit_size)
+    unit_of_reader = torch.repeat_interleave(torch.arange(size.numel()),
+                                             torch.cat(unit_members))
+    per_unit = torch.bincount(unit_of_reader[spans.reader], minlength=size.numel())
+    class_span_hi = torch.cumsum(per_unit, 0)
+    class_span_lo = class_span_hi - per_unit
 
-    # template tiles: each class cut into tiles of at most block_m rows
-    class_shape = torch.cat([s for s, _ in class_of])
-    class_head = torch.cat([torch.full_like(s, head) for s, head in class_of])
-    class_row_lo = torch.cumsum(size, 0) - size
+    # template tiles: each unit cut into tiles of at most block_m rows
+    class_shape, class_head = torch.cat(unit_shape), torch.cat(unit_head)
+    class_row_lo = torch.cat(unit_row_lo)
     tiles_per_class = -(-size // block_m)
     cls = torch.repeat_interleave(torch.arange(size.numel()), tiles_per_class)
     index = torch.arange(cls.numel()) - (torch.cumsum(tiles_per_class, 0) - tiles_per_class)[cls]
