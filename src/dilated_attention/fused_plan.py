@@ -70,10 +70,12 @@ distinct cells cost, not n; many packed documents of distinct lengths cost
 about n rows of vectorised work. The classes depend only on a geometry's
 *kind*: its length and its patterns' segment starts modulo their rates. So
 the row table holds each kind's classes once, and a tile unit is a
-(geometry, class of its kind): LongNet's billion-token schedule (segments
-2048 .. 2^30, w / r = 2048) cuts a rank's 8M rows into 4,096 geometries
-(the long segments' bounds differ from cell to cell) but 256 kinds, 6.3M
-row entries for 12 heads instead of 101M (benchmarks/bench_plan.py --fused).
+(geometry, class of its kind). A pattern that selects none of a cell's rows
+for any head (a long rate over a short cell) is left out of both. LongNet's
+billion-token schedule (segments 2048 .. 2^30, w / r = 2048) cuts a rank's
+8M rows into 4,096 cells of 2,304 geometries (the long segments' bounds
+differ from cell to cell) but 5 kinds: 123K row entries for 12 heads, not
+101M (benchmarks/bench_plan.py --fused).
 
 dK/dV (``keys=True``). The relation "t reads u" is symmetric but for the
 causal mask, so the same construction with key rows as tiles and query
@@ -224,7 +226,7 @@ class _Cells(NamedTuple):
     length: Tensor
     seg_lo: Tensor
     seg_hi: Tensor
-    phase: Tensor
+    phase: Tensor  # `rate` for a pattern that selects none of the cell's rows
 
     def kinds(self) -> Tuple[Tensor, Tensor, Tensor]:
         """(kind (U,), length (V,), phase (V, P)): geometries of equal length and phases
@@ -235,8 +237,8 @@ class _Cells(NamedTuple):
         return kind, unique[:, 0], unique[:, 1:]
 
 
-def _cells(n: int, patterns: Patterns, documents: Documents,
-           window: Tuple[int, int]) -> _Cells:
+def _cells(n: int, patterns: Patterns, documents: Documents, window: Tuple[int, int],
+           heads: Heads) -> _Cells:
     lo, hi = window
     segments = [segments_between(lo, hi, w, documents, n) for w in patterns[0]]
     # every segment start in the window (they include every non-empty document's start),
@@ -249,9 +251,20 @@ def _cells(n: int, patterns: Patterns, documents: Documents,
     for (seg_starts, seg_lengths), rate in zip(segments, patterns[1]):
         # the segment holding each cell: the last one starting at or before it
         i = torch.searchsorted(seg_starts, starts, right=True) - 1
-        seg_lo.append(torch.maximum(seg_starts[i], torch.tensor(lo)) - starts)
-        seg_hi.append(torch.minimum(seg_starts[i] + seg_lengths[i], torch.tensor(hi)) - starts)
-        phase.append((seg_starts[i] - starts) % rate)
+        cell_phase = (seg_starts[i] - starts) % rate
+        # A pattern that selects no row of a cell for any head (a long rate's segment over a
+        # short cell: head offset o selects rows phase + o + k rate) is no part of its
+        # geometry: its phase becomes `rate` (no row's residue) and its segment the cell,
+        # so that cells differing only there share their kind and geometry.
+        reads = torch.zeros_like(cell_phase, dtype=torch.bool)
+        for offset in sorted({(heads.first + j) % rate for j in range(heads.count)}):
+            reads |= (cell_phase + offset) % rate < geometry[0]
+        seg_lo.append(torch.where(reads, torch.maximum(seg_starts[i], torch.tensor(lo)) - starts,
+                                  0))
+        seg_hi.append(torch.where(
+            reads, torch.minimum(seg_starts[i] + seg_lengths[i], torch.tensor(hi)) - starts,
+            geometry[0]))
+        phase.append(torch.where(reads, cell_phase, rate))
     # (C, 1 + 3P): length, segment starts, segment ends, phases; equal rows = equal geometry
     key = torch.stack(geometry + seg_lo + seg_hi + phase, dim=1)
     unique, shape = torch.unique(key, dim=0, return_inverse=True)
@@ -292,7 +305,9 @@ class _Rows(NamedTuple):
         """Rows of geometries (or kinds) of `length` (G,) and `phase` (G, P)."""
         shape = torch.repeat_interleave(torch.arange(length.numel()), length)
         row = torch.arange(shape.numel()) - (torch.cumsum(length, 0) - length)[shape]
-        return cls(shape, row, (row[:, None] - phase[shape]) % rates)
+        # a phase of `rate`: a pattern that selects no row there (_cells), residue -1
+        residue = torch.where(phase[shape] < rates, (row[:, None] - phase[shape]) % rates, -1)
+        return cls(shape, row, residue)
 
 
 def _classes(rows: _Rows, offsets: Tensor) -> _Classes:
@@ -392,7 +407,7 @@ def _spans(selected: Tensor, first: Tensor, seg_lo: Tensor, seg_hi: Tensor, leng
 def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, causal: bool,
                documents: Documents, block_m: int, keys: bool,
                window: Tuple[int, int]) -> TilePlan:
-    cells = _cells(n, patterns, documents, window)
+    cells = _cells(n, patterns, documents, window, heads)
     rates = torch.tensor(patterns[1], dtype=torch.int64)
     kind, kind_length, kind_phase = cells.kinds()
     every_row = _Rows.of(kind_length, kind_phase, rates)
