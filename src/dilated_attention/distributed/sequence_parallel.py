@@ -37,6 +37,7 @@ only p = 0 equals the single device exactly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -159,15 +160,15 @@ class FusedPiece:
     def forward(self, q: Tensor, k: Tensor, v: Tensor, opts: KernelOptions,
                 key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
         return fused.forward(q, k, v, self.patterns, piece=(self.first, self.total),
-                             **self._call(opts, key_mask))
+                             **self._options(opts, key_mask))
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                  lse: Tensor, dlse: Optional[Tensor], opts: KernelOptions,
                  key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
         return fused.backward(dout, q, k, v, out, lse, dlse, self.patterns,
-                              piece=(self.first, self.total), **self._call(opts, key_mask))
+                              piece=(self.first, self.total), **self._options(opts, key_mask))
 
-    def _call(self, opts: KernelOptions, key_mask: Optional[Tensor]):
+    def _options(self, opts: KernelOptions, key_mask: Optional[Tensor]):
         return dict(causal=opts.causal, scale=opts.scale, heads=self.heads,
                     documents=self.documents, key_mask=key_mask)
 
@@ -180,8 +181,8 @@ def sp_forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions,
     exchange = Exchange(plan, k, v, key_mask, group)
     if piece is None:
         return launches.forward(q, k, v, plan, opts, key_mask=key_mask, remote=exchange)
-    return launches.forward_beside(q, plan, opts, lambda: piece.forward(q, k, v, opts, key_mask),
-                                   exchange)
+    own = functools.partial(piece.forward, q, k, v, opts, key_mask)
+    return launches.forward_beside(q, plan, opts, own, exchange)
 
 
 def sp_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -193,7 +194,7 @@ def sp_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
     if piece is None:
         return launches.backward(dout, q, k, v, out, lse, plan, opts, dlse=dlse,
                                  key_mask=key_mask, remote=exchange)
-    own = lambda: piece.backward(dout, q, k, v, out, lse, dlse, opts, key_mask)  # noqa: E731
+    own = functools.partial(piece.backward, dout, q, k, v, out, lse, dlse, opts, key_mask)
     return launches.backward_beside(dout, q, out, lse, plan, opts, own, exchange, dlse=dlse)
 
 
