@@ -241,6 +241,48 @@ def test_double_backward() -> None:
         close(g.detach().cpu(), w.detach(), case.dtype, f"d{name}")
 
 
+PIECES = [  # (case, first row, rows of the piece)
+    (Case(64, (16, 32, 64), (1, 2, 4), True, b=2), 20, 30),
+    (Case(80, (8, 32), (1, 2), True, h=2, hk=1, cu_seqlens=(0, 20, 20, 57, 80), masked=True),
+     17, 50),
+    (Case(64, (16, 32), (1, 2), False, d=16, dtype=torch.float16), 40, 24),
+]
+
+
+@pytest.mark.parametrize("case,first,rows", PIECES, ids=["causal-gqa", "documents-padding",
+                                                         "fp16"])
+def test_a_piece_computes_its_own_pairs(case, first, rows) -> None:
+    """fused.forward/backward with a piece (a sequence-parallel rank's rows [first, first +
+    rows) of the sequence): out, lse and the gradients of the piece's rows against its own
+    keys only, segments and documents those of the whole sequence; one device, so that a GPU
+    runs it compiled (the sequence-parallel tests need gloo ranks on CPU tensors)."""
+    leaves, dout, dlse, mask = inputs(case)
+    lo, hi = first, first + rows
+    q, k, v = (x.detach()[:, lo:hi].requires_grad_() for x in leaves)
+    heads = Heads.of(case.h, case.hk)
+    piece_mask = None if mask is None else mask[:, lo:hi]
+    options = dict(causal=case.causal, scale=case.scale or case.d ** -0.5, heads=heads,
+                   documents=case.cu_seqlens, key_mask=piece_mask, piece=(first, case.n))
+    patterns = (case.segment_lengths, case.dilation_rates)
+    out, lse = fused.forward(q, k, v, patterns, **options)
+    # (b, h, n) -> (b, n, h) upstream lse gradient of the piece's rows
+    dlse_rows = dlse[:, :, lo:hi].transpose(1, 2).contiguous()
+    dq, dk, dv = fused.backward(dout[:, lo:hi], q, k, v, out, lse, dlse_rows, patterns,
+                                **options)
+    counts = dilated_counts(case.n, case.h, case.segment_lengths, case.dilation_rates,
+                            case.causal, case.cu_seqlens)[:, lo:hi, lo:hi]
+    if piece_mask is not None:
+        counts = counts[None].masked_fill(piece_mask.cpu()[:, None, None, :], 0)
+    ref_in = [x.detach().cpu().double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = attention_with_counts(*ref_in, counts, case.scale)
+    close(out.cpu(), ref_out, case.dtype, "out")
+    close(lse.transpose(1, 2).cpu(), ref_lse, case.dtype, "lse")
+    want = grads([ref_out, ref_lse], [dout[:, lo:hi].cpu().double(),
+                                      dlse[:, :, lo:hi].cpu().double()], ref_in)
+    for name, g, w in zip("qkv", (dq, dk, dv), want):
+        close(g.cpu(), w, case.dtype, f"d{name}")
+
+
 # --------------------------------------------------------------------------
 # Sequence parallel: the exchange and the ring call the per-launch kernel, which with
 # backend="triton" is the fused kernel over one dense pattern; Ulysses runs the fused
