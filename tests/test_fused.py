@@ -406,6 +406,57 @@ def test_sequence_parallel_with_the_fused_kernel(ranks, calls) -> None:
                       f"{call.strategy} {call.backend} rank {rank} {what}")
 
 
+MESH_LENGTHS = (6, 5, 7, 6)  # pieces s * U + u of a 2 x 2 mesh
+
+
+def _on_a_mesh(group, case):
+    """A 2 x 2 mesh (Ulysses over heads x the exchange over the sequence), backend="triton":
+    this rank's piece, its out, lse and gradients, and how often the fused kernel ran a
+    piece or a whole op."""
+    from unittest import mock
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("heads", "sequence"))
+    u, s = mesh.get_coordinate()
+    piece = s * 2 + u
+    lo, hi = sum(MESH_LENGTHS[:piece]), sum(MESH_LENGTHS[:piece + 1])
+    leaves, dout, dlse, _ = inputs(case)
+    q, k, v = (x.detach()[:, lo:hi].requires_grad_() for x in leaves)
+    ran, fused_forward = {"op": 0}, fused.forward
+
+    def counted(*args, **kwargs):
+        ran["op"] += 1
+        return fused_forward(*args, **kwargs)
+
+    with mock.patch.object(fused, "forward", counted):
+        out, lse = dilated_attention(q, k, v, list(case.segment_lengths),
+                                     list(case.dilation_rates), is_causal=case.causal,
+                                     group=mesh, return_lse=True, backend="triton")
+        got = grads([out, lse], [dout[:, lo:hi], dlse[:, :, lo:hi]], [q, k, v])
+    return piece, (out, lse) + got, ran["op"]
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU tensors")
+def test_a_mesh_runs_each_ranks_own_pairs_fused() -> None:
+    """Ulysses x the exchange: each rank's heads over its sequence group, its own pairs in
+    one fused call beside the received keys; every rank's rows equal the fp64 reference."""
+    from dist_harness import run_distributed
+
+    case = Case(sum(MESH_LENGTHS), (8, 24), (1, 2), True)
+    leaves, dout, dlse, _ = inputs(case)
+    ref_leaves, ref_out, ref_lse = reference(case, leaves, None)
+    want = (ref_out, ref_lse) + grads([ref_out, ref_lse], [dout.double(), dlse.double()],
+                                      ref_leaves)
+    for piece, got, fused_calls in run_distributed(_on_a_mesh, 4, case, timeout=300):
+        assert fused_calls == 1, (piece, fused_calls)
+        lo, hi = sum(MESH_LENGTHS[:piece]), sum(MESH_LENGTHS[:piece + 1])
+        for what, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+            w = w[:, :, lo:hi] if what == "lse" else w[:, lo:hi]
+            close(g, w, torch.float32, f"piece {piece} {what}")
+
+
 # --------------------------------------------------------------------------
 # Errors
 
