@@ -258,10 +258,10 @@ def gradient_accumulators(*inputs: Tensor, own: Optional[Tuple[Tensor, ...]] = N
 
     def make(block: Block, kind: Kind, init: bool) -> Tensor:
         g, lo, hi = of_kind[kind], block.lo, block.hi
+        in_output = policy.in_output(block.entry_writes, g.dtype)
         if own is not None:
-            in_output = policy.in_output(block.entry_writes, g.dtype)
             return g[:, lo:hi] if in_output else g[:, lo:hi].to(acc)
-        if policy.in_output(block.entry_writes, g.dtype):
+        if in_output:
             return g[:, lo:hi].zero_() if init else g[:, lo:hi]
         new = torch.zeros if init else torch.empty
         return new((g.shape[0], hi - lo) + g.shape[2:], dtype=acc, device=g.device)
@@ -441,11 +441,10 @@ def forward_beside(q: Tensor, plan: Plan, opts: KernelOptions,
 def _remote_blocks(plan: Plan, kinds: Tuple[Kind, ...], accumulators, backward: bool
                    ) -> Blocks:
     """Accumulators of the blocks that launches on received keys (and dK/dV sent home)
-    write, for ``forward_beside``/``backward_beside``: every other block is final already."""
-    writers = count_writers(plan, backward, local=False)
-    written = {index for index, _ in writers}
-    blocks = plan._replace(blocks=tuple(b for b in plan.blocks if b.index in written))
-    return Blocks(blocks, kinds, *accumulators, writers, unwritten=False)
+    write, for ``forward_beside``/``backward_beside``: every other one is final already
+    (``unwritten=False``: never made nor written out)."""
+    return Blocks(plan, kinds, *accumulators, count_writers(plan, backward, local=False),
+                  unwritten=False)
 
 
 def _merge_into(blocks: Blocks, launch, out_g: Tensor, lse_g: Tensor,

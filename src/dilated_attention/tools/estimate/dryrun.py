@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ... import fused, launches
+from ... import launches
 from ...dilated import backward_flat, dilated_attention_local, forward_flat
 from ...distributed import comm
 from .. import launch
@@ -102,7 +102,8 @@ def trace(config: EstimateConfig, rank: int, *, reuse: bool = True,
         whole_op = fuses(config) and sp == 1
         executor = (None if config.impl == "ring" or whole_op
                     else _plan(config, group, u, compact))
-        own = _piece(config, group, u) if fuses(config) and not whole_op else None
+        # one device's whole op is the piece of all its rows
+        own = _piece(config, group, u) if fuses(config) else None
         if whole_op:
             opts = dataclasses.replace(opts, backend="triton")
         tracker = LiveBytes(reuse=reuse)
@@ -125,7 +126,7 @@ def trace(config: EstimateConfig, rank: int, *, reuse: bool = True,
                     out = _ulysses(q, k, v, group, lengths, executor, opts, config.patterns,
                                    own)
                 elif whole_op:
-                    out, lse = _whole_op(config, fused.forward, q, k, v)
+                    out, lse = own.forward(q, k, v, opts, None)
                 else:
                     out, lse = (launches.forward(q, k, v, executor, opts) if group is None
                                 else sp_forward(q, k, v, executor, opts, group, piece=own))
@@ -135,7 +136,7 @@ def trace(config: EstimateConfig, rank: int, *, reuse: bool = True,
                 if config.training and autograd:
                     out.backward(dout)
                 elif config.training and whole_op:
-                    grads = _whole_op(config, fused.backward, dout, q, k, v, out, lse, None)
+                    grads = own.backward(dout, q, k, v, out, lse, None, opts, None)
                     del grads
                 elif config.training:
                     grads = (launches.backward(dout, q, k, v, out, lse, executor, opts)
@@ -186,19 +187,12 @@ def _piece(config: EstimateConfig, group, u: int) -> FusedPiece:
     return FusedPiece(config.patterns, heads, None, sum(lengths[:rank]), sum(lengths))
 
 
-def _whole_op(config: EstimateConfig, step, *tensors: Tensor):
-    """The fused kernel's `step` (fused.forward or fused.backward) of one device's call."""
-    return step(*tensors, config.patterns, causal=config.causal,
-                scale=1.0 / math.sqrt(config.head_dim),
-                heads=Heads.of(config.heads, config.kv_heads), documents=None, key_mask=None)
-
-
 def _ulysses(q: Tensor, k: Tensor, v: Tensor, group, lengths, plan: Optional[Plan],
              opts: KernelOptions, patterns, piece: Optional[FusedPiece]) -> Tensor:
     """The dilated op head-parallel, as ``functional`` routes it: ``ulysses_attention`` over
     the heads group, the executor over the sequence group on all rows of the heads' block
-    (`plan`, `piece`), or with none (Ulysses over every rank, opts.backend the fused
-    kernel) the single-device op on them."""
+    (`plan`, and `piece` where the fused kernel runs its own pairs), or with no plan
+    (Ulysses over every rank, opts.backend the fused kernel) the single-device op on them."""
     heads, sequence = _groups(group)
     size = comm.group_size(heads)
     blocks = [lengths[t * size:(t + 1) * size] for t in range(comm.group_size(sequence))]

@@ -197,11 +197,10 @@ def kernel_scratch(config: EstimateConfig, plan: Plan = None, n: int = 0) -> Tup
         n = min(n, _window_launch_rows(config))
     if fused:
         # the launches on received keys (the fused kernel runs the local ones)
-        launches = [(l.queries.count * l.heads.rows, l.heads.q_heads.numel())
-                    for rnd in plan.rounds for t in rnd.recvs for l in t.launches]
+        source = (l for rnd in plan.rounds for t in rnd.recvs for l in t.launches)
     else:
-        launches = [(l.queries.count * l.heads.rows, l.heads.q_heads.numel())
-                    for blk in (plan.blocks if plan is not None else ()) for l in blk.forward]
+        source = (l for blk in (plan.blocks if plan is not None else ()) for l in blk.forward)
+    launches = [(l.queries.count * l.heads.rows, l.heads.q_heads.numel()) for l in source]
     rows = max((r for r, _ in launches), default=n)
     entries = max((r * h for r, h in launches), default=0 if fused else n * config.heads)
     if config.device == "cuda":
@@ -226,7 +225,7 @@ def fused_plan_bytes(config: EstimateConfig) -> int:
     one plan where their tiles agree) and in training the key tiles (dK/dV). The op caches
     them on the device (fused_plan.tile_plan), where they outlive the call; made on meta
     here, shapes only. About 24 bytes per tile of 64-128 (row, head) pairs and one int32 per
-    (row, head) of each distinct cell geometry: well under 1% of q at long sequences."""
+    (row, head) of each kind of cell geometry: well under 1% of q at long sequences."""
     u = split(config)[0]
     head_split = HeadSplit.of(u, config.heads, config.kv_heads)
     heads, kv_heads = head_split.local_heads(0), len(head_split.kv(0))
