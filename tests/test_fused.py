@@ -324,6 +324,21 @@ SHARDED = [
 ]
 
 
+def _counting(fn, ran: dict, key: str):
+    """`fn`, adding one to ran[key] per call."""
+    def run(*args, **kwargs):
+        ran[key] += 1
+        return fn(*args, **kwargs)
+    return run
+
+
+def _check_rows(got, want, lo: int, hi: int, dtype: torch.dtype, what: str) -> None:
+    """A rank's (out, lse, dq, dk, dv) against rows [lo, hi) of the whole call's reference:
+    rows on dim 1, but lse (b, h, n) on dim 2."""
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        close(g, w[:, :, lo:hi] if name == "lse" else w[:, lo:hi], dtype, f"{what} {name}")
+
+
 def _sharded(group, calls):
     """Every call on this rank's piece: out, lse and the gradients of <out, dout> + <lse,
     dlse>, and how often the fused kernels ran (dense per-launch blocks, the whole op)."""
@@ -336,16 +351,9 @@ def _sharded(group, calls):
     fused_by_default = mock.patch.dict(kernels.FUSED_BY_DEFAULT, {"cpu": (torch.float32,)})
     for call in calls:
         case, ran = call.case, {"dense": 0, "op": 0}
-
-        def counted(fn, key):
-            def run(*args, **kwargs):
-                ran[key] += 1
-                return fn(*args, **kwargs)
-            return run
-
         patches = (mock.patch.object(fused, "dense_forward",
-                                     counted(fused.dense_forward, "dense")),
-                   mock.patch.object(fused, "forward", counted(fused.forward, "op")))
+                                     _counting(fused.dense_forward, ran, "dense")),
+                   mock.patch.object(fused, "forward", _counting(fused.forward, ran, "op")))
         lo, hi = sum(call.lengths[:rank]), sum(call.lengths[:rank + 1])
         leaves, dout, dlse, mask = inputs(case)
         q, k, v = (x.detach()[:, lo:hi].requires_grad_() for x in leaves)
@@ -398,12 +406,8 @@ def test_sequence_parallel_with_the_fused_kernel(ranks, calls) -> None:
             (call, ran)
         for rank in range(ranks):
             lo, hi = sum(call.lengths[:rank]), sum(call.lengths[:rank + 1])
-            got, _ = by_rank[rank][i]
-            for what, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
-                # rows on dim 1, but lse (b, h, n) on dim 2
-                w = w[:, :, lo:hi] if what == "lse" else w[:, lo:hi]
-                close(g, w, call.case.dtype,
-                      f"{call.strategy} {call.backend} rank {rank} {what}")
+            _check_rows(by_rank[rank][i][0], want, lo, hi, call.case.dtype,
+                        f"{call.strategy} {call.backend} rank {rank}")
 
 
 MESH_LENGTHS = (6, 5, 7, 6)  # pieces s * U + u of a 2 x 2 mesh
@@ -423,13 +427,8 @@ def _on_a_mesh(group, case):
     lo, hi = sum(MESH_LENGTHS[:piece]), sum(MESH_LENGTHS[:piece + 1])
     leaves, dout, dlse, _ = inputs(case)
     q, k, v = (x.detach()[:, lo:hi].requires_grad_() for x in leaves)
-    ran, fused_forward = {"op": 0}, fused.forward
-
-    def counted(*args, **kwargs):
-        ran["op"] += 1
-        return fused_forward(*args, **kwargs)
-
-    with mock.patch.object(fused, "forward", counted):
+    ran = {"op": 0}
+    with mock.patch.object(fused, "forward", _counting(fused.forward, ran, "op")):
         out, lse = dilated_attention(q, k, v, list(case.segment_lengths),
                                      list(case.dilation_rates), is_causal=case.causal,
                                      group=mesh, return_lse=True, backend="triton")
@@ -452,9 +451,7 @@ def test_a_mesh_runs_each_ranks_own_pairs_fused() -> None:
     for piece, got, fused_calls in run_distributed(_on_a_mesh, 4, case, timeout=300):
         assert fused_calls == 1, (piece, fused_calls)
         lo, hi = sum(MESH_LENGTHS[:piece]), sum(MESH_LENGTHS[:piece + 1])
-        for what, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
-            w = w[:, :, lo:hi] if what == "lse" else w[:, lo:hi]
-            close(g, w, torch.float32, f"piece {piece} {what}")
+        _check_rows(got, want, lo, hi, torch.float32, f"piece {piece}")
 
 
 # --------------------------------------------------------------------------
