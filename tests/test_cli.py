@@ -313,7 +313,7 @@ def test_estimate_models_cuda_sizes_and_kernels(capsys, monkeypatch):
     assert [(b.hi - b.lo, b.entry_writes) for b in blocks] == [(4096, 2)] * 16
     # Working memory (beyond q, k, v and in training dout), the real code on meta tensors,
     # forward / training. The fused kernel: out, lse (and dq, dk, dv, delta) and its plan
-    # tables, 1.035 / 4.069 (the H100 measured 1.03 / 4.07). The SDPA path (what runs where
+    # tables, 1.034 / 4.067 (the H100 measured 1.03 / 4.07). The SDPA path (what runs where
     # the fused kernel is not the default), under issue 23's targets of 1.25 / 4.5: 1.18 /
     # 4.43 (131,072-row blocks held 3.13 / 10.16). The estimate is the dry run at this
     # length (one source of truth: no formula of its own).
