@@ -9,8 +9,10 @@ Every program computes one tile for one batch row (grid (tiles, batch)). A
 tile is rows ``cell + rows[row_lo : row_lo + count]`` of one head, and a
 list of spans of the other side: ``cell + start + stride * i`` for
 ``i < count`` of the span's head, key i counting 1 + #{extras: i mod period
-== phase} times (Note [fused kernel] in fused_plan.py). Scores are kept in
-base 2: s * scale * log2(e) + log2(count), so exp2 does the softmax.
+== phase} times (Note [fused kernel] in fused_plan.py). The softmax is in
+base 2, exp2(s * scale * log2(e) - m) * count: one fused multiply-add per pair
+before the exp2 (the row max m is taken over the raw products, the scale being
+positive), and the count a product after it, not a log2 added before.
 
 Notation: M rows of the tile (BLOCK_M), N elements of a span chunk (BLOCK_N),
 D the head dim padded to a power of two (BLOCK_D).
@@ -107,9 +109,9 @@ def _key_span(spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, sv
 
 
 @triton.jit
-def _log2_counts(extras, extra_lo, extra_hi, idx, EXTRAS: tl.constexpr,
-                 POW2_PERIODS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(N,) log2 of how many patterns select span elements idx: 1 + the span's extras
+def _counts(extras, extra_lo, extra_hi, idx, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """(N,) how many patterns select span elements idx (float): 1 + the span's extras
     (period, phase) with idx mod period == phase. Unrolled over the plan's most extras of
     one span (EXTRAS): a loop in the key loop would keep Triton from pipelining its loads.
     POW2_PERIODS (every period a power of two, as rates 1, 2, 4, ... give): idx mod period
@@ -127,7 +129,7 @@ def _log2_counts(extras, extra_lo, extra_hi, idx, EXTRAS: tl.constexpr,
         else:
             hit = idx % period == phase
         count += tl.where(hit, 1.0, 0.0)
-    return tl.log2(count)
+    return count
 
 
 @triton.jit
@@ -155,19 +157,20 @@ def _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL: tl.constexpr,
 
 
 @triton.jit
-def _key_scores(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
+def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
                 extra_hi, skn, svn, smn, d_ok, scale_log2, MASKED: tl.constexpr,
                 CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
                 EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys c .. c + N of a span against the tile's q rows t: k, v (N, D) and the (M, N)
-    base-2 logits with the keys' counts; MASKED: -inf where masked (causal, padding, past
-    hi), else every key is read by every row (``_unmasked_chunks``) and nothing is masked
-    (rows past the tile's are garbage there, never stored).
+    """Keys c .. c + N of a span against the tile's q rows t: k, v (N, D), the (M, N)
+    products q k (unscaled, fp32) and the (N,) keys' counts (1 without extras); MASKED:
+    -inf where masked (causal, padding, past hi), else every key is read by every row
+    (``_unmasked_chunks``) and nothing is masked (rows past the tile's are garbage there,
+    never stored).
 
     The loads are written out here, not in helpers: in the interpreter a helper call
     costs as much as ten block operations, and this runs once per chunk. The counts are
-    one helper, ``_log2_counts``, shared with the dK/dV kernel and called only for plans
-    with extras."""
+    one helper, ``_counts``, shared with the dK/dV kernel and called only for plans with
+    extras."""
     idx = c + tl.arange(0, BLOCK_N)
     u = start + idx * stride
     u64 = u.to(tl.int64)
@@ -178,10 +181,10 @@ def _key_scores(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi,
     k = tl.load(k_at + u64[:, None] * skn, mask=load_ok, other=0.0)
     v = tl.load(v_at + u64[:, None] * svn, mask=load_ok, other=0.0)
     # (M, D) x (D, N) -> (M, N)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    counts = tl.full((BLOCK_N,), 1.0, tl.float32)
     if EXTRAS > 0:
-        scores += _log2_counts(extras, extra_lo, extra_hi, idx, EXTRAS, POW2_PERIODS,
-                               BLOCK_N)[None, :]
+        counts = _counts(extras, extra_lo, extra_hi, idx, EXTRAS, POW2_PERIODS, BLOCK_N)
     if MASKED:
         valid = row_ok[:, None] & key_ok[None, :]
         if CAUSAL:
@@ -189,8 +192,8 @@ def _key_scores(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi,
         if HAS_MASK:
             ignored = tl.load(mask_at + u64 * smn, mask=key_ok, other=1)
             valid &= (ignored == 0)[None, :]
-        scores = tl.where(valid, scores, float("-inf"))
-    return k, v, scores
+        qk = tl.where(valid, qk, float("-inf"))
+    return k, v, qk, counts
 
 
 @triton.jit
@@ -199,15 +202,19 @@ def _softmax_step(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
                   PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
                   BLOCK_N: tl.constexpr):
-    """The online softmax over one chunk of keys: the new (m_i, l_i, acc)."""
-    k, v, scores = _key_scores(
+    """The online softmax over one chunk of keys: the new (m_i, l_i, acc). m_i is the row
+    max of the scaled products without the counts (a count >= 1 then multiplies a p <= 1:
+    the lse holds whatever m is)."""
+    k, v, qk, counts = _key_products(
         q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo, extra_hi,
         skn, svn, smn, d_ok, scale_log2, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
         POW2_PERIODS, BLOCK_N)
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
     # a row with no key yet keeps max -inf: shift by 0 so that exp2 gives 0, not NaN
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(scores - shift[:, None])
+    p = tl.exp2(qk * scale_log2 - shift[:, None])
+    if EXTRAS > 0:
+        p *= counts[None, :]
     alpha = tl.exp2(m_i - shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -274,12 +281,14 @@ def _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, star
              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
              EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq of the tile's rows plus one chunk of keys' share."""
-    k, v, scores = _key_scores(
+    k, v, qk, counts = _key_products(
         q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo, extra_hi,
         skn, svn, smn, d_ok, scale_log2, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
         POW2_PERIODS, BLOCK_N)
     # (M, N): the final softmax's probabilities (counts included; masked: 0)
-    p = tl.exp2(scores - lse[:, None])
+    p = tl.exp2(qk * scale_log2 - lse[:, None])
+    if EXTRAS > 0:
+        p *= counts[None, :]
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
@@ -338,8 +347,8 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
                CAUSAL: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
                POW2_PERIODS: tl.constexpr, BLOCK_N: tl.constexpr):
     """dk, dv of the tile's key rows plus one chunk of queries' share; MASKED as in
-    ``_key_scores`` (else every query of the chunk reads every key row: no mask)."""
-    # no helper calls here but the counts' (see _key_scores)
+    ``_key_products`` (else every query of the chunk reads every key row: no mask)."""
+    # no helper calls here but the counts' (see _key_products)
     idx = c + tl.arange(0, BLOCK_N)
     t = start + idx * stride
     t64 = t.to(tl.int64)
@@ -356,12 +365,11 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
         delta = tl.load(delta_at + t64 * sln)
     # a query that attends nothing: +inf, so that its p is 0
     lse = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    # (M keys, N queries), base-2 logits with the queries' counts
-    scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
+    # (M keys, N queries): the probabilities, with the queries' counts
+    qk = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+    p = tl.exp2(qk * scale_log2 - lse[None, :])
     if EXTRAS > 0:
-        scores += _log2_counts(extras, extra_lo, extra_hi, idx, EXTRAS, POW2_PERIODS,
-                               BLOCK_N)[None, :]
-    p = tl.exp2(scores - lse[None, :])
+        p *= _counts(extras, extra_lo, extra_hi, idx, EXTRAS, POW2_PERIODS, BLOCK_N)[None, :]
     if MASKED:
         valid = live[:, None] & q_ok[None, :]
         if CAUSAL:
