@@ -208,8 +208,11 @@ def run_case(impl: str, n: int, dtype: torch.dtype, backward: bool):
 CLOCK = time.perf_counter
 
 
-def time_cases(steps: Dict[str, Callable[[], None]], repeats: int) -> Dict[str, List[float]]:
-    """Seconds of `repeats` runs of each step after one warm-up each, sorted (min, ..., max).
+def time_cases(steps: Dict[str, Callable[[], None]], repeats: int,
+               min_seconds: float = 0.0) -> Dict[str, List[float]]:
+    """Seconds of the runs of each step after one warm-up each, sorted (min, ..., max): at
+    least `repeats` turns, more while the turns took under `min_seconds` (at most 1,000), so
+    that sub-millisecond steps get a median of many runs.
 
     The steps take turns (A B A B ...), so that a machine whose speed drifts
     (other jobs, clocks) slows every step alike and their ratio holds.
@@ -218,7 +221,9 @@ def time_cases(steps: Dict[str, Callable[[], None]], repeats: int) -> Dict[str, 
         step()  # warm-up
     synchronize()
     times: Dict[str, List[float]] = {name: [] for name in steps}
-    for _ in range(repeats):
+    turns, start = 0, CLOCK()
+    while turns < repeats or (CLOCK() - start < min_seconds and turns < 1000):
+        turns += 1
         for name, step in steps.items():
             t0 = CLOCK()
             step()
@@ -342,6 +347,9 @@ def main(argv=None) -> None:
                         help="skip dense SDPA above this length (it is quadratic)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--min-seconds", type=float, default=0.0,
+                        help="more turns than --repeats while a case's turns took less (at "
+                        "most 1,000): for steps of a millisecond or less")
     parser.add_argument("--memory-only", action="store_true", help="skip the timings")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -426,11 +434,12 @@ def main(argv=None) -> None:
             cells = ["-"] * 10
             if not args.memory_only:
                 t = time_cases({impl: run_case(impl, n, dtype, backward) for impl in TIMED},
-                               args.repeats)
+                               args.repeats, args.min_seconds)
                 dense = None
                 if n <= args.dense_max:
                     dense = statistics.median(time_cases(
-                        {"dense": run_case("dense_sdpa", n, dtype, backward)}, args.repeats)["dense"])
+                        {"dense": run_case("dense_sdpa", n, dtype, backward)}, args.repeats,
+                        args.min_seconds)["dense"])
                 med = {impl: statistics.median(ts) for impl, ts in t.items()}
                 row.update(dilated_s=t["dilated"], ideal_s=t["ideal"],
                            per_launch_s=t["per_launch"],

@@ -4,6 +4,8 @@
     python benchmarks/gpu_suite.py --part tests strided                         # some parts
     python benchmarks/gpu_suite.py --list                                       # parts, commands
     python benchmarks/gpu_suite.py --part bench-triton tiles --seq-lens 8192 65536 --budget 400
+    python benchmarks/gpu_suite.py --part compare --baseline bench-out/baseline/src \
+        --seq-lens 65536 1048576        # the fused kernel against another commit's
 
 Parts, each a list of commands run from the repository root (their output is
 printed as it comes and kept for the report). Measured on an H100: the
@@ -38,6 +40,13 @@ fused.TUNED_TILE_SIZES first):
   per-launch floor, working memory per length; bench-sdpa also runs the
   LongNet setting with the CUDA row blocks from before the 64K memory bound
   (131,072 rows), which says what the bound costs in time.
+- ``compare``: the fused kernel at this tree against another commit's, in one
+  call (``--baseline``: that commit's src/ folder, made here with ``git archive
+  COMMIT src | tar -x -C bench-out/baseline`` and carried to the device machine;
+  bench-out is ignored, so name it in the call's carry): bench_single_device for
+  each schedule, this tree then the baseline, so that two kernels' ratios to
+  their floors come from one machine (``62ae452`` was measured so, by hand).
+  Not in ``all``.
 - ``memory``: working memory at 64K and 1M (both backends), the longest
   sequence on the device, and ``dilated-attention estimate --device cuda``'s
   dry run for the same 64K calls.
@@ -65,7 +74,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -73,12 +82,26 @@ SEQ_LENS = ["8192", "16384", "32768", "65536", "131072", "262144", "524288", "10
 BENCH = [PY, "benchmarks/bench_single_device.py", "--device", "cuda", "--dtype", "bfloat16"]
 
 
-def bench_commands(backend: str, seq_lens: Sequence[str]) -> List[List[str]]:
-    """The backend's bench_single_device runs: both schedules, at `seq_lens`."""
+def bench_commands(backend: str, seq_lens: Sequence[str], dense_max: str = "32768",
+                   name: str = "") -> List[List[str]]:
+    """The backend's bench_single_device runs: both schedules, at `seq_lens` (at least 0.3 s
+    of turns per case: below 64K a call takes a millisecond or less)."""
     return [BENCH + ["--backend", backend, "--schedule", schedule, "--seq-lens", *seq_lens,
-                     "--repeats", "5", "--dense-max", "32768",
-                     "--json", f"bench-out/gpu_{backend}_{schedule}.json"]
+                     "--repeats", "5", "--min-seconds", "0.3", "--dense-max", dense_max,
+                     "--json", f"bench-out/gpu_{name or backend}_{schedule}.json"]
             for schedule in ("longnet", "geometric")]
+
+
+def compare_commands(baseline: Optional[str], seq_lens: Sequence[str]) -> List[List[str]]:
+    """The fused kernel at this tree and at `baseline` (another commit's src/ folder, made
+    with ``git archive COMMIT src | tar -x -C bench-out/baseline`` and carried to the device),
+    per schedule the one then the other: their ratios to the floors taken in one call."""
+    if baseline is None:
+        return [[PY, "-c", "print('compare: no --baseline given')"]]
+    runs = {"current": bench_commands("triton", seq_lens, "0", "current"),
+            "baseline": [["env", f"PYTHONPATH={Path(baseline).resolve()}"] + command
+                         for command in bench_commands("triton", seq_lens, "0", "baseline")]}
+    return [command for pair in zip(runs["current"], runs["baseline"]) for command in pair]
 
 
 def sdpa_backend() -> str:
@@ -93,8 +116,10 @@ def sdpa_backend() -> str:
     return select_backend(torch.device("cuda"), torch.bfloat16)
 
 
-def parts(seq_lens: Sequence[str] = SEQ_LENS) -> Dict[str, List[List[str]]]:
-    """Part name -> its commands, in order; the bench parts at `seq_lens`."""
+def parts(seq_lens: Sequence[str] = SEQ_LENS,
+          baseline: Optional[str] = None) -> Dict[str, List[List[str]]]:
+    """Part name -> its commands, in order; the bench parts at `seq_lens`; compare against
+    the src/ folder `baseline`."""
     sdpa = sdpa_backend()
     fused_tests = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_fused*.py"))
     estimate = [PY, "-m", "dilated_attention", "estimate", "--device", "cuda", "--dtype",
@@ -121,6 +146,7 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS) -> Dict[str, List[List[str]]]:
         "tiles": [[PY, "benchmarks/tune_tiles.py", "--head-dims", "64",
                    "--out", "bench-out/gpu_tiles.md"]],
         "bench-triton": bench_commands("triton", seq_lens),
+        "compare": compare_commands(baseline, seq_lens),
         "memory": [
             BENCH + ["--backend", backend, "--seq-lens", "65536", "1048576", "--memory-only",
                      "--json", f"bench-out/gpu_memory_{backend}.json"]
@@ -434,13 +460,18 @@ def main(argv=None) -> int:
                         "stopped, later ones are listed as not run (a device call's limit)")
     parser.add_argument("--seq-lens", nargs="+", default=SEQ_LENS, metavar="N",
                         help="the bench parts' lengths (default 8K..1M)")
+    parser.add_argument("--baseline", metavar="SRC",
+                        help="part compare: another commit's src/ folder to time the fused "
+                        "kernel against (see compare_commands)")
     parser.add_argument("--list", action="store_true", help="print the parts' commands and exit")
     parser.add_argument("--strided-check", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile-case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     # the parts in the order asked for (all: the suite's order)
-    todo = names if "all" in args.part else list(dict.fromkeys(args.part))
-    table = parts(args.seq_lens)
+    # (all: every part but compare, which needs --baseline)
+    todo = ([n for n in names if n != "compare"] if "all" in args.part
+            else list(dict.fromkeys(args.part)))
+    table = parts(args.seq_lens, args.baseline)
     if args.list:
         for name in todo:
             print(f"{name}:")

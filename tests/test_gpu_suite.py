@@ -62,3 +62,42 @@ def test_run_records_output_status_and_stops_at_the_timeout(suite):
     output, status, seconds = suite.run([sys.executable, "-c", "import time; time.sleep(30)"],
                                         timeout=1)
     assert status == 124 and "killed after 1 s" in output and seconds < 20
+
+
+def test_compare_times_this_tree_then_the_baseline_per_schedule(suite, capsys):
+    assert suite.main(["--list", "--part", "compare", "--baseline", "bench-out/base/src",
+                       "--seq-lens", "65536"]) == 0
+    commands = [line.strip() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert len(commands) == 4
+    for current, baseline, schedule in zip(commands[::2], commands[1::2],
+                                           ("longnet", "geometric")):
+        assert current.startswith("python benchmarks/bench_single_device.py")
+        # the same command, with the other commit's src/ first on the path
+        assert baseline.startswith("env PYTHONPATH=") and baseline.split(" ", 2)[1].endswith(
+            "bench-out/base/src")
+        assert baseline.split(" ", 2)[2] == current.replace("gpu_current", "gpu_baseline")
+        assert f"--schedule {schedule}" in current and "--backend triton" in current
+    # not in "all": it needs --baseline
+    assert suite.main(["--list"]) == 0
+    assert "compare:" not in capsys.readouterr().out
+
+
+def test_short_steps_get_more_turns_than_repeats():
+    """bench_single_device.time_cases: at least `repeats` turns, more while they took under
+    min_seconds (the GPU suite asks 0.3 s: a millisecond call gets a median of hundreds)."""
+    spec = importlib.util.spec_from_file_location("bench_single_device",
+                                                  SUITE.parent / "bench_single_device.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls = {"a": 0, "b": 0}
+
+    def step(name):
+        def run():
+            calls[name] += 1
+        return run
+
+    times = bench.time_cases({"a": step("a"), "b": step("b")}, repeats=3)
+    assert [len(t) for t in times.values()] == [3, 3] and calls == {"a": 4, "b": 4}
+    times = bench.time_cases({"a": step("a"), "b": step("b")}, repeats=3, min_seconds=0.05)
+    assert 3 < len(times["a"]) == len(times["b"]) <= 1000
+    assert times["a"] == sorted(times["a"])
