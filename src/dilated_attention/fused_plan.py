@@ -35,8 +35,9 @@ stride, count). Where several patterns' segments overlap, a span of the
 pattern with the smallest rate holds the keys of every pattern whose rate
 it divides (their keys are a sub-progression of its own: they share the
 class's residue), and carries those patterns as *extras* (period, phase):
-key i of the span counts 1 + #{extras with i mod period == phase} times,
-a per-key log m bias. So a key two patterns select is loaded and
+key i of the span counts 1 + #{extras with i mod period == phase} times
+(the kernels multiply its exp by that count, the same as a log m bias on
+its logit). So a key two patterns select is loaded and
 multiplied once, not twice: in the example class AB reads 3072 keys, not
 4096 (0.833 of the per-pattern work for LongNet's setting, computed by
 ``occupancy``). Rates that do not divide each other (3 and 5) get a span
