@@ -158,9 +158,9 @@ def _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL: tl.constexpr,
 
 @triton.jit
 def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                extra_hi, skn, svn, smn, d_ok, scale_log2, MASKED: tl.constexpr,
-                CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
-                EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, BLOCK_N: tl.constexpr):
+                  extra_hi, skn, svn, smn, d_ok, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                  HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
+                  POW2_PERIODS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys c .. c + N of a span against the tile's q rows t: k, v (N, D), the (M, N)
     products q k (unscaled, fp32) and the (N,) keys' counts (1 without extras); MASKED:
     -inf where masked (causal, padding, past hi), else every key is read by every row
@@ -207,8 +207,8 @@ def _softmax_step(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
     the lse holds whatever m is)."""
     k, v, qk, counts = _key_products(
         q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo, extra_hi,
-        skn, svn, smn, d_ok, scale_log2, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
-        POW2_PERIODS, BLOCK_N)
+        skn, svn, smn, d_ok, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS,
+        BLOCK_N)
     m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
     # a row with no key yet keeps max -inf: shift by 0 so that exp2 gives 0, not NaN
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -283,8 +283,8 @@ def _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, star
     """dq of the tile's rows plus one chunk of keys' share."""
     k, v, qk, counts = _key_products(
         q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo, extra_hi,
-        skn, svn, smn, d_ok, scale_log2, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
-        POW2_PERIODS, BLOCK_N)
+        skn, svn, smn, d_ok, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS,
+        BLOCK_N)
     # (M, N): the final softmax's probabilities (counts included; masked: 0)
     p = tl.exp2(qk * scale_log2 - lse[:, None])
     if EXTRAS > 0:
