@@ -241,6 +241,80 @@ def test_double_backward() -> None:
         close(g.detach().cpu(), w.detach(), case.dtype, f"d{name}")
 
 
+# (tensor, row, head, element, value): a NaN and infinities of both signs in q, k and v
+PLANTED = [("v", 5, 1, 2, math.nan), ("k", 17, 0, 1, math.inf), ("k", 30, 1, 0, -math.inf),
+           ("q", 40, 2, 3, math.nan), ("v", 44, 0, 5, math.inf)]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy, in the interpreter
+@pytest.mark.parametrize("causal,masked", [(True, False), (False, True)],
+                         ids=["causal", "padding"])
+def test_nonfinite_inputs_reach_exactly_the_rows_that_attend_them(causal, masked,
+                                                                  monkeypatch) -> None:
+    """The kernels apply docs/spec.md's non-finite rule themselves (the op reads nothing
+    back: no device sync; their variant for the rule runs where a flag on the device says
+    so). A NaN or an infinity in a k or v row gives NaN out (and, for k, NaN lse) to exactly
+    the rows that attend it, whichever sign its logit has (a -inf logit would otherwise drop
+    the key); a non-finite q row to its own row; every other row is exact. The gradients of
+    rows and keys that no such row touches are exact too: a masked pair (causal, padding,
+    past a span) carries no NaN into them."""
+    from dilated_attention import functional
+
+    def no_check(*tensors):
+        raise AssertionError("the op read its inputs for non-finite numbers")
+
+    monkeypatch.setattr(functional, "_all_finite", no_check)
+    case = Case(64, (16, 32), (1, 2), causal, h=4, hk=2, masked=masked)
+    leaves, dout, dlse, mask = inputs(case)
+    planted = {"q": leaves[0], "k": leaves[1], "v": leaves[2]}
+    with torch.no_grad():
+        for name, row, head, element, value in PLANTED:
+            planted[name][0, row, head, element] = value
+    if masked:
+        mask[0, 44] = True  # the infinite value row is ignored: it reaches no row
+    out, lse = op(case)(*leaves, mask)
+
+    counts = dilated_counts(case.n, case.h, case.segment_lengths, case.dilation_rates, causal)
+    if masked:
+        counts = counts.masked_fill(mask[0].cpu()[None, None, :], 0)
+    kv_of = torch.tensor(Heads.of(case.h, case.hk).kv_of)
+
+    def rows_reading(name):  # (n, h): the rows whose attention reads a planted `name` row
+        hits = torch.zeros(case.n, case.h, dtype=torch.bool)
+        for planted_name, row, head, _, _ in PLANTED:
+            if planted_name == name:
+                hits |= (counts[:, :, row] > 0).T & (kv_of == head)[None, :]
+        return hits
+
+    bad_q = torch.zeros(case.n, case.h, dtype=torch.bool)
+    bad_q[40, 2] = True
+    nan_lse = bad_q | rows_reading("k")
+    nan_out = nan_lse | rows_reading("v")
+    assert nan_out.any() and not nan_out.all()
+    got_out = out.detach()[0].cpu()  # (n, h, d)
+    assert torch.equal(torch.isnan(got_out).all(-1), nan_out)
+    assert torch.equal(torch.isnan(got_out).any(-1), nan_out)
+    assert torch.equal(torch.isnan(lse.detach()[0].cpu()).T, nan_lse)
+
+    # the rest against the reference on inputs whose planted rows are zeroed
+    clean = [torch.nan_to_num(x.detach(), nan=0.0, posinf=0.0, neginf=0.0).requires_grad_()
+             for x in leaves]
+    ref_leaves, ref_out, ref_lse = reference(case, clean, mask)
+    fine = ~nan_out
+    close(got_out[fine], ref_out[0][fine], case.dtype, "out")
+    close(lse.detach()[0].cpu().T[~nan_lse], ref_lse[0].T[~nan_lse], case.dtype, "lse")
+    got = grads([out, lse], [dout, dlse], leaves)
+    want = grads([ref_out, ref_lse], [dout.cpu().double(), dlse.cpu()], ref_leaves)
+    # keys (n, hk) that no NaN row attends
+    touched = torch.zeros(case.n, case.hk, dtype=torch.bool)
+    for head in range(case.h):
+        touched[:, kv_of[head]] |= (counts[head][nan_out[:, head]] > 0).any(0)
+    assert not touched.all()
+    close(got[0][0].cpu()[fine], want[0][0][fine], case.dtype, "dq")
+    for name, g, w in zip("kv", got[1:], want[1:]):
+        close(g[0].cpu()[~touched], w[0][~touched], case.dtype, f"d{name}")
+
+
 PIECES = [  # (case, first row, rows of the piece)
     (Case(64, (16, 32, 64), (1, 2, 4), True, b=2), 20, 30),
     (Case(80, (8, 32), (1, 2), True, h=2, hk=1, cu_seqlens=(0, 20, 20, 57, 80), masked=True),

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from . import fused, launches
-from .kernels import KernelOptions, lse_dtype, save_for_backward, saved_for_backward
+from .kernels import (KernelOptions, any_nonfinite, lse_dtype, save_for_backward,
+                      saved_for_backward)
 from .patterns import Heads, Patterns
 from .layout import Documents, Layout
 from .plan import Plan, make_plan
@@ -47,27 +48,39 @@ def local_plan(q: Tensor, k: Tensor, patterns: Patterns, causal: bool, heads: Op
 def forward_flat(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int],
                  dilation_rates: List[int], causal: bool, scale: float, backend: str,
                  dropout_p: float, seed: int, first_head: int, kv_of: List[int],
-                 cu_seqlens: Optional[List[int]], key_mask: Optional[Tensor]
-                 ) -> Tuple[Tensor, Tensor]:
+                 cu_seqlens: Optional[List[int]], key_mask: Optional[Tensor],
+                 nonfinite_rule: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """The single-device forward: q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse
-    (b, n, h) fp32; the call flattened to custom-op argument types (key_mask (b, n) bool, True =
-    ignore that key; cu_seqlens: documents, each an independent sequence)."""
+    (b, n, h) fp32, and a 0-d bool for the backward; the call flattened to custom-op argument
+    types (key_mask (b, n) bool, True = ignore that key; cu_seqlens: documents, each an
+    independent sequence). nonfinite_rule: the fused kernels apply docs/spec.md's non-finite
+    rule (the caller checked nothing); the bool is then whether q, k or v holds a NaN or an
+    infinity (kernels.any_nonfinite, left on the device), else unset and unread."""
     patterns, opts, heads, documents = _unflatten(segment_lengths, dilation_rates, causal, scale,
                                                   backend, dropout_p, seed, first_head, kv_of,
                                                   cu_seqlens)
+    if opts.backend == "triton" and nonfinite_rule:
+        nonfinite = any_nonfinite(q, k, v)
+    else:
+        nonfinite = torch.empty((), dtype=torch.bool, device=q.device)
     if opts.backend == "triton":
-        return fused.forward(q, k, v, patterns, causal=causal, scale=scale, heads=heads,
-                             documents=documents, key_mask=key_mask)
-    plan = local_plan(q, k, patterns, causal, heads, documents)
-    return launches.forward(q, k, v, plan, opts, key_mask=key_mask)
+        out, lse = fused.forward(q, k, v, patterns, causal=causal, scale=scale, heads=heads,
+                                 documents=documents, key_mask=key_mask,
+                                 nonfinite=nonfinite if nonfinite_rule else None)
+    else:
+        out, lse = launches.forward(q, k, v, local_plan(q, k, patterns, causal, heads, documents),
+                                    opts, key_mask=key_mask)
+    return out, lse, nonfinite
 
 
 def backward_flat(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  dlse: Optional[Tensor], segment_lengths: List[int], dilation_rates: List[int],
-                  causal: bool, scale: float, backend: str, dropout_p: float, seed: int,
-                  first_head: int, kv_of: List[int], cu_seqlens: Optional[List[int]],
-                  key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients of `forward_flat`, given its final out (b, n, h, d) and lse (b, n, h)."""
+                  dlse: Optional[Tensor], nonfinite: Tensor, segment_lengths: List[int],
+                  dilation_rates: List[int], causal: bool, scale: float, backend: str,
+                  dropout_p: float, seed: int, first_head: int, kv_of: List[int],
+                  cu_seqlens: Optional[List[int]], key_mask: Optional[Tensor],
+                  nonfinite_rule: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `forward_flat`, given its final out (b, n, h, d), lse (b, n, h) and
+    nonfinite flag."""
     patterns, opts, heads, documents = _unflatten(segment_lengths, dilation_rates, causal, scale,
                                                   backend, dropout_p, seed, first_head, kv_of,
                                                   cu_seqlens)
@@ -77,7 +90,8 @@ def backward_flat(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         x is not None and x.requires_grad for x in (dout, q, k, v, out, lse, dlse))
     if opts.backend == "triton" and not recorded:
         return fused.backward(dout, q, k, v, out, lse, dlse, patterns, causal=causal,
-                              scale=scale, heads=heads, documents=documents, key_mask=key_mask)
+                              scale=scale, heads=heads, documents=documents, key_mask=key_mask,
+                              nonfinite=nonfinite if nonfinite_rule else None)
     plan = local_plan(q, k, patterns, causal, heads, documents)
     return launches.backward(dout, q, k, v, out, lse, plan, opts, dlse=dlse, key_mask=key_mask)
 
@@ -98,7 +112,8 @@ def _unflatten(segment_lengths, dilation_rates, causal, scale, backend, dropout_
 
 @_forward_op.register_fake
 def _forward_shapes(q, k, v, *args):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
+    return (torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype)),
+            q.new_empty((), dtype=torch.bool))
 
 
 @_backward_op.register_fake
@@ -109,19 +124,20 @@ def _backward_shapes(dout, q, k, v, *args):
 def _setup_context(ctx, inputs, output) -> None:
     # not materialising gradients matters: a zeros dlse would cost every backward launch
     # the lse-gradient padding (kernels.attention_backward)
-    save_for_backward(ctx, *inputs[:3], output, inputs[3:])
+    out, lse, nonfinite = output
+    save_for_backward(ctx, *inputs[:3], (out, lse), inputs[3:], nonfinite)
 
 
-def _backward(ctx, dout, dlse):
-    dout, q, k, v, out, lse = saved_for_backward(ctx, dout)
+def _backward(ctx, dout, dlse, _):
+    dout, q, k, v, out, lse, nonfinite = saved_for_backward(ctx, dout)
     if torch.is_grad_enabled():
         # create_graph=True (double backward): the backward op has no derivative, so run
         # its Python code, which autograd records (its launches then use the blockwise
         # kernel, built from differentiable ops; kernels.attention_backward). out and lse keep
         # their own graph through this op, so the second derivative is exact.
-        dq, dk, dv = backward_flat(dout, q, k, v, out, lse, dlse, *ctx.args)
+        dq, dk, dv = backward_flat(dout, q, k, v, out, lse, dlse, nonfinite, *ctx.args)
     else:
-        dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, *ctx.args)
+        dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, nonfinite, *ctx.args)
     return (dq, dk, dv) + (None,) * len(ctx.args)
 
 
@@ -131,13 +147,17 @@ torch.library.register_autograd("dilated_attention::forward", _backward,
 
 def dilated_attention_local(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns,
                             opts: KernelOptions, *, heads: Optional[Heads] = None,
-                            documents: Documents = None,
-                            key_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                            documents: Documents = None, key_mask: Optional[Tensor] = None,
+                            nonfinite_rule: bool = False) -> Tuple[Tensor, Tensor]:
     """The single-device op, differentiable: out (b, n, h, d), lse (b, n, h) fp32.
 
-    The call is already validated (``functional.dilated_attention``).
+    The call is already validated (``functional.dilated_attention``), and its non-finite
+    rows replaced (``functional._nonfinite_keys``) unless `nonfinite_rule`: then the fused
+    kernels apply the rule themselves (other backends ignore it).
     """
     heads = heads or Heads.of(q.shape[2], k.shape[2])
-    return _forward_op(q, k, v, list(patterns[0]), list(patterns[1]), opts.causal, opts.scale,
-                       opts.backend, opts.dropout_p, opts.seed, heads.first, list(heads.kv_of),
-                       None if documents is None else list(documents), key_mask)
+    out, lse, _ = _forward_op(q, k, v, list(patterns[0]), list(patterns[1]), opts.causal,
+                              opts.scale, opts.backend, opts.dropout_p, opts.seed, heads.first,
+                              list(heads.kv_of), None if documents is None else list(documents),
+                              key_mask, nonfinite_rule)
+    return out, lse

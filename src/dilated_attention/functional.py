@@ -44,7 +44,7 @@ from .distributed.ring import RingAttentionFunction
 from .distributed.sequence_parallel import sequence_parallel_dilated_attention
 from .distributed.sharding import check_layout, check_piece_lengths
 from .distributed.ulysses import ulysses_attention
-from .kernels import KernelOptions, lse_dtype, select_backend
+from .kernels import KernelOptions, any_nonfinite, lse_dtype, select_backend
 from .patterns import Heads, Patterns
 from .layout import Documents, Layout, unread_rows
 from .window import window_attention_local
@@ -79,40 +79,35 @@ def _tensor_config(q: Tensor, k: Tensor, v: Tensor, key_padding_mask, *,
     check.check_no_transform(q, k, v)
     mask = check.check_key_padding_mask(key_padding_mask, q)
     b, n, h, d = q.shape
-    # data-dependent facts cannot be read while torch.compile traces (nor on meta tensors):
-    # there a mask counts as masking, and keys as finite
-    inspect = q.device.type != "meta" and not torch.compiler.is_compiling()
     return {
         "dtype": q.dtype, "device_type": q.device.type, "batch": b, "heads": h,
         "kv_heads": k.shape[2], "head_dim": d,
         # autograd: every rank runs the backward collectives, or none does
         "requires_grad": torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
         "key_padding_mask": mask is not None,
-        # this rank's own (per_rank): its length, whether its mask ignores any key, and
-        # whether a key or value row holds a non-finite number (see _nonfinite_keys)
+        # this rank's own (per_rank): its length, whether its mask ignores any key (and
+        # "nonfinite", which the caller adds)
         "n": n,
-        "masked_keys": mask is not None and (not inspect or bool(mask.any())),
-        "nonfinite": inspect and not _all_finite(q, k, v),
+        "masked_keys": mask is not None and (not _inspects(q) or bool(mask.any())),
     }
+
+
+def _inspects(q: Tensor) -> bool:
+    """Whether the call may read data-dependent facts: not while torch.compile traces (nor on
+    meta tensors), where a mask counts as masking and keys as finite."""
+    return q.device.type != "meta" and not torch.compiler.is_compiling()
 
 
 _PER_RANK = ("n", "masked_keys", "nonfinite")
 
 
 def _all_finite(*tensors: Tensor) -> bool:
-    """No NaN or infinity in any of `tensors` (one dtype and device), by one sum each: a NaN
-    or an infinity makes it non-finite.
-
-    A sum is the cheapest full read (1.6x faster than aminmax on CPU, measured at
-    16K x 12 x 64 fp32, one thread: 9.5 against 15 ms; the op reads q, k and v so on
-    every call). The sums are read back once: on a GPU each read is a device sync (three
-    per call before, seen in an H100 profile). A sum of finite entries that overflows
-    (entries near the dtype's largest) also says non-finite: the call then takes the
-    exact path for non-finite rows (``_nonfinite_keys``), which finds none and gives the
-    same result, slower.
-    """
-    sums = [x.sum(dtype=lse_dtype(x.dtype)) for x in tensors if x.numel()]
-    return not sums or bool(torch.isfinite(torch.stack(sums)).all())
+    """No NaN or infinity in any of `tensors` (``kernels.any_nonfinite``), read back: on a
+    GPU a device sync (once per call; three before, seen in an H100 profile). A sum of
+    finite entries that overflows also says non-finite: the call then takes the exact path
+    for non-finite rows (``_nonfinite_keys``), which finds none and gives the same result,
+    slower."""
+    return not bool(any_nonfinite(*tensors))
 
 
 def _bad_keys(k: Tensor, v: Tensor) -> Tensor:
@@ -275,6 +270,12 @@ def dilated_attention(
         kernel = functools.partial(select_backend, q.device, q.dtype, dropout_p=p,
                                    backend=backend, masked=tensors["key_padding_mask"],
                                    head_dim=q.shape[-1])
+        whole_op_backend = kernel(whole_op=True)
+        # whether a q, k or v row holds a non-finite number (this rank's own; see
+        # _nonfinite_keys). Not read back where one device runs the fused kernels: they
+        # apply the rule themselves, from a flag left on the device (no sync)
+        tensors["nonfinite"] = (_inspects(q) and (distributed or whole_op_backend != "triton")
+                                and not _all_finite(q, k, v))
         return {
             **tensors,
             "segment_lengths": segs,
@@ -294,7 +295,7 @@ def dilated_attention(
             # rank's heads over all rows of its block: auto may pick the fused kernel
             # there, which then runs the exchange's own pairs too); this rank's dropout seed
             "backend": kernel(),
-            "whole_op_backend": kernel(whole_op=True),
+            "whole_op_backend": whole_op_backend,
             "seed": dropout_seed(p),
         }
 
@@ -320,9 +321,11 @@ def dilated_attention(
                 q, k, v, patterns, opts, group, lengths, heads=heads, documents=documents,
                 key_mask=mask, layout=Layout.named(layout, lengths),
                 fused_pairs=call["whole_op_backend"] == "triton")
+        # one device checked nothing (the config's "nonfinite"): the fused kernels apply the
+        # rule; Ulysses ranks replaced their non-finite rows (_attend)
         return dilated_attention_local(
             q, k, v, patterns, dataclasses.replace(opts, backend=call["whole_op_backend"]),
-            heads=heads, documents=documents, key_mask=mask)
+            heads=heads, documents=documents, key_mask=mask, nonfinite_rule=not distributed)
 
     run = functools.partial(route.run, lengths=lengths, opts=opts, sequence=sequence)
     out, lse = _attend(run, q, k, v, key_padding_mask, infos)
@@ -438,6 +441,7 @@ def ring_attention(
 
     def config() -> Dict[str, Any]:
         tensors = _tensor_config(q, k, v, key_padding_mask, allow_empty=distributed)
+        tensors["nonfinite"] = _inspects(q) and not _all_finite(q, k, v)
         causal = check.check_bool("is_causal", is_causal)
         return {
             **tensors,

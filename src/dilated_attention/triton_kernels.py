@@ -14,6 +14,21 @@ base 2, exp2(s * scale * log2(e) - m) * count: one fused multiply-add per pair
 before the exp2 (the row max m is taken over the raw products, the scale being
 positive), and the count a product after it, not a log2 added before.
 
+Non-finite inputs (docs/spec.md, "Non-finite inputs"): each kernel has a
+second variant (NONFINITE) that applies the rule itself, launched after the
+plain one over the same tiles; its programs return at once unless the flag
+AnyBad (the op's device-side check of q, k and v: no sync) is set, and then
+overwrite what the plain one wrote. In it a key row whose k holds a NaN or an
+infinity gets a NaN logit, so a query attending it gets a NaN out and lse
+whatever the signs (a -inf logit would otherwise drop the key); a non-finite
+value row reaches the out of every query attending it through the products,
+and an out that is not finite becomes NaN. Where a chunk is masked (causal,
+padding, past the span) a query multiplies by rows it does not attend: there
+non-finite k, v (forward, dq) and q, dout (dK/dV) elements read as 0, the
+forward marks the value rows it zeroed for the queries that do attend them,
+and dK/dV keeps a masked pair's ds at 0. So no NaN reaches a query, or a
+gradient, through a pair it does not attend.
+
 Notation: M rows of the tile (BLOCK_M), N elements of a span chunk (BLOCK_N),
 D the head dim padded to a power of two (BLOCK_D).
 """
@@ -90,6 +105,18 @@ def _row_values(ptr, b, t, ok, head, sb, sn, sh):
 
 
 @triton.jit
+def _finite(x):
+    """Which elements of x are finite (a NaN compares false)."""
+    return tl.abs(x.to(tl.float32)) < float("inf")
+
+
+@triton.jit
+def _nonfinite_rows(x):
+    """(R,) int32 of an (R, C) block: 1 where the row holds a NaN or an infinity."""
+    return tl.max(tl.where(_finite(x), 0, 1), 1)
+
+
+@triton.jit
 def _rows_at(ptr, b, head, sb, sh, sd, BLOCK_D: tl.constexpr):
     """(1, D) pointers to x[b, 0, head, :]: add row * stride_n for a row's elements."""
     return (ptr + b.to(tl.int64) * sb + head.to(tl.int64) * sh
@@ -160,12 +187,15 @@ def _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL: tl.constexpr,
 def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
                   extra_hi, skn, svn, smn, d_ok, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                   HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
-                  POW2_PERIODS: tl.constexpr, BLOCK_N: tl.constexpr):
+                  POW2_PERIODS: tl.constexpr, SANITIZE: tl.constexpr, KEY_BIAS: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
     """Keys c .. c + N of a span against the tile's q rows t: k, v (N, D), the (M, N)
-    products q k (unscaled, fp32) and the (N,) keys' counts (1 without extras); MASKED:
-    -inf where masked (causal, padding, past hi), else every key is read by every row
-    (``_unmasked_chunks``) and nothing is masked (rows past the tile's are garbage there,
-    never stored).
+    products q k (unscaled, fp32), the (N,) keys' counts (1 without extras) and (N,) 1 for
+    the value rows read as 0 (else 0); MASKED: -inf where masked (causal, padding, past hi),
+    else every key is read by every row (``_unmasked_chunks``) and nothing is masked (rows
+    past the tile's are garbage there, never stored). The non-finite rule (module
+    docstring): SANITIZE, a masked chunk's non-finite k and v elements read as 0; KEY_BIAS,
+    NaN products for a non-finite k row.
 
     The loads are written out here, not in helpers: in the interpreter a helper call
     costs as much as ten block operations, and this runs once per chunk. The counts are
@@ -180,8 +210,18 @@ def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
         load_ok = key_ok[:, None] & d_ok
     k = tl.load(k_at + u64[:, None] * skn, mask=load_ok, other=0.0)
     v = tl.load(v_at + u64[:, None] * svn, mask=load_ok, other=0.0)
+    v_bad = tl.zeros((BLOCK_N,), tl.int32)
+    if KEY_BIAS:
+        k_bias = tl.where(_nonfinite_rows(k) > 0, float("nan"), 0.0)
+    if MASKED and SANITIZE:
+        k = tl.where(_finite(k), k, 0.0)
+        v_ok = _finite(v)
+        v_bad = tl.max(tl.where(v_ok, 0, 1), 1)
+        v = tl.where(v_ok, v, 0.0)
     # (M, D) x (D, N) -> (M, N)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if KEY_BIAS:
+        qk += k_bias[None, :]
     counts = tl.full((BLOCK_N,), 1.0, tl.float32)
     if EXTRAS > 0:
         counts = _counts(extras, extra_lo, extra_hi, idx, EXTRAS, POW2_PERIODS, BLOCK_N)
@@ -193,22 +233,27 @@ def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
             ignored = tl.load(mask_at + u64 * smn, mask=key_ok, other=1)
             valid &= (ignored == 0)[None, :]
         qk = tl.where(valid, qk, float("-inf"))
-    return k, v, qk, counts
+    return k, v, qk, counts, v_bad
 
 
 @triton.jit
 def _softmax_step(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                  extra_hi, skn, svn, smn, d_ok, scale_log2, m_i, l_i, acc,
+                  extra_hi, skn, svn, smn, d_ok, scale_log2, m_i, l_i, acc, hit,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
                   PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """The online softmax over one chunk of keys: the new (m_i, l_i, acc). m_i is the row
-    max of the scaled products without the counts (a count >= 1 then multiplies a p <= 1:
-    the lse holds whatever m is)."""
-    k, v, qk, counts = _key_products(
+                  NONFINITE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online softmax over one chunk of keys: the new (m_i, l_i, acc, hit). m_i is the
+    row max of the scaled products without the counts (a count >= 1 then multiplies a p <= 1:
+    the lse holds whatever m is); hit marks the rows that attend a value row read as 0
+    (NONFINITE)."""
+    k, v, qk, counts, v_bad = _key_products(
         q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo, extra_hi,
         skn, svn, smn, d_ok, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS,
-        BLOCK_N)
+        NONFINITE, NONFINITE, BLOCK_N)
+    if MASKED and NONFINITE:
+        # the attended pairs are the unmasked products (a NaN compares unequal too)
+        attends = (qk != float("-inf")) & (v_bad[None, :] > 0)
+        hit = tl.maximum(hit, tl.max(tl.where(attends, 1, 0), 1))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
     # a row with no key yet keeps max -inf: shift by 0 so that exp2 gives 0, not NaN
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -218,27 +263,32 @@ def _softmax_step(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
     alpha = tl.exp2(m_i - shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-    return m_new, l_i, acc
+    return m_new, l_i, acc, hit
 
 
 @triton.jit
 def fused_forward(
-    Q, K, V, Out, Lse, Mask, tiles, rows, spans, extras,
+    Q, K, V, Out, Lse, Mask, AnyBad, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, slb, sln, slh, smb, smn, smh,
     head_dim, scale_log2,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
-    POW2_PERIODS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    POW2_PERIODS: tl.constexpr, NONFINITE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """out, lse of one query tile: the online softmax over its spans' keys, each span's
-    whole unmasked chunks first, then the masked rest."""
+    whole unmasked chunks first, then the masked rest. NONFINITE: the variant that applies
+    the non-finite rule, where AnyBad is set (module docstring)."""
+    if NONFINITE:
+        if tl.load(AnyBad) == 0:
+            return
     b, head, span_lo, span_hi, cell, t, row_ok, first, last = _program(tiles, rows, BLOCK_M)
     q = _load_rows(Q, b, t, row_ok, head, sqb, sqn, sqh, sqd, head_dim, BLOCK_D)
     d_ok = tl.arange(0, BLOCK_D)[None, :] < head_dim
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    hit = tl.zeros((BLOCK_M,), tl.int32)
     for s in range(span_lo, span_hi):
         start, stride, lo, hi, extra_lo, extra_hi, k_at, v_at, mask_at = _key_span(
             spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, svh, svd, smb,
@@ -250,21 +300,28 @@ def fused_forward(
             _, full_hi = _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL, False,
                                           BLOCK_N)
             for c in range(lo, full_hi, BLOCK_N):
-                m_i, l_i, acc = _softmax_step(
+                m_i, l_i, acc, hit = _softmax_step(
                     q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                    extra_hi, skn, svn, smn, d_ok, scale_log2, m_i, l_i, acc, False, CAUSAL,
-                    HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, BLOCK_N)
+                    extra_hi, skn, svn, smn, d_ok, scale_log2, m_i, l_i, acc, hit, False,
+                    CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, NONFINITE, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
-            m_i, l_i, acc = _softmax_step(
+            m_i, l_i, acc, hit = _softmax_step(
                 q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                extra_hi, skn, svn, smn, d_ok, scale_log2, m_i, l_i, acc, True, CAUSAL,
-                HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, BLOCK_N)
+                extra_hi, skn, svn, smn, d_ok, scale_log2, m_i, l_i, acc, hit, True, CAUSAL,
+                HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, NONFINITE, BLOCK_N)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    _store_rows(Out, out, b, t, row_ok, head, sob, son, soh, sod, head_dim, BLOCK_D)
     # natural log: (m + log2 l) * ln 2; a row that attends nothing: -inf
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
+    if NONFINITE:
+        # NaN for a non-finite q row (its own) or one that attends a non-finite k (l is
+        # NaN); the out too where it attends a non-finite v (hit, else the products)
+        bad_lse = (_nonfinite_rows(q) > 0) | (l_i != l_i)
+        bad_out = bad_lse | (hit > 0) | (_nonfinite_rows(out) > 0)
+        out = tl.where(bad_out[:, None], float("nan"), out)
+        lse = tl.where(bad_lse, float("nan"), lse)
+    _store_rows(Out, out, b, t, row_ok, head, sob, son, soh, sod, head_dim, BLOCK_D)
     tl.store(Lse + b.to(tl.int64) * slb + t.to(tl.int64) * sln + head.to(tl.int64) * slh, lse,
              mask=row_ok)
 
@@ -279,12 +336,15 @@ def _lse_log2(lse):
 def _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, start, stride, c,
              hi, extra_lo, extra_hi, skn, svn, smn, d_ok, scale_log2, MASKED: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
-             EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dq of the tile's rows plus one chunk of keys' share."""
-    k, v, qk, counts = _key_products(
+             EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, NONFINITE: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    """dq of the tile's rows plus one chunk of keys' share. NONFINITE: a masked chunk's
+    non-finite k, v elements read as 0 (a row attending one has a NaN lse or delta already,
+    so its dq is NaN; one that does not gets p = 0 times finite numbers)."""
+    k, v, qk, counts, _ = _key_products(
         q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo, extra_hi,
         skn, svn, smn, d_ok, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS,
-        BLOCK_N)
+        NONFINITE, False, BLOCK_N)
     # (M, N): the final softmax's probabilities (counts included; masked: 0)
     p = tl.exp2(qk * scale_log2 - lse[:, None])
     if EXTRAS > 0:
@@ -296,19 +356,24 @@ def _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, star
 
 @triton.jit
 def fused_dq(
-    Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, tiles, rows, spans, extras,
+    Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, AnyBad, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh,
     sdqb, sdqn, sdqh, sdqd, smb, smn, smh,
     head_dim, scale_log2, scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DLSE: tl.constexpr,
     PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NONFINITE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """dq of one query tile, and delta = rowsum(dout * out) - dlse of its rows (the
-    dK/dV kernel reads it: the query tiles cover every (row, head) once).
+    dK/dV kernel reads it: the query tiles cover every (row, head) once). NONFINITE: the
+    variant for AnyBad (module docstring).
 
     Delta has lse's strides."""
+    if NONFINITE:
+        if tl.load(AnyBad) == 0:
+            return
     b, head, span_lo, span_hi, cell, t, row_ok, first, last = _program(tiles, rows, BLOCK_M)
     q = _load_rows(Q, b, t, row_ok, head, sqb, sqn, sqh, sqd, head_dim, BLOCK_D)
     do = _load_rows(dOut, b, t, row_ok, head, sdob, sdon, sdoh, sdod, head_dim, BLOCK_D)
@@ -333,11 +398,12 @@ def fused_dq(
                 dq = _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras,
                               start, stride, c, hi, extra_lo, extra_hi, skn, svn, smn, d_ok,
                               scale_log2, False, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
-                              POW2_PERIODS, BLOCK_N)
+                              POW2_PERIODS, NONFINITE, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             dq = _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, start,
                           stride, c, hi, extra_lo, extra_hi, skn, svn, smn, d_ok, scale_log2,
-                          True, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, BLOCK_N)
+                          True, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, NONFINITE,
+                          BLOCK_N)
     _store_rows(dQ, dq * scale, b, t, row_ok, head, sdqb, sdqn, sdqh, sdqd, head_dim, BLOCK_D)
 
 
@@ -345,9 +411,11 @@ def fused_dq(
 def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, start, stride, c,
                hi, extra_lo, extra_hi, sqn, sdon, sln, d_ok, scale_log2, MASKED: tl.constexpr,
                CAUSAL: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
-               POW2_PERIODS: tl.constexpr, BLOCK_N: tl.constexpr):
+               POW2_PERIODS: tl.constexpr, NONFINITE: tl.constexpr, BLOCK_N: tl.constexpr):
     """dk, dv of the tile's key rows plus one chunk of queries' share; MASKED as in
-    ``_key_products`` (else every query of the chunk reads every key row: no mask)."""
+    ``_key_products`` (else every query of the chunk reads every key row: no mask).
+    NONFINITE: in a masked chunk non-finite q, dout elements read as 0 and a masked pair's
+    ds is 0 (its query's lse or delta may be NaN)."""
     # no helper calls here but the counts' (see _key_products)
     idx = c + tl.arange(0, BLOCK_N)
     t = start + idx * stride
@@ -358,6 +426,9 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
         do = tl.load(do_at + t64[:, None] * sdon, mask=q_ok[:, None] & d_ok, other=0.0)
         lse = tl.load(lse_at + t64 * sln, mask=q_ok, other=0.0)
         delta = tl.load(delta_at + t64 * sln, mask=q_ok, other=0.0)
+        if NONFINITE:
+            q = tl.where(_finite(q), q, 0.0)
+            do = tl.where(_finite(do), do, 0.0)
     else:
         q = tl.load(q_at + t64[:, None] * sqn, mask=d_ok, other=0.0)
         do = tl.load(do_at + t64[:, None] * sdon, mask=d_ok, other=0.0)
@@ -378,27 +449,32 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
     dv = tl.dot(p.to(do.dtype), do, dv, input_precision=PRECISION)
     dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     ds = p * (dp - delta[None, :])
+    if MASKED and NONFINITE:
+        ds = tl.where(valid, ds, 0.0)
     dk = tl.dot(ds.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
 
 @triton.jit
 def fused_dkdv(
-    Q, K, V, dOut, Lse, Delta, dK, dV, Mask, tiles, rows, spans, extras,
+    Q, K, V, dOut, Lse, Delta, dK, dV, Mask, AnyBad, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sdob, sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd,
     sdvb, sdvn, sdvh, sdvd, smb, smn, smh,
     head_dim, scale_log2, scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
-    POW2_PERIODS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    POW2_PERIODS: tl.constexpr, NONFINITE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dK, dV of one key tile (rows of one key/value head): over the spans of query rows
     that read them, for every query head of its GQA group; written once. Per span the
     masked chunks (causal: the first ones, queries before the tile's last row; the last,
     partial one) and the unmasked ones between them.
 
-    Delta has lse's strides."""
+    NONFINITE: the variant for AnyBad (module docstring). Delta has lse's strides."""
+    if NONFINITE:
+        if tl.load(AnyBad) == 0:
+            return
     b, kv, span_lo, span_hi, cell, u, row_ok, first, last = _program(tiles, rows, BLOCK_M)
     k = _load_rows(K, b, u, row_ok, kv, skb, skn, skh, skd, head_dim, BLOCK_D)
     v = _load_rows(V, b, u, row_ok, kv, svb, svn, svh, svd, head_dim, BLOCK_D)
@@ -427,16 +503,16 @@ def fused_dkdv(
                     dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at,
                                         extras, start, stride, c, hi, extra_lo, extra_hi, sqn,
                                         sdon, sln, d_ok, scale_log2, True, CAUSAL, PRECISION,
-                                        EXTRAS, POW2_PERIODS, BLOCK_N)
+                                        EXTRAS, POW2_PERIODS, NONFINITE, BLOCK_N)
             for c in range(full_lo, full_hi, BLOCK_N):
                 dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at,
                                     extras, start, stride, c, hi, extra_lo, extra_hi, sqn,
                                     sdon, sln, d_ok, scale_log2, False, CAUSAL, PRECISION,
-                                    EXTRAS, POW2_PERIODS, BLOCK_N)
+                                    EXTRAS, POW2_PERIODS, NONFINITE, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras,
                                 start, stride, c, hi, extra_lo, extra_hi, sqn, sdon, sln, d_ok,
                                 scale_log2, True, CAUSAL, PRECISION, EXTRAS, POW2_PERIODS,
-                                BLOCK_N)
+                                NONFINITE, BLOCK_N)
     _store_rows(dK, dk * scale, b, u, row_ok, kv, sdkb, sdkn, sdkh, sdkd, head_dim, BLOCK_D)
     _store_rows(dV, dv, b, u, row_ok, kv, sdvb, sdvn, sdvh, sdvd, head_dim, BLOCK_D)
