@@ -10,7 +10,10 @@ q, k, v are read in place through their strides (no copy, whatever their
 layout); out, lse, dq, dk, dv are written once each, with no zero fill. The
 backward runs two kernels: dq over the query tiles (it also stores delta =
 rowsum(dout * out) - dlse, one fp32 per (row, head)), then dK/dV over the
-key tiles, which reads delta.
+key tiles, which reads delta. With a `nonfinite` flag (the single-device op)
+each kernel is launched again in its variant for the non-finite rule, which
+does nothing unless the flag is set, and then writes everything a second time
+(triton_kernels' module docstring).
 
 Notation: b batch, n rows (m key rows), h query heads, hk key/value heads,
 d head dim; layout (b, n, h, d); lse and delta (b, n, h) float32.
