@@ -160,6 +160,12 @@ def _head_block(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
+def _variants(nonfinite: Optional[Tensor]) -> Tuple[bool, ...]:
+    """The NONFINITE values to launch each kernel with: the plain kernel, then (with a
+    `nonfinite` flag) its variant for the non-finite rule."""
+    return (False, True) if nonfinite is not None else (False,)
+
+
 def _mask_arg(mask: Optional[Tensor], fallback: Tensor) -> Tuple[Tensor, Tuple[int, int, int]]:
     """A key padding mask (b, m, hk) as the kernels read it (bytes, its strides), or a
     placeholder pointer with zero strides."""
@@ -258,7 +264,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
     mask, mask_strides = _mask_arg(mask, lse)
     # a plan has a tile for every (row, head): none only for an empty sequence; the rule's
     # variant after the plain one, over the same tiles (it overwrites them where it runs)
-    for rule in (False, True) if nonfinite is not None else (False,):
+    for rule in _variants(nonfinite):
         kernels.fused_forward[(plan.tiles.shape[0], b)](
             q, k, v, out, lse, mask, nonfinite if rule else lse, plan.tiles, plan.rows,
             plan.spans, plan.extras,
@@ -298,7 +304,7 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
                  BLOCK_D=_head_block(d), num_stages=sizes.num_stages)
     # each kernel, then its variant for the non-finite rule (module docstring of
     # triton_kernels): dq's writes delta again, the same numbers, before dK/dV's reads it
-    for rule in (False, True) if nonfinite is not None else (False,):
+    for rule in _variants(nonfinite):
         any_bad = nonfinite if rule else lse
         if queries.tiles.shape[0]:
             kernels.fused_dq[(queries.tiles.shape[0], b)](

@@ -76,12 +76,13 @@ _INTERPRETER_PROBLEM = _interpreter_problem(installed_release("triton"),
 
 # The dtypes for which backend="auto" runs a whole dilated op on one device (a single-device
 # call, or a Ulysses rank's heads over all rows) with the fused Triton kernel (fused.py:
-# every pattern in one pass), per device; and a sequence-parallel rank's own pairs. CUDA: fp16/bf16, measured on an
-# H100 faster than the SDPA path at every length from 8K to 1M tokens, LongNet's setting and
-# the geometric schedule, forward and forward + backward (BENCHMARKS.md, "One H100"); fp32
-# (TF32 or full-precision products) is not measured there. The exchange's launches on
-# received keys keep the SDPA kernels: as a plain attention kernel the fused one is slower than
-# cuDNN's. On CPU the interpreter is a test vehicle, never the fast path.
+# every pattern in one pass), per device; and a sequence-parallel rank's own pairs. CUDA:
+# fp16/bf16, measured on an H100 faster than the SDPA path at every length from 8K to 1M
+# tokens, LongNet's setting and the geometric schedule, forward and forward + backward
+# (BENCHMARKS.md, "One H100"); fp32 (TF32 or full-precision products) is not measured there.
+# The exchange's launches on received keys keep the SDPA kernels: as a plain attention kernel
+# the fused one is slower than cuDNN's. On CPU the interpreter is a test vehicle, never the
+# fast path.
 FUSED_BY_DEFAULT: Dict[str, Tuple[torch.dtype, ...]] = {
     "cpu": (), "cuda": (torch.float16, torch.bfloat16)}
 
