@@ -51,7 +51,8 @@ fused.TUNED_TILE_SIZES first):
   sequence on the device, and ``dilated-attention estimate --device cuda``'s
   dry run for the same 64K calls.
 - ``profile``: torch.profiler tables (CUDA kernels by time) of one 1M-token
-  call, forward and forward + backward, per backend.
+  call, forward and forward + backward, per backend; then where a short call's
+  time goes at 8K and 64K (bench_call_overhead.py: wall against kernels).
 
 The report (markdown: device, driver, CUDA, cuDNN, torch, triton, commit,
 then per part its commands, their output and the minutes taken) goes to
@@ -157,7 +158,8 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS,
             estimate + ["--training"],
         ],
         "profile": [[PY, "benchmarks/gpu_suite.py", "--profile-case", backend]
-                    for backend in (sdpa, "triton")],
+                    for backend in (sdpa, "triton")]
+        + [[PY, "benchmarks/bench_call_overhead.py", "--seq-lens", "8192", "65536"]],
     }
 
 

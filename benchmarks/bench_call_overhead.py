@@ -1,0 +1,98 @@
+"""Where a short call's time goes on CUDA: wall clock against the kernels' own time.
+
+    python benchmarks/bench_call_overhead.py                     # 8K and 64K, the fused kernel
+    python benchmarks/bench_call_overhead.py --seq-lens 8192 --backend cuda_cudnn
+
+LongNet's setting (12 heads of 64, segments [2048, 4096], rates [1, 2]), bf16, batch 1,
+forward and forward + backward. Per case, after three warm-up calls:
+
+- wall: the median (and min) of 20 calls, each followed by a device synchronise;
+- host per call: 20 calls queued back to back and no synchronise, divided by 20: the
+  host's own time where the device keeps up, or the device's where a call waits for it
+  (a read-back inside the call makes every call wait);
+- kernels: the device time of every kernel of 5 calls (torch.profiler), per call, and the
+  profiler's table of them.
+
+Wall minus kernels is what the host adds to a call that nothing overlaps (a benchmark's,
+or a model's first layer): at 8K on an H100 it was half the call (BENCHMARKS.md, "The
+fused kernel"). Needs a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dilated_attention import dilated_attention
+
+SEGMENTS, RATES = [2048, 4096], [1, 2]
+
+
+def call_of(n: int, backend: str, training: bool):
+    """One call of the op at length n, as a training step or an inference call."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    # (b, n, h, d)
+    q, k, v, dout = (torch.randn(1, n, 12, 64, device="cuda", dtype=torch.bfloat16,
+                                 generator=gen) for _ in range(4))
+
+    def call():
+        if training:
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            dilated_attention(*leaves, SEGMENTS, RATES, backend=backend).backward(dout)
+        else:
+            with torch.no_grad():
+                dilated_attention(q, k, v, SEGMENTS, RATES, backend=backend)
+
+    return call
+
+
+def measure(call) -> str:
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(20):
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    for _ in range(20):
+        call()
+    host = (time.perf_counter() - start) / 20
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+    kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 5 / 1e3
+    return (f"wall median {statistics.median(walls) * 1e3:.3f} ms (min {min(walls) * 1e3:.3f}); "
+            f"host per call, unsynchronised {host * 1e3:.3f} ms; kernels {kernels:.3f} ms\n"
+            + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8,
+                                        max_name_column_width=50))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 65536])
+    parser.add_argument("--backend", default="triton")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return 0
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, backend {args.backend}, "
+          "bf16, LongNet's setting")
+    for n in args.seq_lens:
+        for training in (False, True):
+            print(f"\nn = {n:,}, {'forward + backward' if training else 'forward'}: "
+                  + measure(call_of(n, args.backend, training)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
