@@ -247,8 +247,11 @@ def write_report(path: Path, header: str, sections: Dict[str, str]) -> None:
     path.write_text(header + "\n" + "\n".join(body))
     out = os.environ.get("OUT")
     if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, Path(out) / path.name)
+        copy = Path(out) / path.name
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        # --out may already name that copy (--out $OUT/gpu_suite.md)
+        if not (copy.exists() and copy.samefile(path)):
+            shutil.copy(path, copy)
 
 
 def run_part(name: str, commands: List[List[str]], timeout: float, deadline: float) -> str:

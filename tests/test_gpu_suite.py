@@ -53,6 +53,10 @@ def test_report_keeps_parts_and_replaces_a_part_run_again(suite, tmp_path, monke
     assert text.index("## Part: tests") < text.index("## Part: memory")
     assert "second" in text and "first" not in text
     assert (tmp_path / "out" / "report.md").read_text() == text
+    # --out naming the copy itself ($OUT/gpu_suite.md on a device machine) is no error
+    copy = tmp_path / "out" / "report.md"
+    suite.write_report(copy, "# header 4\n", {"tests": "## Part: tests\n\nagain\n"})
+    assert "again" in copy.read_text()
 
 
 def test_run_records_output_status_and_stops_at_the_timeout(suite):
