@@ -11,7 +11,10 @@ forward and forward + backward. Per case, after three warm-up calls:
   host's own time where the device keeps up, or the device's where a call waits for it
   (a read-back inside the call makes every call wait);
 - kernels: the device time of every kernel of 5 calls (torch.profiler), per call, and the
-  profiler's table of them.
+  profiler's table of them;
+- host: torch.profiler's CPU table of 5 calls queued without a synchronise, by self CPU
+  time: the host's own work per op, and any call that waits for the device (a read-back,
+  an allocation that syncs, a full launch queue) shows as the CUDA runtime call it waits in.
 
 Wall minus kernels is what the host adds to a call that nothing overlaps (a benchmark's,
 or a model's first layer): at 8K on an H100 it was half the call (BENCHMARKS.md, "The
@@ -71,10 +74,17 @@ def measure(call) -> str:
             call()
         torch.cuda.synchronize()
     kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 5 / 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as host_prof:
+        for _ in range(5):
+            call()
+    torch.cuda.synchronize()
     return (f"wall median {statistics.median(walls) * 1e3:.3f} ms (min {min(walls) * 1e3:.3f}); "
             f"host per call, unsynchronised {host * 1e3:.3f} ms; kernels {kernels:.3f} ms\n"
             + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8,
-                                        max_name_column_width=50))
+                                        max_name_column_width=50)
+            + "host, 5 calls queued without a synchronise:\n"
+            + host_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
+                                             max_name_column_width=50))
 
 
 def main(argv=None) -> int:

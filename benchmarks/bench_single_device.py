@@ -22,6 +22,7 @@ whose speed drifts slows all sides alike.
     python benchmarks/bench_single_device.py --schedule geometric  # 2048..65536 / 1..32
     python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --seq-lens 8192 1048576
     python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --backend triton
+    python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --queued 10
     python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --max-tokens
     python benchmarks/bench_single_device.py --device cuda --strided on   # views vs copies on a GPU
 
@@ -38,8 +39,9 @@ dv, included) is measured in a fresh subprocess per case with
 /proc/self/clear_refs and VmHWM, and reported in units of one input-sized
 tensor (b * n * h * d elements of the dtype). Times: min/median/max.
 
-On CUDA (``--device cuda``) times are taken after a device synchronise,
-memory is the allocator's peak (``torch.cuda.max_memory_allocated``) beyond
+On CUDA (``--device cuda``) times are taken after a device synchronise
+(``--queued K``: after K calls back to back, per call, so that the host's
+work overlaps the kernels queued before it, as in a training loop), memory is the allocator's peak (``torch.cuda.max_memory_allocated``) beyond
 the inputs, in the same process, and the table adds the achieved TFLOP/s of
 the useful work (the score and value products the patterns select:
 4 b h d sum_i n w_i / r_i^2 forward, 2.5x that more in backward; causal
@@ -209,10 +211,13 @@ CLOCK = time.perf_counter
 
 
 def time_cases(steps: Dict[str, Callable[[], None]], repeats: int,
-               min_seconds: float = 0.0) -> Dict[str, List[float]]:
+               min_seconds: float = 0.0, queued: int = 1) -> Dict[str, List[float]]:
     """Seconds of the runs of each step after one warm-up each, sorted (min, ..., max): at
     least `repeats` turns, more while the turns took under `min_seconds` (at most 1,000), so
-    that sub-millisecond steps get a median of many runs.
+    that sub-millisecond steps get a median of many runs. queued > 1: a run is that many
+    calls back to back and one synchronise, its time per call (on CUDA the host's work then
+    overlaps the kernels of the calls before, as in a training loop; 1: each call's
+    latency, the host's work before its kernels included).
 
     The steps take turns (A B A B ...), so that a machine whose speed drifts
     (other jobs, clocks) slows every step alike and their ratio holds.
@@ -226,9 +231,10 @@ def time_cases(steps: Dict[str, Callable[[], None]], repeats: int,
         turns += 1
         for name, step in steps.items():
             t0 = CLOCK()
-            step()
+            for _ in range(queued):
+                step()
             synchronize()
-            times[name].append(CLOCK() - t0)
+            times[name].append((CLOCK() - t0) / queued)
     return {name: sorted(ts) for name, ts in times.items()}
 
 
@@ -350,6 +356,10 @@ def main(argv=None) -> None:
     parser.add_argument("--min-seconds", type=float, default=0.0,
                         help="more turns than --repeats while a case's turns took less (at "
                         "most 1,000): for steps of a millisecond or less")
+    parser.add_argument("--queued", type=int, default=1,
+                        help="calls per timed run, back to back before one synchronise (the "
+                        "time per call: throughput with the host's work overlapped, as in a "
+                        "training loop); default 1, each call's latency")
     parser.add_argument("--memory-only", action="store_true", help="skip the timings")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -400,6 +410,10 @@ def main(argv=None) -> None:
     where = (torch.cuda.get_device_name() if DEVICE == "cuda"
              else f"{torch.get_num_threads()} threads"
              + (", CPU time of the thread" if args.cpu_time else ", wall time"))
+    if args.queued < 1:
+        parser.error(f"--queued must be at least 1, got {args.queued}")
+    if args.queued > 1:
+        where += f", {args.queued} calls per synchronise"
     print(f"torch {torch.__version__}, {where}, dtype {args.dtype}, backend {BACKEND} "
           f"(floors: {FLOOR_BACKEND}), strided views {policy.STRIDED_VIEWS.get(DEVICE, False)}, "
           f"block rows {policy.ROWS_PER_BLOCK.get(DEVICE)} (or n / {policy.MAX_BLOCKS}), "
@@ -425,7 +439,8 @@ def main(argv=None) -> None:
         input_bytes = n * HEADS * HEAD_DIM * torch.tensor([], dtype=dtype).element_size()
         for backward in (False, True):
             row = dict(n=n, backward=backward, dtype=args.dtype, device=DEVICE,
-                       schedule=args.schedule, backend=BACKEND, floor_backend=FLOOR_BACKEND)
+                       schedule=args.schedule, backend=BACKEND, floor_backend=FLOOR_BACKEND,
+                       queued=args.queued)
             mem: Optional[float] = None
             if not args.no_memory:
                 mem = measure_memory(n, args.dtype, backward, args.schedule,
@@ -434,12 +449,12 @@ def main(argv=None) -> None:
             cells = ["-"] * 10
             if not args.memory_only:
                 t = time_cases({impl: run_case(impl, n, dtype, backward) for impl in TIMED},
-                               args.repeats, args.min_seconds)
+                               args.repeats, args.min_seconds, args.queued)
                 dense = None
                 if n <= args.dense_max:
                     dense = statistics.median(time_cases(
                         {"dense": run_case("dense_sdpa", n, dtype, backward)}, args.repeats,
-                        args.min_seconds)["dense"])
+                        args.min_seconds, args.queued)["dense"])
                 med = {impl: statistics.median(ts) for impl, ts in t.items()}
                 row.update(dilated_s=t["dilated"], ideal_s=t["ideal"],
                            per_launch_s=t["per_launch"],

@@ -39,7 +39,9 @@ fused.TUNED_TILE_SIZES first):
   the LongNet setting and the geometric schedule: op / ideal floor, op /
   per-launch floor, working memory per length; bench-sdpa also runs the
   LongNet setting with the CUDA row blocks from before the 64K memory bound
-  (131,072 rows), which says what the bound costs in time.
+  (131,072 rows), which says what the bound costs in time; bench-triton the
+  LongNet setting queued (``--queued 10``: ten calls per synchronise, the
+  host's work overlapping the kernels before it, as in a training loop).
 - ``compare``: the fused kernel at this tree against another commit's, in one
   call (``--baseline``: that commit's src/ folder, made here with ``git archive
   COMMIT src | tar -x -C bench-out/baseline`` and carried to the device machine;
@@ -146,7 +148,12 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS,
         # fastest go into fused.TUNED_TILE_SIZES for this GPU's capability)
         "tiles": [[PY, "benchmarks/tune_tiles.py", "--head-dims", "64",
                    "--out", "bench-out/gpu_tiles.md"]],
-        "bench-triton": bench_commands("triton", seq_lens),
+        # and LongNet's setting queued (10 calls per synchronise): the op's throughput with
+        # the host's work overlapped, against its latency above
+        "bench-triton": bench_commands("triton", seq_lens) + [
+            BENCH + ["--backend", "triton", "--seq-lens", *seq_lens, "--repeats", "5",
+                     "--min-seconds", "0.3", "--dense-max", "0", "--no-memory", "--queued",
+                     "10", "--json", "bench-out/gpu_triton_longnet_queued.json"]],
         "compare": compare_commands(baseline, seq_lens),
         "memory": [
             BENCH + ["--backend", backend, "--seq-lens", "65536", "1048576", "--memory-only",

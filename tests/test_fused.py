@@ -315,6 +315,38 @@ def test_nonfinite_inputs_reach_exactly_the_rows_that_attend_them(causal, masked
         close(g[0].cpu()[~touched], w[0][~touched], case.dtype, f"d{name}")
 
 
+# (tensor, batch row, row, head, element, value); rows 2, 3 mod 4 are keys that no query
+# attends (one head per offset of rate 4)
+FLAGGED = [("q", 0, 0, 0, 0, math.nan), ("q", 1, 37, 1, 11, -math.inf),
+           ("k", 1, 6, 1, 3, math.inf), ("k", 0, 39, 0, 11, math.nan),
+           ("v", 1, 0, 0, 0, -math.inf), ("v", 0, 22, 1, 5, math.nan)]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy, in the interpreter
+def test_the_nonfinite_flag_is_set_by_any_nonfinite_input() -> None:
+    """The flag that the single-device op hands the kernels' variants for the non-finite rule
+    (left on the device, never read back): a NaN or an infinity anywhere in q, k or v sets
+    it (any batch row, row, head or element, a key row no query attends included); finite
+    inputs leave it unset."""
+    from dilated_attention import dilated
+
+    gen = torch.Generator().manual_seed(3)
+    # (b, n, h, d), (b, n, hk, d): 40 rows, d 12 (padded to 16 in the kernels)
+    q = torch.randn(2, 40, 2, 12, generator=gen).to(DEVICE)
+    k, v = (torch.randn(2, 40, 2, 12, generator=gen).to(DEVICE) for _ in range(2))
+
+    def flag(q, k, v) -> bool:
+        out, lse, nonfinite = dilated.forward_flat(
+            q, k, v, [8], [4], False, 0.3, "triton", 0.0, 0, 0, [0, 1], None, None, True)
+        return bool(nonfinite)
+
+    assert not flag(q, k, v)
+    for name, b, row, head, element, value in FLAGGED:
+        planted = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
+        planted[name][b, row, head, element] = value
+        assert flag(planted["q"], planted["k"], planted["v"]), (name, b, row, head, element)
+
+
 PIECES = [  # (case, first row, rows of the piece)
     (Case(64, (16, 32, 64), (1, 2, 4), True, b=2), 20, 30),
     (Case(80, (8, 32), (1, 2), True, h=2, hk=1, cu_seqlens=(0, 20, 20, 57, 80), masked=True),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,23 @@ def test_short_steps_get_more_turns_than_repeats():
     times = bench.time_cases({"a": step("a"), "b": step("b")}, repeats=3, min_seconds=0.05)
     assert 3 < len(times["a"]) == len(times["b"]) <= 1000
     assert times["a"] == sorted(times["a"])
+
+
+def test_queued_runs_time_several_calls_per_synchronise():
+    """bench_single_device.time_cases(queued=K): each run is K calls before one synchronise,
+    recorded per call (the op's throughput with the host's work overlapped)."""
+    spec = importlib.util.spec_from_file_location("bench_single_device",
+                                                  SUITE.parent / "bench_single_device.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls = []
+    bench.synchronize = lambda: calls.append("sync")
+
+    def step():
+        calls.append("call")
+        time.sleep(0.01)
+
+    times = bench.time_cases({"a": step}, repeats=2, queued=3)
+    # one warm-up call and its synchronise, then per run three calls and one synchronise
+    assert calls == ["call", "sync"] + (["call"] * 3 + ["sync"]) * 2
+    assert len(times["a"]) == 2 and all(0.01 <= t < 0.5 for t in times["a"])
