@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from . import fused, launches
-from .kernels import KernelOptions, lse_dtype, save_for_backward, saved_for_backward
+from .kernels import (KernelOptions, any_nonfinite, lse_dtype, save_for_backward,
+                      saved_for_backward)
 from .patterns import Heads, Patterns
 from .layout import Documents, Layout
 from .plan import Plan, make_plan
@@ -54,13 +55,12 @@ def forward_flat(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int],
     types (key_mask (b, n) bool, True = ignore that key; cu_seqlens: documents, each an
     independent sequence). nonfinite_rule: the fused kernels apply docs/spec.md's non-finite
     rule (the caller checked nothing); the bool is then whether q, k or v holds a NaN or an
-    infinity (set by the fused forward kernel, left on the device), else unset and
-    unread."""
+    infinity (kernels.any_nonfinite, left on the device), else unset and unread."""
     patterns, opts, heads, documents = _unflatten(segment_lengths, dilation_rates, causal, scale,
                                                   backend, dropout_p, seed, first_head, kv_of,
                                                   cu_seqlens)
     if opts.backend == "triton" and nonfinite_rule:
-        nonfinite = torch.zeros((), dtype=torch.bool, device=q.device)  # the kernel sets it
+        nonfinite = any_nonfinite(q, k, v)
     else:
         nonfinite = torch.empty((), dtype=torch.bool, device=q.device)
     if opts.backend == "triton":

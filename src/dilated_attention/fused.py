@@ -11,9 +11,8 @@ layout); out, lse, dq, dk, dv are written once each, with no zero fill. The
 backward runs two kernels: dq over the query tiles (it also stores delta =
 rowsum(dout * out) - dlse, one fp32 per (row, head)), then dK/dV over the
 key tiles, which reads delta. With a `nonfinite` flag (the single-device op)
-the plain forward also checks q, k and v and sets it, and each kernel is
-launched again in its variant for the non-finite rule, which does nothing
-unless the flag is set, and then writes everything a second time
+each kernel is launched again in its variant for the non-finite rule, which
+does nothing unless the flag is set, and then writes everything a second time
 (triton_kernels' module docstring).
 
 Notation: b batch, n rows (m key rows), h query heads, hk key/value heads,
@@ -193,11 +192,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, *, causal: bool
     (a sequence-parallel rank's); out and lse are then those rows' attention over these
     keys alone (tile_plan's window), a part to merge with the other keys' by the lse.
 
-    nonfinite: a 0-d bool on the device, False on entry: the plain kernel sets it where q,
-    k or v holds a NaN or an infinity, and then the kernels' variant that applies docs/spec.md's
-    non-finite rule runs too (no host sync: its programs read the flag). None: the caller
-    has replaced non-finite rows (functional._nonfinite_keys), as the sequence-parallel
-    paths do."""
+    nonfinite: `any_nonfinite(q, k, v)`, a flag on the device: where it is set, the
+    kernels' variant that applies docs/spec.md's non-finite rule runs too (no host sync:
+    its programs read the flag). None: the caller has replaced non-finite rows
+    (functional._nonfinite_keys), as the sequence-parallel paths do."""
     return _forward(q, k, v, _planner(q, k, patterns, causal, heads, documents, piece), causal,
                     scale, _per_kv_head(key_mask, k), nonfinite)
 
@@ -264,23 +262,16 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
     kernels = _kernels(q.device)
     has_mask = mask is not None
     mask, mask_strides = _mask_arg(mask, lse)
-    # a plan has a tile for every (row, head): none only for an empty sequence. With a flag,
-    # the plain kernel sets it (CHECK: program p checks (row, head) pairs [p * M, (p + 1) *
-    # M) of q, k and v, which covers them all), then the rule's variant runs over the same
-    # tiles (it overwrites them where the flag is set)
-    if nonfinite is not None and plan.tiles.shape[0] * plan.block_m < max(
-            n * h, k.shape[1] * k.shape[2]):
-        raise RuntimeError(f"{plan.tiles.shape[0]} tiles of {plan.block_m} rows cannot check "
-                           f"q {tuple(q.shape)} and k {tuple(k.shape)}: a bug in the plan")
+    # a plan has a tile for every (row, head): none only for an empty sequence; the rule's
+    # variant after the plain one, over the same tiles (it overwrites them where it runs)
     for rule in _variants(nonfinite):
         kernels.fused_forward[(plan.tiles.shape[0], b)](
-            q, k, v, out, lse, mask, lse if nonfinite is None else nonfinite, plan.tiles,
-            plan.rows, plan.spans, plan.extras,
+            q, k, v, out, lse, mask, nonfinite if rule else lse, plan.tiles, plan.rows,
+            plan.spans, plan.extras,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *mask_strides,
-            d, n, h, k.shape[1], k.shape[2], scale * kernels.LOG2E,
+            d, scale * kernels.LOG2E,
             CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
-            EXTRAS=plan.max_extras, POW2_PERIODS=plan.pow2_periods,
-            CHECK=nonfinite is not None and not rule, NONFINITE=rule,
+            EXTRAS=plan.max_extras, POW2_PERIODS=plan.pow2_periods, NONFINITE=rule,
             BLOCK_M=plan.block_m, BLOCK_N=sizes.forward.chunk, BLOCK_D=_head_block(d),
             num_warps=sizes.forward.num_warps, num_stages=sizes.num_stages,
         )

@@ -17,15 +17,12 @@ positive), and the count a product after it, not a log2 added before.
 Non-finite inputs (docs/spec.md, "Non-finite inputs"): each kernel has a
 second variant (NONFINITE) that applies the rule itself, launched after the
 plain one over the same tiles; its programs return at once unless the flag
-AnyBad is set, and then overwrite what the plain one wrote. The plain forward
-sets the flag itself (CHECK): after its stores each program checks as many
-(row, head) pairs of q, k and v as its tile has rows, so the inputs are
-checked without a pass of their own (and the host never reads the flag). In
-the variant a key row whose k holds a NaN or an infinity gets a NaN logit,
-so a query attending it gets a NaN out and lse whatever the signs (a -inf
-logit would otherwise drop the key); a non-finite value row reaches the out
-of every query attending it through the products, and an out that is not
-finite becomes NaN. Where a chunk is masked (causal,
+AnyBad (the op's device-side check of q, k and v: no sync) is set, and then
+overwrite what the plain one wrote. In it a key row whose k holds a NaN or an
+infinity gets a NaN logit, so a query attending it gets a NaN out and lse
+whatever the signs (a -inf logit would otherwise drop the key); a non-finite
+value row reaches the out of every query attending it through the products,
+and an out that is not finite becomes NaN. Where a chunk is masked (causal,
 padding, past the span) a query multiplies by rows it does not attend: there
 non-finite k, v (forward, dq) and q, dout (dK/dV) elements read as 0, the
 forward marks the value rows it zeroed for the queries that do attend them,
@@ -117,32 +114,6 @@ def _finite(x):
 def _nonfinite_rows(x):
     """(R,) int32 of an (R, C) block: 1 where the row holds a NaN or an infinity."""
     return tl.max(tl.where(_finite(x), 0, 1), 1)
-
-
-@triton.jit
-def _nonfinite_share(X, b, rows, heads, sb, sn, sh, sd, head_dim, BLOCK_M: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
-    """1 if this program's share of x[b]'s (row, head) pairs holds a NaN or an infinity,
-    else 0. Program p takes pairs [p * M, (p + 1) * M) in (row, head) order (consecutive in
-    memory for a contiguous x): a plan has at least rows * heads / M tiles (fused._forward
-    checks), so the programs cover every pair. In four loads of M / 4 pairs, unrolled, not
-    in a loop (cross_compile.py: a loop here, after the key loop, made ptxas spill hundreds
-    of bytes in the fp32 forward on sm_90; one load of M pairs, 16 bytes in the bf16 d 128
-    forward on sm_80)."""
-    lo = tl.program_id(0).to(tl.int64) * BLOCK_M
-    first_row = lo // heads
-    first_head = (lo - first_row * heads).to(tl.int32)
-    offs_d = tl.arange(0, BLOCK_D)[None, :]
-    bad = 0
-    for part in tl.static_range(4):
-        # pairs lo + j, j < M: row first_row + (first_head + j) // heads
-        j = first_head + part * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
-        row = first_row + j // heads
-        ok = (row < rows)[:, None] & (offs_d < head_dim)
-        x = tl.load(X + b.to(tl.int64) * sb + row[:, None] * sn
-                    + (j % heads).to(tl.int64)[:, None] * sh + offs_d * sd, mask=ok, other=0.0)
-        bad = tl.maximum(bad, tl.max(_nonfinite_rows(x)))
-    return bad
 
 
 @triton.jit
@@ -300,16 +271,14 @@ def fused_forward(
     Q, K, V, Out, Lse, Mask, AnyBad, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, slb, sln, slh, smb, smn, smh,
-    head_dim, rows_q, heads_q, rows_kv, heads_kv, scale_log2,
+    head_dim, scale_log2,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
-    POW2_PERIODS: tl.constexpr, CHECK: tl.constexpr, NONFINITE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    POW2_PERIODS: tl.constexpr, NONFINITE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """out, lse of one query tile: the online softmax over its spans' keys, each span's
-    whole unmasked chunks first, then the masked rest. CHECK: also set AnyBad where q (rows_q
-    rows of heads_q heads), k or v (rows_kv of heads_kv) holds a NaN or an infinity;
-    NONFINITE: the variant that applies the non-finite rule, where AnyBad is set (module
-    docstring)."""
+    whole unmasked chunks first, then the masked rest. NONFINITE: the variant that applies
+    the non-finite rule, where AnyBad is set (module docstring)."""
     if NONFINITE:
         if tl.load(AnyBad) == 0:
             return
@@ -355,17 +324,6 @@ def fused_forward(
     _store_rows(Out, out, b, t, row_ok, head, sob, son, soh, sod, head_dim, BLOCK_D)
     tl.store(Lse + b.to(tl.int64) * slb + t.to(tl.int64) * sln + head.to(tl.int64) * slh, lse,
              mask=row_ok)
-    if CHECK:
-        # after the stores, so that the loop's registers are free; a benign race (every
-        # program that finds one writes 1)
-        bad = tl.maximum(
-            _nonfinite_share(Q, b, rows_q, heads_q, sqb, sqn, sqh, sqd, head_dim, BLOCK_M,
-                             BLOCK_D),
-            tl.maximum(_nonfinite_share(K, b, rows_kv, heads_kv, skb, skn, skh, skd, head_dim,
-                                        BLOCK_M, BLOCK_D),
-                       _nonfinite_share(V, b, rows_kv, heads_kv, svb, svn, svh, svd, head_dim,
-                                        BLOCK_M, BLOCK_D)))
-        tl.store(AnyBad, 1, mask=bad > 0)
 
 
 @triton.jit
