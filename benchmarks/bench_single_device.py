@@ -41,8 +41,9 @@ tensor (b * n * h * d elements of the dtype). Times: min/median/max.
 
 On CUDA (``--device cuda``) times are taken after a device synchronise
 (``--queued K``: after K calls back to back, per call, so that the host's
-work overlaps the kernels queued before it, as in a training loop), memory is the allocator's peak (``torch.cuda.max_memory_allocated``) beyond
-the inputs, in the same process, and the table adds the achieved TFLOP/s of
+work overlaps the kernels queued before it, as in a training loop), memory
+is the allocator's peak (``torch.cuda.max_memory_allocated``) beyond the
+inputs, in the same process, and the table adds the achieved TFLOP/s of
 the useful work (the score and value products the patterns select:
 4 b h d sum_i n w_i / r_i^2 forward, 2.5x that more in backward; causal
 halves it). ``--max-tokens`` searches the longest sequence whose forward,

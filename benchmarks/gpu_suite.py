@@ -86,13 +86,15 @@ BENCH = [PY, "benchmarks/bench_single_device.py", "--device", "cuda", "--dtype",
 
 
 def bench_commands(backend: str, seq_lens: Sequence[str], dense_max: str = "32768",
-                   name: str = "") -> List[List[str]]:
-    """The backend's bench_single_device runs: both schedules, at `seq_lens` (at least 0.3 s
-    of turns per case: below 64K a call takes a millisecond or less)."""
+                   name: str = "", schedules: Sequence[str] = ("longnet", "geometric"),
+                   extra: Sequence[str] = ()) -> List[List[str]]:
+    """The backend's bench_single_device runs: per schedule, at `seq_lens` (at least 0.3 s
+    of turns per case: below 64K a call takes a millisecond or less), with `extra`
+    arguments."""
     return [BENCH + ["--backend", backend, "--schedule", schedule, "--seq-lens", *seq_lens,
                      "--repeats", "5", "--min-seconds", "0.3", "--dense-max", dense_max,
-                     "--json", f"bench-out/gpu_{name or backend}_{schedule}.json"]
-            for schedule in ("longnet", "geometric")]
+                     *extra, "--json", f"bench-out/gpu_{name or backend}_{schedule}.json"]
+            for schedule in schedules]
 
 
 def compare_commands(baseline: Optional[str], seq_lens: Sequence[str]) -> List[List[str]]:
@@ -150,10 +152,9 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS,
                    "--out", "bench-out/gpu_tiles.md"]],
         # and LongNet's setting queued (10 calls per synchronise): the op's throughput with
         # the host's work overlapped, against its latency above
-        "bench-triton": bench_commands("triton", seq_lens) + [
-            BENCH + ["--backend", "triton", "--seq-lens", *seq_lens, "--repeats", "5",
-                     "--min-seconds", "0.3", "--dense-max", "0", "--no-memory", "--queued",
-                     "10", "--json", "bench-out/gpu_triton_longnet_queued.json"]],
+        "bench-triton": bench_commands("triton", seq_lens) + bench_commands(
+            "triton", seq_lens, "0", "triton_queued", ("longnet",),
+            ["--no-memory", "--queued", "10"]),
         "compare": compare_commands(baseline, seq_lens),
         "memory": [
             BENCH + ["--backend", backend, "--seq-lens", "65536", "1048576", "--memory-only",
