@@ -2,6 +2,7 @@
 
     python benchmarks/bench_call_overhead.py                     # 8K and 64K, the fused kernel
     python benchmarks/bench_call_overhead.py --seq-lens 8192 --backend cuda_cudnn
+    python benchmarks/bench_call_overhead.py --host-only          # any machine: the Python alone
 
 LongNet's setting (12 heads of 64, segments [2048, 4096], rates [1, 2]), bf16, batch 1,
 forward and forward + backward. Per case, after three warm-up calls:
@@ -19,14 +20,29 @@ forward and forward + backward. Per case, after three warm-up calls:
 Wall minus kernels is what the host adds to a call that nothing overlaps (a benchmark's,
 or a model's first layer): at 8K on an H100 it was half the call (BENCHMARKS.md, "The
 fused kernel"). Needs a CUDA device.
+
+--host-only (no device needed) times the host's own work per call of the fused
+kernel's path with the Triton launches replaced by no-ops: fp32 CPU tensors of 64
+rows (so that the input check's three sums, device work on a GPU, cost little),
+LongNet's setting, backend "triton" (TRITON_INTERPRET=1 is set; nothing runs in the
+interpreter). Per pass: min / median / max microseconds per call over repeats of
+many calls, and with --profile cProfile's top functions. What is left is the
+Python between the user's call and the launches (validation, the agreement, the
+op's dispatch into autograd, the plan lookup, the launch arguments), which a GPU
+call adds on top of its launches.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import os
+import pstats
 import statistics
 import sys
 import time
+import types
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -87,11 +103,71 @@ def measure(call) -> str:
                                              max_name_column_width=50))
 
 
+def host_only(repeats: int, calls: int, profile_top: int) -> str:
+    """The host's Python per call, the fused kernel's launches stubbed (module docstring)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    from dilated_attention import fused
+
+    # (b, n, h, d)
+    q, k, v, dout = (torch.randn(1, 64, 12, 64) for _ in range(4))
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    stubs = types.SimpleNamespace(fused_forward=NoLaunch(), fused_dq=NoLaunch(),
+                                  fused_dkdv=NoLaunch(), LOG2E=fused._kernels(q.device).LOG2E)
+    real_kernels, fused._kernels = fused._kernels, lambda device: stubs
+
+    def forward():
+        with torch.no_grad():
+            dilated_attention(q, k, v, SEGMENTS, RATES, backend="triton")
+
+    def training():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        dilated_attention(*leaves, SEGMENTS, RATES, backend="triton").backward(dout)
+
+    lines = [f"torch {torch.__version__}, host only (launches stubbed), fp32 CPU tensors "
+             f"(1, 64, 12, 64), LongNet's setting; microseconds per call over {repeats} "
+             f"repeats of {calls} calls"]
+    try:
+        for name, call in (("forward", forward), ("forward + backward", training)):
+            for _ in range(calls):
+                call()
+            per_call = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                per_call.append((time.perf_counter() - start) / calls * 1e6)
+            lines.append(f"{name}: min {min(per_call):.1f}, median "
+                         f"{statistics.median(per_call):.1f}, max {max(per_call):.1f} us")
+            if profile_top:
+                profiler = cProfile.Profile()
+                profiler.runcall(lambda: [call() for _ in range(calls)])
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(
+                    profile_top)
+                lines.append(text.getvalue())
+    finally:
+        fused._kernels = real_kernels
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 65536])
     parser.add_argument("--backend", default="triton")
+    parser.add_argument("--host-only", action="store_true",
+                        help="time the host's Python per call on CPU, launches stubbed")
+    parser.add_argument("--repeats", type=int, default=7, help="with --host-only")
+    parser.add_argument("--calls", type=int, default=500, help="with --host-only, per repeat")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="with --host-only: cProfile's TOP functions by own time")
     args = parser.parse_args(argv)
+    if args.host_only:
+        print(host_only(args.repeats, args.calls, args.profile))
+        return 0
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return 0

@@ -39,10 +39,13 @@ def local_plan(q: Tensor, k: Tensor, patterns: Patterns, causal: bool, heads: Op
     return make_plan(layout, patterns, causal, heads, 0, str(q.device), documents)
 
 
-# The single-device op is a pair of custom ops (forward, backward): torch.compile
-# sees one opaque node per call instead of tracing the planning and every
-# launch, and autograd is registered on the forward. Their arguments are the
-# agreed call, flattened to the types custom ops take.
+# Under torch.compile the single-device op is a pair of custom ops (forward, backward):
+# the compiler sees one opaque node per call instead of tracing the planning and every
+# launch, and autograd is registered on the forward. Their arguments are the agreed call,
+# flattened to the types custom ops take. Eager calls run the same functions through a
+# plain autograd.Function (`_LocalAttention`): the dispatcher's wrapping of a custom op
+# cost more host time than the fused forward's own Python (bench_call_overhead.py
+# --host-only; BENCHMARKS.md, "Host time").
 
 
 def forward_flat(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int],
@@ -137,12 +140,30 @@ def _backward(ctx, dout, dlse, _):
         # their own graph through this op, so the second derivative is exact.
         dq, dk, dv = backward_flat(dout, q, k, v, out, lse, dlse, nonfinite, *ctx.args)
     else:
-        dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, nonfinite, *ctx.args)
+        backward = _backward_op if torch.compiler.is_compiling() else backward_flat
+        dq, dk, dv = backward(dout, q, k, v, out, lse, dlse, nonfinite, *ctx.args)
     return (dq, dk, dv) + (None,) * len(ctx.args)
 
 
 torch.library.register_autograd("dilated_attention::forward", _backward,
                                 setup_context=_setup_context)
+
+
+class _LocalAttention(torch.autograd.Function):
+    """The eager twin of the custom op pair: the same forward, context and backward. The
+    forward takes `ctx` itself: a separate setup_context would make every apply bind its
+    arguments by inspect.signature (about 20 us of host time per call)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = forward_flat(*inputs)
+        ctx.mark_non_differentiable(output[2])
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse, dnonfinite):
+        return _backward(ctx, dout, dlse, dnonfinite)
 
 
 def dilated_attention_local(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns,
@@ -156,7 +177,8 @@ def dilated_attention_local(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns,
     kernels apply the rule themselves (other backends ignore it).
     """
     heads = heads or Heads.of(q.shape[2], k.shape[2])
-    out, lse, _ = _forward_op(q, k, v, list(patterns[0]), list(patterns[1]), opts.causal,
+    op = _forward_op if torch.compiler.is_compiling() else _LocalAttention.apply
+    out, lse, _ = op(q, k, v, list(patterns[0]), list(patterns[1]), opts.causal,
                               opts.scale, opts.backend, opts.dropout_p, opts.seed, heads.first,
                               list(heads.kv_of), None if documents is None else list(documents),
                               key_mask, nonfinite_rule)
