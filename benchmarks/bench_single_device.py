@@ -23,6 +23,8 @@ whose speed drifts slows all sides alike.
     python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --seq-lens 8192 1048576
     python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --backend triton
     python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --queued 10
+    python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --backend triton \
+        --cuda-graph                                  # the kernels' time, no host in it
     python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --max-tokens
     python benchmarks/bench_single_device.py --device cuda --strided on   # views vs copies on a GPU
 
@@ -41,7 +43,11 @@ tensor (b * n * h * d elements of the dtype). Times: min/median/max.
 
 On CUDA (``--device cuda``) times are taken after a device synchronise
 (``--queued K``: after K calls back to back, per call, so that the host's
-work overlaps the kernels queued before it, as in a training loop), memory
+work overlaps the kernels queued before it, as in a training loop;
+``--cuda-graph``: every step, the op's and the floors', captured once in a
+CUDA graph and timed by its replays, so that no host work is in any time:
+the op as torch.compile's mode="reduce-overhead" or a captured training step
+runs it; the fused kernel only, the SDPA path reads its input check back), memory
 is the allocator's peak (``torch.cuda.max_memory_allocated``) beyond the
 inputs, in the same process, and the table adds the achieved TFLOP/s of
 the useful work (the score and value products the patterns select:
@@ -110,6 +116,21 @@ def useful_flops(n: int, backward: bool) -> float:
 def synchronize() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
+
+
+def captured(step: Callable[[], None]) -> Callable[[], None]:
+    """`step` captured once in a CUDA graph (after three warm-up calls on a side stream, as
+    capture needs), as the graph's replay: its kernels without any host work."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 # One kernel call of a floor: its q, k, v (b', rows, heads, d), contiguous, and causal
@@ -361,6 +382,9 @@ def main(argv=None) -> None:
                         help="calls per timed run, back to back before one synchronise (the "
                         "time per call: throughput with the host's work overlapped, as in a "
                         "training loop); default 1, each call's latency")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="CUDA, backend triton: time each step by the replays of a CUDA "
+                        "graph captured once (no host work in any time)")
     parser.add_argument("--memory-only", action="store_true", help="skip the timings")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -415,6 +439,11 @@ def main(argv=None) -> None:
         parser.error(f"--queued must be at least 1, got {args.queued}")
     if args.queued > 1:
         where += f", {args.queued} calls per synchronise"
+    if args.cuda_graph:
+        if DEVICE != "cuda" or BACKEND != "triton":
+            parser.error("--cuda-graph needs --device cuda and --backend triton (the SDPA "
+                         "path reads its input check back, which a capture cannot)")
+        where += ", CUDA graph replays"
     print(f"torch {torch.__version__}, {where}, dtype {args.dtype}, backend {BACKEND} "
           f"(floors: {FLOOR_BACKEND}), strided views {policy.STRIDED_VIEWS.get(DEVICE, False)}, "
           f"block rows {policy.ROWS_PER_BLOCK.get(DEVICE)} (or n / {policy.MAX_BLOCKS}), "
@@ -441,7 +470,7 @@ def main(argv=None) -> None:
         for backward in (False, True):
             row = dict(n=n, backward=backward, dtype=args.dtype, device=DEVICE,
                        schedule=args.schedule, backend=BACKEND, floor_backend=FLOOR_BACKEND,
-                       queued=args.queued)
+                       queued=args.queued, cuda_graph=args.cuda_graph)
             mem: Optional[float] = None
             if not args.no_memory:
                 mem = measure_memory(n, args.dtype, backward, args.schedule,
@@ -449,13 +478,14 @@ def main(argv=None) -> None:
                 row.update(memory_inputs=mem, memory_bytes_per_token=mem * input_bytes / n)
             cells = ["-"] * 10
             if not args.memory_only:
-                t = time_cases({impl: run_case(impl, n, dtype, backward) for impl in TIMED},
-                               args.repeats, args.min_seconds, args.queued)
+                wrap = captured if args.cuda_graph else (lambda step: step)
+                t = time_cases({impl: wrap(run_case(impl, n, dtype, backward))
+                                for impl in TIMED}, args.repeats, args.min_seconds, args.queued)
                 dense = None
                 if n <= args.dense_max:
                     dense = statistics.median(time_cases(
-                        {"dense": run_case("dense_sdpa", n, dtype, backward)}, args.repeats,
-                        args.min_seconds, args.queued)["dense"])
+                        {"dense": wrap(run_case("dense_sdpa", n, dtype, backward))},
+                        args.repeats, args.min_seconds, args.queued)["dense"])
                 med = {impl: statistics.median(ts) for impl, ts in t.items()}
                 row.update(dilated_s=t["dilated"], ideal_s=t["ideal"],
                            per_launch_s=t["per_launch"],

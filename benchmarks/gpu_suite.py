@@ -41,7 +41,9 @@ fused.TUNED_TILE_SIZES first):
   LongNet setting with the CUDA row blocks from before the 64K memory bound
   (131,072 rows), which says what the bound costs in time; bench-triton the
   LongNet setting queued (``--queued 10``: ten calls per synchronise, the
-  host's work overlapping the kernels before it, as in a training loop).
+  host's work overlapping the kernels before it, as in a training loop), and
+  in CUDA graphs (``--cuda-graph``: op and floors captured, their replays timed:
+  the kernels alone, as mode="reduce-overhead" runs them).
 - ``compare``: the fused kernel at this tree against another commit's, in one
   call (``--baseline``: that commit's src/ folder, made here with ``git archive
   COMMIT src | tar -x -C bench-out/baseline`` and carried to the device machine;
@@ -54,7 +56,8 @@ fused.TUNED_TILE_SIZES first):
   dry run for the same 64K calls.
 - ``profile``: torch.profiler tables (CUDA kernels by time) of one 1M-token
   call, forward and forward + backward, per backend; then where a short call's
-  time goes at 8K and 64K (bench_call_overhead.py: wall against kernels).
+  time goes at 8K and 64K (bench_call_overhead.py: wall against kernels), and
+  the host's Python alone on this machine's CPU (its --host-only).
 
 The report (markdown: device, driver, CUDA, cuDNN, torch, triton, commit,
 then per part its commands, their output and the minutes taken) goes to
@@ -151,10 +154,13 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS,
         "tiles": [[PY, "benchmarks/tune_tiles.py", "--head-dims", "64",
                    "--out", "bench-out/gpu_tiles.md"]],
         # and LongNet's setting queued (10 calls per synchronise): the op's throughput with
-        # the host's work overlapped, against its latency above
+        # the host's work overlapped, against its latency above; then captured in CUDA
+        # graphs, op and floors alike: the kernels' time with no host work at all
         "bench-triton": bench_commands("triton", seq_lens) + bench_commands(
             "triton", seq_lens, "0", "triton_queued", ("longnet",),
-            ["--no-memory", "--queued", "10"]),
+            ["--no-memory", "--queued", "10"]) + bench_commands(
+            "triton", seq_lens, "0", "triton_graph", ("longnet",),
+            ["--no-memory", "--cuda-graph"]),
         "compare": compare_commands(baseline, seq_lens),
         "memory": [
             BENCH + ["--backend", backend, "--seq-lens", "65536", "1048576", "--memory-only",
@@ -167,7 +173,10 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS,
         ],
         "profile": [[PY, "benchmarks/gpu_suite.py", "--profile-case", backend]
                     for backend in (sdpa, "triton")]
-        + [[PY, "benchmarks/bench_call_overhead.py", "--seq-lens", "8192", "65536"]],
+        + [[PY, "benchmarks/bench_call_overhead.py", "--seq-lens", "8192", "65536"],
+           # the host's Python alone on this machine's CPU (launches stubbed): how much of
+           # the host's time per GPU call is Python, and how much the launches
+           [PY, "benchmarks/bench_call_overhead.py", "--host-only"]],
     }
 
 

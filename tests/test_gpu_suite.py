@@ -126,3 +126,20 @@ def test_queued_runs_time_several_calls_per_synchronise():
     # one warm-up call and its synchronise, then per run three calls and one synchronise
     assert calls == ["call", "sync"] + (["call"] * 3 + ["sync"]) * 2
     assert len(times["a"]) == 2 and all(0.01 <= t < 0.5 for t in times["a"])
+
+
+def test_the_host_only_measurement_runs_anywhere_and_restores_the_kernels():
+    """The suite's profile part ends with bench_call_overhead.py --host-only, which runs on
+    any machine (CPU tensors, the fused launches stubbed) and puts the real kernels back."""
+    path = SUITE.parent / "bench_call_overhead.py"
+    spec = importlib.util.spec_from_file_location("bench_call_overhead", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from dilated_attention import fused
+
+    kernels = fused._kernels
+    report = bench.host_only(repeats=2, calls=3, profile_top=0)
+    assert fused._kernels is kernels
+    lines = report.splitlines()
+    assert lines[1].startswith("forward: min ") and lines[2].startswith("forward + backward: ")
+    assert all(float(word.rstrip(",")) > 0 for word in lines[1].split()[2:7:2])

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import fused, launches
-from .kernels import (KernelOptions, any_nonfinite, lse_dtype, save_for_backward,
+from .kernels import (KernelOptions, input_sums, lse_dtype, save_for_backward,
                       saved_for_backward)
 from .patterns import Heads, Patterns
 from .layout import Documents, Layout
@@ -54,18 +54,19 @@ def forward_flat(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int],
                  cu_seqlens: Optional[List[int]], key_mask: Optional[Tensor],
                  nonfinite_rule: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """The single-device forward: q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse
-    (b, n, h) fp32, and a 0-d bool for the backward; the call flattened to custom-op argument
+    (b, n, h) fp32, and 3 fp32 sums for the backward; the call flattened to custom-op argument
     types (key_mask (b, n) bool, True = ignore that key; cu_seqlens: documents, each an
     independent sequence). nonfinite_rule: the fused kernels apply docs/spec.md's non-finite
-    rule (the caller checked nothing); the bool is then whether q, k or v holds a NaN or an
-    infinity (kernels.any_nonfinite, left on the device), else unset and unread."""
+    rule (the caller checked nothing); the vector is then the sums of q, k and v, one of
+    them not finite where they hold a NaN or an infinity (kernels.input_sums, left on the
+    device), else unset and unread."""
     patterns, opts, heads, documents = _unflatten(segment_lengths, dilation_rates, causal, scale,
                                                   backend, dropout_p, seed, first_head, kv_of,
                                                   cu_seqlens)
     if opts.backend == "triton" and nonfinite_rule:
-        nonfinite = any_nonfinite(q, k, v)
+        nonfinite = input_sums(q, k, v)
     else:
-        nonfinite = torch.empty((), dtype=torch.bool, device=q.device)
+        nonfinite = torch.empty(3, dtype=torch.float32, device=q.device)
     if opts.backend == "triton":
         out, lse = fused.forward(q, k, v, patterns, causal=causal, scale=scale, heads=heads,
                                  documents=documents, key_mask=key_mask,
@@ -83,7 +84,7 @@ def backward_flat(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   cu_seqlens: Optional[List[int]], key_mask: Optional[Tensor],
                   nonfinite_rule: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of `forward_flat`, given its final out (b, n, h, d), lse (b, n, h) and
-    nonfinite flag."""
+    input sums (its nonfinite check)."""
     patterns, opts, heads, documents = _unflatten(segment_lengths, dilation_rates, causal, scale,
                                                   backend, dropout_p, seed, first_head, kv_of,
                                                   cu_seqlens)
@@ -116,7 +117,7 @@ def _unflatten(segment_lengths, dilation_rates, causal, scale, backend, dropout_
 @_forward_op.register_fake
 def _forward_shapes(q, k, v, *args):
     return (torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype)),
-            q.new_empty((), dtype=torch.bool))
+            q.new_empty(3, dtype=torch.float32))
 
 
 @_backward_op.register_fake

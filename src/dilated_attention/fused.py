@@ -10,9 +10,10 @@ q, k, v are read in place through their strides (no copy, whatever their
 layout); out, lse, dq, dk, dv are written once each, with no zero fill. The
 backward runs two kernels: dq over the query tiles (it also stores delta =
 rowsum(dout * out) - dlse, one fp32 per (row, head)), then dK/dV over the
-key tiles, which reads delta. With a `nonfinite` flag (the single-device op)
-each kernel is launched again in its variant for the non-finite rule, which
-does nothing unless the flag is set, and then writes everything a second time
+key tiles, which reads delta. With a `nonfinite` check (the single-device op:
+the sums of q, k, v) each kernel is launched again in its variant for the
+non-finite rule, which does nothing unless a sum is not finite, and then
+writes everything a second time
 (triton_kernels' module docstring).
 
 Notation: b batch, n rows (m key rows), h query heads, hk key/value heads,
@@ -162,7 +163,7 @@ def _head_block(d: int) -> int:
 
 def _variants(nonfinite: Optional[Tensor]) -> Tuple[bool, ...]:
     """The NONFINITE values to launch each kernel with: the plain kernel, then (with a
-    `nonfinite` flag) its variant for the non-finite rule."""
+    `nonfinite` check) its variant for the non-finite rule."""
     return (False, True) if nonfinite is not None else (False,)
 
 
@@ -192,9 +193,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, *, causal: bool
     (a sequence-parallel rank's); out and lse are then those rows' attention over these
     keys alone (tile_plan's window), a part to merge with the other keys' by the lse.
 
-    nonfinite: `any_nonfinite(q, k, v)`, a flag on the device: where it is set, the
-    kernels' variant that applies docs/spec.md's non-finite rule runs too (no host sync:
-    its programs read the flag). None: the caller has replaced non-finite rows
+    nonfinite: `kernels.input_sums(q, k, v)`, on the device: where a sum is not finite,
+    the kernels' variant that applies docs/spec.md's non-finite rule runs too (no host
+    sync: its programs read the sums). None: the caller has replaced non-finite rows
     (functional._nonfinite_keys), as the sequence-parallel paths do."""
     return _forward(q, k, v, _planner(q, k, patterns, causal, heads, documents, piece), causal,
                     scale, _per_kv_head(key_mask, k), nonfinite)
@@ -207,7 +208,7 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
              nonfinite: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of `forward` from the final out and lse (dlse (b, n, h): the gradient of
     lse); with a `piece`, those of its pairs (rows and keys both in it); nonfinite: the
-    forward's flag."""
+    forward's check."""
     return _backward(dout, q, k, v, out, lse, dlse,
                      _planner(q, k, patterns, causal, heads, documents, piece), causal, scale,
                      _per_kv_head(key_mask, k), nonfinite)

@@ -16,9 +16,9 @@ positive), and the count a product after it, not a log2 added before.
 
 Non-finite inputs (docs/spec.md, "Non-finite inputs"): each kernel has a
 second variant (NONFINITE) that applies the rule itself, launched after the
-plain one over the same tiles; its programs return at once unless the flag
-AnyBad (the op's device-side check of q, k and v: no sync) is set, and then
-overwrite what the plain one wrote. In it a key row whose k holds a NaN or an
+plain one over the same tiles; its programs return at once unless AnyBad (the
+op's device-side check: the sums of q, k and v, read by no host) holds a NaN or
+an infinity, and then overwrite what the plain one wrote. In it a key row whose k holds a NaN or an
 infinity gets a NaN logit, so a query attending it gets a NaN out and lse
 whatever the signs (a -inf logit would otherwise drop the key); a non-finite
 value row reaches the out of every query attending it through the products,
@@ -108,6 +108,14 @@ def _row_values(ptr, b, t, ok, head, sb, sn, sh):
 def _finite(x):
     """Which elements of x are finite (a NaN compares false)."""
     return tl.abs(x.to(tl.float32)) < float("inf")
+
+
+@triton.jit
+def _all_finite(sums):
+    """Whether the op's input check (the sums of q, k and v: kernels.input_sums) is finite:
+    then q, k and v hold no NaN and no infinity."""
+    i = tl.arange(0, 4)
+    return tl.min(tl.where(_finite(tl.load(sums + i, mask=i < 3, other=0.0)), 1, 0), 0) == 1
 
 
 @triton.jit
@@ -278,9 +286,9 @@ def fused_forward(
 ):
     """out, lse of one query tile: the online softmax over its spans' keys, each span's
     whole unmasked chunks first, then the masked rest. NONFINITE: the variant that applies
-    the non-finite rule, where AnyBad is set (module docstring)."""
+    the non-finite rule, where AnyBad is not finite (module docstring)."""
     if NONFINITE:
-        if tl.load(AnyBad) == 0:
+        if _all_finite(AnyBad):
             return
     b, head, span_lo, span_hi, cell, t, row_ok, first, last = _program(tiles, rows, BLOCK_M)
     q = _load_rows(Q, b, t, row_ok, head, sqb, sqn, sqh, sqd, head_dim, BLOCK_D)
@@ -372,7 +380,7 @@ def fused_dq(
 
     Delta has lse's strides."""
     if NONFINITE:
-        if tl.load(AnyBad) == 0:
+        if _all_finite(AnyBad):
             return
     b, head, span_lo, span_hi, cell, t, row_ok, first, last = _program(tiles, rows, BLOCK_M)
     q = _load_rows(Q, b, t, row_ok, head, sqb, sqn, sqh, sqd, head_dim, BLOCK_D)
@@ -473,7 +481,7 @@ def fused_dkdv(
 
     NONFINITE: the variant for AnyBad (module docstring). Delta has lse's strides."""
     if NONFINITE:
-        if tl.load(AnyBad) == 0:
+        if _all_finite(AnyBad):
             return
     b, kv, span_lo, span_hi, cell, u, row_ok, first, last = _program(tiles, rows, BLOCK_M)
     k = _load_rows(K, b, u, row_ok, kv, skb, skn, skh, skd, head_dim, BLOCK_D)
