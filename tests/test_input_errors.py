@@ -89,6 +89,18 @@ def test_non_integer_segment_length(bad) -> None:
         call(segment_lengths=[bad], dilation_rates=[1])
 
 
+def test_integer_types_and_sequences_beyond_int_and_list_are_accepted() -> None:
+    """Plain ints and lists take a fast path; any other Integral and Sequence still counts."""
+
+    class Length(int):
+        pass
+
+    q = torch.randn(1, 8, 2, 4, dtype=torch.float64)
+    want = dilated_attention(q, q, q, [4, 8], [1, 2])
+    got = dilated_attention(q, q, q, range(4, 12, 4), (Length(1), Length(2)))
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("bad", [1.5, "2", False])
 def test_non_integer_dilation_rate(bad) -> None:
     with pytest.raises(TypeError, match=names("dilation_rates[0]", repr(bad))):

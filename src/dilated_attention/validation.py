@@ -22,11 +22,14 @@ INDEX_MAX = 2**63 - 1
 
 def check_positive_int(name: str, value) -> int:
     """A positive int (not a bool), else TypeError/ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
+    if type(value) is not int:  # a plain int skips the ABC checks (a bool's type is bool)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be a positive int, got {value!r} "
+                            f"({type(value).__name__})")
+        value = int(value)
     if value < 1:
         raise ValueError(f"{name} must be a positive int, got {value}")
-    return int(value)
+    return value
 
 
 def _check_index(name: str, value) -> int:
@@ -42,7 +45,8 @@ def _check_index(name: str, value) -> int:
 def check_patterns(segment_lengths, dilation_rates) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """Validate the pattern lists; return them as tuples of ints."""
     for name, seq in (("segment_lengths", segment_lengths), ("dilation_rates", dilation_rates)):
-        if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence):
+        if type(seq) not in (list, tuple) and (isinstance(seq, (str, bytes))
+                                               or not isinstance(seq, Sequence)):
             raise TypeError(f"{name} must be a list of positive ints, got {seq!r}")
         if len(seq) == 0:
             raise ValueError(f"{name} must not be empty, got {list(seq)!r}")
