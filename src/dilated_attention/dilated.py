@@ -45,7 +45,7 @@ def local_plan(q: Tensor, k: Tensor, patterns: Patterns, causal: bool, heads: Op
 # flattened to the types custom ops take. Eager calls run the same functions through a
 # plain autograd.Function (`_LocalAttention`): the dispatcher's wrapping of a custom op
 # cost more host time than the fused forward's own Python (bench_call_overhead.py
-# --host-only; BENCHMARKS.md, "Host time").
+# --host-only; BENCHMARKS.md, "Host time per call").
 
 
 def forward_flat(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int],
