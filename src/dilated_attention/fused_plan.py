@@ -361,31 +361,31 @@ def _spans(selected: Tensor, first: Tensor, seg_lo: Tensor, seg_hi: Tensor, leng
     cuts = torch.cat([torch.where(selected, seg_lo, _BIG), torch.where(selected, seg_hi, _BIG),
                       limit], dim=1).sort(dim=1).values
     lo, hi = cuts[:, :-1], cuts[:, 1:]  # (D, I)
-    # (D, I, P): pattern i reads interval [lo, hi)
-    active = (selected[:, None, :] & (seg_lo[:, None, :] <= lo[..., None])
-              & (hi[..., None] <= seg_hi[:, None, :]) & (lo < hi)[..., None])
+    # the V non-empty intervals (a third at a billion tokens), by reader, then position
+    nonempty = lo < hi
     if causal:
-        active &= ((lo >= 0) if keys else (hi <= length[:, None]))[..., None]
-    # Each active pattern's leader: the active pattern of least rate (then index) that
-    # divides its rate. Leaders make spans; the others are extra counts on their leader's.
-    divides = rates[:, None] % rates[None, :] == 0  # (P_i, P_k): r_k divides r_i
-    rank = rates * p + torch.arange(p)  # (P,) least rate first, then index
-    candidate = active[..., None, :] & divides  # (D, I, P_i, P_k)
-    leader = torch.where(candidate, rank, _BIG).argmin(-1)  # (D, I, P)
+        nonempty &= (lo >= 0) if keys else (hi <= length[:, None])
+    owner_of = nonempty.nonzero(as_tuple=True)[0]  # (V,) the interval's reader
+    lo, hi = lo[nonempty], hi[nonempty]  # (V,)
+    # (V, P): pattern i reads interval [lo, hi)
+    active = (selected[owner_of] & (seg_lo[owner_of] <= lo[:, None])
+              & (hi[:, None] <= seg_hi[owner_of]))
+    leader = _leaders(active, rates)  # (V, P)
     leads = active & (leader == torch.arange(p))
-    reader, interval, pattern = leads.nonzero(as_tuple=True)
+    interval, pattern = leads.nonzero(as_tuple=True)
+    reader = owner_of[interval]
     stride = rates[pattern]
-    lo_s = lo[reader, interval]
+    lo_s = lo[interval]
     start = lo_s + (first[reader] - lo_s) % stride
-    count = torch.clamp(-((start - hi[reader, interval]) // stride), min=0)
+    count = torch.clamp(-((start - hi[interval]) // stride), min=0)
     keep = count > 0
     span_id = torch.full(leads.shape, -1, dtype=torch.int64)
-    span_id[reader[keep], interval[keep], pattern[keep]] = torch.arange(int(keep.sum()))
+    span_id[interval[keep], pattern[keep]] = torch.arange(int(keep.sum()))
     reader, pattern, start, stride, count = (x[keep] for x in (reader, pattern, start, stride,
                                                                count))
-    # extras: (reader, interval, i) active but led by another pattern, on their leader's span
-    e_reader, e_interval, e_pattern = (active & ~leads).nonzero(as_tuple=True)
-    owner = span_id[e_reader, e_interval, leader[e_reader, e_interval, e_pattern]]
+    # extras: (interval, i) active but led by another pattern, on their leader's span
+    e_interval, e_pattern = (active & ~leads).nonzero(as_tuple=True)
+    owner = span_id[e_interval, leader[e_interval, e_pattern]]
     e_keep = owner >= 0
     owner, e_pattern = owner[e_keep], e_pattern[e_keep]
     period = rates[e_pattern] // stride[owner]
@@ -398,6 +398,33 @@ def _spans(selected: Tensor, first: Tensor, seg_lo: Tensor, seg_hi: Tensor, leng
     table = torch.stack([heads[reader], start, stride, count, extra_hi - per_span, extra_hi],
                         dim=1)
     return _Spans(reader, table, torch.stack([period[order], phase[order]], dim=1))
+
+
+def _leaders(active: Tensor, rates: Tensor) -> Tensor:
+    """(..., P) -> (..., P): each active pattern's leader, the active pattern of least rate
+    (then index) that divides its rate. Leaders make spans; the others are extra counts on
+    their leader's. Computed once per distinct set of active patterns (a few dozen at most,
+    against 730K non-empty intervals of a rank's piece at a billion tokens): the (P, P)
+    choice per interval was most of the piece plans' time there."""
+    p = rates.numel()
+    flat = active.reshape(-1, p)
+    # which (R,): the set of each row, numbered from 0, by bit codes of 62 patterns at a
+    # time (a row-wise torch.unique(dim=0) sorts rows: 30x slower here)
+    which: Optional[Tensor] = None
+    for part in flat.split(62, dim=1):
+        code = (part.long() << torch.arange(part.shape[1])).sum(1)
+        values, inverse = torch.unique(code, sorted=False, return_inverse=True)
+        which = inverse if which is None else torch.unique(
+            which * values.numel() + inverse, sorted=False, return_inverse=True)[1]
+    count = int(which.max()) + 1 if which.numel() else 0
+    first = torch.zeros(count, dtype=torch.int64).scatter_reduce_(
+        0, which, torch.arange(flat.shape[0]), reduce="amin", include_self=False)
+    sets = flat[first]  # (U, P)
+    divides = rates[:, None] % rates[None, :] == 0  # (P_i, P_k): r_k divides r_i
+    rank = rates * p + torch.arange(p)  # (P,) least rate first, then index
+    candidate = sets[:, None, :] & divides  # (U, P_i, P_k)
+    leader = torch.where(candidate, rank, _BIG).argmin(-1)  # (U, P)
+    return leader[which].reshape(active.shape)
 
 
 # --------------------------------------------------------------------------
