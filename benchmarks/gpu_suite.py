@@ -19,6 +19,10 @@ fused.TUNED_TILE_SIZES first):
 - ``tests``: the fused kernel's tests (tests/test_fused*.py) on the GPU, the
   CUDA tests (``pytest -m cuda``: tests/test_cuda.py and the other
   CUDA-marked tests), tests/test_compile.py.
+- ``smoke``: a subset of ``tests`` for a short lease (a few minutes, where
+  the whole part takes six: each fused kernel compiles in two variants):
+  tests/test_fused.py's bf16 cases against float64, the non-finite rule and
+  a CUDA graph of a training step. Not in ``all``.
 - ``strided``: may the CUDA kernels read strided views instead of gathered
   copies (``policy.STRIDED_VIEWS["cuda"]``)? Per SDPA kernel (cuDNN, flash,
   memory-efficient) and dtype, forward and backward on the views a rate-2
@@ -139,6 +143,10 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS,
             [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "tests"],
             [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_compile.py"],
         ],
+        # a few minutes' subset of them for a short lease: bf16 against float64, the
+        # non-finite rule (the kernels' variants), a CUDA graph of a training step
+        "smoke": [[PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fused.py",
+                   "-k", "bfloat16 or nonfinite or cuda_graph"]],
         "strided": [
             [PY, "benchmarks/gpu_suite.py", "--strided-check"],
             [PY, "benchmarks/bench_strided.py", "--device", "cuda", "--dtype", "bfloat16",
@@ -490,8 +498,8 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     # the parts in the order asked for (all: the suite's order)
-    # (all: every part but compare, which needs --baseline)
-    todo = ([n for n in names if n != "compare"] if "all" in args.part
+    # (all: every part but compare, which needs --baseline, and smoke, a subset of tests)
+    todo = ([n for n in names if n not in ("compare", "smoke")] if "all" in args.part
             else list(dict.fromkeys(args.part)))
     table = parts(args.seq_lens, args.baseline)
     if args.list:
