@@ -179,8 +179,7 @@ def dilated_attention_local(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns,
     """
     heads = heads or Heads.of(q.shape[2], k.shape[2])
     op = _forward_op if torch.compiler.is_compiling() else _LocalAttention.apply
-    out, lse, _ = op(q, k, v, list(patterns[0]), list(patterns[1]), opts.causal,
-                              opts.scale, opts.backend, opts.dropout_p, opts.seed, heads.first,
-                              list(heads.kv_of), None if documents is None else list(documents),
-                              key_mask, nonfinite_rule)
+    out, lse, _ = op(q, k, v, list(patterns[0]), list(patterns[1]), opts.causal, opts.scale,
+                     opts.backend, opts.dropout_p, opts.seed, heads.first, list(heads.kv_of),
+                     None if documents is None else list(documents), key_mask, nonfinite_rule)
     return out, lse
