@@ -26,7 +26,9 @@ kernel's path with the Triton launches replaced by no-ops: fp32 CPU tensors of 6
 rows (so that the input check's three sums, device work on a GPU, cost little),
 LongNet's setting, backend "triton" (TRITON_INTERPRET=1 is set; nothing runs in the
 interpreter). Per pass: min / median / max microseconds per call over repeats of
-many calls, and with --profile cProfile's top functions. What is left is the
+many calls, the aten ops one call dispatches (torch.profiler; views and allocations
+left out: on a GPU each of the rest is a launch, though a CPU reduction also
+dispatches a fill and a copy), and with --profile cProfile's top functions. What is left is the
 Python between the user's call and the launches (validation, the agreement, the
 op's dispatch into autograd, the plan lookup, the launch arguments), which a GPU
 call adds on top of its launches.
@@ -103,6 +105,21 @@ def measure(call) -> str:
                                              max_name_column_width=50))
 
 
+# ops that launch nothing on a GPU: views, allocations, metadata
+_NO_LAUNCH = {"aten::" + name for name in (
+    "empty", "empty_strided", "empty_like", "as_strided", "view", "select", "slice", "detach",
+    "unsqueeze", "expand", "alias", "transpose", "permute", "t", "reshape", "_reshape_alias",
+    "lift_fresh", "resolve_conj", "resolve_neg", "set_", "to")}
+
+
+def dispatched_ops(call) -> int:
+    """The aten ops one `call` dispatches, _NO_LAUNCH left out."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    return sum(event.count for event in prof.key_averages()
+               if event.key.startswith("aten::") and event.key not in _NO_LAUNCH)
+
+
 def host_only(repeats: int, calls: int, profile_top: int) -> str:
     """The host's Python per call, the fused kernel's launches stubbed (module docstring)."""
     os.environ["TRITON_INTERPRET"] = "1"
@@ -141,7 +158,8 @@ def host_only(repeats: int, calls: int, profile_top: int) -> str:
                     call()
                 per_call.append((time.perf_counter() - start) / calls * 1e6)
             lines.append(f"{name}: min {min(per_call):.1f}, median "
-                         f"{statistics.median(per_call):.1f}, max {max(per_call):.1f} us")
+                         f"{statistics.median(per_call):.1f}, max {max(per_call):.1f} us; "
+                         f"{dispatched_ops(call)} aten ops")
             if profile_top:
                 profiler = cProfile.Profile()
                 profiler.runcall(lambda: [call() for _ in range(calls)])
