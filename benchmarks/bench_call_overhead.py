@@ -28,8 +28,8 @@ LongNet's setting, backend "triton" (TRITON_INTERPRET=1 is set; nothing runs in 
 interpreter). Per pass: min / median / max microseconds per call over repeats of
 many calls, the aten ops one call dispatches (torch.profiler; views and allocations
 left out: on a GPU each of the rest is a launch, though a CPU reduction also
-dispatches a fill and a copy), and with --profile cProfile's top functions. What is left is the
-Python between the user's call and the launches (validation, the agreement, the
+dispatches a fill and a copy), and with --profile cProfile's top functions. What is
+left is the Python between the user's call and the launches (validation, the agreement, the
 op's dispatch into autograd, the plan lookup, the launch arguments), which a GPU
 call adds on top of its launches.
 """

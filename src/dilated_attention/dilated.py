@@ -162,9 +162,7 @@ class _LocalAttention(torch.autograd.Function):
         _setup_context(ctx, inputs, output)
         return output
 
-    @staticmethod
-    def backward(ctx, dout, dlse, dnonfinite):
-        return _backward(ctx, dout, dlse, dnonfinite)
+    backward = staticmethod(_backward)
 
 
 def dilated_attention_local(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns,

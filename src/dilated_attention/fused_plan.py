@@ -361,7 +361,7 @@ def _spans(selected: Tensor, first: Tensor, seg_lo: Tensor, seg_hi: Tensor, leng
     cuts = torch.cat([torch.where(selected, seg_lo, _BIG), torch.where(selected, seg_hi, _BIG),
                       limit], dim=1).sort(dim=1).values
     lo, hi = cuts[:, :-1], cuts[:, 1:]  # (D, I)
-    # the V non-empty intervals (a third at a billion tokens), by reader, then position
+    # the V non-empty intervals (most are empty at a billion tokens), by reader, then position
     nonempty = lo < hi
     if causal:
         nonempty &= (lo >= 0) if keys else (hi <= length[:, None])
@@ -403,23 +403,21 @@ def _spans(selected: Tensor, first: Tensor, seg_lo: Tensor, seg_hi: Tensor, leng
 def _leaders(active: Tensor, rates: Tensor) -> Tensor:
     """(..., P) -> (..., P): each active pattern's leader, the active pattern of least rate
     (then index) that divides its rate. Leaders make spans; the others are extra counts on
-    their leader's. Computed once per distinct set of active patterns (a few dozen at most,
-    against 730K non-empty intervals of a rank's piece at a billion tokens): the (P, P)
+    their leader's. Computed once per distinct set of active patterns (few, against
+    hundreds of thousands of intervals in a rank's piece at a billion tokens): the (P, P)
     choice per interval was most of the piece plans' time there."""
     p = rates.numel()
     flat = active.reshape(-1, p)
     # which (R,): the set of each row, numbered from 0, by bit codes of 62 patterns at a
-    # time (a row-wise torch.unique(dim=0) sorts rows: 30x slower here)
+    # time (a row-wise torch.unique(dim=0), which sorts whole rows, was far slower)
     which: Optional[Tensor] = None
     for part in flat.split(62, dim=1):
         code = (part.long() << torch.arange(part.shape[1])).sum(1)
         values, inverse = torch.unique(code, sorted=False, return_inverse=True)
         which = inverse if which is None else torch.unique(
             which * values.numel() + inverse, sorted=False, return_inverse=True)[1]
-    count = int(which.max()) + 1 if which.numel() else 0
-    first = torch.zeros(count, dtype=torch.int64).scatter_reduce_(
-        0, which, torch.arange(flat.shape[0]), reduce="amin", include_self=False)
-    sets = flat[first]  # (U, P)
+    sets = flat.new_zeros(int(which.max()) + 1 if which.numel() else 0, p)  # (U, P)
+    sets[which] = flat  # the rows of one set are equal: any of them writes it
     divides = rates[:, None] % rates[None, :] == 0  # (P_i, P_k): r_k divides r_i
     rank = rates * p + torch.arange(p)  # (P,) least rate first, then index
     candidate = sets[:, None, :] & divides  # (U, P_i, P_k)

@@ -18,8 +18,8 @@ Non-finite inputs (docs/spec.md, "Non-finite inputs"): each kernel has a
 second variant (NONFINITE) that applies the rule itself, launched after the
 plain one over the same tiles; its programs return at once unless AnyBad (the
 op's device-side check: the sums of q, k and v, read by no host) holds a NaN or
-an infinity, and then overwrite what the plain one wrote. In it a key row whose k holds a NaN or an
-infinity gets a NaN logit, so a query attending it gets a NaN out and lse
+an infinity, and then overwrite what the plain one wrote. In it a key row whose
+k holds a NaN or an infinity gets a NaN logit, so a query attending it gets a NaN out and lse
 whatever the signs (a -inf logit would otherwise drop the key); a non-finite
 value row reaches the out of every query attending it through the products,
 and an out that is not finite becomes NaN. Where a chunk is masked (causal,
