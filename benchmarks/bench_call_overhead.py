@@ -15,7 +15,10 @@ forward and forward + backward. Per case, after three warm-up calls:
   profiler's table of them;
 - host: torch.profiler's CPU table of 5 calls queued without a synchronise, by self CPU
   time: the host's own work per op, and any call that waits for the device (a read-back,
-  an allocation that syncs, a full launch queue) shows as the CUDA runtime call it waits in.
+  an allocation that syncs, a full launch queue) shows as the CUDA runtime call it waits in;
+- with --profile TOP: cProfile's TOP Python functions by own time over 20 calls queued
+  without a synchronise: where the host's Python goes on that machine, Triton's launcher
+  (``JITFunction.run`` and the binder it generates) included, which --host-only stubs.
 
 Wall minus kernels is what the host adds to a call that nothing overlaps (a benchmark's,
 or a model's first layer): at 8K on an H100 it was half the call (BENCHMARKS.md, "The
@@ -72,7 +75,16 @@ def call_of(n: int, backend: str, training: bool):
     return call
 
 
-def measure(call) -> str:
+def python_profile(run, top: int) -> str:
+    """cProfile's `top` functions by own time while `run()` runs."""
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def measure(call, profile_top: int = 0) -> str:
     for _ in range(3):
         call()
     torch.cuda.synchronize()
@@ -96,13 +108,19 @@ def measure(call) -> str:
         for _ in range(5):
             call()
     torch.cuda.synchronize()
+    python = ""
+    if profile_top:
+        python = ("Python, 20 calls queued without a synchronise:\n"
+                  + python_profile(lambda: [call() for _ in range(20)], profile_top))
+        torch.cuda.synchronize()
     return (f"wall median {statistics.median(walls) * 1e3:.3f} ms (min {min(walls) * 1e3:.3f}); "
             f"host per call, unsynchronised {host * 1e3:.3f} ms; kernels {kernels:.3f} ms\n"
             + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8,
                                         max_name_column_width=50)
             + "host, 5 calls queued without a synchronise:\n"
             + host_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
-                                             max_name_column_width=50))
+                                             max_name_column_width=50)
+            + python)
 
 
 # ops that launch nothing on a GPU: views, allocations, metadata
@@ -161,12 +179,8 @@ def host_only(repeats: int, calls: int, profile_top: int) -> str:
                          f"{statistics.median(per_call):.1f}, max {max(per_call):.1f} us; "
                          f"{dispatched_ops(call)} aten ops")
             if profile_top:
-                profiler = cProfile.Profile()
-                profiler.runcall(lambda: [call() for _ in range(calls)])
-                text = io.StringIO()
-                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(
-                    profile_top)
-                lines.append(text.getvalue())
+                lines.append(python_profile(lambda: [call() for _ in range(calls)],
+                                            profile_top))
     finally:
         fused._kernels = real_kernels
     return "\n".join(lines)
@@ -181,7 +195,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=7, help="with --host-only")
     parser.add_argument("--calls", type=int, default=500, help="with --host-only, per repeat")
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
-                        help="with --host-only: cProfile's TOP functions by own time")
+                        help="also cProfile's TOP Python functions by own time")
     args = parser.parse_args(argv)
     if args.host_only:
         print(host_only(args.repeats, args.calls, args.profile))
@@ -194,7 +208,7 @@ def main(argv=None) -> int:
     for n in args.seq_lens:
         for training in (False, True):
             print(f"\nn = {n:,}, {'forward + backward' if training else 'forward'}: "
-                  + measure(call_of(n, args.backend, training)), flush=True)
+                  + measure(call_of(n, args.backend, training), args.profile), flush=True)
     return 0
 
 

@@ -60,7 +60,8 @@ fused.TUNED_TILE_SIZES first):
   dry run for the same 64K calls.
 - ``profile``: torch.profiler tables (CUDA kernels by time) of one 1M-token
   call, forward and forward + backward, per backend; then where a short call's
-  time goes at 8K and 64K (bench_call_overhead.py: wall against kernels), and
+  time goes at 8K and 64K (bench_call_overhead.py: wall against kernels, and
+  the Python of queued calls by function, Triton's launcher included), and
   the host's Python alone on this machine's CPU (its --host-only).
 
 The report (markdown: device, driver, CUDA, cuDNN, torch, triton, commit,
@@ -181,7 +182,9 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS,
         ],
         "profile": [[PY, "benchmarks/gpu_suite.py", "--profile-case", backend]
                     for backend in (sdpa, "triton")]
-        + [[PY, "benchmarks/bench_call_overhead.py", "--seq-lens", "8192", "65536"],
+        # with the Python of queued calls by function: Triton's launcher against ours
+        + [[PY, "benchmarks/bench_call_overhead.py", "--seq-lens", "8192", "65536",
+            "--profile", "25"],
            # the host's Python alone on this machine's CPU (launches stubbed): how much of
            # the host's time per GPU call is Python, and how much the launches
            [PY, "benchmarks/bench_call_overhead.py", "--host-only"]],
