@@ -271,6 +271,8 @@ def dilated_attention(
                                    backend=backend, masked=tensors["key_padding_mask"],
                                    head_dim=q.shape[-1])
         whole_op_backend = kernel(whole_op=True)
+        # a named kernel is each launch's too (checked once); auto may differ per launch
+        launch_backend = kernel() if backend == "auto" else whole_op_backend
         # whether a q, k or v row holds a non-finite number (this rank's own; see
         # _nonfinite_keys). Not read back where one device runs the fused kernels: they
         # apply the rule themselves, from a flag left on the device (no sync)
@@ -294,7 +296,7 @@ def dilated_attention(
             # where a rank computes the whole op on its rows (one device, or a Ulysses
             # rank's heads over all rows of its block: auto may pick the fused kernel
             # there, which then runs the exchange's own pairs too); this rank's dropout seed
-            "backend": kernel(),
+            "backend": launch_backend,
             "whole_op_backend": whole_op_backend,
             "seed": dropout_seed(p),
         }
@@ -307,8 +309,9 @@ def dilated_attention(
     patterns = (call["segment_lengths"], call["dilation_rates"])
     opts = KernelOptions(call["is_causal"], call["scale"], call["backend"], call["dropout_p"],
                          call["seed"])
-    route = _Route.of(call["strategy"], group, layout,
-                      _shape(call, lengths, patterns, call["is_causal"], documents))
+    route = (_Route.of(call["strategy"], group, layout,
+                       _shape(call, lengths, patterns, call["is_causal"], documents))
+             if distributed else _Route("local", None, group))
     if comm.group_rank(group) == 0:
         _warn_unread(sum(lengths), patterns, call["heads"], documents)
 

@@ -42,6 +42,16 @@ def _check_index(name: str, value) -> int:
     return value
 
 
+def _indices(name: str, values: Sequence) -> Tuple[int, ...]:
+    """Each entry of `values` checked by _check_index, as a tuple; errors name `name[i]`."""
+    values = tuple(values)
+    # plain ints in range skip the per-entry calls (and their names' formatting): every call
+    # of the ops checks its patterns
+    if all(type(value) is int and 0 < value <= INDEX_MAX for value in values):
+        return values
+    return tuple(_check_index(f"{name}[{i}]", value) for i, value in enumerate(values))
+
+
 def check_patterns(segment_lengths, dilation_rates) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """Validate the pattern lists; return them as tuples of ints."""
     for name, seq in (("segment_lengths", segment_lengths), ("dilation_rates", dilation_rates)):
@@ -56,8 +66,8 @@ def check_patterns(segment_lengths, dilation_rates) -> Tuple[Tuple[int, ...], Tu
             f"{list(segment_lengths)!r} ({len(segment_lengths)}) and {list(dilation_rates)!r} "
             f"({len(dilation_rates)})"
         )
-    segs = tuple(_check_index(f"segment_lengths[{i}]", w) for i, w in enumerate(segment_lengths))
-    rates = tuple(_check_index(f"dilation_rates[{i}]", r) for i, r in enumerate(dilation_rates))
+    segs, rates = _indices("segment_lengths", segment_lengths), _indices("dilation_rates",
+                                                                        dilation_rates)
     for i, (w, r) in enumerate(zip(segs, rates)):
         if r > w:
             raise ValueError(
