@@ -26,7 +26,7 @@ fused kernel"). Needs a CUDA device.
 
 --host-only (no device needed) times the host's own work per call of the fused
 kernel's path with the Triton launches replaced by no-ops: fp32 CPU tensors of 64
-rows (so that the input check's three sums, device work on a GPU, cost little),
+rows (so that the input check's sum, device work on a GPU, costs little),
 LongNet's setting, backend "triton" (TRITON_INTERPRET=1 is set; nothing runs in the
 interpreter). Per pass: min / median / max microseconds per call over repeats of
 many calls, the aten ops one call dispatches (torch.profiler; views and allocations

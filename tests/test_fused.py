@@ -355,11 +355,14 @@ FLAGGED = [("q", 0, 0, 0, 0, math.nan), ("q", 1, 37, 1, 11, -math.inf),
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy, in the interpreter
-def test_the_nonfinite_check_is_set_by_any_nonfinite_input() -> None:
+def test_the_nonfinite_check_is_set_by_every_nonfinite_input_the_kernels_read() -> None:
     """The check that the single-device op hands the kernels' variants for the non-finite
-    rule (the sums of q, k and v, left on the device, never read back): a NaN or an
-    infinity anywhere in q, k or v makes a sum non-finite (any batch row, row, head or
-    element, a key row no query attends included); finite inputs leave them finite."""
+    rule (left on the device, never read back): the sum of k, which the plain forward makes
+    NaN where a q row or an out it writes is not finite. A NaN or an infinity anywhere in q
+    or k sets it (any batch row, row, head or element, a key row no query attends
+    included), and in v wherever a program loads the row; a value row that no program
+    loads leaves it finite and the result bit for bit that of finite inputs. Finite inputs
+    leave it finite."""
     from dilated_attention import dilated
 
     gen = torch.Generator().manual_seed(3)
@@ -367,16 +370,39 @@ def test_the_nonfinite_check_is_set_by_any_nonfinite_input() -> None:
     q = torch.randn(2, 40, 2, 12, generator=gen).to(DEVICE)
     k, v = (torch.randn(2, 40, 2, 12, generator=gen).to(DEVICE) for _ in range(2))
 
-    def flag(q, k, v) -> bool:
-        out, lse, nonfinite = dilated.forward_flat(
-            q, k, v, [8], [4], False, 0.3, "triton", 0.0, 0, 0, [0, 1], None, None, True)
-        return not bool(torch.isfinite(nonfinite).all())
+    def run(q, k, v):
+        return dilated.forward_flat(q, k, v, [8], [4], False, 0.3, "triton", 0.0, 0, 0, [0, 1],
+                                    None, None, True)
 
-    assert not flag(q, k, v)
+    out, lse, check = run(q, k, v)
+    assert bool(torch.isfinite(check).all())
     for name, b, row, head, element, value in FLAGGED:
         planted = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
         planted[name][b, row, head, element] = value
-        assert flag(planted["q"], planted["k"], planted["v"]), (name, b, row, head, element)
+        got_out, got_lse, got_check = run(planted["q"], planted["k"], planted["v"])
+        unread = name == "v" and row % 4 >= 2
+        assert bool(torch.isfinite(got_check).all()) == unread, (name, b, row, head, element)
+        if unread:
+            assert torch.equal(got_out, out) and torch.equal(got_lse, lse)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy, in the interpreter
+def test_a_key_whose_logits_are_all_minus_inf_still_gives_nan() -> None:
+    """A key row with a -inf element whose every query has a positive weight there: its
+    logits are all -inf, so the plain kernel drops it and writes finite outs; the check (the
+    sum of k) still sends the rule's variant, which gives every query that attends it NaN."""
+    case = Case(32, (8, 16), (1, 2), False, h=2, hk=1)
+    leaves, _, _, mask = inputs(case)
+    with torch.no_grad():
+        q, k, _ = leaves
+        q[..., 0] = q[..., 0].abs() + 0.5
+        k[0, 5, 0, 0] = -math.inf
+    out, lse = op(case)(*leaves, mask)
+    counts = dilated_counts(case.n, case.h, case.segment_lengths, case.dilation_rates, False)
+    attends = (counts[:, :, 5] > 0).T  # (n, h)
+    assert attends.any() and not attends.all()
+    assert torch.equal(torch.isnan(lse.detach()[0].cpu()).T, attends)
+    assert torch.equal(torch.isnan(out.detach()[0].cpu()).all(-1), attends)
 
 
 PIECES = [  # (case, first row, rows of the piece)

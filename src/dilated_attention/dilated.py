@@ -54,19 +54,20 @@ def forward_flat(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int],
                  cu_seqlens: Optional[List[int]], key_mask: Optional[Tensor],
                  nonfinite_rule: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """The single-device forward: q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse
-    (b, n, h) fp32, and 3 fp32 sums for the backward; the call flattened to custom-op argument
-    types (key_mask (b, n) bool, True = ignore that key; cu_seqlens: documents, each an
-    independent sequence). nonfinite_rule: the fused kernels apply docs/spec.md's non-finite
-    rule (the caller checked nothing); the vector is then the sums of q, k and v, one of
-    them not finite where they hold a NaN or an infinity (kernels.input_sums, left on the
-    device), else unset and unread."""
+    (b, n, h) fp32, and an fp32 check (1,) for the backward; the call flattened to custom-op
+    argument types (key_mask (b, n) bool, True = ignore that key; cu_seqlens: documents, each
+    an independent sequence). nonfinite_rule: the fused kernels apply docs/spec.md's non-finite
+    rule (the caller checked nothing); the vector is then their check, left on the device
+    and not finite where q, k or v holds a NaN or an infinity that the kernels read (the
+    sum of k, made NaN by the forward kernel where a q row or an out is not finite;
+    triton_kernels' module docstring), else unset and unread."""
     patterns, opts, heads, documents = _unflatten(segment_lengths, dilation_rates, causal, scale,
                                                   backend, dropout_p, seed, first_head, kv_of,
                                                   cu_seqlens)
     if opts.backend == "triton" and nonfinite_rule:
-        nonfinite = input_sums(q, k, v)
+        nonfinite = input_sums(k)
     else:
-        nonfinite = torch.empty(3, dtype=torch.float32, device=q.device)
+        nonfinite = torch.empty(1, dtype=torch.float32, device=q.device)
     if opts.backend == "triton":
         out, lse = fused.forward(q, k, v, patterns, causal=causal, scale=scale, heads=heads,
                                  documents=documents, key_mask=key_mask,
@@ -84,7 +85,7 @@ def backward_flat(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   cu_seqlens: Optional[List[int]], key_mask: Optional[Tensor],
                   nonfinite_rule: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of `forward_flat`, given its final out (b, n, h, d), lse (b, n, h) and
-    input sums (its nonfinite check)."""
+    nonfinite check."""
     patterns, opts, heads, documents = _unflatten(segment_lengths, dilation_rates, causal, scale,
                                                   backend, dropout_p, seed, first_head, kv_of,
                                                   cu_seqlens)
@@ -117,7 +118,7 @@ def _unflatten(segment_lengths, dilation_rates, causal, scale, backend, dropout_
 @_forward_op.register_fake
 def _forward_shapes(q, k, v, *args):
     return (torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype)),
-            q.new_empty(3, dtype=torch.float32))
+            q.new_empty(1, dtype=torch.float32))
 
 
 @_backward_op.register_fake

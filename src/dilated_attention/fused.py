@@ -11,10 +11,10 @@ layout); out, lse, dq, dk, dv are written once each, with no zero fill. The
 backward runs two kernels: dq over the query tiles (it also stores delta =
 rowsum(dout * out) - dlse, one fp32 per (row, head)), then dK/dV over the
 key tiles, which reads delta. With a `nonfinite` check (the single-device op:
-the sums of q, k, v) each kernel is launched again in its variant for the
-non-finite rule, which does nothing unless a sum is not finite, and then
-writes everything a second time
-(triton_kernels' module docstring).
+the sum of k, which the plain forward makes NaN where a q row or an out is not
+finite) each kernel is launched again in its variant for the non-finite rule,
+which does nothing unless the check is not finite, and then writes everything a
+second time (triton_kernels' module docstring).
 
 Notation: b batch, n rows (m key rows), h query heads, hk key/value heads,
 d head dim; layout (b, n, h, d); lse and delta (b, n, h) float32.
@@ -193,10 +193,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, *, causal: bool
     (a sequence-parallel rank's); out and lse are then those rows' attention over these
     keys alone (tile_plan's window), a part to merge with the other keys' by the lse.
 
-    nonfinite: `kernels.input_sums(q, k, v)`, on the device: where a sum is not finite,
-    the kernels' variant that applies docs/spec.md's non-finite rule runs too (no host
-    sync: its programs read the sums). None: the caller has replaced non-finite rows
-    (functional._nonfinite_keys), as the sequence-parallel paths do."""
+    nonfinite: `kernels.input_sums(k)`, on the device, which the plain kernel makes NaN
+    where a q row or an out is not finite: where it is not finite, the kernels' variant
+    that applies docs/spec.md's non-finite rule runs too (no host sync: its programs read
+    it). None: the caller has replaced non-finite rows (functional._nonfinite_keys), as
+    the sequence-parallel paths do."""
     return _forward(q, k, v, _planner(q, k, patterns, causal, heads, documents, piece), causal,
                     scale, _per_kv_head(key_mask, k), nonfinite)
 
@@ -264,15 +265,17 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
     has_mask = mask is not None
     mask, mask_strides = _mask_arg(mask, lse)
     # a plan has a tile for every (row, head): none only for an empty sequence; the rule's
-    # variant after the plain one, over the same tiles (it overwrites them where it runs)
+    # variant after the plain one, over the same tiles (it overwrites them where it runs);
+    # the plain one completes the check first (REPORT)
     for rule in _variants(nonfinite):
         kernels.fused_forward[(plan.tiles.shape[0], b)](
-            q, k, v, out, lse, mask, nonfinite if rule else lse, plan.tiles, plan.rows,
-            plan.spans, plan.extras,
+            q, k, v, out, lse, mask, lse if nonfinite is None else nonfinite, plan.tiles,
+            plan.rows, plan.spans, plan.extras,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *mask_strides,
             d, scale * kernels.LOG2E,
             CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
             EXTRAS=plan.max_extras, POW2_PERIODS=plan.pow2_periods, NONFINITE=rule,
+            REPORT=not rule and nonfinite is not None,
             BLOCK_M=plan.block_m, BLOCK_N=sizes.forward.chunk, BLOCK_D=_head_block(d),
             num_warps=sizes.forward.num_warps, num_stages=sizes.num_stages,
         )

@@ -17,8 +17,15 @@ positive), and the count a product after it, not a log2 added before.
 Non-finite inputs (docs/spec.md, "Non-finite inputs"): each kernel has a
 second variant (NONFINITE) that applies the rule itself, launched after the
 plain one over the same tiles; its programs return at once unless AnyBad (the
-op's device-side check: the sums of q, k and v, read by no host) holds a NaN or
-an infinity, and then overwrite what the plain one wrote. In it a key row whose
+op's device-side check, read by no host) is a NaN or an infinity, and then
+overwrite what the plain one wrote. The check is the sum of k
+(``kernels.input_sums``), which the plain forward (REPORT) turns into a NaN where
+a q row it loads, or an out it writes, is not finite. That covers every input the
+rule concerns at no cost in the key loop: a non-finite q row is its tile's own; a
+non-finite value row that a program loads reaches its out through the products
+(p v, 0 * inf and 0 * NaN included); a non-finite key row can leave every out
+finite (a -inf logit only drops the key), hence its sum. A value row that no
+program loads changes nothing and is not reported. In the rule's variant a key row whose
 k holds a NaN or an infinity gets a NaN logit, so a query attending it gets a NaN out and lse
 whatever the signs (a -inf logit would otherwise drop the key); a non-finite
 value row reaches the out of every query attending it through the products,
@@ -111,11 +118,10 @@ def _finite(x):
 
 
 @triton.jit
-def _all_finite(sums):
-    """Whether the op's input check (the sums of q, k and v: kernels.input_sums) is finite:
-    then q, k and v hold no NaN and no infinity."""
-    i = tl.arange(0, 4)
-    return tl.min(tl.where(_finite(tl.load(sums + i, mask=i < 3, other=0.0)), 1, 0), 0) == 1
+def _all_finite(check):
+    """Whether the op's check (module docstring) is finite: then q, k and v hold no NaN and
+    no infinity that a kernel reads."""
+    return _finite(tl.load(check))
 
 
 @triton.jit
@@ -281,17 +287,23 @@ def fused_forward(
     sob, son, soh, sod, slb, sln, slh, smb, smn, smh,
     head_dim, scale_log2,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
-    POW2_PERIODS: tl.constexpr, NONFINITE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    POW2_PERIODS: tl.constexpr, NONFINITE: tl.constexpr, REPORT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """out, lse of one query tile: the online softmax over its spans' keys, each span's
     whole unmasked chunks first, then the masked rest. NONFINITE: the variant that applies
-    the non-finite rule, where AnyBad is not finite (module docstring)."""
+    the non-finite rule, where AnyBad is not finite; REPORT (the plain variant before it):
+    a non-finite q row or out element makes AnyBad NaN (module docstring)."""
     if NONFINITE:
         if _all_finite(AnyBad):
             return
     b, head, span_lo, span_hi, cell, t, row_ok, first, last = _program(tiles, rows, BLOCK_M)
     q = _load_rows(Q, b, t, row_ok, head, sqb, sqn, sqh, sqd, head_dim, BLOCK_D)
+    if REPORT:
+        # taken now: nothing of it stays live through the key loop but this scalar (a sum
+        # is not finite where an element is not, or where finite ones overflow: then the
+        # rule's variant runs for nothing, and gives the same result)
+        q_sum = tl.sum(tl.sum(q.to(tl.float32), 1), 0)
     d_ok = tl.arange(0, BLOCK_D)[None, :] < head_dim
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -322,6 +334,10 @@ def fused_forward(
     # natural log: (m + log2 l) * ln 2; a row that attends nothing: -inf
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
+    if REPORT:
+        # all programs store the same NaN: no atomics needed
+        if not _finite(q_sum + tl.sum(tl.sum(out, 1), 0)):
+            tl.store(AnyBad, float("nan"))
     if NONFINITE:
         # NaN for a non-finite q row (its own) or one that attends a non-finite k (l is
         # NaN); the out too where it attends a non-finite v (hit, else the products)
