@@ -118,9 +118,11 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def captured(step: Callable[[], None]) -> Callable[[], None]:
+def captured(step: Callable[[], None], name: str = "step") -> Callable[[], None]:
     """`step` captured once in a CUDA graph (after three warm-up calls on a side stream, as
-    capture needs), as the graph's replay: its kernels without any host work."""
+    capture needs), as the graph's replay: its kernels without any host work. A step whose
+    capture fails (a kernel that refuses capture) is timed as it is, with a line saying so:
+    the other steps' graphs still run, and the ratios against it mix the two."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -128,8 +130,14 @@ def captured(step: Callable[[], None]) -> Callable[[], None]:
             step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except RuntimeError as error:
+        torch.cuda.synchronize()
+        print(f"{name}: not captured, timed without a graph ({type(error).__name__}: "
+              f"{str(error).splitlines()[0] if str(error) else ''})", flush=True)
+        return step
     return graph.replay
 
 
@@ -478,13 +486,13 @@ def main(argv=None) -> None:
                 row.update(memory_inputs=mem, memory_bytes_per_token=mem * input_bytes / n)
             cells = ["-"] * 10
             if not args.memory_only:
-                wrap = captured if args.cuda_graph else (lambda step: step)
-                t = time_cases({impl: wrap(run_case(impl, n, dtype, backward))
+                wrap = captured if args.cuda_graph else (lambda step, name: step)
+                t = time_cases({impl: wrap(run_case(impl, n, dtype, backward), impl)
                                 for impl in TIMED}, args.repeats, args.min_seconds, args.queued)
                 dense = None
                 if n <= args.dense_max:
                     dense = statistics.median(time_cases(
-                        {"dense": wrap(run_case("dense_sdpa", n, dtype, backward))},
+                        {"dense": wrap(run_case("dense_sdpa", n, dtype, backward), "dense")},
                         args.repeats, args.min_seconds, args.queued)["dense"])
                 med = {impl: statistics.median(ts) for impl, ts in t.items()}
                 row.update(dilated_s=t["dilated"], ideal_s=t["ideal"],
