@@ -457,17 +457,29 @@ def test_a_piece_computes_its_own_pairs(case, first, rows) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Sharded:
-    """A call split over 2 ranks: `strategy` ("exchange", "ulysses", or "ring" for
+    """A call split over ranks: `strategy` ("exchange", "ulysses", or "ring" for
     ring_attention, whose case has one segment of n, rate 1), each rank's rows, the
-    call (n = sum(lengths)), and whether the ranks ran the fused kernel on dense
+    call (n = sum(lengths)), whether the ranks ran the fused kernel on dense
     per-launch blocks (on some rank) and on the whole op or their piece's own pairs (on
-    every rank)."""
+    every rank), and the layout of the rows ("zigzag": 2P chunks, rank p holds p and
+    2P-1-p)."""
 
     strategy: str
-    lengths: Tuple[int, int]
+    lengths: Tuple[int, ...]
     case: Case
     backend: str
     fused: Tuple[bool, bool]
+    layout: str = "contiguous"
+
+    def rows(self, rank: int) -> torch.Tensor:
+        """The global rows `rank` holds, in its local order."""
+        from dilated_attention.distributed.sharding import piece_ranges
+
+        if self.layout == "contiguous":  # pieces of any lengths
+            lo = sum(self.lengths[:rank])
+            return torch.arange(lo, lo + self.lengths[rank])
+        return torch.cat([torch.arange(lo, hi) for lo, hi in
+                          piece_ranges(self.case.n, len(self.lengths), rank, self.layout)])
 
 
 SHARDED = [
@@ -485,6 +497,12 @@ SHARDED = [
     Sharded("exchange", (12, 12), Case(24, (8, 16), (1, 2), False, h=2, hk=1,
                                        cu_seqlens=(0, 15, 24), masked=True), "triton",
             (True, True)),
+    # zigzag: rank 0 holds chunks 0 and 3, whose pairs across the gap (the 32-row segment;
+    # the second document) run beside its two fused calls; rank 1 chunks 1 and 2, one window
+    Sharded("exchange", (16, 16), Case(32, (8, 32), (1, 2), True, h=2, hk=1), "auto",
+            (False, True), "zigzag"),
+    Sharded("exchange", (16, 16), Case(32, (4, 32), (1, 2), False, cu_seqlens=(0, 5, 32),
+                                       masked=True), "triton", (True, True), "zigzag"),
 ]
 
 
@@ -496,11 +514,11 @@ def _counting(fn, ran: dict, key: str):
     return run
 
 
-def _check_rows(got, want, lo: int, hi: int, dtype: torch.dtype, what: str) -> None:
-    """A rank's (out, lse, dq, dk, dv) against rows [lo, hi) of the whole call's reference:
-    rows on dim 1, but lse (b, h, n) on dim 2."""
+def _check_rows(got, want, rows, dtype: torch.dtype, what: str) -> None:
+    """A rank's (out, lse, dq, dk, dv) against `rows` (a slice or an index) of the whole
+    call's reference: rows on dim 1, but lse (b, h, n) on dim 2."""
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
-        close(g, w[:, :, lo:hi] if name == "lse" else w[:, lo:hi], dtype, f"{what} {name}")
+        close(g, w[:, :, rows] if name == "lse" else w[:, rows], dtype, f"{what} {name}")
 
 
 def _sharded(group, calls):
@@ -518,22 +536,45 @@ def _sharded(group, calls):
         patches = (mock.patch.object(fused, "dense_forward",
                                      _counting(fused.dense_forward, ran, "dense")),
                    mock.patch.object(fused, "forward", _counting(fused.forward, ran, "op")))
-        lo, hi = sum(call.lengths[:rank]), sum(call.lengths[:rank + 1])
+        rows = call.rows(rank)
         leaves, dout, dlse, mask = inputs(case)
-        q, k, v = (x.detach()[:, lo:hi].requires_grad_() for x in leaves)
+        q, k, v = (x.detach()[:, rows].requires_grad_() for x in leaves)
         options = dict(is_causal=case.causal, group=group, return_lse=True,
                        backend=call.backend, cu_seqlens=case.cu_seqlens,
-                       key_padding_mask=None if mask is None else mask[:, lo:hi])
+                       key_padding_mask=None if mask is None else mask[:, rows])
         with patches[0], patches[1], fused_by_default:
             if call.strategy == "ring":
                 out, lse = ring_attention(q, k, v, **options)
             else:
                 out, lse = dilated_attention(q, k, v, list(case.segment_lengths),
                                              list(case.dilation_rates),
-                                             strategy=call.strategy, **options)
-            got = grads([out, lse], [dout[:, lo:hi], dlse[:, :, lo:hi]], [q, k, v])
+                                             strategy=call.strategy, layout=call.layout,
+                                             **options)
+            got = grads([out, lse], [dout[:, rows], dlse[:, :, rows]], [q, k, v])
         results.append(((out, lse) + got, ran))
     return results
+
+
+def test_a_zigzag_ranks_fused_piece() -> None:
+    """FusedPiece.of: a zigzag rank's chunks are one fused call each, or one where they
+    touch; the plan's launches between two chunks (a segment over both) run beside them,
+    and no launch within a chunk does."""
+    from dilated_attention.distributed.sequence_parallel import FusedPiece
+    from dilated_attention.layout import Layout
+    from dilated_attention.plan import make_plan
+
+    layout, patterns, heads = Layout.zigzag([16, 16]), ((8, 32), (1, 2)), Heads.of(2, 1)
+    pieces = []
+    for rank in range(2):
+        plan = make_plan(layout, patterns, True, heads, rank)
+        pieces.append((plan, FusedPiece.of(patterns, heads, None, layout, rank, plan)))
+    (plan, zero), (_, one) = pieces
+    assert zero.windows == ((0, 0, 8), (24, 8, 16)) and one.windows == ((8, 0, 16),)
+    assert zero.crossing and not one.crossing
+    lo_of = {block.index: block.lo for block in plan.blocks}
+    for launch in zero.crossing:  # the rows of chunk 3 against the keys of chunk 0 (causal)
+        assert lo_of[launch.q_blocks[0]] >= 8 > lo_of[launch.k_blocks[0]]
+        assert launch.keys.length == 8 and not launch.causal
 
 
 # Three ranks, the exchange with its own pairs fused: a dense segment over every rank (the
@@ -545,6 +586,9 @@ THREE_RANKS = [
             (False, True)),
     Sharded("exchange", (12, 12, 8), Case(32, (8, 32), (1, 2), True, d=16, h=4, hk=2,
                                           dtype=torch.float16), "triton", (True, True)),
+    # zigzag over three ranks: ranks 0 and 1 each hold two chunks apart, rank 2 two that touch
+    Sharded("exchange", (16, 16, 16), Case(48, (8, 48), (1, 4), True, h=4, hk=2), "triton",
+            (True, True), "zigzag"),
 ]
 
 
@@ -556,7 +600,8 @@ def test_sequence_parallel_with_the_fused_kernel(ranks, calls) -> None:
     and the exchange with "auto", give each rank its rows of the fp64 reference of the
     whole sequence (out, lse and the gradients with an lse gradient; packed documents and
     padding too), and run the fused kernel where `Sharded.fused` says: the exchange runs
-    each rank's own pairs in one fused call, its launches on received keys beside it."""
+    each rank's own pairs in fused calls (one per chunk of a zigzag rank, the pairs across
+    its two chunks beside them), its launches on received keys beside it."""
     from dist_harness import run_distributed
 
     by_rank = run_distributed(_sharded, ranks, calls, timeout=300)
@@ -569,9 +614,8 @@ def test_sequence_parallel_with_the_fused_kernel(ranks, calls) -> None:
         assert (any(r["dense"] for r in ran), all(r["op"] for r in ran)) == call.fused, \
             (call, ran)
         for rank in range(ranks):
-            lo, hi = sum(call.lengths[:rank]), sum(call.lengths[:rank + 1])
-            _check_rows(by_rank[rank][i][0], want, lo, hi, call.case.dtype,
-                        f"{call.strategy} {call.backend} rank {rank}")
+            _check_rows(by_rank[rank][i][0], want, call.rows(rank), call.case.dtype,
+                        f"{call.strategy} {call.layout} {call.backend} rank {rank}")
 
 
 MESH_LENGTHS = (6, 5, 7, 6)  # pieces s * U + u of a 2 x 2 mesh
@@ -615,7 +659,7 @@ def test_a_mesh_runs_each_ranks_own_pairs_fused() -> None:
     for piece, got, fused_calls in run_distributed(_on_a_mesh, 4, case, timeout=300):
         assert fused_calls == 1, (piece, fused_calls)
         lo, hi = sum(MESH_LENGTHS[:piece]), sum(MESH_LENGTHS[:piece + 1])
-        _check_rows(got, want, lo, hi, torch.float32, f"piece {piece}")
+        _check_rows(got, want, slice(lo, hi), torch.float32, f"piece {piece}")
 
 
 # --------------------------------------------------------------------------

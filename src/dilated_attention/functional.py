@@ -319,7 +319,7 @@ def dilated_attention(
                  opts: KernelOptions, group, lengths) -> Tuple[Tensor, Tensor]:
         """The attention of these rows over `group` (the exchange), or locally."""
         if comm.is_distributed(group):
-            # the rank's own pairs in one fused call where the whole op would run fused
+            # the rank's own pairs in fused calls where the whole op would run fused
             return sequence_parallel_dilated_attention(
                 q, k, v, patterns, opts, group, lengths, heads=heads, documents=documents,
                 key_mask=mask, layout=Layout.named(layout, lengths),

@@ -186,7 +186,8 @@ Planner = Callable[..., TilePlan]
 def forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, *, causal: bool, scale: float,
             heads: Heads, documents: Documents, key_mask: Optional[Tensor],
             piece: Optional[Tuple[int, int]] = None,
-            nonfinite: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+            nonfinite: Optional[Tensor] = None,
+            into: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor]:
     """q (b, n, h, d), k/v (b, n, hk, d), key_mask (b, n) or None -> out, lse (b, n, h).
 
     piece (first row, total rows): q, k, v are rows [first, first + n) of a longer sequence
@@ -197,22 +198,27 @@ def forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, *, causal: bool
     where a q row or an out is not finite: where it is not finite, the kernels' variant
     that applies docs/spec.md's non-finite rule runs too (no host sync: its programs read
     it). None: the caller has replaced non-finite rows (functional._nonfinite_keys), as
-    the sequence-parallel paths do."""
+    the sequence-parallel paths do.
+
+    into: (out, lse) to write instead of new tensors, views of larger ones allowed (the
+    kernels write through strides): a zigzag rank's chunks write one output."""
     return _forward(q, k, v, _planner(q, k, patterns, causal, heads, documents, piece), causal,
-                    scale, _per_kv_head(key_mask, k), nonfinite)
+                    scale, _per_kv_head(key_mask, k), nonfinite, into)
 
 
 def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              dlse: Optional[Tensor], patterns: Patterns, *, causal: bool, scale: float,
              heads: Heads, documents: Documents, key_mask: Optional[Tensor],
              piece: Optional[Tuple[int, int]] = None,
-             nonfinite: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+             nonfinite: Optional[Tensor] = None,
+             into: Optional[Tuple[Tensor, Tensor, Tensor]] = None
+             ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of `forward` from the final out and lse (dlse (b, n, h): the gradient of
     lse); with a `piece`, those of its pairs (rows and keys both in it); nonfinite: the
-    forward's check."""
+    forward's check; into: (dq, dk, dv) to write, as `forward`'s."""
     return _backward(dout, q, k, v, out, lse, dlse,
                      _planner(q, k, patterns, causal, heads, documents, piece), causal, scale,
-                     _per_kv_head(key_mask, k), nonfinite)
+                     _per_kv_head(key_mask, k), nonfinite, into)
 
 
 def _planner(q: Tensor, k: Tensor, patterns: Patterns, causal: bool, heads: Heads,
@@ -253,10 +259,11 @@ def _dense_planner(q: Tensor, k: Tensor) -> Planner:
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, scale: float,
-             mask: Optional[Tensor], nonfinite: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+             mask: Optional[Tensor], nonfinite: Optional[Tensor],
+             into: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor]:
     b, n, h, d = q.shape
-    out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, n, h), dtype=torch.float32, device=q.device)
+    out, lse = into or (torch.empty((b, n, h, d), dtype=q.dtype, device=q.device),
+                        torch.empty((b, n, h), dtype=torch.float32, device=q.device))
     if out.numel() == 0 or q.device.type == "meta":
         return out, lse
     sizes = tile_sizes(q.device, q.dtype, d)
@@ -284,12 +291,12 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
 
 def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               dlse: Optional[Tensor], planner: Planner, causal: bool, scale: float,
-              mask: Optional[Tensor], nonfinite: Optional[Tensor]
+              mask: Optional[Tensor], nonfinite: Optional[Tensor],
+              into: Optional[Tuple[Tensor, Tensor, Tensor]] = None
               ) -> Tuple[Tensor, Tensor, Tensor]:
     b, n, h, d = q.shape
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = into or tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device)
+                               for x in (q, k, v))
     # delta shares lse's (contiguous) strides in the kernels; on meta tensors (estimate's
     # dry run) it is made all the same, as what the launches hold
     lse = lse.to(torch.float32).contiguous()

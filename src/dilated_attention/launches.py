@@ -40,7 +40,8 @@ d head dim.
 from __future__ import annotations
 
 import enum
-from typing import Callable, Dict, Iterator, List, Optional, Protocol, Tuple
+from typing import (Callable, Dict, Iterator, List, NamedTuple, Optional, Protocol, Sequence,
+                    Tuple)
 
 import torch
 from torch import Tensor
@@ -50,7 +51,7 @@ from .kernels import KernelOptions, attention_backward, attention_forward, lse_d
 from .merge import merge_, merge_selected_
 from .patterns import (HeadGroup, Segments, Stride, gather, is_view, scatter_add_, selection,
                        strided_view)
-from .plan import Block, Plan, RemoteLaunch, Transfer
+from .plan import Block, Launch, Plan, RemoteLaunch, Transfer
 
 def _kernel_input(x: Tensor, segs: Segments, heads: Tensor, index: Tensor,
                   stride: Optional[Stride]) -> Tensor:
@@ -280,23 +281,25 @@ def gradient_accumulators(*inputs: Tensor, own: Optional[Tuple[Tensor, ...]] = N
     return grads, make, write, nbytes
 
 
-def count_writers(plan: Plan, backward: bool, local: bool = True) -> Dict[Tuple[int, Kind], int]:
-    """How many writes each (block, kind) gets: launches (unless not `local`), remote
-    launches, dK/dV home."""
+def count_writers(plan: Plan, backward: bool, local: Optional[Sequence[Launch]] = None
+                  ) -> Dict[Tuple[int, Kind], int]:
+    """How many writes each (block, kind) gets: the `local` launches (None: every one of
+    the plan), remote launches, dK/dV home."""
     counts: Dict[Tuple[int, Kind], int] = {}
     queries = Kind.DQ if backward else Kind.OUT
 
     def add(index: int, kind: Kind) -> None:
         counts[(index, kind)] = counts.get((index, kind), 0) + 1
 
-    for block in plan.blocks if local else ():
-        for launch in block.forward:
-            for index in launch.q_blocks:
-                add(index, queries)
-            if backward:
-                for index in launch.k_blocks:
-                    add(index, Kind.DK)
-                    add(index, Kind.DV)
+    if local is None:
+        local = [launch for block in plan.blocks for launch in block.forward]
+    for launch in local:
+        for index in launch.q_blocks:
+            add(index, queries)
+        if backward:
+            for index in launch.k_blocks:
+                add(index, Kind.DK)
+                add(index, Kind.DV)
     for rnd in plan.rounds:
         for t in rnd.recvs:
             for launch in t.launches:
@@ -406,45 +409,64 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, *,
         blocks.turn(block.index)
         stores = stored_launches(block.forward, blocks.spans[block.index], q.shape[2])
         for i, launch in enumerate(block.forward):
-            g = launch.heads
-            q_g = _kernel_input(q, launch.queries, g.q_heads, g.q_index, g.q_stride)
-            k_g = _kernel_input(k, launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
-            v_g = _kernel_input(v, launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
-            out_g, lse_g = attention_forward(
-                q_g, k_g, v_g, opts.for_launch(launch.id, causal=launch.causal),
-                key_mask=_key_mask(key_mask, launch.keys, g),
-            )
-            del q_g, k_g, v_g
-            _merge_into(blocks, launch, out_g, lse_g, store=i < stores)
-            del out_g, lse_g  # free before the next launch gathers
+            _forward_local(q, k, v, launch, blocks, opts, key_mask, store=i < stores)
         blocks.end_turn(block.index)
     blocks.finish_all()
     return out, lse
 
 
+def _forward_local(q: Tensor, k: Tensor, v: Tensor, launch: Launch, blocks: Blocks,
+                   opts: KernelOptions, key_mask: Optional[Tensor], store: bool = False) -> None:
+    """One launch on this rank's own keys, merged into (or pending for) its query block."""
+    g = launch.heads
+    q_g = _kernel_input(q, launch.queries, g.q_heads, g.q_index, g.q_stride)
+    k_g = _kernel_input(k, launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
+    v_g = _kernel_input(v, launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
+    out_g, lse_g = attention_forward(
+        q_g, k_g, v_g, opts.for_launch(launch.id, causal=launch.causal),
+        key_mask=_key_mask(key_mask, launch.keys, g),
+    )
+    del q_g, k_g, v_g
+    _merge_into(blocks, launch, out_g, lse_g, store=store)
+
+
+class OwnKeys(NamedTuple):
+    """Launches on a rank's own keys that the fused kernel's `own()` leaves out (a zigzag
+    rank's pairs across its two chunks: ``sequence_parallel.FusedPiece``), and what they
+    read: k, v (b, n, hk, d) and the key padding mask (b, n) or None."""
+
+    k: Tensor
+    v: Tensor
+    key_mask: Optional[Tensor]
+    launches: Tuple[Launch, ...] = ()
+
+
 def forward_beside(q: Tensor, plan: Plan, opts: KernelOptions,
                    own: Callable[[], Tuple[Tensor, Tensor]],
-                   remote: RemoteKeys) -> Tuple[Tensor, Tensor]:
+                   remote: RemoteKeys, local: Optional[OwnKeys] = None) -> Tuple[Tensor, Tensor]:
     """`forward` with the plan's local launches replaced by `own()`: out (b, n, h, d) and
-    lse (b, n, h) of this rank's rows over its own keys alone (the fused kernel's piece),
-    computed while the first exchange is in flight. The launches on received keys merge
-    into those outputs through block accumulators that start from them (in the output
-    where ``policy.in_output`` allows, else fp32 copies of the blocks they write)."""
+    lse (b, n, h) of this rank's rows over its own keys (the fused kernel's piece; but the
+    `local` launches, which run here), computed while the first exchange is in flight. The
+    launches on received keys (and the `local` ones) merge into those outputs through
+    block accumulators that start from them (in the output where ``policy.in_output``
+    allows, else fp32 copies of the blocks they write)."""
     remote.post()
     out, lse, *accumulators = output_accumulators(q, own())
-    blocks = _remote_blocks(plan, FORWARD_KINDS, accumulators, backward=False)
+    blocks = _beside_blocks(plan, FORWARD_KINDS, accumulators, False, local)
+    for launch in local.launches if local else ():
+        _forward_local(q, local.k, local.v, launch, blocks, opts, local.key_mask)
     _forward_remote(q, remote, blocks, opts)
     blocks.finish_all()
     return out, lse
 
 
-def _remote_blocks(plan: Plan, kinds: Tuple[Kind, ...], accumulators, backward: bool
-                   ) -> Blocks:
-    """Accumulators of the blocks that launches on received keys (and dK/dV sent home)
-    write, for ``forward_beside``/``backward_beside``: every other one is final already
-    (``unwritten=False``: never made nor written out)."""
-    return Blocks(plan, kinds, *accumulators, count_writers(plan, backward, local=False),
-                  unwritten=False)
+def _beside_blocks(plan: Plan, kinds: Tuple[Kind, ...], accumulators, backward: bool,
+                   local: Optional[OwnKeys]) -> Blocks:
+    """Accumulators of the blocks that launches on received keys, the `local` launches and
+    dK/dV sent home write, for ``forward_beside``/``backward_beside``: every other one is
+    final already (``unwritten=False``: never made nor written out)."""
+    writers = count_writers(plan, backward, local=local.launches if local else ())
+    return Blocks(plan, kinds, *accumulators, writers, unwritten=False)
 
 
 def _merge_into(blocks: Blocks, launch, out_g: Tensor, lse_g: Tensor,
@@ -520,38 +542,49 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
         stores = stored_launches(block.backward, blocks.spans[block.index], q.shape[2],
                                  keys=True)
         for i, launch in enumerate(block.backward):
-            g = launch.heads
-            q_sel = (launch.queries, g.q_heads, g.q_index, g.q_stride)
-            kv_sel = (launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
-            dq_g, dk_g, dv_g = attention_backward(
-                gather(dout, *q_sel), gather(q, *q_sel), gather(k, *kv_sel), gather(v, *kv_sel),
-                gather(out, *q_sel), gather(lse, *q_sel),
-                opts.for_launch(launch.id, causal=launch.causal),
-                dlse=None if dlse is None else gather(dlse, *q_sel),
-                key_mask=_key_mask(key_mask, launch.keys, g),
-            )
-            store = i < stores
-            _scatter_into(blocks, launch.q_block, launch.q_split, Kind.DQ, q_sel, dq_g, store)
-            _scatter_into(blocks, launch.k_block, launch.k_split, Kind.DK, kv_sel, dk_g, store)
-            _scatter_into(blocks, launch.k_block, launch.k_split, Kind.DV, kv_sel, dv_g, store)
-            del dq_g, dk_g, dv_g  # free before the next launch gathers
+            _backward_local(saved, k, v, launch, blocks, opts, key_mask, store=i < stores)
         blocks.end_turn(block.index)
     blocks.finish_all()
     return grads
 
 
+def _backward_local(saved, k: Tensor, v: Tensor, launch: Launch, blocks: Blocks,
+                    opts: KernelOptions, key_mask: Optional[Tensor], store: bool = False
+                    ) -> None:
+    """One launch's gradients on this rank's own keys: dq into its query block, dK/dV into
+    its key block (now or pending)."""
+    dout, q, out, lse, dlse = saved
+    g = launch.heads
+    q_sel = (launch.queries, g.q_heads, g.q_index, g.q_stride)
+    kv_sel = (launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
+    dq_g, dk_g, dv_g = attention_backward(
+        gather(dout, *q_sel), gather(q, *q_sel), gather(k, *kv_sel), gather(v, *kv_sel),
+        gather(out, *q_sel), gather(lse, *q_sel),
+        opts.for_launch(launch.id, causal=launch.causal),
+        dlse=None if dlse is None else gather(dlse, *q_sel),
+        key_mask=_key_mask(key_mask, launch.keys, g),
+    )
+    _scatter_into(blocks, launch.q_block, launch.q_split, Kind.DQ, q_sel, dq_g, store)
+    _scatter_into(blocks, launch.k_block, launch.k_split, Kind.DK, kv_sel, dk_g, store)
+    _scatter_into(blocks, launch.k_block, launch.k_split, Kind.DV, kv_sel, dv_g, store)
+
+
 def backward_beside(dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, plan: Plan,
                     opts: KernelOptions, own: Callable[[], Tuple[Tensor, Tensor, Tensor]],
-                    remote: RemoteKeys, dlse: Optional[Tensor] = None
-                    ) -> Tuple[Tensor, Tensor, Tensor]:
+                    remote: RemoteKeys, dlse: Optional[Tensor] = None,
+                    local: Optional[OwnKeys] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of `forward_beside`: `own()` gives dq, dk, dv of this rank's pairs (rows
-    and keys its own, from the final out and lse), computed while the first exchange is in
-    flight; the launches on received keys add dq, and the dK/dV that readers send home,
-    through block accumulators that start from them."""
+    and keys its own, but the `local` launches', from the final out and lse), computed
+    while the first exchange is in flight; the `local` launches and those on received keys
+    add theirs, and the dK/dV that readers send home, through block accumulators that start
+    from them."""
     remote.post()
     grads, *accumulators = gradient_accumulators(q, own=own())
-    blocks = _remote_blocks(plan, BACKWARD_KINDS, accumulators, backward=True)
-    _backward_remote((dout, q, out, lse, dlse), remote, blocks, opts)
+    blocks = _beside_blocks(plan, BACKWARD_KINDS, accumulators, True, local)
+    saved = (dout, q, out, lse, dlse)
+    for launch in local.launches if local else ():
+        _backward_local(saved, local.k, local.v, launch, blocks, opts, local.key_mask)
+    _backward_remote(saved, remote, blocks, opts)
     blocks.finish_all()
     return grads
 

@@ -20,9 +20,10 @@ saved), keeps dq local and sends the dK/dV of remote keys home, where they
 are summed into the key rows' accumulators.
 
 With the fused kernel (``FusedPiece``), a rank's local launches are one fused
-call instead, over its own pairs (its rows against its own keys), run while
-the first round is in flight; the launches on received keys merge into its
-outputs (launches.forward_beside / backward_beside).
+call per chunk instead, over its own pairs (its rows against its own keys),
+run while the first round is in flight; the launches on received keys merge
+into its outputs (launches.forward_beside / backward_beside), and so do those
+between a zigzag rank's two chunks (a segment over both).
 
 Memory: ``dilated-attention estimate`` measures this code itself, run on meta
 tensors with a fake process group (tools/estimate, Note [estimate]): no model
@@ -47,7 +48,7 @@ from .. import fused, launches
 from ..kernels import KernelOptions, lse_dtype, save_for_backward, saved_for_backward
 from ..patterns import Heads, Patterns, Segments, gather
 from ..layout import Documents, Layout
-from ..plan import Plan, Transfer, make_plan
+from ..plan import Launch, Plan, Transfer, make_plan
 from ..validation import check_first_order
 from . import comm
 
@@ -145,32 +146,83 @@ class Exchange:
 
 @dataclasses.dataclass(frozen=True)
 class FusedPiece:
-    """This rank's own pairs (its rows against its own keys) in one fused-kernel call
-    instead of the plan's local launches (fused.py, ``piece``): the call over the whole
-    sequence (patterns, heads, documents) and where the rank's rows lie in it, [first,
-    first + n) of `total` rows. The launches on received keys then merge into its
-    outputs (launches.forward_beside)."""
+    """This rank's own pairs (its rows against its own keys) in fused-kernel calls instead
+    of the plan's local launches (fused.py, ``piece``): the call over the whole sequence
+    (patterns, heads, documents, `total` rows), one fused call per window of the rank's
+    rows. `windows`: (first global row, local lo, local hi) each; a contiguous piece is one
+    window, a zigzag rank's two chunks two (one where they touch). `crossing`: the plan's
+    launches between two windows (a segment over both chunks), which run beside the fused
+    calls as the launches on received keys do (launches.forward_beside)."""
 
     patterns: Patterns
     heads: Heads
     documents: Documents
-    first: int
     total: int
+    windows: Tuple[Tuple[int, int, int], ...]
+    crossing: Tuple[Launch, ...] = ()
+
+    @classmethod
+    def of(cls, patterns: Patterns, heads: Heads, documents: Documents, layout: Layout,
+           rank: int, plan: Plan) -> "FusedPiece":
+        windows: List[Tuple[int, int, int]] = []
+        for c in layout.of_rank(rank):
+            if (windows and windows[-1][2] == c.local
+                    and windows[-1][0] + windows[-1][2] - windows[-1][1] == c.start):
+                first, lo, _ = windows.pop()  # globally next to the chunk before
+                windows.append((first, lo, c.local + c.stop - c.start))
+            else:
+                windows.append((c.start, c.local, c.local + c.stop - c.start))
+        if len(windows) <= 1:
+            return cls(patterns, heads, documents, layout.total, tuple(windows) or ((0, 0, 0),))
+        return cls(patterns, heads, documents, layout.total, tuple(windows),
+                   _crossing(plan, [(lo, hi) for _, lo, hi in windows]))
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, opts: KernelOptions,
                 key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-        return fused.forward(q, k, v, self.patterns, piece=(self.first, self.total),
-                             **self._options(opts, key_mask))
+        # (b, n, h, d), (b, n, h): each window's call writes its rows, in place
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        for first, lo, hi in self.windows:
+            rows = slice(lo, hi)
+            fused.forward(q[:, rows], k[:, rows], v[:, rows], self.patterns,
+                          piece=(first, self.total), into=(out[:, rows], lse[:, rows]),
+                          **self._options(opts, key_mask, rows))
+        return out, lse
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                  lse: Tensor, dlse: Optional[Tensor], opts: KernelOptions,
                  key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
-        return fused.backward(dout, q, k, v, out, lse, dlse, self.patterns,
-                              piece=(self.first, self.total), **self._options(opts, key_mask))
+        grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+        for first, lo, hi in self.windows:
+            rows = slice(lo, hi)
+            fused.backward(dout[:, rows], q[:, rows], k[:, rows], v[:, rows], out[:, rows],
+                           lse[:, rows], None if dlse is None else dlse[:, rows],
+                           self.patterns, piece=(first, self.total),
+                           into=tuple(g[:, rows] for g in grads),
+                           **self._options(opts, key_mask, rows))
+        return grads
 
-    def _options(self, opts: KernelOptions, key_mask: Optional[Tensor]):
+    def own_keys(self, k: Tensor, v: Tensor,
+                 key_mask: Optional[Tensor]) -> Optional[launches.OwnKeys]:
+        """The crossing launches, as the beside paths run them (None: there are none)."""
+        return launches.OwnKeys(k, v, key_mask, self.crossing) if self.crossing else None
+
+    def _options(self, opts: KernelOptions, key_mask: Optional[Tensor], rows: slice):
         return dict(causal=opts.causal, scale=opts.scale, heads=self.heads,
-                    documents=self.documents, key_mask=key_mask)
+                    documents=self.documents,
+                    key_mask=None if key_mask is None else key_mask[:, rows])
+
+
+def _crossing(plan: Plan, windows: List[Tuple[int, int]]) -> Tuple[Launch, ...]:
+    """The plan's local launches whose query rows and key rows lie in different windows
+    (local rows [lo, hi)): a block never straddles two chunks (plan._blocks_of)."""
+    lo_of = {block.index: block.lo for block in plan.blocks}
+
+    def window(block: int) -> int:
+        return next(i for i, (lo, hi) in enumerate(windows) if lo <= lo_of[block] < hi)
+
+    return tuple(launch for block in plan.blocks for launch in block.forward
+                 if window(launch.q_blocks[0]) != window(launch.k_blocks[0]))
 
 
 def sp_forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, group: Any,
@@ -182,7 +234,8 @@ def sp_forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions,
     if piece is None:
         return launches.forward(q, k, v, plan, opts, key_mask=key_mask, remote=exchange)
     own = functools.partial(piece.forward, q, k, v, opts, key_mask)
-    return launches.forward_beside(q, plan, opts, own, exchange)
+    return launches.forward_beside(q, plan, opts, own, exchange,
+                                   local=piece.own_keys(k, v, key_mask))
 
 
 def sp_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -195,7 +248,8 @@ def sp_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
         return launches.backward(dout, q, k, v, out, lse, plan, opts, dlse=dlse,
                                  key_mask=key_mask, remote=exchange)
     own = functools.partial(piece.backward, dout, q, k, v, out, lse, dlse, opts, key_mask)
-    return launches.backward_beside(dout, q, out, lse, plan, opts, own, exchange, dlse=dlse)
+    return launches.backward_beside(dout, q, out, lse, plan, opts, own, exchange, dlse=dlse,
+                                    local=piece.own_keys(k, v, key_mask))
 
 
 class SequenceParallelDilatedAttentionFunction(torch.autograd.Function):
@@ -230,18 +284,15 @@ def sequence_parallel_dilated_attention(
     already be agreed on every rank (functional.py validates it once, in the
     agreement collective), `opts.seed` included: each rank decorrelates it by
     its rank. Every rank must also run the backward. `fused_pairs`: the rank's own
-    pairs run in one fused-kernel call (``FusedPiece``) where its rows are one
-    contiguous piece; the launches on received keys keep `opts.backend`.
+    pairs run in fused-kernel calls (``FusedPiece``: one per chunk, with the launches
+    between a zigzag rank's two chunks beside them); the launches on received keys keep
+    `opts.backend`.
     """
     rank = comm.group_rank(group)
     heads = heads or Heads.of(q.shape[2], k.shape[2])
     layout = layout or Layout.contiguous(lengths)
     plan = make_plan(layout, patterns, opts.causal, heads, rank, str(q.device), documents)
     opts = dataclasses.replace(opts, seed=opts.seed + rank * _SEED_STRIDE)
-    chunks = layout.of_rank(rank)
-    piece = None
-    if fused_pairs and len(chunks) <= 1:
-        first = chunks[0].start if chunks else 0
-        piece = FusedPiece(patterns, heads, documents, first, layout.total)
+    piece = FusedPiece.of(patterns, heads, documents, layout, rank, plan) if fused_pairs else None
     return SequenceParallelDilatedAttentionFunction.apply(q, k, v, plan, opts, group, key_mask,
                                                           piece)

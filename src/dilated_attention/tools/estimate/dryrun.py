@@ -184,7 +184,8 @@ def _plan(config: EstimateConfig, group, u: int, compact: bool) -> Plan:
 def _piece(config: EstimateConfig, group, u: int) -> FusedPiece:
     """This rank's own pairs in the fused kernel, as the op runs them on the modelled GPU."""
     heads, rank, lengths = _sequence_rows(config, group, u)
-    return FusedPiece(config.patterns, heads, None, sum(lengths[:rank]), sum(lengths))
+    return FusedPiece(config.patterns, heads, None, sum(lengths),
+                      ((sum(lengths[:rank]), 0, lengths[rank]),))
 
 
 def _ulysses(q: Tensor, k: Tensor, v: Tensor, group, lengths, plan: Optional[Plan],
