@@ -145,9 +145,10 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS,
             [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_compile.py"],
         ],
         # a few minutes' subset of them for a short lease: bf16 against float64, the
-        # non-finite rule (the kernels' variants), a CUDA graph of a training step
+        # non-finite rule (the kernels' variants and the check the forward completes), a
+        # CUDA graph of a training step
         "smoke": [[PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fused.py",
-                   "-k", "bfloat16 or nonfinite or cuda_graph"]],
+                   "-k", "bfloat16 or nonfinite or minus_inf or cuda_graph"]],
         "strided": [
             [PY, "benchmarks/gpu_suite.py", "--strided-check"],
             [PY, "benchmarks/bench_strided.py", "--device", "cuda", "--dtype", "bfloat16",
