@@ -445,11 +445,11 @@ def forward_beside(q: Tensor, plan: Plan, opts: KernelOptions,
                    own: Callable[[], Tuple[Tensor, Tensor]],
                    remote: RemoteKeys, local: Optional[OwnKeys] = None) -> Tuple[Tensor, Tensor]:
     """`forward` with the plan's local launches replaced by `own()`: out (b, n, h, d) and
-    lse (b, n, h) of this rank's rows over its own keys (the fused kernel's piece; but the
-    `local` launches, which run here), computed while the first exchange is in flight. The
-    launches on received keys (and the `local` ones) merge into those outputs through
-    block accumulators that start from them (in the output where ``policy.in_output``
-    allows, else fp32 copies of the blocks they write)."""
+    lse (b, n, h) of this rank's rows over its own keys (the fused kernel's piece), all but
+    the pairs of the `local` launches, computed while the first exchange is in flight. The
+    `local` launches and those on received keys merge into those outputs through block
+    accumulators that start from them (in the output where ``policy.in_output`` allows,
+    else fp32 copies of the blocks they write)."""
     remote.post()
     out, lse, *accumulators = output_accumulators(q, own())
     blocks = _beside_blocks(plan, FORWARD_KINDS, accumulators, False, local)
