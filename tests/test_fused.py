@@ -498,8 +498,9 @@ SHARDED = [
                                        cu_seqlens=(0, 15, 24), masked=True), "triton",
             (True, True)),
     # zigzag: rank 0 holds chunks 0 and 3, whose pairs across the gap (the 32-row segment;
-    # the second document) run beside its two fused calls; rank 1 chunks 1 and 2, one window
-    Sharded("exchange", (16, 16), Case(32, (8, 32), (1, 2), True, h=2, hk=1), "auto",
+    # the second document) run beside its two fused calls, which write strided rows of one
+    # output (batch 2); rank 1 chunks 1 and 2, one window
+    Sharded("exchange", (16, 16), Case(32, (8, 32), (1, 2), True, h=2, hk=1, b=2), "auto",
             (False, True), "zigzag"),
     Sharded("exchange", (16, 16), Case(32, (4, 32), (1, 2), False, cu_seqlens=(0, 5, 32),
                                        masked=True), "triton", (True, True), "zigzag"),
