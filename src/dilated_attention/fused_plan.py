@@ -311,19 +311,27 @@ class _Rows(NamedTuple):
         return cls(shape, row, residue)
 
 
+def _equal_rows(bits: Tensor, ids: Optional[Tensor] = None, ordered: bool = True) -> Tensor:
+    """(R, B) bool -> (R,) dense ids, equal for rows of equal bits (and equal `ids`, (R,),
+    which they refine), numbered in (ids, bits) order if `ordered` (else in any order,
+    faster). By bit codes of _WORD_BITS columns at a time and 1-D uniques: a row-wise
+    torch.unique(dim=0), which sorts whole rows, is far slower."""
+    for w0 in range(0, bits.shape[1], _WORD_BITS):
+        chunk = bits[:, w0:w0 + _WORD_BITS].long()
+        _, word = torch.unique((chunk << torch.arange(chunk.shape[1])).sum(1),
+                               sorted=ordered, return_inverse=True)
+        # (id so far, word) -> one dense id
+        ids = word if ids is None else torch.unique(ids * bits.shape[0] + word,
+                                                    sorted=ordered, return_inverse=True)[1]
+    return torch.zeros(bits.shape[0], dtype=torch.int64) if ids is None else ids
+
+
 def _classes(rows: _Rows, offsets: Tensor) -> _Classes:
     """offsets (m, P): each member head's offset per pattern (m may be 0)."""
     shape, row = rows.shape, rows.row
     # (R, 1, P) vs (1, m, P) -> (R, m, P): pattern i selects the row for member j
     selected = rows.residue[:, None, :] == offsets[None]
-    cls = shape
-    bits = selected.flatten(1)
-    for w0 in range(0, bits.shape[1], _WORD_BITS):
-        chunk = bits[:, w0:w0 + _WORD_BITS].long()
-        word = (chunk << torch.arange(chunk.shape[1])).sum(1)
-        # (class so far, word) -> one dense id: 1-D uniques only (unique(dim=0) is slow)
-        _, word = torch.unique(word, return_inverse=True)
-        _, cls = torch.unique(cls * shape.numel() + word, return_inverse=True)
+    cls = _equal_rows(selected.flatten(1), shape)
     # classes are numbered in (geometry, bits) order; rows stay ascending inside a class
     order = torch.sort(cls, stable=True).indices
     size = torch.bincount(cls)
@@ -408,14 +416,7 @@ def _leaders(active: Tensor, rates: Tensor) -> Tensor:
     choice per interval was most of the piece plans' time there."""
     p = rates.numel()
     flat = active.reshape(-1, p)
-    # which (R,): the set of each row, numbered from 0, by bit codes of 62 patterns at a
-    # time (a row-wise torch.unique(dim=0), which sorts whole rows, was far slower)
-    which: Optional[Tensor] = None
-    for part in flat.split(62, dim=1):
-        code = (part.long() << torch.arange(part.shape[1])).sum(1)
-        values, inverse = torch.unique(code, sorted=False, return_inverse=True)
-        which = inverse if which is None else torch.unique(
-            which * values.numel() + inverse, sorted=False, return_inverse=True)[1]
+    which = _equal_rows(flat, ordered=False)  # (R,): the set of each row, numbered from 0
     sets = flat.new_zeros(int(which.max()) + 1 if which.numel() else 0, p)  # (U, P)
     sets[which] = flat  # the rows of one set are equal: any of them writes it
     divides = rates[:, None] % rates[None, :] == 0  # (P_i, P_k): r_k divides r_i
