@@ -16,8 +16,9 @@ ranks share, and the very first plan the one-time imports. Printed: seconds
 per rank (wall clock, and this process's CPU time, which a machine busy with
 other work inflates less), launches, row blocks and exchange rounds. With
 --fused also what a rank builds where its own pairs run in the fused kernel
-(CUDA, bf16: ``fused_plan.tile_plan`` of its piece, query tiles of 128 rows
-and key tiles of 128, the H100's): seconds (wall) and int32 entries of the
+(CUDA, bf16: ``fused_plan.tile_plan`` of its piece, with the H100's tiles
+for heads of 64, ``fused.cuda_tile_sizes``: query tiles of 128 rows, key
+tiles of 128, spans split as there): seconds (wall) and int32 entries of the
 row tables.
 """
 
@@ -26,6 +27,9 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
+
+from dilated_attention.fused import cuda_tile_sizes
 from dilated_attention.fused_plan import _tile_plan
 from dilated_attention.patterns import Heads
 from dilated_attention.plan import Layout, make_plan
@@ -55,10 +59,13 @@ def fused_plan_time(layout: Layout, rank: int, *, causal: bool, heads: int):
     (uncached: the op caches them per shape)."""
     chunks = layout.of_rank(rank)
     window = (chunks[0].start, chunks[0].stop) if chunks else (0, 0)
+    tiles = cuda_tile_sizes((9, 0), torch.bfloat16, 64)
     wall, rows = time.perf_counter(), 0
-    for keys in (False, True):
+    for kernel in ("forward", "dkdv"):
+        options = tiles.plan(kernel)
         plan = _tile_plan(layout.total, (SEGMENTS, RATES), Heads.of(heads, heads), heads,
-                          causal, None, 128, keys, window)
+                          causal, None, options["block_m"], options["keys"], window,
+                          options["split_keys"])
         rows += plan.rows.numel()
     return time.perf_counter() - wall, rows
 

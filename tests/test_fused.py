@@ -65,6 +65,8 @@ CASES = {
     "fp16-causal-documents": Case(48, (8, 16), (1, 2), True, d=16, dtype=torch.float16,
                                   cu_seqlens=(0, 30, 48)),
     "dense-multi-chunk": Case(128, (128,), (1,), True, h=2, hk=1),
+    # spans whose only extra, a duplicate's, became times 2 beside spans with extras
+    "duplicates-and-extras": Case(64, (8, 8, 32), (2, 2, 4), True),
 }
 
 
@@ -131,6 +133,19 @@ def op(case: Case, backend: str = "triton"):
 @pytest.mark.filterwarnings("ignore:dilated attention with segment_lengths")
 @pytest.mark.parametrize("name", CASES)
 def test_matches_reference(name: str) -> None:
+    check(CASES[name], op(CASES[name]))
+
+
+@pytest.mark.parametrize("name", ["longnet-gqa-causal", "documents-and-padding",
+                                  "period-three-causal", "lcm-not-power-of-two", "longnet-fp16",
+                                  "duplicates-and-extras"])
+def test_split_spans_match_reference(name: str, monkeypatch) -> None:
+    """Every span with extras split into spans without (split_keys 1; Note [fused kernel],
+    "Split spans"; times up to 3 in the first): the kernels, compiled without counts, take
+    each piece's times on its logits (log2 times), in every kernel."""
+    plan = fused.tile_plan
+    monkeypatch.setattr(fused, "tile_plan",
+                        lambda *args, **kwargs: plan(*args, **{**kwargs, "split_keys": 1}))
     check(CASES[name], op(CASES[name]))
 
 

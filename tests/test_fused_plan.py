@@ -2,7 +2,9 @@
 
 A plan (fused_plan.py, Note [fused kernel]) is expanded here into what the
 kernels do with it: every tile's rows, against every span's elements, each
-counted 1 + (matching extras) times, under the causal mask the kernels apply.
+counted the span's times x (1 + matching extras) times (2^log2(times) on the
+logits, the extras' count on the probabilities), under the causal mask the
+kernels apply.
 That must equal the count matrix c(t, u) of tests/reference.py for every
 (head, row, key), and every (row, head) must belong to exactly one tile.
 
@@ -39,12 +41,14 @@ def expand(plan: TilePlan, n: int, m: int, heads: Heads, num_kv_heads: int, caus
         r = cell + rows[lo:lo + count]
         assert bool((r[1:] > r[:-1]).all()), "tile rows ascend"
         writes[head, r] += 1
-        for other, start, stride, elements, extra_lo, extra_hi in spans[span_lo:span_hi].tolist():
-            assert elements > 0 and stride > 0
+        for other, start, stride, elements, times, extra_lo, extra_hi in \
+                spans[span_lo:span_hi].tolist():
+            assert elements > 0 and stride > 0 and times >= 1
+            assert times == 1 or extra_lo == extra_hi, "a span with extras has times 1"
             idx = torch.arange(elements)
             e = cell + start + stride * idx  # the span's keys (queries, for key tiles)
             assert 0 <= int(e.min()) and int(e.max()) < (n if keys else m)
-            mult = torch.ones(elements, dtype=torch.int64)
+            mult = torch.full((elements,), times, dtype=torch.int64)
             for period, phase in extras[extra_lo:extra_hi].tolist():
                 # as the kernels take it: a bit mask where the plan says every period is a
                 # power of two (a wrong claim miscounts here)
@@ -81,22 +85,25 @@ def plan_cases(draw):
     documents = draw(st.sampled_from([None, tuple([0] + cuts + [n])]))
     return dict(n=n, patterns=(segs, rates), h=h, hk=hk, first=draw(st.integers(0, 7)),
                 causal=draw(st.booleans()), documents=documents,
-                block_m=draw(st.sampled_from([1, 3, 4, 16])))
+                block_m=draw(st.sampled_from([1, 3, 4, 16])),
+                split_keys=draw(st.sampled_from([None, 0, 1, 2, 5])))
 
 
 def check_plan(n: int, patterns, h: int, hk: int, first: int, causal: bool,
                documents: Optional[Tuple[int, ...]], block_m: int,
                kv_of: Optional[Tuple[int, ...]] = None,
-               window: Optional[Tuple[int, int]] = None) -> None:
+               window: Optional[Tuple[int, int]] = None,
+               split_keys: Optional[int] = None) -> None:
     """The plan visits the count matrix; with a `window` (lo, hi), its rows against its
-    keys (numbered from lo), and every (row, head) of it in one tile."""
+    keys (numbered from lo), and every (row, head) of it in one tile; split_keys: spans
+    split into spans without extras where each piece keeps that many elements."""
     heads = Heads(first, kv_of) if kv_of else Heads.of(h, hk, first)
     want = dilated_counts(n, h, patterns[0], patterns[1], causal, documents, first_head=first)
     lo, hi = window or (0, n)
     want = want[:, lo:hi, lo:hi]
     for keys in (False, True):
         plan = tile_plan(n, patterns, heads, hk, causal, documents, block_m, keys,
-                         window=window)
+                         window=window, split_keys=split_keys)
         got, writes = expand(plan, hi - lo, hi - lo, heads, hk, causal, keys)
         assert bool((writes == 1).all()), f"keys={keys}: every (row, head) in one tile"
         mismatch = (got != want).nonzero()
@@ -135,10 +142,11 @@ PLAN_CORNERS = [
 ]
 
 
+@pytest.mark.parametrize("split_keys", [None, 0, 4])
 @pytest.mark.parametrize("block_m", [2, 64])
 @pytest.mark.parametrize("case", PLAN_CORNERS)
-def test_plan_corners(case, block_m: int) -> None:
-    check_plan(**{"documents": None, **case}, block_m=block_m)
+def test_plan_corners(case, block_m: int, split_keys) -> None:
+    check_plan(**{"documents": None, **case}, block_m=block_m, split_keys=split_keys)
 
 
 def test_plan_of_uneven_head_slices() -> None:
@@ -174,13 +182,46 @@ def test_periods_are_powers_of_two_where_the_rates_ratios_are() -> None:
         assert plan.pow2_periods == pow2, rates
 
 
+def test_spans_split_where_each_piece_keeps_split_keys_elements() -> None:
+    """Note [fused kernel], "Split spans": LongNet's [2048, 4096] / [1, 2] at 8K with a
+    GPU's split (8 chunks of 64 keys) has no extras left, so its kernels compile without
+    counts: the rate-1 span of the rows both patterns select becomes its even keys (times
+    2) and its odd ones (times 1), 1024 each. With pieces that would be shorter, or
+    split_keys None, the span keeps its extra; so does every span of a plan where one
+    span's pieces would be (the kernels would compute counts anyway); a duplicate
+    pattern's extra (period 1) always becomes times."""
+    heads = Heads.of(2, 2)
+    longnet = ((2048, 4096), (1, 2))
+    for keys in (False, True):
+        split = tile_plan(8192, longnet, heads, 2, False, None, 128, keys, split_keys=512)
+        assert split.max_extras == 0
+        spans = split.spans.long()
+        # (stride, count, times): the rows rate 1 alone selects read every key of their
+        # 2048; the others the even and the odd keys there, and 1024 at stride 2 beyond
+        assert {tuple(x) for x in spans[:, 2:5].tolist()} == {
+            (1, 2048, 1), (2, 1024, 1), (2, 1024, 2)}
+        for split_keys in (None, 1025):
+            whole = tile_plan(8192, longnet, heads, 2, False, None, 128, keys,
+                              split_keys=split_keys)
+            assert whole.max_extras == 1 and int(whole.spans[:, 4].max()) == 1
+    duplicate = tile_plan(64, ((16, 16), (2, 2)), heads, 2, False, None, 16, False)
+    assert duplicate.max_extras == 0 and set(duplicate.spans[:, 4].tolist()) == {2}
+    # the spans with a rate-4 extra would be pieces of 2 keys (rate 2's 4 in a segment of 8,
+    # halved): none is split, but the duplicate's extra alone still becomes times 2
+    mixed = tile_plan(64, ((8, 8, 32), (2, 2, 4)), heads, 2, False, None, 16, False,
+                      split_keys=4)
+    assert mixed.max_extras == 2 and set(mixed.spans[:, 4].tolist()) == {1, 2}
+
+
 def test_occupancy_below_the_per_pattern_floor() -> None:
     """A key that two patterns select is computed once (Note [fused kernel]): LongNet's
     setting at 64K computes 5/6 of the per-pattern floor's pairs; the geometric schedule
     (2048..65536 / 1..32) 0.754 with 64-row tiles. Pure arithmetic on the plan."""
     heads = Heads.of(12, 12)
-    longnet = occupancy(65536, ((2048, 4096), (1, 2)), heads, False, None, 128, 64)
-    assert longnet.computed * 6 == longnet.floor * 5
+    for split_keys in (None, 512):  # its split pieces fill their chunks: the same work
+        longnet = occupancy(65536, ((2048, 4096), (1, 2)), heads, False, None, 128, 64,
+                            split_keys)
+        assert longnet.computed * 6 == longnet.floor * 5
     geometric = occupancy(65536, ((2048, 4096, 8192, 16384, 32768, 65536),
                                   (1, 2, 4, 8, 16, 32)), heads, False, None, 64, 64)
     assert 0.75 < geometric.ratio < 0.76

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -46,18 +46,33 @@ class KernelTiles(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class TileSizes:
-    """The three kernels' tiles on one device, and how many chunks ahead their loops load
-    (Triton's num_stages)."""
+    """The three kernels' tiles on one device, how many chunks ahead their loops load
+    (Triton's num_stages), and how many chunks each piece of a split span must keep
+    (split_chunks; Note [fused kernel] in fused_plan.py, "Split spans").
+
+    Eight chunks: a piece's partial last chunk and its loop's start (the loads' pipeline
+    filling again) then cost at most about an eighth of a chunk's work more per piece,
+    against a sixth of every chunk's instructions that a plan without counts saves
+    (sm_90). A guess from that arithmetic, not timed yet."""
 
     forward: KernelTiles
     dq: KernelTiles
     dkdv: KernelTiles
     num_stages: int = 2
+    split_chunks: int = 8
+
+    def plan(self, kernel: str) -> Dict[str, Any]:
+        """fused_plan.tile_plan's arguments for `kernel` ("forward", "dq" or "dkdv")."""
+        tiles = getattr(self, kernel)
+        return dict(block_m=tiles.rows, keys=kernel == "dkdv",
+                    split_keys=self.split_chunks * tiles.chunk)
 
 
 # Triton's interpreter (CPU tensors) runs one numpy operation per block operation: fewer,
-# larger blocks are faster there (16 is tl.dot's least size).
-INTERPRETER_TILE_SIZES = TileSizes(*[KernelTiles(32, 32, num_warps=1)] * 3, num_stages=1)
+# larger blocks are faster there (16 is tl.dot's least size). Spans split where each piece
+# fills a chunk, so that the tests' short sequences run both kinds of span.
+INTERPRETER_TILE_SIZES = TileSizes(*[KernelTiles(32, 32, num_warps=1)] * 3, num_stages=1,
+                                   split_chunks=1)
 
 # CUDA, by the dot products' kind (fp16/bf16 "half"; fp32 on tensor cores "tf32", or on CUDA
 # cores "ieee") and the head dim padded to a power of two (64 at least, 256 at most). Each
@@ -177,8 +192,8 @@ def _mask_arg(mask: Optional[Tensor], fallback: Tensor) -> Tuple[Tensor, Tuple[i
 
 # --------------------------------------------------------------------------
 # The single-device op, and one block of plain attention (kernels.attention_forward /
-# attention_backward). A planner(block_m=, keys=) gives the plan on the device; the
-# launches ask for it only when they run (not for an empty call, nor on meta tensors).
+# attention_backward). A planner(**TileSizes.plan(kernel)) gives the plan on the device;
+# the launches ask for it only when they run (not for an empty call, nor on meta tensors).
 
 Planner = Callable[..., TilePlan]
 
@@ -250,8 +265,13 @@ def dense_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 
 def _dense_planner(q: Tensor, k: Tensor) -> Planner:
     hk = k.shape[2]
-    return functools.partial(dense_plan, q.shape[1], k.shape[1], Heads.of(q.shape[2], hk), hk,
-                             device=str(q.device))
+
+    def planner(block_m: int, keys: bool, split_keys: int) -> TilePlan:
+        # one span per head of all the other side's rows, no extras: nothing to split
+        return dense_plan(q.shape[1], k.shape[1], Heads.of(q.shape[2], hk), hk, block_m, keys,
+                          device=str(q.device))
+
+    return planner
 
 
 # --------------------------------------------------------------------------
@@ -267,7 +287,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
     if out.numel() == 0 or q.device.type == "meta":
         return out, lse
     sizes = tile_sizes(q.device, q.dtype, d)
-    plan = planner(block_m=sizes.forward.rows, keys=False)
+    plan = planner(**sizes.plan("forward"))
     kernels = _kernels(q.device)
     has_mask = mask is not None
     mask, mask_strides = _mask_arg(mask, lse)
@@ -304,8 +324,8 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     if q.device.type == "meta" or b == 0 or h == 0 or d == 0:
         return dq, dk, dv
     sizes = tile_sizes(q.device, q.dtype, d)
-    queries = planner(block_m=sizes.dq.rows, keys=False)
-    keys = planner(block_m=sizes.dkdv.rows, keys=True)
+    queries = planner(**sizes.plan("dq"))
+    keys = planner(**sizes.plan("dkdv"))
     kernels = _kernels(q.device)
     dout, out = dout.to(q.dtype), out.to(q.dtype)
     dlse_arg = lse if dlse is None else dlse.to(torch.float32)

@@ -43,6 +43,25 @@ multiplied once, not twice: in the example class AB reads 3072 keys, not
 ``occupancy``). Rates that do not divide each other (3 and 5) get a span
 each, whose counts add up.
 
+Split spans. A count per key costs the kernels' inner loop about a sixth of
+its instructions (the extras' tests per key, a product per pair: sm_90 SASS
+of the unmasked chunk loops, Triton 3.9, LongNet's bf16 heads of 64: forward
+673 against 560, dq 620 against 491, dK/dV 497 against 407). But a span's
+counts repeat with the period L = lcm of its extras' periods, so the span is
+also L spans of stride * L whose keys each count the same, `times` (1 + the
+extras that hit that phase), which the kernels add as log2(times) to the
+logits of the whole span, at no cost per pair. Cutting a span into L spans
+costs a span's loop start (its loads' pipeline refills) and a partial last
+chunk per piece, and saves nothing while any span of the plan keeps an extra
+(the kernels then compute counts for every span). So a plan's spans are cut
+where every piece of every one keeps `split_keys` elements
+(``fused.TileSizes.split_chunks`` chunks), and its kernels compile without
+counts: LongNet's [2048, 4096] / [1, 2] (pieces of 1024 keys), not its
+billion-token schedule (periods up to 2^18). Extras of period 1 (a duplicate
+pattern) always fold into `times` where they are a span's only extras. In
+the example class AB's first span becomes the even keys of [0, 2048) with
+times 2 and the odd ones with times 1.
+
 Tiles. Classes are cut into tiles of at most BLOCK_M rows (a table of rows,
 ascending), and one program computes one tile for one batch row: it loads
 its q rows in place and runs the online softmax over its spans, BLOCK_N
@@ -104,7 +123,7 @@ from .layout import Documents, segments_between
 
 # Columns of the tables (the kernels read them by these positions).
 TILE_COLUMNS = ("cell", "row_lo", "rows", "head", "span_lo", "span_hi")
-SPAN_COLUMNS = ("head", "start", "stride", "count", "extra_lo", "extra_hi")
+SPAN_COLUMNS = ("head", "start", "stride", "count", "times", "extra_lo", "extra_hi")
 EXTRA_COLUMNS = ("period", "phase")
 
 # Bits of a class key packed per int64 word (the sign bit stays clear).
@@ -118,10 +137,11 @@ class TilePlan(NamedTuple):
     tiles (T, 6) (T = 0 only for an empty sequence): cell start (absolute row), first
     entry in ``rows``, row count (1..BLOCK_M), head of the rows (query head; key/value
     head in a ``keys`` plan), first span, span end. rows (R,): rows relative to their
-    cell start, ascending within a tile. spans (S, 6): the other side's head (key/value
+    cell start, ascending within a tile. spans (S, 7): the other side's head (key/value
     head; query head in a ``keys`` plan), start relative to the cell, stride, count,
-    first extra, extra end. extras (E, 2): period and phase of each extra count (Note
-    [fused kernel]). Tables never empty: an unused one holds a row of zeros, so the
+    times (how many patterns select every element; 1 for a span with extras), first
+    extra, extra end. extras (E, 2): period and phase of each extra count (Note [fused
+    kernel]). Tables never empty: an unused one holds a row of zeros, so the
     kernels get a valid pointer. max_extras: the most extras of one span, which the
     kernels unroll (a loop inside their key loop would keep Triton from pipelining the
     key loads). pow2_periods: every extra's period is a power of two (rates 1, 2, 4, ...),
@@ -143,7 +163,8 @@ class TilePlan(NamedTuple):
 
 def tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, causal: bool,
               documents: Documents, block_m: int, keys: bool, device: str = "cpu",
-              window: Optional[Tuple[int, int]] = None) -> TilePlan:
+              window: Optional[Tuple[int, int]] = None,
+              split_keys: Optional[int] = None) -> TilePlan:
     """The query tiles (``keys=False``: forward and dq) or key tiles (dK/dV) of a call.
 
     window (lo, hi): only the rows [lo, hi) of the n-row sequence, queries and keys
@@ -152,21 +173,26 @@ def tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, causa
     hold the piece); segments, documents and head offsets stay those of the whole
     sequence. None: every row.
 
+    split_keys: a span with extras is cut into spans without (Note [fused kernel], "Split
+    spans") where each piece keeps at least this many elements; None: only extras of
+    period 1 fold into `times`.
+
     Cached per shape and device: a training step's forward and backward, and
     every step of equal shape, build it once.
     """
     window = (0, n) if window is None else tuple(window)
     if device != "cpu":
         return _device_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys,
-                            window, device)
-    return _tile_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys, window)
+                            window, split_keys, device)
+    return _tile_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys, window,
+                      split_keys)
 
 
 @functools.lru_cache(maxsize=64)
 def _device_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys, window,
-                 device) -> TilePlan:
+                 split_keys, device) -> TilePlan:
     return _tile_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m,
-                      keys, window).to(device)
+                      keys, window, split_keys).to(device)
 
 
 def dense_plan(n: int, m: int, heads: Heads, num_kv_heads: int, block_m: int, keys: bool,
@@ -185,12 +211,12 @@ def _dense_plan(n, m, heads, num_kv_heads, block_m, keys, device) -> TilePlan:
     tiles, spans = [], []
     for row_head, members, span_heads in groups:
         span_lo = len(spans)
-        spans += [(head, 0, 1, other, 0, 0) for head in span_heads]
+        spans += [(head, 0, 1, other, 1, 0, 0) for head in span_heads]
         for lo in range(0, rows, block_m):
             tiles.append((0, lo, min(block_m, rows - lo), row_head, span_lo, len(spans)))
     return TilePlan(torch.tensor(tiles, dtype=torch.int32).reshape(-1, 6),
                     torch.arange(max(rows, 1), dtype=torch.int32),
-                    _table(spans, 6), _table([], 2), block_m, 0).to(device)
+                    _table(spans, len(SPAN_COLUMNS)), _table([], 2), block_m, 0).to(device)
 
 
 def _table(entries: Sequence[Tuple[int, ...]], width: int) -> Tensor:
@@ -305,7 +331,7 @@ class _Rows(NamedTuple):
     def of(cls, length: Tensor, phase: Tensor, rates: Tensor) -> "_Rows":
         """Rows of geometries (or kinds) of `length` (G,) and `phase` (G, P)."""
         shape = torch.repeat_interleave(torch.arange(length.numel()), length)
-        row = torch.arange(shape.numel()) - (torch.cumsum(length, 0) - length)[shape]
+        row = _within(length)
         # a phase of `rate`: a pattern that selects no row there (_cells), residue -1
         residue = torch.where(phase[shape] < rates, (row[:, None] - phase[shape]) % rates, -1)
         return cls(shape, row, residue)
@@ -403,9 +429,64 @@ def _spans(selected: Tensor, first: Tensor, seg_lo: Tensor, seg_hi: Tensor, leng
     order = torch.sort(owner, stable=True).indices
     per_span = torch.bincount(owner, minlength=start.numel())
     extra_hi = torch.cumsum(per_span, 0)
-    table = torch.stack([heads[reader], start, stride, count, extra_hi - per_span, extra_hi],
-                        dim=1)
+    table = torch.stack([heads[reader], start, stride, count, torch.ones_like(count),
+                         extra_hi - per_span, extra_hi], dim=1)
     return _Spans(reader, table, torch.stack([period[order], phase[order]], dim=1))
+
+
+def _split(spans: _Spans, split_keys: Optional[int]) -> _Spans:
+    """Each span whose extras repeat every L elements (L the lcm of their periods) as L
+    spans of stride * L without extras, each of whose elements counts `times` = 1 + the
+    extras that hit its phase: spans with L = 1 always; the others if each piece of every
+    one of them keeps at least `split_keys` elements (and one; None: never), since a plan
+    with any extra left compiles the counts for every span (Note [fused kernel], "Split
+    spans"). Vectorised, and at once where nothing is cut: a rank's piece of a billion
+    tokens has some 600,000 spans."""
+    table, extras = spans.table, spans.extras
+    count, extra_lo, extra_hi = table[:, 3], table[:, 5], table[:, 6]
+    per_span = extra_hi - extra_lo
+    owner = torch.repeat_interleave(torch.arange(table.shape[0]), per_span)  # (E,)
+    period = torch.ones_like(count)  # (S,) L
+    if bool((extras[:, 0] & (extras[:, 0] - 1) == 0).all()):
+        period.scatter_reduce_(0, owner, extras[:, 0], "amax")  # powers of two: the largest
+    else:
+        nth = _within(per_span)  # each extra's place in its span
+        for j in range(int(per_span.max())):
+            at = owner[nth == j]
+            period[at] = torch.lcm(period[at], extras[nth == j, 0])
+    cut = period == 1
+    if split_keys is not None and bool((count >= period * max(split_keys, 1)).all()):
+        cut[:] = True
+    cut &= per_span > 0
+    if not bool(cut.any()):
+        return spans
+    # (S',) pieces: piece q of span `span` (q = 0 alone for a span left whole)
+    pieces = torch.where(cut, period, 1)
+    span = torch.repeat_interleave(torch.arange(table.shape[0]), pieces)
+    q = _within(pieces)
+    piece_of = pieces[span]
+    new = table[span]
+    new[:, 1] += q * new[:, 2]
+    new[:, 2] *= piece_of
+    new[:, 3] = (new[:, 3] - q + piece_of - 1) // piece_of
+    # times: 1 + the extras of a cut span that hit the piece, over (extra, piece) pairs
+    cut_extras = cut[owner].nonzero(as_tuple=True)[0]
+    reps = pieces[owner[cut_extras]]
+    e, e_q = torch.repeat_interleave(cut_extras, reps), _within(reps)
+    hit = e_q % extras[e, 0] == extras[e, 1]
+    first_piece = torch.cumsum(pieces, 0) - pieces
+    new[:, 4].index_add_(0, (first_piece[owner[e]] + e_q)[hit], torch.ones_like(e_q[hit]))
+    # a span left whole keeps its extras, which stay in span order
+    kept = torch.where(cut, 0, per_span)[span]
+    new[:, 6] = torch.cumsum(kept, 0)
+    new[:, 5] = new[:, 6] - kept
+    return _Spans(spans.reader[span], new, extras[~cut[owner]])
+
+
+def _within(lengths: Tensor) -> Tensor:
+    """(G,) group lengths -> (sum,) each element's index inside its group: 0, 1, .. per group."""
+    return torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths
+                                                ).repeat_interleave(lengths)
 
 
 def _leaders(active: Tensor, rates: Tensor) -> Tensor:
@@ -433,7 +514,7 @@ def _leaders(active: Tensor, rates: Tensor) -> Tensor:
 @functools.lru_cache(maxsize=64)
 def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, causal: bool,
                documents: Documents, block_m: int, keys: bool,
-               window: Tuple[int, int]) -> TilePlan:
+               window: Tuple[int, int], split_keys: Optional[int] = None) -> TilePlan:
     cells = _cells(n, patterns, documents, window, heads)
     rates = torch.tensor(patterns[1], dtype=torch.int64)
     kind, kind_length, kind_phase = cells.kinds()
@@ -458,8 +539,7 @@ def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, caus
         first_of = torch.cumsum(per_kind, 0) - per_kind
         count = per_kind[kind]  # (U,) classes of each geometry
         shape = torch.repeat_interleave(torch.arange(kind.numel()), count)
-        k = first_of[kind][shape] + torch.arange(shape.numel()) \
-            - (torch.cumsum(count, 0) - count)[shape]
+        k = first_of[kind][shape] + _within(count)
         m = len(members)
         unit_shape.append(shape)
         unit_size.append(classes.size[k])
@@ -472,8 +552,8 @@ def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, caus
                         shape.repeat_interleave(m),
                         torch.tensor(span_heads, dtype=torch.int64).repeat(k.numel())))
     selected, first, shape, span_heads = (torch.cat(x) for x in zip(*readers))
-    spans = _spans(selected, first, cells.seg_lo[shape], cells.seg_hi[shape],
-                   cells.length[shape], rates, span_heads, causal, keys)
+    spans = _split(_spans(selected, first, cells.seg_lo[shape], cells.seg_hi[shape],
+                          cells.length[shape], rates, span_heads, causal, keys), split_keys)
 
     # span range of each unit: its readers' spans (readers, and so spans, are unit-major)
     size = torch.cat(unit_size)
@@ -488,7 +568,7 @@ def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, caus
     class_row_lo = torch.cat(unit_row_lo)
     tiles_per_class = -(-size // block_m)
     cls = torch.repeat_interleave(torch.arange(size.numel()), tiles_per_class)
-    index = torch.arange(cls.numel()) - (torch.cumsum(tiles_per_class, 0) - tiles_per_class)[cls]
+    index = _within(tiles_per_class)
     row_lo = class_row_lo[cls] + index * block_m
     template = torch.stack([row_lo, torch.clamp(size[cls] - index * block_m, max=block_m),
                             class_head[cls], class_span_lo[cls], class_span_hi[cls]], dim=1)
@@ -499,11 +579,11 @@ def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, caus
     shape_lo = torch.cumsum(per_shape, 0) - per_shape
     count = per_shape[cells.shape]
     cell = torch.repeat_interleave(torch.arange(cells.starts.numel()), count)
-    within = torch.arange(cell.numel()) - (torch.cumsum(count, 0) - count)[cell]
+    within = _within(count)
     # cell starts in the window's rows
     tiles = torch.cat([cells.starts[cell, None] - window[0],
                        template[shape_lo[cells.shape][cell] + within]], dim=1)
-    per_span = spans.table[:, 5] - spans.table[:, 4]
+    per_span = spans.table[:, 6] - spans.table[:, 5]
     period = spans.extras[:, 0]
     return TilePlan(_int32(tiles), _int32(_nonempty(torch.cat(rows))),
                     _int32(_nonempty(spans.table)), _int32(_nonempty(spans.extras)), block_m,
@@ -543,15 +623,14 @@ class Occupancy(NamedTuple):
 
 
 def occupancy(n: int, patterns: Patterns, heads: Heads, causal: bool, documents: Documents,
-              block_m: int, block_n: int) -> Occupancy:
+              block_m: int, block_n: int, split_keys: Optional[int] = None) -> Occupancy:
     """The query plan's work against the per-pattern floor (forward; dq does the same)."""
     plan = _tile_plan(n, patterns, heads, max(heads.kv_of) + 1, causal, documents, block_m,
-                      False, (0, n))
+                      False, (0, n), split_keys)
     tiles, rows, spans = plan.tiles.long(), plan.rows.long(), plan.spans.long()
     per_tile = tiles[:, 5] - tiles[:, 4]
     tile = torch.repeat_interleave(torch.arange(tiles.shape[0]), per_tile)
-    span = torch.arange(tile.numel()) - (torch.cumsum(per_tile, 0) - per_tile)[tile] \
-        + tiles[tile, 4]
+    span = _within(per_tile) + tiles[tile, 4]
     count = spans[span, 3]
     if causal:
         # keys up to the tile's last row: what the kernel loops over

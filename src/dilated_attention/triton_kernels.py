@@ -8,11 +8,13 @@ the interpreter, which runs on CPU tensors).
 Every program computes one tile for one batch row (grid (tiles, batch)). A
 tile is rows ``cell + rows[row_lo : row_lo + count]`` of one head, and a
 list of spans of the other side: ``cell + start + stride * i`` for
-``i < count`` of the span's head, key i counting 1 + #{extras: i mod period
-== phase} times (Note [fused kernel] in fused_plan.py). The softmax is in
-base 2, exp2(s * scale * log2(e) - m) * count: one fused multiply-add per pair
-before the exp2 (the row max m is taken over the raw products, the scale being
-positive), and the count a product after it, not a log2 added before.
+``i < count`` of the span's head, key i counting times + #{extras: i mod period
+== phase} times (a span with extras has times 1; Note [fused kernel] in
+fused_plan.py). The softmax is in base 2, exp2(s * scale * log2(e) - (m -
+log2 times)) * count: one fused multiply-add per pair before the exp2 (the row
+max m is taken over the raw products, the scale being positive; the span's
+times shift m once per row and chunk), and where the plan has extras the
+per-key count a product after it, not a log2 added before.
 
 Non-finite inputs (docs/spec.md, "Non-finite inputs"): each kernel has a
 second variant (NONFINITE) that applies the rule itself, launched after the
@@ -68,11 +70,12 @@ def _program(tiles, rows, BLOCK_M: tl.constexpr):
 @triton.jit
 def _span(spans, s, cell, first, last, CAUSAL: tl.constexpr, KEY_TILES: tl.constexpr):
     """Span s: its head, first element (absolute), stride, the elements [lo, hi) a tile of
-    rows first..last reaches, and its extras [extra_lo, extra_hi).
+    rows first..last reaches, log2 of how many patterns select each of them (its times;
+    the extras add to it, from a times of 1), and its extras [extra_lo, extra_hi).
 
     Causal: query tiles read keys u <= t (up to their last row), key tiles are read
     by queries t >= u (from their first row on)."""
-    at = spans + s * 6
+    at = spans + s * 7
     start = cell + tl.load(at + 1)
     stride = tl.load(at + 2)
     lo = 0
@@ -84,7 +87,8 @@ def _span(spans, s, cell, first, last, CAUSAL: tl.constexpr, KEY_TILES: tl.const
         else:
             reach = last - start
             hi = tl.minimum(hi, tl.where(reach >= 0, reach // stride + 1, 0))
-    return tl.load(at), start, stride, lo, hi, tl.load(at + 4), tl.load(at + 5)
+    bias = tl.log2(tl.load(at + 4).to(tl.float32))
+    return tl.load(at), start, stride, lo, hi, bias, tl.load(at + 5), tl.load(at + 6)
 
 
 @triton.jit
@@ -142,9 +146,10 @@ def _key_span(spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, sv
               smh, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr):
     """Key span s of a query tile (``_span``), with the pointers to its key/value head's rows
     of K, V and the padding mask in batch row b."""
-    kv, start, stride, lo, hi, extra_lo, extra_hi = _span(spans, s, cell, first, last, CAUSAL,
-                                                          False)
-    return (start, stride, lo, hi, extra_lo, extra_hi, _rows_at(K, b, kv, skb, skh, skd, BLOCK_D),
+    kv, start, stride, lo, hi, bias, extra_lo, extra_hi = _span(spans, s, cell, first, last,
+                                                                CAUSAL, False)
+    return (start, stride, lo, hi, bias, extra_lo, extra_hi,
+            _rows_at(K, b, kv, skb, skh, skd, BLOCK_D),
             _rows_at(V, b, kv, svb, svh, svd, BLOCK_D),
             Mask + b.to(tl.int64) * smb + kv.to(tl.int64) * smh)
 
@@ -252,14 +257,15 @@ def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
 
 @triton.jit
 def _softmax_step(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                  extra_hi, skn, svn, smn, d_ok, scale_log2, m_i, l_i, acc, hit,
+                  extra_hi, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i, acc, hit,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
                   PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
                   NONFINITE: tl.constexpr, BLOCK_N: tl.constexpr):
     """The online softmax over one chunk of keys: the new (m_i, l_i, acc, hit). m_i is the
     row max of the scaled products without the counts (a count >= 1 then multiplies a p <= 1:
-    the lse holds whatever m is); hit marks the rows that attend a value row read as 0
-    (NONFINITE)."""
+    the lse holds whatever m is); the span's times enter as bias = log2(times) on its logits
+    (a shift of the exp2's argument per row, not a product per pair); hit marks the rows
+    that attend a value row read as 0 (NONFINITE)."""
     k, v, qk, counts, v_bad = _key_products(
         q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo, extra_hi,
         skn, svn, smn, d_ok, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS,
@@ -271,7 +277,7 @@ def _softmax_step(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
     m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
     # a row with no key yet keeps max -inf: shift by 0 so that exp2 gives 0, not NaN
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(qk * scale_log2 - shift[:, None])
+    p = tl.exp2(qk * scale_log2 - (shift - bias)[:, None])
     if EXTRAS > 0:
         p *= counts[None, :]
     alpha = tl.exp2(m_i - shift)
@@ -310,7 +316,7 @@ def fused_forward(
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     hit = tl.zeros((BLOCK_M,), tl.int32)
     for s in range(span_lo, span_hi):
-        start, stride, lo, hi, extra_lo, extra_hi, k_at, v_at, mask_at = _key_span(
+        start, stride, lo, hi, bias, extra_lo, extra_hi, k_at, v_at, mask_at = _key_span(
             spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, svh, svd, smb,
             smh, CAUSAL, BLOCK_D)
         # query tiles: the masked chunks are the last ones (full_lo is lo); a padding
@@ -322,13 +328,14 @@ def fused_forward(
             for c in range(lo, full_hi, BLOCK_N):
                 m_i, l_i, acc, hit = _softmax_step(
                     q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                    extra_hi, skn, svn, smn, d_ok, scale_log2, m_i, l_i, acc, hit, False,
-                    CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, NONFINITE, BLOCK_N)
+                    extra_hi, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i, acc, hit,
+                    False, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, NONFINITE,
+                    BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             m_i, l_i, acc, hit = _softmax_step(
                 q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                extra_hi, skn, svn, smn, d_ok, scale_log2, m_i, l_i, acc, hit, True, CAUSAL,
-                HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, NONFINITE, BLOCK_N)
+                extra_hi, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i, acc, hit, True,
+                CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, NONFINITE, BLOCK_N)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     # natural log: (m + log2 l) * ln 2; a row that attends nothing: -inf
@@ -411,31 +418,34 @@ def fused_dq(
     d_ok = tl.arange(0, BLOCK_D)[None, :] < head_dim
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for s in range(span_lo, span_hi):
-        start, stride, lo, hi, extra_lo, extra_hi, k_at, v_at, mask_at = _key_span(
+        start, stride, lo, hi, bias, extra_lo, extra_hi, k_at, v_at, mask_at = _key_span(
             spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, svh, svd, smb,
             smh, CAUSAL, BLOCK_D)
+        # the span's times on its logits (fused_forward): on the lse, once per span
+        lse_span = lse - bias
         full_hi = lo  # as in fused_forward
         if not HAS_MASK:
             _, full_hi = _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL, False,
                                           BLOCK_N)
             for c in range(lo, full_hi, BLOCK_N):
-                dq = _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras,
-                              start, stride, c, hi, extra_lo, extra_hi, skn, svn, smn, d_ok,
-                              scale_log2, False, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
+                dq = _dq_step(q, do, t, row_ok, lse_span, delta, dq, k_at, v_at, mask_at,
+                              extras, start, stride, c, hi, extra_lo, extra_hi, skn, svn, smn,
+                              d_ok, scale_log2, False, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
                               POW2_PERIODS, NONFINITE, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
-            dq = _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, start,
-                          stride, c, hi, extra_lo, extra_hi, skn, svn, smn, d_ok, scale_log2,
-                          True, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, NONFINITE,
-                          BLOCK_N)
+            dq = _dq_step(q, do, t, row_ok, lse_span, delta, dq, k_at, v_at, mask_at, extras,
+                          start, stride, c, hi, extra_lo, extra_hi, skn, svn, smn, d_ok,
+                          scale_log2, True, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS,
+                          NONFINITE, BLOCK_N)
     _store_rows(dQ, dq * scale, b, t, row_ok, head, sdqb, sdqn, sdqh, sdqd, head_dim, BLOCK_D)
 
 
 @triton.jit
 def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, start, stride, c,
-               hi, extra_lo, extra_hi, sqn, sdon, sln, d_ok, scale_log2, MASKED: tl.constexpr,
-               CAUSAL: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
-               POW2_PERIODS: tl.constexpr, NONFINITE: tl.constexpr, BLOCK_N: tl.constexpr):
+               hi, bias, extra_lo, extra_hi, sqn, sdon, sln, d_ok, scale_log2,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+               EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, NONFINITE: tl.constexpr,
+               BLOCK_N: tl.constexpr):
     """dk, dv of the tile's key rows plus one chunk of queries' share; MASKED as in
     ``_key_products`` (else every query of the chunk reads every key row: no mask).
     NONFINITE: in a masked chunk non-finite q, dout elements read as 0 and a masked pair's
@@ -458,8 +468,9 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
         do = tl.load(do_at + t64[:, None] * sdon, mask=d_ok, other=0.0)
         lse = tl.load(lse_at + t64 * sln)
         delta = tl.load(delta_at + t64 * sln)
-    # a query that attends nothing: +inf, so that its p is 0
-    lse = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    # a query that attends nothing: +inf, so that its p is 0; the span's times (bias, see
+    # fused_forward) enter in the same fused multiply-add
+    lse = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634 - bias)
     # (M keys, N queries): the probabilities, with the queries' counts
     qk = tl.dot(k, tl.trans(q), input_precision=PRECISION)
     p = tl.exp2(qk * scale_log2 - lse[None, :])
@@ -510,8 +521,8 @@ def fused_dkdv(
     dk = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for s in range(span_lo, span_hi):
-        head, start, stride, lo, hi, extra_lo, extra_hi = _span(spans, s, cell, first, last,
-                                                                CAUSAL, True)
+        head, start, stride, lo, hi, bias, extra_lo, extra_hi = _span(spans, s, cell, first,
+                                                                      last, CAUSAL, True)
         q_at = _rows_at(Q, b, head, sqb, sqh, sqd, BLOCK_D)
         do_at = _rows_at(dOut, b, head, sdob, sdoh, sdod, BLOCK_D)
         # lse and delta share their strides
@@ -525,18 +536,19 @@ def fused_dkdv(
             if CAUSAL:
                 for c in range(lo, full_lo, BLOCK_N):
                     dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at,
-                                        extras, start, stride, c, hi, extra_lo, extra_hi, sqn,
-                                        sdon, sln, d_ok, scale_log2, True, CAUSAL, PRECISION,
-                                        EXTRAS, POW2_PERIODS, NONFINITE, BLOCK_N)
+                                        extras, start, stride, c, hi, bias, extra_lo,
+                                        extra_hi, sqn, sdon, sln, d_ok, scale_log2, True,
+                                        CAUSAL, PRECISION, EXTRAS, POW2_PERIODS, NONFINITE,
+                                        BLOCK_N)
             for c in range(full_lo, full_hi, BLOCK_N):
                 dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at,
-                                    extras, start, stride, c, hi, extra_lo, extra_hi, sqn,
-                                    sdon, sln, d_ok, scale_log2, False, CAUSAL, PRECISION,
-                                    EXTRAS, POW2_PERIODS, NONFINITE, BLOCK_N)
+                                    extras, start, stride, c, hi, bias, extra_lo, extra_hi,
+                                    sqn, sdon, sln, d_ok, scale_log2, False, CAUSAL,
+                                    PRECISION, EXTRAS, POW2_PERIODS, NONFINITE, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras,
-                                start, stride, c, hi, extra_lo, extra_hi, sqn, sdon, sln, d_ok,
-                                scale_log2, True, CAUSAL, PRECISION, EXTRAS, POW2_PERIODS,
-                                NONFINITE, BLOCK_N)
+                                start, stride, c, hi, bias, extra_lo, extra_hi, sqn, sdon,
+                                sln, d_ok, scale_log2, True, CAUSAL, PRECISION, EXTRAS,
+                                POW2_PERIODS, NONFINITE, BLOCK_N)
     _store_rows(dK, dk * scale, b, u, row_ok, kv, sdkb, sdkn, sdkh, sdkd, head_dim, BLOCK_D)
     _store_rows(dV, dv, b, u, row_ok, kv, sdvb, sdvn, sdvh, sdvd, head_dim, BLOCK_D)

@@ -231,13 +231,11 @@ def fused_plan_bytes(config: EstimateConfig) -> int:
     heads, kv_heads = head_split.local_heads(0), len(head_split.kv(0))
     rows = sum(config.lengths()[:u])
     tiles = cuda_tile_sizes((9, 0), config.torch_dtype, config.head_dim)
-    plans = {(tiles.forward.rows, False), (tiles.dq.rows, False)}
-    if config.training:
-        plans.add((tiles.dkdv.rows, True))
+    kernels = ("forward", "dq", "dkdv") if config.training else ("forward",)
     total = 0
-    for block_m, keys in plans:
+    for options in {tuple(tiles.plan(kernel).items()) for kernel in kernels}:
         plan = tile_plan(config.seq_len, config.patterns, heads, kv_heads, config.causal, None,
-                         block_m=block_m, keys=keys, device="meta", window=(0, rows))
+                         device="meta", window=(0, rows), **dict(options))
         total += sum(t.numel() * t.element_size()
                      for t in (plan.tiles, plan.rows, plan.spans, plan.extras))
     return total
