@@ -37,11 +37,18 @@ from .layout import Documents
 
 class KernelTiles(NamedTuple):
     """One kernel's tile: rows per program (query rows; key rows for dK/dV), elements of the
-    other side per chunk of its loop, and warps per program."""
+    other side per chunk of its loop, and warps per program; span_counts: a span's counts
+    are computed once and held through its chunks where the plan's periods allow (Note
+    [fused kernel], "Split spans"), not per chunk. Off where holding them spills."""
 
     rows: int
     chunk: int
     num_warps: int
+    span_counts: bool = True
+
+    def counts_per_span(self, plan: TilePlan) -> bool:
+        """The kernels' SPAN_COUNTS for `plan`: its counts repeat from chunk to chunk."""
+        return self.span_counts and self.chunk % plan.period_lcm == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +99,8 @@ MAX_HEAD_DIM = 256
 CUDA_TILE_SIZES = {
     ("half", 64): TileSizes(KernelTiles(128, 32, 8), KernelTiles(128, 32, 8),
                             KernelTiles(64, 32, 8)),
-    ("half", 128): TileSizes(KernelTiles(128, 32, 8), KernelTiles(64, 32, 4),
+    # the forward's span counts would spill 4-44 bytes (sm_80, 86, 89, 120)
+    ("half", 128): TileSizes(KernelTiles(128, 32, 8, span_counts=False), KernelTiles(64, 32, 4),
                              KernelTiles(64, 32, 8)),
     ("half", 256): TileSizes(KernelTiles(64, 32, 8), KernelTiles(32, 32, 4),
                              KernelTiles(32, 32, 8)),
@@ -301,7 +309,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *mask_strides,
             d, scale * kernels.LOG2E,
             CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
-            EXTRAS=plan.max_extras, POW2_PERIODS=plan.pow2_periods, NONFINITE=rule,
+            EXTRAS=plan.max_extras, POW2_PERIODS=plan.pow2_periods,
+            SPAN_COUNTS=sizes.forward.counts_per_span(plan), NONFINITE=rule,
             REPORT=not rule and nonfinite is not None,
             BLOCK_M=plan.block_m, BLOCK_N=sizes.forward.chunk, BLOCK_D=_head_block(d),
             num_warps=sizes.forward.num_warps, num_stages=sizes.num_stages,
@@ -345,7 +354,9 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
                 *lse.stride(), *dlse_arg.stride(), *dq.stride(), *mask_strides,
                 d, scale * kernels.LOG2E, scale,
                 HAS_DLSE=dlse is not None, EXTRAS=queries.max_extras,
-                POW2_PERIODS=queries.pow2_periods, NONFINITE=rule, BLOCK_M=queries.block_m,
+                POW2_PERIODS=queries.pow2_periods,
+                SPAN_COUNTS=sizes.dq.counts_per_span(queries), NONFINITE=rule,
+                BLOCK_M=queries.block_m,
                 BLOCK_N=sizes.dq.chunk, num_warps=sizes.dq.num_warps, **flags,
             )
         if keys.tiles.shape[0]:
@@ -355,7 +366,8 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
                 *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
                 *dk.stride(), *dv.stride(), *mask_strides,
                 d, scale * kernels.LOG2E, scale,
-                EXTRAS=keys.max_extras, POW2_PERIODS=keys.pow2_periods, NONFINITE=rule,
+                EXTRAS=keys.max_extras, POW2_PERIODS=keys.pow2_periods,
+                SPAN_COUNTS=sizes.dkdv.counts_per_span(keys), NONFINITE=rule,
                 BLOCK_M=keys.block_m, BLOCK_N=sizes.dkdv.chunk,
                 num_warps=sizes.dkdv.num_warps, **flags,
             )

@@ -60,7 +60,13 @@ counts: LongNet's [2048, 4096] / [1, 2] (pieces of 1024 keys), not its
 billion-token schedule (periods up to 2^18). Extras of period 1 (a duplicate
 pattern) always fold into `times` where they are a span's only extras. In
 the example class AB's first span becomes the even keys of [0, 2048) with
-times 2 and the odd ones with times 1.
+times 2 and the odd ones with times 1. A plan that keeps its extras still
+pays little where every period divides the kernels' chunk size (periods up
+to 32 in the geometric schedule 2048..65536 / 1..32; ``period_lcm``): a
+span's counts are then the same in each of its chunks, computed once per
+span, and what is left per pair is the product by them (sm_90, Triton 3.9,
+three extras: forward 801 -> 623 instructions per chunk, dq 748 -> 563,
+dK/dV 563 -> 442).
 
 Tiles. Classes are cut into tiles of at most BLOCK_M rows (a table of rows,
 ascending), and one program computes one tile for one batch row: it loads
@@ -113,6 +119,7 @@ bounds each span by its tile's last (first) row and masks per element.
 from __future__ import annotations
 
 import functools
+import math
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -145,7 +152,10 @@ class TilePlan(NamedTuple):
     kernels get a valid pointer. max_extras: the most extras of one span, which the
     kernels unroll (a loop inside their key loop would keep Triton from pipelining the
     key loads). pow2_periods: every extra's period is a power of two (rates 1, 2, 4, ...),
-    so the kernels take it modulo with a bit mask, not a division.
+    so the kernels take it modulo with a bit mask, not a division. period_lcm: the lcm of
+    every extra's period: where it divides a kernel's chunk size, a span's counts are the
+    same in each of its chunks (they start lo + chunk * BLOCK_N), and the kernels compute
+    them once per span.
     """
 
     tiles: Tensor
@@ -155,6 +165,7 @@ class TilePlan(NamedTuple):
     block_m: int
     max_extras: int
     pow2_periods: bool = True
+    period_lcm: int = 1
 
     def to(self, device) -> "TilePlan":
         return self._replace(**{name: getattr(self, name).to(device)
@@ -588,7 +599,8 @@ def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, caus
     return TilePlan(_int32(tiles), _int32(_nonempty(torch.cat(rows))),
                     _int32(_nonempty(spans.table)), _int32(_nonempty(spans.extras)), block_m,
                     int(per_span.max()) if per_span.numel() else 0,
-                    bool((period & (period - 1) == 0).all()))
+                    bool((period & (period - 1) == 0).all()),
+                    math.lcm(*torch.unique(period).tolist()))
 
 
 def _nonempty(table: Tensor) -> Tensor:

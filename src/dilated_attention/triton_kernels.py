@@ -14,7 +14,9 @@ fused_plan.py). The softmax is in base 2, exp2(s * scale * log2(e) - (m -
 log2 times)) * count: one fused multiply-add per pair before the exp2 (the row
 max m is taken over the raw products, the scale being positive; the span's
 times shift m once per row and chunk), and where the plan has extras the
-per-key count a product after it, not a log2 added before.
+per-key count a product after it, not a log2 added before; the counts are
+computed once per span where every period divides BLOCK_N (SPAN_COUNTS: they
+repeat from chunk to chunk), else per chunk.
 
 Non-finite inputs (docs/spec.md, "Non-finite inputs"): each kernel has a
 second variant (NONFINITE) that applies the rule itself, launched after the
@@ -179,6 +181,20 @@ def _counts(extras, extra_lo, extra_hi, idx, EXTRAS: tl.constexpr, POW2_PERIODS:
 
 
 @triton.jit
+def _span_counts(extras, extra_lo, extra_hi, lo, EXTRAS: tl.constexpr,
+                 POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(N,) the counts of every chunk of a span whose chunks start at lo + i * BLOCK_N,
+    where every period divides BLOCK_N (SPAN_COUNTS, TilePlan.period_lcm): computed once
+    per span, not per chunk (each extra costs a chunk about an instruction per pair); else
+    1 (the steps then compute them per chunk, or there are none)."""
+    counts = tl.full((BLOCK_N,), 1.0, tl.float32)
+    if EXTRAS > 0 and SPAN_COUNTS:
+        counts = _counts(extras, extra_lo, extra_hi, lo + tl.arange(0, BLOCK_N), EXTRAS,
+                         POW2_PERIODS, BLOCK_N)
+    return counts
+
+
+@triton.jit
 def _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL: tl.constexpr,
                      KEY_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
     """[full_lo, full_hi): the span's whole chunks (from lo, BLOCK_N apart) that every row
@@ -204,10 +220,10 @@ def _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL: tl.constexpr,
 
 @triton.jit
 def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                  extra_hi, skn, svn, smn, d_ok, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                  HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
-                  POW2_PERIODS: tl.constexpr, SANITIZE: tl.constexpr, KEY_BIAS: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
+                  extra_hi, span_counts, skn, svn, smn, d_ok, MASKED: tl.constexpr,
+                  CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+                  EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr,
+                  SANITIZE: tl.constexpr, KEY_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys c .. c + N of a span against the tile's q rows t: k, v (N, D), the (M, N)
     products q k (unscaled, fp32), the (N,) keys' counts (1 without extras) and (N,) 1 for
     the value rows read as 0 (else 0); MASKED: -inf where masked (causal, padding, past hi),
@@ -219,7 +235,8 @@ def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
     The loads are written out here, not in helpers: in the interpreter a helper call
     costs as much as ten block operations, and this runs once per chunk. The counts are
     one helper, ``_counts``, shared with the dK/dV kernel and called only for plans with
-    extras."""
+    extras, and here only where they differ from chunk to chunk (SPAN_COUNTS: they are
+    `span_counts`, ``_span_counts``)."""
     idx = c + tl.arange(0, BLOCK_N)
     u = start + idx * stride
     u64 = u.to(tl.int64)
@@ -241,8 +258,8 @@ def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if KEY_BIAS:
         qk += k_bias[None, :]
-    counts = tl.full((BLOCK_N,), 1.0, tl.float32)
-    if EXTRAS > 0:
+    counts = span_counts
+    if EXTRAS > 0 and not SPAN_COUNTS:
         counts = _counts(extras, extra_lo, extra_hi, idx, EXTRAS, POW2_PERIODS, BLOCK_N)
     if MASKED:
         valid = row_ok[:, None] & key_ok[None, :]
@@ -257,10 +274,10 @@ def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
 
 @triton.jit
 def _softmax_step(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                  extra_hi, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i, acc, hit,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                  extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i, acc,
+                  hit, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
                   PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
-                  NONFINITE: tl.constexpr, BLOCK_N: tl.constexpr):
+                  SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr, BLOCK_N: tl.constexpr):
     """The online softmax over one chunk of keys: the new (m_i, l_i, acc, hit). m_i is the
     row max of the scaled products without the counts (a count >= 1 then multiplies a p <= 1:
     the lse holds whatever m is); the span's times enter as bias = log2(times) on its logits
@@ -268,8 +285,8 @@ def _softmax_step(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
     that attend a value row read as 0 (NONFINITE)."""
     k, v, qk, counts, v_bad = _key_products(
         q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo, extra_hi,
-        skn, svn, smn, d_ok, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS,
-        NONFINITE, NONFINITE, BLOCK_N)
+        span_counts, skn, svn, smn, d_ok, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
+        POW2_PERIODS, SPAN_COUNTS, NONFINITE, NONFINITE, BLOCK_N)
     if MASKED and NONFINITE:
         # the attended pairs are the unmasked products (a NaN compares unequal too)
         attends = (qk != float("-inf")) & (v_bad[None, :] > 0)
@@ -293,8 +310,8 @@ def fused_forward(
     sob, son, soh, sod, slb, sln, slh, smb, smn, smh,
     head_dim, scale_log2,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
-    POW2_PERIODS: tl.constexpr, NONFINITE: tl.constexpr, REPORT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr,
+    REPORT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """out, lse of one query tile: the online softmax over its spans' keys, each span's
     whole unmasked chunks first, then the masked rest. NONFINITE: the variant that applies
@@ -319,6 +336,8 @@ def fused_forward(
         start, stride, lo, hi, bias, extra_lo, extra_hi, k_at, v_at, mask_at = _key_span(
             spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, svh, svd, smb,
             smh, CAUSAL, BLOCK_D)
+        span_counts = _span_counts(extras, extra_lo, extra_hi, lo, EXTRAS, POW2_PERIODS,
+                                   SPAN_COUNTS, BLOCK_N)
         # query tiles: the masked chunks are the last ones (full_lo is lo); a padding
         # mask masks every chunk (and the unmasked loop is not compiled: fewer registers)
         full_hi = lo
@@ -328,14 +347,15 @@ def fused_forward(
             for c in range(lo, full_hi, BLOCK_N):
                 m_i, l_i, acc, hit = _softmax_step(
                     q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                    extra_hi, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i, acc, hit,
-                    False, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, NONFINITE,
-                    BLOCK_N)
+                    extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i,
+                    acc, hit, False, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS,
+                    SPAN_COUNTS, NONFINITE, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             m_i, l_i, acc, hit = _softmax_step(
                 q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                extra_hi, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i, acc, hit, True,
-                CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, NONFINITE, BLOCK_N)
+                extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i, acc,
+                hit, True, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS,
+                NONFINITE, BLOCK_N)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     # natural log: (m + log2 l) * ln 2; a row that attends nothing: -inf
@@ -365,17 +385,17 @@ def _lse_log2(lse):
 
 @triton.jit
 def _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, start, stride, c,
-             hi, extra_lo, extra_hi, skn, svn, smn, d_ok, scale_log2, MASKED: tl.constexpr,
-             CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
-             EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, NONFINITE: tl.constexpr,
-             BLOCK_N: tl.constexpr):
+             hi, extra_lo, extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2,
+             MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+             PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
+             SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq of the tile's rows plus one chunk of keys' share. NONFINITE: a masked chunk's
     non-finite k, v elements read as 0 (a row attending one has a NaN lse or delta already,
     so its dq is NaN; one that does not gets p = 0 times finite numbers)."""
     k, v, qk, counts, _ = _key_products(
         q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo, extra_hi,
-        skn, svn, smn, d_ok, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS,
-        NONFINITE, False, BLOCK_N)
+        span_counts, skn, svn, smn, d_ok, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
+        POW2_PERIODS, SPAN_COUNTS, NONFINITE, False, BLOCK_N)
     # (M, N): the final softmax's probabilities (counts included; masked: 0)
     p = tl.exp2(qk * scale_log2 - lse[:, None])
     if EXTRAS > 0:
@@ -394,8 +414,8 @@ def fused_dq(
     head_dim, scale_log2, scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DLSE: tl.constexpr,
     PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
-    NONFINITE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dq of one query tile, and delta = rowsum(dout * out) - dlse of its rows (the
     dK/dV kernel reads it: the query tiles cover every (row, head) once). NONFINITE: the
@@ -423,29 +443,31 @@ def fused_dq(
             smh, CAUSAL, BLOCK_D)
         # the span's times on its logits (fused_forward): on the lse, once per span
         lse_span = lse - bias
+        span_counts = _span_counts(extras, extra_lo, extra_hi, lo, EXTRAS, POW2_PERIODS,
+                                   SPAN_COUNTS, BLOCK_N)
         full_hi = lo  # as in fused_forward
         if not HAS_MASK:
             _, full_hi = _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL, False,
                                           BLOCK_N)
             for c in range(lo, full_hi, BLOCK_N):
                 dq = _dq_step(q, do, t, row_ok, lse_span, delta, dq, k_at, v_at, mask_at,
-                              extras, start, stride, c, hi, extra_lo, extra_hi, skn, svn, smn,
-                              d_ok, scale_log2, False, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
-                              POW2_PERIODS, NONFINITE, BLOCK_N)
+                              extras, start, stride, c, hi, extra_lo, extra_hi, span_counts,
+                              skn, svn, smn, d_ok, scale_log2, False, CAUSAL, HAS_MASK,
+                              PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             dq = _dq_step(q, do, t, row_ok, lse_span, delta, dq, k_at, v_at, mask_at, extras,
-                          start, stride, c, hi, extra_lo, extra_hi, skn, svn, smn, d_ok,
-                          scale_log2, True, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS,
-                          NONFINITE, BLOCK_N)
+                          start, stride, c, hi, extra_lo, extra_hi, span_counts, skn, svn, smn,
+                          d_ok, scale_log2, True, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
+                          POW2_PERIODS, SPAN_COUNTS, NONFINITE, BLOCK_N)
     _store_rows(dQ, dq * scale, b, t, row_ok, head, sdqb, sdqn, sdqh, sdqd, head_dim, BLOCK_D)
 
 
 @triton.jit
 def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, start, stride, c,
-               hi, bias, extra_lo, extra_hi, sqn, sdon, sln, d_ok, scale_log2,
+               hi, bias, extra_lo, extra_hi, span_counts, sqn, sdon, sln, d_ok, scale_log2,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-               EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, NONFINITE: tl.constexpr,
-               BLOCK_N: tl.constexpr):
+               EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr,
+               NONFINITE: tl.constexpr, BLOCK_N: tl.constexpr):
     """dk, dv of the tile's key rows plus one chunk of queries' share; MASKED as in
     ``_key_products`` (else every query of the chunk reads every key row: no mask).
     NONFINITE: in a masked chunk non-finite q, dout elements read as 0 and a masked pair's
@@ -475,7 +497,11 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
     qk = tl.dot(k, tl.trans(q), input_precision=PRECISION)
     p = tl.exp2(qk * scale_log2 - lse[None, :])
     if EXTRAS > 0:
-        p *= _counts(extras, extra_lo, extra_hi, idx, EXTRAS, POW2_PERIODS, BLOCK_N)[None, :]
+        if SPAN_COUNTS:
+            p *= span_counts[None, :]
+        else:
+            p *= _counts(extras, extra_lo, extra_hi, idx, EXTRAS, POW2_PERIODS,
+                         BLOCK_N)[None, :]
     if MASKED:
         valid = live[:, None] & q_ok[None, :]
         if CAUSAL:
@@ -498,8 +524,8 @@ def fused_dkdv(
     sdvb, sdvn, sdvh, sdvd, smb, smn, smh,
     head_dim, scale_log2, scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
-    POW2_PERIODS: tl.constexpr, NONFINITE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dK, dV of one key tile (rows of one key/value head): over the spans of query rows
     that read them, for every query head of its GQA group; written once. Per span the
@@ -528,6 +554,8 @@ def fused_dkdv(
         # lse and delta share their strides
         lse_at = Lse + b.to(tl.int64) * slb + head.to(tl.int64) * slh
         delta_at = Delta + b.to(tl.int64) * slb + head.to(tl.int64) * slh
+        span_counts = _span_counts(extras, extra_lo, extra_hi, lo, EXTRAS, POW2_PERIODS,
+                                   SPAN_COUNTS, BLOCK_N)
         # a padding mask masks every chunk (the other loops are not compiled then)
         full_hi = lo
         if not HAS_MASK:
@@ -537,18 +565,19 @@ def fused_dkdv(
                 for c in range(lo, full_lo, BLOCK_N):
                     dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at,
                                         extras, start, stride, c, hi, bias, extra_lo,
-                                        extra_hi, sqn, sdon, sln, d_ok, scale_log2, True,
-                                        CAUSAL, PRECISION, EXTRAS, POW2_PERIODS, NONFINITE,
-                                        BLOCK_N)
+                                        extra_hi, span_counts, sqn, sdon, sln, d_ok,
+                                        scale_log2, True, CAUSAL, PRECISION, EXTRAS,
+                                        POW2_PERIODS, SPAN_COUNTS, NONFINITE, BLOCK_N)
             for c in range(full_lo, full_hi, BLOCK_N):
                 dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at,
                                     extras, start, stride, c, hi, bias, extra_lo, extra_hi,
-                                    sqn, sdon, sln, d_ok, scale_log2, False, CAUSAL,
-                                    PRECISION, EXTRAS, POW2_PERIODS, NONFINITE, BLOCK_N)
+                                    span_counts, sqn, sdon, sln, d_ok, scale_log2, False,
+                                    CAUSAL, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS,
+                                    NONFINITE, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras,
-                                start, stride, c, hi, bias, extra_lo, extra_hi, sqn, sdon,
-                                sln, d_ok, scale_log2, True, CAUSAL, PRECISION, EXTRAS,
-                                POW2_PERIODS, NONFINITE, BLOCK_N)
+                                start, stride, c, hi, bias, extra_lo, extra_hi, span_counts,
+                                sqn, sdon, sln, d_ok, scale_log2, True, CAUSAL, PRECISION,
+                                EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, BLOCK_N)
     _store_rows(dK, dk * scale, b, u, row_ok, kv, sdkb, sdkn, sdkh, sdkd, head_dim, BLOCK_D)
     _store_rows(dV, dv, b, u, row_ok, kv, sdvb, sdvn, sdvh, sdvd, head_dim, BLOCK_D)
