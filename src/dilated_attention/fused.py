@@ -76,8 +76,8 @@ class TileSizes:
 
 
 # Triton's interpreter (CPU tensors) runs one numpy operation per block operation: fewer,
-# larger blocks are faster there (16 is tl.dot's least size). Spans split where each piece
-# fills a chunk, so that the tests' short sequences run both kinds of span.
+# larger blocks are faster there (16 is tl.dot's least size). Spans split where every piece
+# fills a chunk (the tests' short sequences rarely do; tests/test_fused.py also forces it).
 INTERPRETER_TILE_SIZES = TileSizes(*[KernelTiles(32, 32, num_warps=1)] * 3, num_stages=1,
                                    split_chunks=1)
 
