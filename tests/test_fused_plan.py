@@ -13,6 +13,7 @@ Notation: n rows, h query heads, hk key/value heads; counts (h, n, n) [j, t, u].
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import pytest
@@ -110,6 +111,22 @@ def check_plan(n: int, patterns, h: int, hk: int, first: int, causal: bool,
         assert not mismatch.numel(), (
             f"keys={keys}: (head, row, key) {mismatch[0].tolist()} visited "
             f"{int(got[tuple(mismatch[0])])} times, counted {int(want[tuple(mismatch[0])])}")
+        if split_keys is not None:
+            whole = tile_plan(n, patterns, heads, hk, causal, documents, block_m, keys,
+                              window=window)
+            assert (plan.max_extras == 0) == can_split(whole, split_keys), f"keys={keys}"
+
+
+def can_split(plan: TilePlan, split_keys: int) -> bool:
+    """Note [fused kernel], "Split spans": every span whose extras repeat with a period L > 1
+    keeps L * split_keys elements (and L), so the plan's spans are all cut; spans with no
+    extras, or only a duplicate's (period 1), do not stand in the way."""
+    spans, extras = plan.spans.long(), plan.extras.long()
+    for count, extra_lo, extra_hi in spans[:, [3, 5, 6]].tolist():
+        period = math.lcm(*extras[extra_lo:extra_hi, 0].tolist())
+        if period > 1 and count < period * max(split_keys, 1):
+            return False
+    return True
 
 
 @settings(max_examples=300)
@@ -204,6 +221,10 @@ def test_spans_split_where_each_piece_keeps_split_keys_elements() -> None:
             whole = tile_plan(8192, longnet, heads, 2, False, None, 128, keys,
                               split_keys=split_keys)
             assert whole.max_extras == 1 and int(whole.spans[:, 4].max()) == 1
+    # spans with no extras stand in no one's way, short as they are (check_plan's can_split)
+    check_plan(249, ((66, 100), (1, 4)), 2, 2, 0, False, None, 16, split_keys=8)
+    assert tile_plan(249, ((66, 100), (1, 4)), heads, 2, False, None, 16, False,
+                     split_keys=8).max_extras == 0
     duplicate = tile_plan(64, ((16, 16), (2, 2)), heads, 2, False, None, 16, False)
     assert duplicate.max_extras == 0 and set(duplicate.spans[:, 4].tolist()) == {2}
     # the spans with a rate-4 extra would be pieces of 2 keys (rate 2's 4 in a segment of 8,

@@ -465,8 +465,8 @@ def _split(spans: _Spans, split_keys: Optional[int]) -> _Spans:
         for j in range(int(per_span.max())):
             at = owner[nth == j]
             period[at] = torch.lcm(period[at], extras[nth == j, 0])
-    cut = period == 1
-    if split_keys is not None and bool((count >= period * max(split_keys, 1)).all()):
+    cut = period == 1  # no extras, or only a duplicate's: nothing to lose by cutting
+    if split_keys is not None and bool((cut | (count >= period * max(split_keys, 1))).all()):
         cut[:] = True
     cut &= per_span > 0
     if not bool(cut.any()):
