@@ -62,10 +62,8 @@ def fused_plan_time(layout: Layout, rank: int, *, causal: bool, heads: int):
     tiles = cuda_tile_sizes((9, 0), torch.bfloat16, 64)
     wall, rows = time.perf_counter(), 0
     for kernel in ("forward", "dkdv"):
-        options = tiles.plan(kernel)
         plan = _tile_plan(layout.total, (SEGMENTS, RATES), Heads.of(heads, heads), heads,
-                          causal, None, options["block_m"], options["keys"], window,
-                          options["split_keys"])
+                          causal, None, window=window, **tiles.plan(kernel))
         rows += plan.rows.numel()
     return time.perf_counter() - wall, rows
 

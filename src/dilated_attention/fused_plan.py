@@ -458,8 +458,8 @@ def _split(spans: _Spans, split_keys: Optional[int]) -> _Spans:
     per_span = extra_hi - extra_lo
     owner = torch.repeat_interleave(torch.arange(table.shape[0]), per_span)  # (E,)
     period = torch.ones_like(count)  # (S,) L
-    if bool((extras[:, 0] & (extras[:, 0] - 1) == 0).all()):
-        period.scatter_reduce_(0, owner, extras[:, 0], "amax")  # powers of two: the largest
+    if _powers_of_two(extras[:, 0]):
+        period.scatter_reduce_(0, owner, extras[:, 0], "amax")  # their lcm: the largest
     else:
         nth = _within(per_span)  # each extra's place in its span
         for j in range(int(per_span.max())):
@@ -492,6 +492,11 @@ def _split(spans: _Spans, split_keys: Optional[int]) -> _Spans:
     new[:, 6] = torch.cumsum(kept, 0)
     new[:, 5] = new[:, 6] - kept
     return _Spans(spans.reader[span], new, extras[~cut[owner]])
+
+
+def _powers_of_two(x: Tensor) -> bool:
+    """Every element of the int tensor x (periods, >= 1) is a power of two (True if none)."""
+    return bool((x & (x - 1) == 0).all())
 
 
 def _within(lengths: Tensor) -> Tensor:
@@ -599,7 +604,7 @@ def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, caus
     return TilePlan(_int32(tiles), _int32(_nonempty(torch.cat(rows))),
                     _int32(_nonempty(spans.table)), _int32(_nonempty(spans.extras)), block_m,
                     int(per_span.max()) if per_span.numel() else 0,
-                    bool((period & (period - 1) == 0).all()),
+                    _powers_of_two(period),
                     math.lcm(*torch.unique(period).tolist()))
 
 
