@@ -76,3 +76,26 @@ def test_a_kernel_that_spills_is_reported_and_fails(tmp_path):
 def test_bad_tile_sizes_are_a_usage_error(tmp_path):
     code, _, log = cross_compile(tmp_path, "--sizes", "64,64", "64,64,4", "64,64,4")
     assert code == 2 and "--sizes" in log
+
+
+def test_sass_loops_finds_the_loops_a_branch_jumps_back_to():
+    """benchmarks/sass_loops.py's parse of an nvdisasm listing: a loop is a label that a later
+    branch jumps back to (a forward branch is none), its opcodes counted without operands."""
+    sys.path.insert(0, str(TOOL.parent))
+    try:
+        from sass_loops import loops
+    finally:
+        sys.path.remove(str(TOOL.parent))
+    listing = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+    .L_x_0:
+        /*0010*/                   FFMA R2, R3, R4, R5 ;
+        /*0020*/              @!P0 FMUL.FTZ R2, R2, R6 ;
+        /*0030*/               @P1 BRA `(.L_x_1) ;
+        /*0040*/                   BRA `(.L_x_0) ;
+    .L_x_1:
+        /*0050*/                   EXIT ;
+    """
+    opcodes, found = loops(listing)
+    assert opcodes == ["MOV", "FFMA", "FMUL", "BRA", "BRA", "EXIT"]
+    assert found == [(1, 4)]

@@ -46,7 +46,7 @@ each, whose counts add up.
 Split spans. A count per key costs the kernels' inner loop about a sixth of
 its instructions (the extras' tests per key, a product per pair: sm_90 SASS
 of the unmasked chunk loops, Triton 3.9, LongNet's bf16 heads of 64: forward
-673 against 560, dq 620 against 491, dK/dV 497 against 407). But a span's
+673 against 560, dq 620 against 491, dK/dV 498 against 407). But a span's
 counts repeat with the period L = lcm of its extras' periods, so the span is
 also L spans of stride * L whose keys each count the same, `times` (1 + the
 extras that hit that phase), which the kernels add as log2(times) to the

@@ -1,0 +1,97 @@
+"""Instructions per chunk of the fused kernels' key loops, from their SASS (no GPU needed).
+
+    python benchmarks/sass_loops.py                                  # LongNet, sm_90
+    python benchmarks/sass_loops.py --patterns geometric
+    python benchmarks/sass_loops.py --patterns geometric --set SPAN_COUNTS=False
+
+Each fused kernel (forward, dq, dK/dV) of one bf16 call with heads of 64 is
+compiled as ``cross_compile.py`` does (the launch the op would make on that
+architecture, its shipped tiles), with constexprs replaced by --set, and its
+cubin disassembled with the ``nvdisasm`` Triton ships. Printed per kernel: its
+instructions, and for each loop of at least 40 instructions (a label that a
+later branch jumps back to) its length and most frequent opcodes. The
+innermost loop first in the listing is the unmasked chunk loop: what one chunk
+of keys costs (BENCHMARKS.md, "Kernels without per-key counts"). A count of
+instructions, not a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import cross_compile as cc
+
+KERNELS = ("fused_forward", "fused_dq", "fused_dkdv")
+
+
+def sass(cubin: bytes) -> str:
+    from triton.backends.nvidia import compiler
+
+    nvdisasm = Path(compiler.__file__).parent / "bin" / "nvdisasm"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([str(nvdisasm), "-c", "-g", str(path)], capture_output=True,
+                              text=True, check=True).stdout
+
+
+def loops(listing: str) -> Tuple[List[str], List[Tuple[int, int]]]:
+    """(opcodes in order, (first, last) instruction of every backward branch's loop)."""
+    opcodes: List[str] = []
+    operands: List[str] = []
+    labels = {}
+    for line in listing.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(opcodes)
+            continue
+        op = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*?);", line)
+        if op:
+            opcodes.append(op.group(1).split(".")[0])
+            operands.append(op.group(2))
+    found = []
+    for i, (opcode, text) in enumerate(zip(opcodes, operands)):
+        target = re.search(r"(\.L_x_\d+)", text) if opcode == "BRA" else None
+        if target and labels.get(target.group(1), i + 1) <= i:
+            found.append((labels[target.group(1)], i))
+    return opcodes, found
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--patterns", default="longnet", choices=list(cc.PATTERNS))
+    parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="constexpr overrides, e.g. EXTRAS=0 SPAN_COUNTS=False")
+    args = parser.parse_args(argv)
+    overrides = {}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        overrides[name] = {"True": True, "False": False}.get(value, value)
+        if value.lstrip("-").isdigit():
+            overrides[name] = int(value)
+    case = cc.Case("bfloat16", 64, False, False, args.patterns)
+    for launch in cc.record_launches(case, args.arch):
+        name = launch.kernel.fn.__name__
+        if name not in KERNELS or launch.kwargs.get("NONFINITE"):
+            continue
+        kwargs = {**launch.kwargs, **overrides}
+        compiled = cc.compile_launch(cc.Launch(launch.kernel, launch.args, kwargs), args.arch)
+        opcodes, found = loops(sass(compiled.asm["cubin"]))
+        print(f"{name} sm_{args.arch} {args.patterns} EXTRAS={kwargs['EXTRAS']} "
+              f"SPAN_COUNTS={kwargs['SPAN_COUNTS']}: {len(opcodes)} instructions")
+        for lo, hi in found:
+            if hi - lo >= 40:
+                common = collections.Counter(opcodes[lo:hi + 1])
+                print(f"  loop of {hi - lo + 1}: " + ", ".join(
+                    f"{op} {n}" for op, n in common.most_common(8)))
+
+
+if __name__ == "__main__":
+    main()
