@@ -67,6 +67,8 @@ CASES = {
     "dense-multi-chunk": Case(128, (128,), (1,), True, h=2, hk=1),
     # spans whose only extra, a duplicate's, became times 2 beside spans with extras
     "duplicates-and-extras": Case(64, (8, 8, 32), (2, 2, 4), True),
+    # classes of 32 and 16 rows per cell: tiles of 32 rows and a launch of 16-row ones
+    "narrow-tiles": Case(192, (64, 128), (1, 4), True, h=2, hk=1, masked=True),
 }
 
 
@@ -147,6 +149,20 @@ def test_split_spans_match_reference(name: str, monkeypatch) -> None:
     monkeypatch.setattr(fused, "tile_plan",
                         lambda *args, **kwargs: plan(*args, **{**kwargs, "split_keys": 1}))
     check(CASES[name], op(CASES[name]))
+
+
+def test_narrow_and_wide_launches_in_one_call(monkeypatch) -> None:
+    """Note [fused kernel], "Narrow tiles": the tiles of 16 rows launch apart from the 32-row
+    ones, in each kernel (dq's delta written by both before dK/dV reads it)."""
+    case = CASES["narrow-tiles"]
+    sizes = fused.TileSizes(*[fused.KernelTiles(32, 32, 4)] * 3)
+    monkeypatch.setattr(fused, "tile_sizes", lambda device, dtype, head_dim: sizes)
+    for kernel in KERNEL_ROLES:
+        plan = fused.tile_plan(case.n, (case.segment_lengths, case.dilation_rates),
+                               Heads.of(case.h, case.hk), case.hk, case.causal, None,
+                               **sizes.plan(kernel))
+        assert [height for height, _ in plan.heights] == [32, 16], kernel
+    check(case, op(case))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 dots are wrong in the interpreter")
@@ -770,8 +786,10 @@ def _cuda_tile_shapes():
     shapes = {role: sorted({getattr(sizes, role)[:2] for sizes in fused.CUDA_TILE_SIZES.values()})
               for role in KERNEL_ROLES}
     count = max(len(s) for s in shapes.values())
-    return [fused.TileSizes(*(fused.KernelTiles(*shapes[role][i % len(shapes[role])], 1)
-                              for role in KERNEL_ROLES)) for i in range(count)]
+    tiles = [[fused.KernelTiles(*shapes[role][i % len(shapes[role])], 1) for role in KERNEL_ROLES]
+             for i in range(count)]
+    # narrow tiles would run this short case's tiles at 16 rows, whatever the table's
+    return [fused.TileSizes(*t, narrowest=max(x.rows for x in t)) for t in tiles]
 
 
 def _tiles_id(sizes: fused.TileSizes) -> str:

@@ -30,15 +30,23 @@ def expand(plan: TilePlan, n: int, m: int, heads: Heads, num_kv_heads: int, caus
            keys: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(counts (h, n, m) [j, t, u] the plan makes the kernels visit, writes (tile heads, rows)).
 
-    Also checks the table invariants the kernels rely on: at most block_m rows per tile,
-    ascending, spans of the right heads, every element inside the sequence.
+    Also checks the table invariants the kernels rely on: launches that cover the tiles,
+    widest first, of block_m rows halved zero or more times; at most
+    a launch's rows per tile, ascending, spans of the right heads, every element inside
+    the sequence.
     """
-    tiles, rows, spans, extras = (x.long() for x in plan[:4])
+    rows, spans, extras = (x.long() for x in plan[1:4])
+    heights = [height for height, _ in plan.heights]
+    assert sum(count for _, count in plan.heights) == plan.tiles.shape[0]
+    assert heights == sorted(set(heights), reverse=True)
+    assert set(heights) <= {plan.block_m >> i for i in range(plan.block_m.bit_length())}
     h = heads.count
     counts = torch.zeros(h, n, m, dtype=torch.int64)
     writes = torch.zeros(num_kv_heads if keys else h, m if keys else n, dtype=torch.int64)
-    for cell, lo, count, head, span_lo, span_hi in tiles.tolist():
-        assert 1 <= count <= plan.block_m
+    tiles = [(height, tile) for launch, height in plan.launches()
+             for tile in launch.long().tolist()]
+    for height, (cell, lo, count, head, span_lo, span_hi) in tiles:
+        assert 1 <= count <= height
         r = cell + rows[lo:lo + count]
         assert bool((r[1:] > r[:-1]).all()), "tile rows ascend"
         writes[head, r] += 1
@@ -86,25 +94,28 @@ def plan_cases(draw):
     documents = draw(st.sampled_from([None, tuple([0] + cuts + [n])]))
     return dict(n=n, patterns=(segs, rates), h=h, hk=hk, first=draw(st.integers(0, 7)),
                 causal=draw(st.booleans()), documents=documents,
-                block_m=draw(st.sampled_from([1, 3, 4, 16])),
-                split_keys=draw(st.sampled_from([None, 0, 1, 2, 5])))
+                block_m=draw(st.sampled_from([1, 3, 4, 16, 32, 64])),
+                split_keys=draw(st.sampled_from([None, 0, 1, 2, 5])),
+                narrowest=draw(st.sampled_from([None, 1, 2, 16])))
 
 
 def check_plan(n: int, patterns, h: int, hk: int, first: int, causal: bool,
                documents: Optional[Tuple[int, ...]], block_m: int,
                kv_of: Optional[Tuple[int, ...]] = None,
                window: Optional[Tuple[int, int]] = None,
-               split_keys: Optional[int] = None) -> None:
+               split_keys: Optional[int] = None, narrowest: Optional[int] = None) -> None:
     """The plan visits the count matrix; with a `window` (lo, hi), its rows against its
     keys (numbered from lo), and every (row, head) of it in one tile; split_keys: spans
-    split into spans without extras where each piece keeps that many elements."""
+    split into spans without extras where each piece keeps that many elements; narrowest:
+    no launch of fewer rows."""
     heads = Heads(first, kv_of) if kv_of else Heads.of(h, hk, first)
     want = dilated_counts(n, h, patterns[0], patterns[1], causal, documents, first_head=first)
     lo, hi = window or (0, n)
     want = want[:, lo:hi, lo:hi]
     for keys in (False, True):
         plan = tile_plan(n, patterns, heads, hk, causal, documents, block_m, keys,
-                         window=window, split_keys=split_keys)
+                         window=window, split_keys=split_keys, narrowest=narrowest)
+        assert all(h >= (narrowest or block_m) or h == block_m for h, _ in plan.heights)
         got, writes = expand(plan, hi - lo, hi - lo, heads, hk, causal, keys)
         assert bool((writes == 1).all()), f"keys={keys}: every (row, head) in one tile"
         mismatch = (got != want).nonzero()
@@ -237,14 +248,43 @@ def test_spans_split_where_each_piece_keeps_split_keys_elements() -> None:
 def test_occupancy_below_the_per_pattern_floor() -> None:
     """A key that two patterns select is computed once (Note [fused kernel]): LongNet's
     setting at 64K computes 5/6 of the per-pattern floor's pairs; the geometric schedule
-    (2048..65536 / 1..32) 0.754 with 64-row tiles. Pure arithmetic on the plan."""
+    (2048..65536 / 1..32) 0.754 with 64-row tiles, or 128 with narrow tiles. Pure arithmetic on the plan."""
     heads = Heads.of(12, 12)
     for split_keys in (None, 512):  # its split pieces fill their chunks: the same work
         longnet = occupancy(65536, ((2048, 4096), (1, 2)), heads, False, None, 128, 64,
                             split_keys)
         assert longnet.computed * 6 == longnet.floor * 5
-    geometric = occupancy(65536, ((2048, 4096, 8192, 16384, 32768, 65536),
-                                  (1, 2, 4, 8, 16, 32)), heads, False, None, 64, 64)
-    assert 0.75 < geometric.ratio < 0.76
+    geometric = ((2048, 4096, 8192, 16384, 32768, 65536), (1, 2, 4, 8, 16, 32))
+    for block_m in (64, 128):  # 128: its 64-row classes launch apart (narrow tiles)
+        ratio = occupancy(65536, geometric, heads, False, None, block_m, 64, narrowest=16).ratio
+        assert 0.75 < ratio < 0.76
+    # in one launch of 128-row tiles they would half-fill theirs
+    assert 0.85 < occupancy(65536, geometric, heads, False, None, 128, 64).ratio < 0.86
     causal = occupancy(65536, ((2048, 4096), (1, 2)), heads, True, None, 64, 64)
     assert causal.ratio < 0.9
+
+
+def test_narrow_tiles_launch_apart_where_they_save_work() -> None:
+    """Note [fused kernel], "Narrow tiles": the geometric schedule's classes of 64 rows per
+    cell (rows every pattern selects, and every one but the last) half-fill 128-row tiles,
+    an eighth of the plan's work, so they get a launch of 64-row tiles, query and key plans
+    alike; LongNet's setting has none, and 24 tail tiles of 64 rows in 8,256 rows save
+    too little (under NARROW_SAVING) to launch apart."""
+    heads = Heads.of(12, 12)
+    geometric = ((2048, 4096, 8192, 16384, 32768, 65536), (1, 2, 4, 8, 16, 32))
+    for keys in (False, True):
+        assert tile_plan(65536, geometric, heads, 12, False, None, 128, keys).heights == \
+            ((128, 6528),)  # narrowest None: one launch
+        plan = tile_plan(65536, geometric, heads, 12, False, None, 128, keys, narrowest=16)
+        assert plan.heights == ((128, 5760), (64, 768))
+        (wide, _), (narrow, _) = plan.launches()
+        assert int(wide[:, 2].min()) == 128 and int(narrow[:, 2].max()) == 64
+        assert tile_plan(65536, geometric, heads, 12, False, None, 64, keys,
+                         narrowest=16).heights == ((64, 12288),)
+    assert tile_plan(65536, ((2048, 4096), (1, 2)), heads, 12, False, None, 128, False,
+                     narrowest=16).heights == ((128, 6144),)
+    tail = tile_plan(8256, ((2048, 4096), (1, 2)), heads, 12, False, None, 128, False,
+                     narrowest=16)
+    assert tail.heights == ((128, 792),) and int((tail.tiles[:, 2] <= 64).sum()) == 24
+    assert dense_plan(100, 100, heads, 12, 64, False).heights == ((64, 24),)
+    assert tile_plan(0, ((4,), (1,)), heads, 12, False, None, 64, False).heights == ()

@@ -50,12 +50,20 @@ class KernelTiles(NamedTuple):
         """The kernels' SPAN_COUNTS for `plan`: its counts repeat from chunk to chunk."""
         return self.span_counts and self.chunk % plan.period_lcm == 0
 
+    def warps(self, block_m: int) -> int:
+        """Warps of a launch of `block_m` rows (a plan's narrow tiles: fewer than `rows`):
+        as many rows per warp as the tile, but at least 4 (or num_warps): in one or two a
+        thread holds too much of the chunk's loads and products (d 128 spilled 4-260
+        bytes at 255 registers on sm_80/86/120, benchmarks/cross_compile.py)."""
+        return min(self.num_warps, max(4, self.num_warps * block_m // self.rows))
+
 
 @dataclasses.dataclass(frozen=True)
 class TileSizes:
     """The three kernels' tiles on one device, how many chunks ahead their loops load
-    (Triton's num_stages), and how many chunks each piece of a split span must keep
-    (split_chunks; Note [fused kernel] in fused_plan.py, "Split spans").
+    (Triton's num_stages), how many chunks each piece of a split span must keep
+    (split_chunks; Note [fused kernel] in fused_plan.py, "Split spans"), and the fewest
+    rows a launch of narrow tiles may have (narrowest: tl.dot's least, 16; "Narrow tiles").
 
     Eight chunks: a piece's partial last chunk and its loop's start (the loads' pipeline
     filling again) then cost at most about an eighth of a chunk's work more per piece,
@@ -67,12 +75,13 @@ class TileSizes:
     dkdv: KernelTiles
     num_stages: int = 2
     split_chunks: int = 8
+    narrowest: int = 16
 
     def plan(self, kernel: str) -> Dict[str, Any]:
         """fused_plan.tile_plan's arguments for `kernel` ("forward", "dq" or "dkdv")."""
         tiles = getattr(self, kernel)
         return dict(block_m=tiles.rows, keys=kernel == "dkdv",
-                    split_keys=self.split_chunks * tiles.chunk)
+                    split_keys=self.split_chunks * tiles.chunk, narrowest=self.narrowest)
 
 
 # Triton's interpreter (CPU tensors) runs one numpy operation per block operation: fewer,
@@ -275,8 +284,9 @@ def dense_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 def _dense_planner(q: Tensor, k: Tensor) -> Planner:
     hk = k.shape[2]
 
-    def planner(block_m: int, keys: bool, split_keys: int) -> TilePlan:
-        # one span per head of all the other side's rows, no extras: nothing to split
+    def planner(block_m: int, keys: bool, split_keys: int, narrowest: int) -> TilePlan:
+        # one span per head of all the other side's rows, no extras: nothing to split, and
+        # every tile full but the last
         return dense_plan(q.shape[1], k.shape[1], Heads.of(q.shape[2], hk), hk, block_m, keys,
                           device=str(q.device))
 
@@ -302,20 +312,21 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
     mask, mask_strides = _mask_arg(mask, lse)
     # a plan has a tile for every (row, head): none only for an empty sequence; the rule's
     # variant after the plain one, over the same tiles (it overwrites them where it runs);
-    # the plain one completes the check first (REPORT)
+    # the plain one completes the check first (REPORT). One launch per tile height.
     for rule in _variants(nonfinite):
-        kernels.fused_forward[(plan.tiles.shape[0], b)](
-            q, k, v, out, lse, mask, lse if nonfinite is None else nonfinite, plan.tiles,
-            plan.rows, plan.spans, plan.extras,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *mask_strides,
-            d, scale * kernels.LOG2E,
-            CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
-            EXTRAS=plan.max_extras, POW2_PERIODS=plan.pow2_periods,
-            SPAN_COUNTS=sizes.forward.counts_per_span(plan), NONFINITE=rule,
-            REPORT=not rule and nonfinite is not None,
-            BLOCK_M=plan.block_m, BLOCK_N=sizes.forward.chunk, BLOCK_D=_head_block(d),
-            num_warps=sizes.forward.num_warps, num_stages=sizes.num_stages,
-        )
+        for tiles, block_m in plan.launches():
+            kernels.fused_forward[(tiles.shape[0], b)](
+                q, k, v, out, lse, mask, lse if nonfinite is None else nonfinite, tiles,
+                plan.rows, plan.spans, plan.extras,
+                *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+                *mask_strides, d, scale * kernels.LOG2E,
+                CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
+                EXTRAS=plan.max_extras, POW2_PERIODS=plan.pow2_periods,
+                SPAN_COUNTS=sizes.forward.counts_per_span(plan), NONFINITE=rule,
+                REPORT=not rule and nonfinite is not None,
+                BLOCK_M=block_m, BLOCK_N=sizes.forward.chunk, BLOCK_D=_head_block(d),
+                num_warps=sizes.forward.warps(block_m), num_stages=sizes.num_stages,
+            )
     return out, lse
 
 
@@ -347,9 +358,9 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     # triton_kernels): dq's writes delta again, the same numbers, before dK/dV's reads it
     for rule in _variants(nonfinite):
         any_bad = nonfinite if rule else lse
-        if queries.tiles.shape[0]:
-            kernels.fused_dq[(queries.tiles.shape[0], b)](
-                q, k, v, out, dout, lse, dlse_arg, delta, dq, mask, any_bad, queries.tiles,
+        for tiles, block_m in queries.launches():
+            kernels.fused_dq[(tiles.shape[0], b)](
+                q, k, v, out, dout, lse, dlse_arg, delta, dq, mask, any_bad, tiles,
                 queries.rows, queries.spans, queries.extras,
                 *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(),
                 *lse.stride(), *dlse_arg.stride(), *dq.stride(), *mask_strides,
@@ -357,19 +368,19 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
                 HAS_DLSE=dlse is not None, EXTRAS=queries.max_extras,
                 POW2_PERIODS=queries.pow2_periods,
                 SPAN_COUNTS=sizes.dq.counts_per_span(queries), NONFINITE=rule,
-                BLOCK_M=queries.block_m,
-                BLOCK_N=sizes.dq.chunk, num_warps=sizes.dq.num_warps, **flags,
+                BLOCK_M=block_m, BLOCK_N=sizes.dq.chunk, num_warps=sizes.dq.warps(block_m),
+                **flags,
             )
-        if keys.tiles.shape[0]:
-            kernels.fused_dkdv[(keys.tiles.shape[0], b)](
-                q, k, v, dout, lse, delta, dk, dv, mask, any_bad, keys.tiles, keys.rows,
+        for tiles, block_m in keys.launches():
+            kernels.fused_dkdv[(tiles.shape[0], b)](
+                q, k, v, dout, lse, delta, dk, dv, mask, any_bad, tiles, keys.rows,
                 keys.spans, keys.extras,
                 *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
                 *dk.stride(), *dv.stride(), *mask_strides,
                 d, scale * kernels.LOG2E, scale,
                 EXTRAS=keys.max_extras, POW2_PERIODS=keys.pow2_periods,
                 SPAN_COUNTS=sizes.dkdv.counts_per_span(keys), NONFINITE=rule,
-                BLOCK_M=keys.block_m, BLOCK_N=sizes.dkdv.chunk,
-                num_warps=sizes.dkdv.num_warps, **flags,
+                BLOCK_M=block_m, BLOCK_N=sizes.dkdv.chunk,
+                num_warps=sizes.dkdv.warps(block_m), **flags,
             )
     return dq, dk, dv

@@ -76,6 +76,22 @@ mask per element. Rows no pattern selects form classes
 with no span: their tiles write out 0 and lse -inf, so every (row, head) is
 written exactly once and nothing is zero-filled first.
 
+Narrow tiles. A class can hold fewer rows than a tile: the geometric
+schedule's rows that every pattern selects, and those that all but the last
+do, are 64 per cell of 2048 (rates up to 32), and their tiles of 128 rows
+would be half empty, an eighth of the plan's work padding (they are its
+heaviest tiles: they read every pattern's keys). The kernels' BLOCK_M is a
+compile-time constant, so such tiles are launched apart at a smaller one: a
+plan orders its tiles widest launch first (``TilePlan.heights``), halving
+BLOCK_M down to ``narrowest`` (``fused.TileSizes``: tl.dot's least, 16) while
+the tiles that fit save at least NARROW_SAVING (1/16) of the plan's work,
+rows padded to the launch's height times the tile's keys. Each launch costs a
+kernel launch, and its own last partial wave of programs, hence the
+threshold (arithmetic, not timed). The geometric schedule's query and key
+plans of 128-row tiles then compute 0.754 of the per-pattern floor's pairs,
+not 0.857 (``occupancy``); LongNet's setting fills its tiles and launches
+once.
+
 Why classes and a row table, not one arithmetic progression per residue mod
 L = lcm(rates): a class unites every residue of equal pattern set (head 0 of
 the geometric schedule 2048..65536 / 1..32: the 16 odd residues mod 32 are
@@ -119,6 +135,7 @@ bounds each span by its tile's last (first) row and masks per element.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
@@ -155,7 +172,9 @@ class TilePlan(NamedTuple):
     so the kernels take it modulo with a bit mask, not a division. period_lcm: the lcm of
     every extra's period: where it divides a kernel's chunk size, a span's counts are the
     same in each of its chunks (they start lo + chunk * BLOCK_N), and the kernels compute
-    them once per span.
+    them once per span. heights ((BLOCK_M, tiles), ...): the launches of a kernel over the
+    plan, widest first, each over the next `tiles` rows of ``tiles`` (Note [fused kernel],
+    "Narrow tiles"); () for an empty plan.
     """
 
     tiles: Tensor
@@ -166,16 +185,23 @@ class TilePlan(NamedTuple):
     max_extras: int
     pow2_periods: bool = True
     period_lcm: int = 1
+    heights: Tuple[Tuple[int, int], ...] = ()
 
     def to(self, device) -> "TilePlan":
         return self._replace(**{name: getattr(self, name).to(device)
                                 for name in ("tiles", "rows", "spans", "extras")})
 
+    def launches(self) -> List[Tuple[Tensor, int]]:
+        """(tiles (T_i, 6), a view of ``tiles``; its BLOCK_M) of each launch."""
+        bounds = itertools.accumulate([count for _, count in self.heights], initial=0)
+        return [(self.tiles[lo:lo + count], height)
+                for (height, count), lo in zip(self.heights, bounds)]
+
 
 def tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, causal: bool,
               documents: Documents, block_m: int, keys: bool, device: str = "cpu",
               window: Optional[Tuple[int, int]] = None,
-              split_keys: Optional[int] = None) -> TilePlan:
+              split_keys: Optional[int] = None, narrowest: Optional[int] = None) -> TilePlan:
     """The query tiles (``keys=False``: forward and dq) or key tiles (dK/dV) of a call.
 
     window (lo, hi): only the rows [lo, hi) of the n-row sequence, queries and keys
@@ -188,22 +214,25 @@ def tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, causa
     spans") where each piece keeps at least this many elements; None: only extras of
     period 1 fold into `times`.
 
+    narrowest: tiles of few rows may launch apart at a smaller BLOCK_M, down to this one
+    (Note [fused kernel], "Narrow tiles"); None: one launch of block_m rows.
+
     Cached per shape and device: a training step's forward and backward, and
     every step of equal shape, build it once.
     """
     window = (0, n) if window is None else tuple(window)
     if device != "cpu":
         return _device_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys,
-                            window, split_keys, device)
+                            window, split_keys, narrowest, device)
     return _tile_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys, window,
-                      split_keys)
+                      split_keys, narrowest)
 
 
 @functools.lru_cache(maxsize=64)
 def _device_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys, window,
-                 split_keys, device) -> TilePlan:
+                 split_keys, narrowest, device) -> TilePlan:
     return _tile_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m,
-                      keys, window, split_keys).to(device)
+                      keys, window, split_keys, narrowest).to(device)
 
 
 def dense_plan(n: int, m: int, heads: Heads, num_kv_heads: int, block_m: int, keys: bool,
@@ -227,7 +256,8 @@ def _dense_plan(n, m, heads, num_kv_heads, block_m, keys, device) -> TilePlan:
             tiles.append((0, lo, min(block_m, rows - lo), row_head, span_lo, len(spans)))
     return TilePlan(torch.tensor(tiles, dtype=torch.int32).reshape(-1, 6),
                     torch.arange(max(rows, 1), dtype=torch.int32),
-                    _table(spans, len(SPAN_COLUMNS)), _table([], 2), block_m, 0).to(device)
+                    _table(spans, len(SPAN_COLUMNS)), _table([], 2), block_m, 0,
+                    heights=((block_m, len(tiles)),) if tiles else ()).to(device)
 
 
 def _table(entries: Sequence[Tuple[int, ...]], width: int) -> Tensor:
@@ -530,7 +560,8 @@ def _leaders(active: Tensor, rates: Tensor) -> Tensor:
 @functools.lru_cache(maxsize=64)
 def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, causal: bool,
                documents: Documents, block_m: int, keys: bool,
-               window: Tuple[int, int], split_keys: Optional[int] = None) -> TilePlan:
+               window: Tuple[int, int], split_keys: Optional[int] = None,
+               narrowest: Optional[int] = None) -> TilePlan:
     cells = _cells(n, patterns, documents, window, heads)
     rates = torch.tensor(patterns[1], dtype=torch.int64)
     kind, kind_length, kind_phase = cells.kinds()
@@ -599,13 +630,47 @@ def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, caus
     # cell starts in the window's rows
     tiles = torch.cat([cells.starts[cell, None] - window[0],
                        template[shape_lo[cells.shape][cell] + within]], dim=1)
+    tiles, heights = _narrow(tiles, spans.table, block_m, narrowest or block_m)
     per_span = spans.table[:, 6] - spans.table[:, 5]
     period = spans.extras[:, 0]
     return TilePlan(_int32(tiles), _int32(_nonempty(torch.cat(rows))),
                     _int32(_nonempty(spans.table)), _int32(_nonempty(spans.extras)), block_m,
                     int(per_span.max()) if per_span.numel() else 0,
                     _powers_of_two(period),
-                    math.lcm(*torch.unique(period).tolist()))
+                    math.lcm(*torch.unique(period).tolist()), heights)
+
+
+# A narrower launch pays where it saves this share of the plan's work (Note [fused kernel],
+# "Narrow tiles").
+NARROW_SAVING = 1 / 16
+
+
+def _narrow(tiles: Tensor, spans: Tensor, block_m: int, narrowest: int
+            ) -> Tuple[Tensor, Tuple[Tuple[int, int], ...]]:
+    """tiles (T, 6), spans (S, 7) -> the tiles ordered by launch, widest first, and the
+    launches' (BLOCK_M, tiles): block_m, halved down to `narrowest` while the tiles that
+    fit save NARROW_SAVING of the plan's work (rows padded to the launch's height, times
+    the tile's keys; causal bounds not counted)."""
+    if not tiles.shape[0]:
+        return tiles, ()
+    ends = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), spans[:, 3]]), 0)
+    keys = ends[tiles[:, 5]] - ends[tiles[:, 4]]  # (T,) the other side's elements per tile
+    height = torch.full_like(keys, block_m)
+    total = int((keys * block_m).sum())
+    kept = block_m
+    narrower = block_m // 2
+    while narrower >= narrowest:
+        fits = tiles[:, 2] <= narrower
+        # every tile that fits is at the narrowest height kept so far
+        if int((kept - narrower) * keys[fits].sum()) >= NARROW_SAVING * total:
+            kept = narrower
+            height[fits] = kept
+        narrower //= 2
+    if kept == block_m:
+        return tiles, ((block_m, tiles.shape[0]),)
+    order = torch.sort(height, descending=True, stable=True)  # each launch's tiles in plan order
+    launches, counts = torch.unique_consecutive(order.values, return_counts=True)
+    return tiles[order.indices], tuple(zip(launches.tolist(), counts.tolist()))
 
 
 def _nonempty(table: Tensor) -> Tensor:
@@ -625,7 +690,8 @@ def _int32(x: Tensor) -> Tensor:
 
 class Occupancy(NamedTuple):
     """(row, key) pairs per batch row: `computed` by the kernel (its tiles padded to
-    block_m rows and its spans to block_n keys, after the causal bound of each tile),
+    their launch's BLOCK_M rows and its spans to block_n keys, after the causal bound of
+    each tile),
     `visited` (the tiles' rows times those keys, no padding; causal: the masked pairs
     inside the bound included) and `floor`: every pattern's dense kernel on its
     gathered rows alone (docs/spec.md's per-pattern work; causal: the lower triangles)."""
@@ -640,10 +706,11 @@ class Occupancy(NamedTuple):
 
 
 def occupancy(n: int, patterns: Patterns, heads: Heads, causal: bool, documents: Documents,
-              block_m: int, block_n: int, split_keys: Optional[int] = None) -> Occupancy:
+              block_m: int, block_n: int, split_keys: Optional[int] = None,
+              narrowest: Optional[int] = None) -> Occupancy:
     """The query plan's work against the per-pattern floor (forward; dq does the same)."""
     plan = _tile_plan(n, patterns, heads, max(heads.kv_of) + 1, causal, documents, block_m,
-                      False, (0, n), split_keys)
+                      False, (0, n), split_keys, narrowest)
     tiles, rows, spans = plan.tiles.long(), plan.rows.long(), plan.spans.long()
     per_tile = tiles[:, 5] - tiles[:, 4]
     tile = torch.repeat_interleave(torch.arange(tiles.shape[0]), per_tile)
@@ -655,7 +722,8 @@ def occupancy(n: int, patterns: Patterns, heads: Heads, causal: bool, documents:
         reach = last - spans[span, 1]
         count = torch.minimum(count, torch.where(reach >= 0, reach // spans[span, 2] + 1, 0))
     padded = -(-count // block_n) * block_n
-    computed = int((padded * block_m).sum())
+    launch_rows = torch.repeat_interleave(*(torch.tensor(x) for x in zip(*plan.heights)))
+    computed = int((padded * launch_rows[tile]).sum())
     visited = int((count * tiles[tile, 2]).sum())
     return Occupancy(computed, visited, _floor(n, patterns, heads, causal, documents))
 
