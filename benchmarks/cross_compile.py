@@ -27,7 +27,8 @@ pipelined with num_stages > 1; the exit status is 1 if any row fails, and
 tests/test_cross_compile.py runs a subset on every CI run. Spilled bytes at
 fewer registers are ptxas's own trade for occupancy: reported, not failed; so
 are the spills of the timed sm_90 tiles (fused.TUNED_TILE_SIZES: the timing
-chose them) and of each kernel's variant for the non-finite rule (marked
+chose them; not of their narrow launches, a plan's tiles of fewer rows, which no
+timing chose) and of each kernel's variant for the non-finite rule (marked
 "rule": it returns at once unless the inputs hold a NaN or an infinity).
 
 The architectures: A100 (sm_80), consumer and workstation Ampere and Ada
@@ -89,9 +90,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
           "tf32": torch.float32}
 # Pattern sets: LongNet's two patterns, whose spans are split on every GPU (the kernels
 # compiled without counts; Note [fused kernel], "Split spans"), and a geometric schedule
-# whose rate-1 spans carry three extras (the kernels unroll them).
+# whose rate-1 spans carry three extras (the kernels unroll them) and whose classes of 64,
+# 32 and 16 rows per cell of 128 run in narrow launches ("Narrow tiles").
 PATTERNS = {"longnet": ([2048, 4096], [1, 2]), "geometric": ([128, 256, 512, 1024], [1, 2, 4, 8])}
 ROWS, HEADS = 8192, 4
+# The fused kernels and their roles in fused.TileSizes.
+ROLES = {"fused_forward": "forward", "fused_dq": "dq", "fused_dkdv": "dkdv"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,10 +162,9 @@ class _Recorder:
 
 def _recorded_kernels(launches: List[Launch]):
     """The triton_kernels module as fused.py uses it, with recorders for the kernels."""
-    names = ("fused_forward", "fused_dq", "fused_dkdv")
     return type("RecordedKernels", (), {
         "LOG2E": triton_kernels.LOG2E,
-        **{name: _Recorder(getattr(triton_kernels, name), launches) for name in names}})
+        **{name: _Recorder(getattr(triton_kernels, name), launches) for name in ROLES}})
 
 
 def capability(arch: int) -> Tuple[int, int]:
@@ -286,11 +289,21 @@ def cases(dtypes: Sequence[str], head_dims: Sequence[int], flags: Sequence[str],
 def _compile_case(job: "tuple[Case, int, Optional[fused.TileSizes], bool]") -> List[Compiled]:
     """Every launch of one case compiled for one architecture (with the merge's, if asked)."""
     case, arch, sizes, merge = job
-    timed = sizes is None and timed_tiles(case, arch)
     launches = record_launches(case, arch, sizes)
     if merge:
         launches += record_merge(case.dtype, case.head_dim)
-    return [compile_report(launch, arch, case, timed) for launch in launches]
+    return [compile_report(launch, arch, case, sizes is None and _timed(launch, case, arch))
+            for launch in launches]
+
+
+def _timed(launch: Launch, case: Case, arch: int) -> bool:
+    """Whether `launch` runs a tile timed on `arch`: its timed entry's, at its full height (a
+    plan's narrow tiles launch at fewer rows, which no timing chose)."""
+    role = ROLES.get(launch.kernel.fn.__name__)
+    if role is None or not timed_tiles(case, arch):
+        return False
+    tiles = fused.cuda_tile_sizes(capability(arch), DTYPES[case.dtype], case.head_dim)
+    return launch.kwargs["BLOCK_M"] == getattr(tiles, role).rows
 
 
 def run(archs: Sequence[int], chosen: Sequence[Case], sizes: Optional[fused.TileSizes] = None,

@@ -1,12 +1,13 @@
 """Instructions per chunk of the fused kernels' key loops, from their SASS (no GPU needed).
 
     python benchmarks/sass_loops.py                                  # LongNet, sm_90
-    python benchmarks/sass_loops.py --patterns geometric
-    python benchmarks/sass_loops.py --patterns geometric --set SPAN_COUNTS=False
+    python benchmarks/sass_loops.py --patterns geometric --set BLOCK_M=128
+    python benchmarks/sass_loops.py --patterns geometric --set BLOCK_M=128 SPAN_COUNTS=False
 
 Each fused kernel (forward, dq, dK/dV) of one bf16 call with heads of 64 is
 compiled as ``cross_compile.py`` does (the launch the op would make on that
-architecture, its shipped tiles), with constexprs replaced by --set, and its
+architecture, its shipped tiles; the geometric case's launches are of narrow
+tiles, 64 rows and fewer), with constexprs replaced by --set, and its
 cubin disassembled with the ``nvdisasm`` Triton ships. Printed per kernel: its
 instructions, and for each loop of at least 40 instructions (a label that a
 later branch jumps back to) its length and most frequent opcodes. The
@@ -81,15 +82,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if value.lstrip("-").isdigit():
             overrides[name] = int(value)
     case = cc.Case("bfloat16", 64, False, False, args.patterns)
+    done = set()
     for launch in cc.record_launches(case, args.arch):
         name = launch.kernel.fn.__name__
-        if name not in KERNELS or launch.kwargs.get("NONFINITE"):
-            continue
         kwargs = {**launch.kwargs, **overrides}
+        # each launch height once (a plan's narrow tiles; --set BLOCK_M=.. makes them one)
+        key = (name, tuple(sorted(kwargs.items())))
+        if name not in KERNELS or launch.kwargs.get("NONFINITE") or key in done:
+            continue
+        done.add(key)
         compiled = cc.compile_launch(cc.Launch(launch.kernel, launch.args, kwargs), args.arch)
         opcodes, found = loops(sass(compiled.asm["cubin"]))
-        print(f"{name} sm_{args.arch} {args.patterns} EXTRAS={kwargs['EXTRAS']} "
-              f"SPAN_COUNTS={kwargs['SPAN_COUNTS']}: {len(opcodes)} instructions")
+        print(f"{name} sm_{args.arch} {args.patterns} M{kwargs['BLOCK_M']} "
+              f"EXTRAS={kwargs['EXTRAS']} SPAN_COUNTS={kwargs['SPAN_COUNTS']}: "
+              f"{len(opcodes)} instructions")
         for lo, hi in found:
             if hi - lo >= 40:
                 common = collections.Counter(opcodes[lo:hi + 1])
