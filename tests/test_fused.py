@@ -67,7 +67,7 @@ CASES = {
     "dense-multi-chunk": Case(128, (128,), (1,), True, h=2, hk=1),
     # spans whose only extra, a duplicate's, became times 2 beside spans with extras
     "duplicates-and-extras": Case(64, (8, 8, 32), (2, 2, 4), True),
-    # classes of 32 and 16 rows per cell: tiles of 32 rows and a launch of 16-row ones
+    # classes of 48 and 16 rows per cell of 64: tiles of 32 rows, and of 16 in a launch apart
     "narrow-tiles": Case(192, (64, 128), (1, 4), True, h=2, hk=1, masked=True),
 }
 

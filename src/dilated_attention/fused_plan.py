@@ -82,10 +82,11 @@ do, are 64 per cell of 2048 (rates up to 32), and their tiles of 128 rows
 would be half empty, an eighth of the plan's work padding (they are its
 heaviest tiles: they read every pattern's keys). The kernels' BLOCK_M is a
 compile-time constant, so such tiles are launched apart at a smaller one: a
-plan orders its tiles widest launch first (``TilePlan.heights``), halving
+plan holds its tiles widest launch first (``TilePlan.heights``), halving
 BLOCK_M down to ``narrowest`` (``fused.TileSizes``: tl.dot's least, 16) while
 the tiles that fit save at least NARROW_SAVING (1/16) of the plan's work,
-rows padded to the launch's height times the tile's keys. Each launch costs a
+rows padded to the launch's height times the tile's keys. The height is a
+template's (the tiles of a geometry), chosen before the cells take theirs. Each launch costs a
 kernel launch, and its own last partial wave of programs, hence the
 threshold (arithmetic, not timed). The geometric schedule's query and key
 plans of 128-row tiles then compute 0.754 of the per-pattern floor's pairs,
@@ -193,6 +194,8 @@ class TilePlan(NamedTuple):
 
     def launches(self) -> List[Tuple[Tensor, int]]:
         """(tiles (T_i, 6), a view of ``tiles``; its BLOCK_M) of each launch."""
+        if len(self.heights) == 1:  # no view to make (a slice is a torch call: 2 us of host)
+            return [(self.tiles, self.heights[0][0])]
         bounds = itertools.accumulate([count for _, count in self.heights], initial=0)
         return [(self.tiles[lo:lo + count], height)
                 for (height, count), lo in zip(self.heights, bounds)]
@@ -619,18 +622,17 @@ def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, caus
     row_lo = class_row_lo[cls] + index * block_m
     template = torch.stack([row_lo, torch.clamp(size[cls] - index * block_m, max=block_m),
                             class_head[cls], class_span_lo[cls], class_span_hi[cls]], dim=1)
-    # templates by geometry (then head and class), then each cell takes its geometry's
+    # templates by geometry (then head and class), then each cell takes its geometry's, in
+    # one launch per tile height (widest first)
     by_shape = torch.sort(class_shape[cls], stable=True)
-    template = template[by_shape.indices]
-    per_shape = torch.bincount(by_shape.values, minlength=cells.length.numel())
-    shape_lo = torch.cumsum(per_shape, 0) - per_shape
-    count = per_shape[cells.shape]
-    cell = torch.repeat_interleave(torch.arange(cells.starts.numel()), count)
-    within = _within(count)
-    # cell starts in the window's rows
-    tiles = torch.cat([cells.starts[cell, None] - window[0],
-                       template[shape_lo[cells.shape][cell] + within]], dim=1)
-    tiles, heights = _narrow(tiles, spans.table, block_m, narrowest or block_m)
+    template, template_shape = template[by_shape.indices], by_shape.values
+    uses = torch.bincount(cells.shape, minlength=cells.length.numel())[template_shape]
+    height, levels = _heights(template, spans.table, uses, block_m, narrowest or block_m)
+    parts = [(template, template_shape) if len(levels) == 1 else
+             (template[height == level], template_shape[height == level]) for level in levels]
+    tiles = [_cell_tiles(part, shape, cells, window) for part, shape in parts]
+    heights = tuple((level, t.shape[0]) for level, t in zip(levels, tiles) if t.shape[0])
+    tiles = torch.cat(tiles)
     per_span = spans.table[:, 6] - spans.table[:, 5]
     period = spans.extras[:, 0]
     return TilePlan(_int32(tiles), _int32(_nonempty(torch.cat(rows))),
@@ -645,32 +647,40 @@ def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, caus
 NARROW_SAVING = 1 / 16
 
 
-def _narrow(tiles: Tensor, spans: Tensor, block_m: int, narrowest: int
-            ) -> Tuple[Tensor, Tuple[Tuple[int, int], ...]]:
-    """tiles (T, 6), spans (S, 7) -> the tiles ordered by launch, widest first, and the
-    launches' (BLOCK_M, tiles): block_m, halved down to `narrowest` while the tiles that
-    fit save NARROW_SAVING of the plan's work (rows padded to the launch's height, times
-    the tile's keys; causal bounds not counted)."""
-    if not tiles.shape[0]:
-        return tiles, ()
+def _heights(template: Tensor, spans: Tensor, uses: Tensor, block_m: int, narrowest: int
+             ) -> Tuple[Tensor, List[int]]:
+    """template (U, 5) tiles of a geometry (row_lo, rows, head, span_lo, span_hi), spans
+    (S, 7), uses (U,) the cells that take each -> each one's launch height, and the heights
+    launched, widest first: block_m, halved down to `narrowest` while the tiles that fit save
+    NARROW_SAVING of the plan's work (rows padded to the launch's height, times the tile's
+    keys; causal bounds not counted)."""
     ends = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), spans[:, 3]]), 0)
-    keys = ends[tiles[:, 5]] - ends[tiles[:, 4]]  # (T,) the other side's elements per tile
+    keys = (ends[template[:, 4]] - ends[template[:, 3]]) * uses  # of every cell's tile
     height = torch.full_like(keys, block_m)
-    total = int((keys * block_m).sum())
-    kept = block_m
+    total = int(keys.sum()) * block_m
+    levels = [block_m]
     narrower = block_m // 2
     while narrower >= narrowest:
-        fits = tiles[:, 2] <= narrower
+        fits = template[:, 1] <= narrower
         # every tile that fits is at the narrowest height kept so far
-        if int((kept - narrower) * keys[fits].sum()) >= NARROW_SAVING * total:
-            kept = narrower
-            height[fits] = kept
+        if (levels[-1] - narrower) * int(keys[fits].sum()) >= NARROW_SAVING * total:
+            levels.append(narrower)
+            height[fits] = narrower
         narrower //= 2
-    if kept == block_m:
-        return tiles, ((block_m, tiles.shape[0]),)
-    order = torch.sort(height, descending=True, stable=True)  # each launch's tiles in plan order
-    launches, counts = torch.unique_consecutive(order.values, return_counts=True)
-    return tiles[order.indices], tuple(zip(launches.tolist(), counts.tolist()))
+    return height, levels
+
+
+def _cell_tiles(template: Tensor, shape: Tensor, cells: _Cells, window: Tuple[int, int]
+                ) -> Tensor:
+    """template (U, 5) sorted by geometry, shape (U,) its geometry -> tiles (T, 6): each
+    cell's geometry's templates, cell by cell, the cell start (in the window's rows) first."""
+    per_shape = torch.bincount(shape, minlength=cells.length.numel())
+    shape_lo = torch.cumsum(per_shape, 0) - per_shape
+    count = per_shape[cells.shape]
+    cell = torch.repeat_interleave(torch.arange(cells.starts.numel()), count)
+    within = _within(count)
+    return torch.cat([cells.starts[cell, None] - window[0],
+                      template[shape_lo[cells.shape][cell] + within]], dim=1)
 
 
 def _nonempty(table: Tensor) -> Tensor:
