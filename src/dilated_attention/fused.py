@@ -14,7 +14,9 @@ key tiles, which reads delta. With a `nonfinite` check (the single-device op:
 the sum of k, which the plain forward makes NaN where a q row or an out is not
 finite) each kernel is launched again in its variant for the non-finite rule,
 which does nothing unless the check is not finite, and then writes everything a
-second time (triton_kernels' module docstring).
+second time (triton_kernels' module docstring). Each of these runs once per
+tile height of its plan: tiles of few rows launch apart at a smaller BLOCK_M
+(Note [fused kernel], "Narrow tiles"), all of dq's before dK/dV's.
 
 Notation: b batch, n rows (m key rows), h query heads, hk key/value heads,
 d head dim; layout (b, n, h, d); lse and delta (b, n, h) float32.
