@@ -26,9 +26,6 @@ import tempfile
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-KERNELS = ("fused_forward", "fused_dq", "fused_dkdv")
-
-
 def sass(cubin: bytes) -> str:
     from triton.backends.nvidia import compiler
 
@@ -88,7 +85,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         kwargs = {**launch.kwargs, **overrides}
         # each launch height once (a plan's narrow tiles; --set BLOCK_M=.. makes them one)
         key = (name, tuple(sorted(kwargs.items())))
-        if name not in KERNELS or launch.kwargs.get("NONFINITE") or key in done:
+        if name not in cc.ROLES or launch.kwargs.get("NONFINITE") or key in done:
             continue
         done.add(key)
         compiled = cc.compile_launch(cc.Launch(launch.kernel, launch.args, kwargs), args.arch)

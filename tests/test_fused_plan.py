@@ -31,9 +31,8 @@ def expand(plan: TilePlan, n: int, m: int, heads: Heads, num_kv_heads: int, caus
     """(counts (h, n, m) [j, t, u] the plan makes the kernels visit, writes (tile heads, rows)).
 
     Also checks the table invariants the kernels rely on: launches that cover the tiles,
-    widest first, of block_m rows halved zero or more times; at most
-    a launch's rows per tile, ascending, spans of the right heads, every element inside
-    the sequence.
+    widest first, of block_m rows halved zero or more times; at most a launch's rows per
+    tile, ascending, spans of the right heads, every element inside the sequence.
     """
     rows, spans, extras = (x.long() for x in plan[1:4])
     heights = [height for height, _ in plan.heights]
@@ -248,7 +247,8 @@ def test_spans_split_where_each_piece_keeps_split_keys_elements() -> None:
 def test_occupancy_below_the_per_pattern_floor() -> None:
     """A key that two patterns select is computed once (Note [fused kernel]): LongNet's
     setting at 64K computes 5/6 of the per-pattern floor's pairs; the geometric schedule
-    (2048..65536 / 1..32) 0.754 with 64-row tiles, or 128 with narrow tiles. Pure arithmetic on the plan."""
+    (2048..65536 / 1..32) 0.754 with 64-row tiles, or 128 with narrow tiles. Pure
+    arithmetic on the plan."""
     heads = Heads.of(12, 12)
     for split_keys in (None, 512):  # its split pieces fill their chunks: the same work
         longnet = occupancy(65536, ((2048, 4096), (1, 2)), heads, False, None, 128, 64,

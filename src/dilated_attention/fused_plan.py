@@ -86,9 +86,9 @@ plan holds its tiles widest launch first (``TilePlan.heights``), halving
 BLOCK_M down to ``narrowest`` (``fused.TileSizes``: tl.dot's least, 16) while
 the tiles that fit save at least NARROW_SAVING (1/16) of the plan's work,
 rows padded to the launch's height times the tile's keys. The height is a
-template's (the tiles of a geometry), chosen before the cells take theirs. Each launch costs a
-kernel launch, and its own last partial wave of programs, hence the
-threshold (arithmetic, not timed). The geometric schedule's query and key
+template's (the tiles of a geometry), chosen before the cells take theirs.
+Each launch costs a kernel launch, and its own last partial wave of
+programs, hence the threshold (arithmetic, not timed). The geometric schedule's query and key
 plans of 128-row tiles then compute 0.754 of the per-pattern floor's pairs,
 not 0.857 (``occupancy``); LongNet's setting fills its tiles and launches
 once.
@@ -628,8 +628,8 @@ def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, caus
     template, template_shape = template[by_shape.indices], by_shape.values
     uses = torch.bincount(cells.shape, minlength=cells.length.numel())[template_shape]
     height, levels = _heights(template, spans.table, uses, block_m, narrowest or block_m)
-    parts = [(template, template_shape) if len(levels) == 1 else
-             (template[height == level], template_shape[height == level]) for level in levels]
+    parts = [(template, template_shape)] if len(levels) == 1 else [
+        (template[height == level], template_shape[height == level]) for level in levels]
     tiles = [_cell_tiles(part, shape, cells, window) for part, shape in parts]
     heights = tuple((level, t.shape[0]) for level, t in zip(levels, tiles) if t.shape[0])
     tiles = torch.cat(tiles)
@@ -732,7 +732,8 @@ def occupancy(n: int, patterns: Patterns, heads: Heads, causal: bool, documents:
         reach = last - spans[span, 1]
         count = torch.minimum(count, torch.where(reach >= 0, reach // spans[span, 2] + 1, 0))
     padded = -(-count // block_n) * block_n
-    launch_rows = torch.repeat_interleave(*(torch.tensor(x) for x in zip(*plan.heights)))
+    heights, launch_tiles = zip(*plan.heights)
+    launch_rows = torch.repeat_interleave(torch.tensor(heights), torch.tensor(launch_tiles))
     computed = int((padded * launch_rows[tile]).sum())
     visited = int((count * tiles[tile, 2]).sum())
     return Occupancy(computed, visited, _floor(n, patterns, heads, causal, documents))
