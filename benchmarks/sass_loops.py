@@ -3,6 +3,7 @@
     python benchmarks/sass_loops.py                                  # LongNet, sm_90
     python benchmarks/sass_loops.py --patterns geometric --set BLOCK_M=128
     python benchmarks/sass_loops.py --patterns geometric --set BLOCK_M=128 SPAN_COUNTS=False
+    python benchmarks/sass_loops.py --reference      # and plain flash attention's loop
 
 Each fused kernel (forward, dq, dK/dV) of one bf16 call with heads of 64 is
 compiled as ``cross_compile.py`` does (the launch the op would make on that
@@ -12,8 +13,10 @@ cubin disassembled with the ``nvdisasm`` Triton ships. Printed per kernel: its
 instructions, and for each loop of at least 40 instructions (a label that a
 later branch jumps back to) its length and most frequent opcodes. The
 innermost loop first in the listing is the unmasked chunk loop: what one chunk
-of keys costs (BENCHMARKS.md, "Kernels without per-key counts"). A count of
-instructions, not a time.
+of keys costs (BENCHMARKS.md, "Kernels without per-key counts"). With
+--reference, also the loop of a plain flash-attention forward (``plain_flash.py``)
+compiled with the fused forward's first launch's tile: what the same Triton emits for
+a chunk of dense attention. A count of instructions, not a time.
 """
 
 from __future__ import annotations
@@ -59,6 +62,31 @@ def loops(listing: str) -> Tuple[List[str], List[Tuple[int, int]]]:
     return opcodes, found
 
 
+def describe_loops(name: str, cubin: bytes) -> None:
+    """Print the instructions of `cubin` and those of each loop of at least 40."""
+    opcodes, found = loops(sass(cubin))
+    print(f"{name}: {len(opcodes)} instructions")
+    for lo, hi in found:
+        if hi - lo >= 40:
+            common = collections.Counter(opcodes[lo:hi + 1])
+            print(f"  loop of {hi - lo + 1}: " + ", ".join(
+                f"{op} {n}" for op, n in common.most_common(8)))
+
+
+def reference_launch(forward, cc):
+    """plain_flash_forward as a launch with `forward`'s (a fused_forward launch's) tile."""
+    from plain_flash import plain_flash_forward
+
+    q = forward.args[0]
+    n, h, d = q.shape[1], q.shape[2], forward.kwargs["BLOCK_D"]
+    # (n, h, d) dense, n a multiple of the blocks
+    dense = q.new_empty(n, h, d)
+    tile = {name: forward.kwargs[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_D",
+                                                    "num_warps", "num_stages")}
+    return cc.Launch(plain_flash_forward, (dense, dense, dense, dense, h * d, d, n, 0.18),
+                     tile)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     # imported here: cross_compile creates the kernels compiled, not interpreted, for the
     # whole process (a test importing `loops` must not)
@@ -69,6 +97,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--patterns", default="longnet", help="cross_compile.PATTERNS' name")
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
                         help="constexpr overrides, e.g. EXTRAS=0 SPAN_COUNTS=False")
+    parser.add_argument("--reference", action="store_true",
+                        help="also plain flash attention's loop at the forward's tile")
     args = parser.parse_args(argv)
     if args.patterns not in cc.PATTERNS:
         parser.error(f"--patterns: one of {sorted(cc.PATTERNS)}, not {args.patterns!r}")
@@ -80,7 +110,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             overrides[name] = int(value)
     case = cc.Case("bfloat16", 64, False, False, args.patterns)
     done = set()
-    for launch in cc.record_launches(case, args.arch):
+    launches = cc.record_launches(case, args.arch)
+    for launch in launches:
         name = launch.kernel.fn.__name__
         kwargs = {**launch.kwargs, **overrides}
         # each launch height once (a plan's narrow tiles; --set BLOCK_M=.. makes them one)
@@ -89,15 +120,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             continue
         done.add(key)
         compiled = cc.compile_launch(cc.Launch(launch.kernel, launch.args, kwargs), args.arch)
-        opcodes, found = loops(sass(compiled.asm["cubin"]))
-        print(f"{name} sm_{args.arch} {args.patterns} M{kwargs['BLOCK_M']} "
-              f"EXTRAS={kwargs['EXTRAS']} SPAN_COUNTS={kwargs['SPAN_COUNTS']}: "
-              f"{len(opcodes)} instructions")
-        for lo, hi in found:
-            if hi - lo >= 40:
-                common = collections.Counter(opcodes[lo:hi + 1])
-                print(f"  loop of {hi - lo + 1}: " + ", ".join(
-                    f"{op} {n}" for op, n in common.most_common(8)))
+        describe_loops(f"{name} sm_{args.arch} {args.patterns} M{kwargs['BLOCK_M']} "
+                       f"EXTRAS={kwargs['EXTRAS']} SPAN_COUNTS={kwargs['SPAN_COUNTS']}",
+                       compiled.asm["cubin"])
+    if args.reference:
+        forward = next(launch for launch in launches
+                       if launch.kernel.fn.__name__ == "fused_forward")
+        reference = reference_launch(forward, cc)
+        compiled = cc.compile_launch(reference, args.arch)
+        describe_loops(f"plain_flash_forward sm_{args.arch} M{reference.kwargs['BLOCK_M']} "
+                       f"N{reference.kwargs['BLOCK_N']} w{reference.kwargs['num_warps']}",
+                       compiled.asm["cubin"])
 
 
 if __name__ == "__main__":
