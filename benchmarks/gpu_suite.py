@@ -48,6 +48,13 @@ fused.TUNED_TILE_SIZES first):
   host's work overlapping the kernels before it, as in a training loop), and
   in CUDA graphs (``--cuda-graph``: op and floors captured, their replays timed:
   the kernels alone, as mode="reduce-overhead" runs them).
+- ``triton-floor``: the fused kernel against floors made of the fused kernels
+  themselves (``--floor-backend triton``: the same per-pattern calls on
+  pre-gathered rows, through their dense plan), both schedules, no memory:
+  op / that floor is what dilation and several patterns cost within Triton,
+  and that floor against bench-triton's cuDNN one what Triton's code costs
+  (BENCHMARKS.md, "The chunk loop against plain flash attention"). Not in
+  ``all``.
 - ``compare``: the fused kernel at this tree against another commit's, in one
   call (``--baseline``: that commit's src/ folder, made here with ``git archive
   COMMIT src | tar -x -C bench-out/baseline`` and carried to the device machine;
@@ -172,6 +179,8 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS,
             "triton", seq_lens, "0", "triton_graph", ("longnet",),
             ["--no-memory", "--cuda-graph"]),
         "compare": compare_commands(baseline, seq_lens),
+        "triton-floor": bench_commands("triton", seq_lens, "0", "triton_floor_triton",
+                                       extra=["--no-memory", "--floor-backend", "triton"]),
         "memory": [
             BENCH + ["--backend", backend, "--seq-lens", "65536", "1048576", "--memory-only",
                      "--json", f"bench-out/gpu_memory_{backend}.json"]
@@ -501,9 +510,11 @@ def main(argv=None) -> int:
     parser.add_argument("--strided-check", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile-case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    # the parts in the order asked for (all: the suite's order)
-    # (all: every part but compare, which needs --baseline, and smoke, a subset of tests)
-    todo = ([n for n in names if n not in ("compare", "smoke")] if "all" in args.part
+    # the parts in the order asked for (all: the suite's order, every part but compare,
+    # which needs --baseline, smoke, a subset of tests, and triton-floor, a question for
+    # when the rest is known)
+    todo = ([n for n in names if n not in ("compare", "smoke", "triton-floor")]
+            if "all" in args.part
             else list(dict.fromkeys(args.part)))
     table = parts(args.seq_lens, args.baseline)
     if args.list:

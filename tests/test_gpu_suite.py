@@ -87,6 +87,18 @@ def test_compare_times_this_tree_then_the_baseline_per_schedule(suite, capsys):
     assert "compare:" not in capsys.readouterr().out
 
 
+def test_triton_floor_times_the_fused_kernel_against_floors_of_its_own(suite, capsys):
+    assert suite.main(["--list", "--part", "triton-floor", "--seq-lens", "65536"]) == 0
+    commands = [line.strip() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert len(commands) == 2
+    for command, schedule in zip(commands, ("longnet", "geometric")):
+        assert "--backend triton" in command and "--floor-backend triton" in command
+        assert f"--schedule {schedule}" in command and "--no-memory" in command
+    # not in "all": a question for after the rest
+    assert suite.main(["--list"]) == 0
+    assert "triton-floor:" not in capsys.readouterr().out
+
+
 def test_short_steps_get_more_turns_than_repeats():
     """bench_single_device.time_cases: at least `repeats` turns, more while they took under
     min_seconds (the GPU suite asks 0.3 s: a millisecond call gets a median of hundreds)."""
