@@ -30,6 +30,13 @@ fused.TUNED_TILE_SIZES first):
   and whether the call launches a copy of its own; the whole op with views
   on and off against the float64 reference; then their times
   (bench_strided.py).
+- ``sdpa-whole``: the SDPA path with blocks of the whole sequence (one launch
+  per pattern and head group: the ideal floor's calls, plus what the op adds
+  to them), rate-r rows as strided views and then as gathered copies, both
+  schedules, from 64K on, no memory: where the fused kernel's Triton code
+  cannot reach the LongNet target, per-pattern cuDNN calls with only merges
+  added might (BENCHMARKS.md, "The chunk loop against plain flash
+  attention"). Not in ``all``.
 - ``tiles``: tune_tiles.py, bf16 at 64K tokens, the LongNet setting (12
   heads of 64, the targets' setting): every candidate tile of each fused
   kernel timed in the op against the shipped one, and the fastest as a
@@ -179,6 +186,11 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS,
             "triton", seq_lens, "0", "triton_graph", ("longnet",),
             ["--no-memory", "--cuda-graph"]),
         "compare": compare_commands(baseline, seq_lens),
+        "sdpa-whole": [
+            command for views in ("on", "off") for command in bench_commands(
+                sdpa, [n for n in seq_lens if int(n) >= 65536] or seq_lens, "0",
+                f"{sdpa}_whole_views_{views}",
+                extra=["--no-memory", "--strided", views, "--block-rows", str(1 << 30)])],
         "triton-floor": bench_commands("triton", seq_lens, "0", "triton_floor_triton",
                                        extra=["--no-memory", "--floor-backend", "triton"]),
         "memory": [
@@ -511,9 +523,9 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     # the parts in the order asked for (all: the suite's order, every part but compare,
-    # which needs --baseline, smoke, a subset of tests, and triton-floor, a question for
-    # when the rest is known)
-    todo = ([n for n in names if n not in ("compare", "smoke", "triton-floor")]
+    # which needs --baseline, smoke, a subset of tests, and triton-floor and sdpa-whole,
+    # questions for when the rest is known)
+    todo = ([n for n in names if n not in ("compare", "smoke", "triton-floor", "sdpa-whole")]
             if "all" in args.part
             else list(dict.fromkeys(args.part)))
     table = parts(args.seq_lens, args.baseline)

@@ -99,6 +99,18 @@ def test_triton_floor_times_the_fused_kernel_against_floors_of_its_own(suite, ca
     assert "triton-floor:" not in capsys.readouterr().out
 
 
+def test_sdpa_whole_times_whole_sequence_blocks_with_views_and_copies(suite, capsys):
+    assert suite.main(["--list", "--part", "sdpa-whole", "--seq-lens", "8192", "65536"]) == 0
+    commands = [line.strip() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert len(commands) == 4  # views on, then off; each for both schedules
+    for command, views in zip(commands, ("on", "on", "off", "off")):
+        assert "--backend cuda_cudnn" in command and f"--strided {views}" in command
+        # one block: every row of the longest sequence; only lengths from 64K
+        assert f"--block-rows {1 << 30}" in command and "--seq-lens 65536 --" in command
+    assert suite.main(["--list"]) == 0
+    assert "sdpa-whole:" not in capsys.readouterr().out
+
+
 def test_short_steps_get_more_turns_than_repeats():
     """bench_single_device.time_cases: at least `repeats` turns, more while they took under
     min_seconds (the GPU suite asks 0.3 s: a millisecond call gets a median of hundreds)."""
