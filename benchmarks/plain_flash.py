@@ -1,9 +1,15 @@
-"""A plain flash-attention forward in Triton: the yardstick of the fused kernel's key loop.
+"""Plain flash attention in Triton, forward, dq and dK/dV: the yardsticks of the fused
+kernels' chunk loops.
 
-``sass_loops.py --reference`` compiles it with the fused forward's tile (rows, chunk,
-warps, stages) and prints its chunk loop beside the fused one's: what the same Triton
-emits for one chunk of dense attention (no spans, dilation, masks or counts), so the
-difference is what the fused kernel adds per chunk. Never launched: it only compiles.
+``sass_loops.py --reference`` compiles each with the tile of its fused counterpart (rows,
+chunk, warps, stages) and prints its chunk loop beside the fused one's: what the same
+Triton emits for one chunk of dense attention (no spans, dilation, masks or counts), so
+the difference is what the fused kernels add per chunk. The backward is the fused one's
+split (dq over query tiles, dK/dV over key tiles, each recomputing the probabilities
+from the lse). Never launched: they only compile.
+
+Notation: n rows, h heads, d = BLOCK_D; q, k, v, out, dout (n, h, d) with n a multiple
+of both blocks (no masks); lse and delta (n, h) float32, lse in base 2 and scaled.
 """
 
 import triton
@@ -38,3 +44,57 @@ def plain_flash_forward(Q, K, V, Out, stride_n, stride_h, n, scale_log2,
     out = acc / l_i[:, None]
     tl.store(Out + head + rows[:, None].to(tl.int64) * stride_n + d[None, :],
              out.to(Out.dtype.element_ty))
+
+
+@triton.jit
+def plain_flash_dq(Q, K, V, DO, Lse, Delta, DQ, stride_n, stride_h, n, scale_log2,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dq of one tile of BLOCK_M query rows of one head, over every key."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    head = tl.program_id(1)
+    at = head.to(tl.int64) * stride_h
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + at + rows[:, None].to(tl.int64) * stride_n + d[None, :])
+    do = tl.load(DO + at + rows[:, None].to(tl.int64) * stride_n + d[None, :])
+    lse = tl.load(Lse + rows * tl.num_programs(1) + head)
+    delta = tl.load(Delta + rows * tl.num_programs(1) + head)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for c in range(0, n, BLOCK_N):
+        keys = (c + tl.arange(0, BLOCK_N)).to(tl.int64)
+        k = tl.load(K + at + keys[:, None] * stride_n + d[None, :])
+        v = tl.load(V + at + keys[:, None] * stride_n + d[None, :])
+        # (M, N)
+        p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None])
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    tl.store(DQ + at + rows[:, None].to(tl.int64) * stride_n + d[None, :],
+             dq.to(DQ.dtype.element_ty))
+
+
+@triton.jit
+def plain_flash_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, stride_n, stride_h, n, scale_log2,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dk, dv of one tile of BLOCK_M key rows of one head, over every query."""
+    keys = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    head = tl.program_id(1)
+    at = head.to(tl.int64) * stride_h
+    d = tl.arange(0, BLOCK_D)
+    k = tl.load(K + at + keys[:, None].to(tl.int64) * stride_n + d[None, :])
+    v = tl.load(V + at + keys[:, None].to(tl.int64) * stride_n + d[None, :])
+    dk = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for c in range(0, n, BLOCK_N):
+        rows = c + tl.arange(0, BLOCK_N)
+        q = tl.load(Q + at + rows[:, None].to(tl.int64) * stride_n + d[None, :])
+        do = tl.load(DO + at + rows[:, None].to(tl.int64) * stride_n + d[None, :])
+        lse = tl.load(Lse + rows * tl.num_programs(1) + head)
+        delta = tl.load(Delta + rows * tl.num_programs(1) + head)
+        # (M keys, N queries)
+        p = tl.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse[None, :])
+        dv = tl.dot(p.to(do.dtype), do, dv)
+        ds = p * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk = tl.dot(ds.to(q.dtype), q, dk)
+    tl.store(DK + at + keys[:, None].to(tl.int64) * stride_n + d[None, :],
+             dk.to(DK.dtype.element_ty))
+    tl.store(DV + at + keys[:, None].to(tl.int64) * stride_n + d[None, :],
+             dv.to(DV.dtype.element_ty))

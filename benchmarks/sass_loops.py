@@ -3,7 +3,7 @@
     python benchmarks/sass_loops.py                                  # LongNet, sm_90
     python benchmarks/sass_loops.py --patterns geometric --set BLOCK_M=128
     python benchmarks/sass_loops.py --patterns geometric --set BLOCK_M=128 SPAN_COUNTS=False
-    python benchmarks/sass_loops.py --reference      # and plain flash attention's loop
+    python benchmarks/sass_loops.py --reference      # and plain flash attention's loops
 
 Each fused kernel (forward, dq, dK/dV) of one bf16 call with heads of 64 is
 compiled as ``cross_compile.py`` does (the launch the op would make on that
@@ -14,9 +14,10 @@ instructions, and for each loop of at least 40 instructions (a label that a
 later branch jumps back to) its length and most frequent opcodes. The
 innermost loop first in the listing is the unmasked chunk loop: what one chunk
 of keys costs (BENCHMARKS.md, "Kernels without per-key counts"). With
---reference, also the loop of a plain flash-attention forward (``plain_flash.py``)
-compiled with the fused forward's first launch's tile: what the same Triton emits for
-a chunk of dense attention. A count of instructions, not a time.
+--reference, also the loops of plain flash attention's forward, dq and dK/dV
+(``plain_flash.py``), each compiled with its fused kernel's first launch's tile: what
+the same Triton emits for a chunk of dense attention. A count of instructions, not a
+time.
 """
 
 from __future__ import annotations
@@ -73,18 +74,22 @@ def describe_loops(name: str, cubin: bytes) -> None:
                 f"{op} {n}" for op, n in common.most_common(8)))
 
 
-def reference_launch(forward, cc):
-    """plain_flash_forward as a launch with `forward`'s (a fused_forward launch's) tile."""
-    from plain_flash import plain_flash_forward
+def reference_launch(fused, cc):
+    """The plain kernel (plain_flash.py) of `fused`, a fused kernel's launch, with its tile."""
+    import plain_flash
 
-    q = forward.args[0]
-    n, h, d = q.shape[1], q.shape[2], forward.kwargs["BLOCK_D"]
-    # (n, h, d) dense, n a multiple of the blocks
-    dense = q.new_empty(n, h, d)
-    tile = {name: forward.kwargs[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_D",
-                                                    "num_warps", "num_stages")}
-    return cc.Launch(plain_flash_forward, (dense, dense, dense, dense, h * d, d, n, 0.18),
-                     tile)
+    q = fused.args[0]
+    n, h, d = q.shape[1], q.shape[2], fused.kwargs["BLOCK_D"]
+    # (n, h, d) dense, n a multiple of the blocks; lse, delta (n, h)
+    dense, rows = q.new_empty(n, h, d), q.new_empty(n, h, dtype=cc.DTYPES["float32"])
+    role = cc.ROLES[fused.kernel.fn.__name__]
+    tensors = {"forward": (dense,) * 4, "dq": (dense,) * 4 + (rows, rows, dense),
+               "dkdv": (dense,) * 4 + (rows, rows, dense, dense)}[role]
+    tile = {name: fused.kwargs[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_D",
+                                                  "num_warps", "num_stages")}
+    kernel = getattr(plain_flash, {"forward": "plain_flash_forward", "dq": "plain_flash_dq",
+                                   "dkdv": "plain_flash_dkdv"}[role])
+    return cc.Launch(kernel, tensors + (h * d, d, n, 0.18), tile)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -98,7 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
                         help="constexpr overrides, e.g. EXTRAS=0 SPAN_COUNTS=False")
     parser.add_argument("--reference", action="store_true",
-                        help="also plain flash attention's loop at the forward's tile")
+                        help="also plain flash attention's loops, at the fused kernels' tiles")
     args = parser.parse_args(argv)
     if args.patterns not in cc.PATTERNS:
         parser.error(f"--patterns: one of {sorted(cc.PATTERNS)}, not {args.patterns!r}")
@@ -124,14 +129,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                        f"EXTRAS={kwargs['EXTRAS']} SPAN_COUNTS={kwargs['SPAN_COUNTS']}",
                        compiled.asm["cubin"])
     if args.reference:
-        forward = next(launch for launch in launches
-                       if launch.kernel.fn.__name__ == "fused_forward")
-        reference = reference_launch(forward, cc)
-        compiled = cc.compile_launch(reference, args.arch)
-        describe_loops(f"plain_flash_forward sm_{args.arch} M{reference.kwargs['BLOCK_M']} "
-                       f"N{reference.kwargs['BLOCK_N']} w{reference.kwargs['num_warps']}",
-                       compiled.asm["cubin"])
-
+        for role in cc.ROLES:
+            fused = next(launch for launch in launches if launch.kernel.fn.__name__ == role)
+            reference = reference_launch(fused, cc)
+            tile = reference.kwargs
+            describe_loops(f"{reference.kernel.fn.__name__} sm_{args.arch} M{tile['BLOCK_M']} "
+                           f"N{tile['BLOCK_N']} w{tile['num_warps']}",
+                           cc.compile_launch(reference, args.arch).asm["cubin"])
 
 if __name__ == "__main__":
     main()

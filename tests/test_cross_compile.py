@@ -79,20 +79,24 @@ def test_bad_tile_sizes_are_a_usage_error(tmp_path):
     assert code == 2 and "--sizes" in log
 
 
-def test_sass_loops_lists_each_kernels_chunk_loop_and_the_plain_one(tmp_path):
+def test_sass_loops_lists_each_kernels_chunk_loop_and_the_plain_ones(tmp_path):
     """benchmarks/sass_loops.py --reference: each fused kernel of LongNet's bf16 call on sm_90
-    and the plain flash-attention forward at the fused forward's tile (its yardstick,
-    benchmarks/plain_flash.py) compile, and each has a loop of at least 40 instructions."""
+    and plain flash attention's forward, dq and dK/dV at the fused kernels' tiles (their
+    yardsticks, benchmarks/plain_flash.py) compile, and each has a loop of at least 40
+    instructions."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(TOOL.parent / "sass_loops.py"), "--reference"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     kernels = [line for line in done.stdout.splitlines() if not line.startswith(" ")]
     assert [line.split()[0] for line in kernels] == [
-        "fused_forward", "fused_dq", "fused_dkdv", "plain_flash_forward"], done.stdout
-    # the plain forward takes the fused forward's timed sm_90 tile (fused.TUNED_TILE_SIZES)
-    assert "M128 N64 w4" in kernels[-1], done.stdout
-    assert done.stdout.split("plain_flash_forward")[1].count("loop of") >= 1, done.stdout
+        "fused_forward", "fused_dq", "fused_dkdv", "plain_flash_forward", "plain_flash_dq",
+        "plain_flash_dkdv"], done.stdout
+    # each plain kernel takes its fused kernel's timed sm_90 tile (fused.TUNED_TILE_SIZES)
+    assert ["M128 N64 w4" in kernels[3], "M128 N64 w4" in kernels[4],
+            "M128 N32 w4" in kernels[5]] == [True] * 3, done.stdout
+    assert all(block.count("loop of") >= 1
+               for block in done.stdout.split("plain_flash_")[1:]), done.stdout
 
 
 def test_sass_loops_finds_the_loops_a_branch_jumps_back_to():
