@@ -87,9 +87,8 @@ def reference_launch(fused, cc):
                "dkdv": (dense,) * 4 + (rows, rows, dense, dense)}[role]
     tile = {name: fused.kwargs[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_D",
                                                   "num_warps", "num_stages")}
-    kernel = getattr(plain_flash, {"forward": "plain_flash_forward", "dq": "plain_flash_dq",
-                                   "dkdv": "plain_flash_dkdv"}[role])
-    return cc.Launch(kernel, tensors + (h * d, d, n, 0.18), tile)
+    return cc.Launch(getattr(plain_flash, f"plain_flash_{role}"), tensors + (h * d, d, n, 0.18),
+                     tile)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -136,6 +135,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             describe_loops(f"{reference.kernel.fn.__name__} sm_{args.arch} M{tile['BLOCK_M']} "
                            f"N{tile['BLOCK_N']} w{tile['num_warps']}",
                            cc.compile_launch(reference, args.arch).asm["cubin"])
+
 
 if __name__ == "__main__":
     main()
