@@ -3,6 +3,7 @@
     python benchmarks/bench_call_overhead.py                     # 8K and 64K, the fused kernel
     python benchmarks/bench_call_overhead.py --seq-lens 8192 --backend cuda_cudnn
     python benchmarks/bench_call_overhead.py --host-only          # any machine: the Python alone
+    python benchmarks/bench_call_overhead.py --host-only --launcher   # and Triton's launcher's
 
 LongNet's setting (12 heads of 64, segments [2048, 4096], rates [1, 2]), bf16, batch 1,
 forward and forward + backward. Per case, after three warm-up calls:
@@ -25,7 +26,7 @@ or a model's first layer): at 8K on an H100 it was half the call (BENCHMARKS.md,
 fused kernel"). Needs a CUDA device.
 
 --host-only (no device needed) times the host's own work per call of the fused
-kernel's path with the Triton launches replaced by no-ops: fp32 CPU tensors of 64
+kernel's path with the Triton launches replaced by no-ops: fp16 CPU tensors of 64
 rows (so that the input check's sum, device work on a GPU, costs little),
 LongNet's setting, backend "triton" (TRITON_INTERPRET=1 is set; nothing runs in the
 interpreter). Per pass: min / median / max microseconds per call over repeats of
@@ -35,6 +36,14 @@ dispatches a fill and a copy), and with --profile cProfile's top functions. What
 left is the Python between the user's call and the launches (validation, the agreement, the
 op's dispatch into autograd, the plan lookup, the launch arguments), which a GPU
 call adds on top of its launches.
+
+--host-only --launcher keeps Triton's launcher in: the kernels compiled for sm_90
+(the half-precision tiles a bf16 call gets there), launched through
+``JITFunction.run`` (its binder specialising each argument, the cache lookup, the launch
+metadata) under a stand-in for Triton's CUDA driver whose launcher does nothing. So it
+times the Python of a GPU call's launches as well, but not the C launcher that would
+follow (each argument unpacked, cuLaunchKernel). The first calls compile (about a
+minute with a cold Triton cache); run it in a process of its own.
 """
 
 from __future__ import annotations
@@ -138,21 +147,77 @@ def dispatched_ops(call) -> int:
                if event.key.startswith("aten::") and event.key not in _NO_LAUNCH)
 
 
-def host_only(repeats: int, calls: int, profile_top: int) -> str:
-    """The host's Python per call, the fused kernel's launches stubbed (module docstring)."""
-    os.environ["TRITON_INTERPRET"] = "1"
+class _IdleDriver:
+    """Stands in for Triton's CUDA driver (``triton.runtime.driver.set_active``): an sm_90
+    target whose kernels load as dummies and whose launcher does nothing."""
+
+    class utils:
+        @staticmethod
+        def load_binary(name, kernel, shared, device):
+            # module, function, registers, spills, most threads per block
+            return 1, 1, 0, 0, 1024
+
+        @staticmethod
+        def get_device_properties(device):
+            return {"max_shared_mem": 232448, "multiprocessor_count": 132}
+
+    def is_active(self) -> bool:
+        return True
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def launcher_cls(self, src, metadata):
+        return lambda *args: None
+
+
+def _with_launcher(fused):
+    """The fused module's kernels compiled for sm_90 and launched through Triton's own
+    launcher, under _IdleDriver (module docstring); returns the kernels' module."""
+    from triton.runtime import driver
+
+    driver.set_active(_IdleDriver())
+    from dilated_attention import triton_kernels  # compiled: TRITON_INTERPRET is not set yet
+
+    if type(triton_kernels.fused_forward).__name__ != "JITFunction":
+        raise SystemExit("--launcher: the kernels were imported interpreted; run it in a "
+                         "process of its own, without TRITON_INTERPRET")
+    sizes = fused.cuda_tile_sizes((9, 0), torch.float16, 64)
+    fused.tile_sizes = lambda device, dtype, head_dim: sizes
+    return triton_kernels
+
+
+def host_only(repeats: int, calls: int, profile_top: int, launcher: bool = False) -> str:
+    """The host's Python per call, the fused kernel's launches stubbed or (launcher) through
+    Triton's launcher up to its C part (module docstring)."""
     from dilated_attention import fused
 
-    # (b, n, h, d)
-    q, k, v, dout = (torch.randn(1, 64, 12, 64) for _ in range(4))
+    real_kernels, real_sizes = fused._kernels, fused.tile_sizes
+    if launcher:
+        kernels = _with_launcher(fused)
+    # the op refuses CPU tensors for backend "triton" unless this is set
+    os.environ["TRITON_INTERPRET"] = "1"
+    # (b, n, h, d); half precision: the kernels a bf16 call runs on a GPU (the interpreter
+    # takes fp16, not bf16)
+    q, k, v, dout = (torch.randn(1, 64, 12, 64, dtype=torch.float16) for _ in range(4))
 
     class NoLaunch:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
-    stubs = types.SimpleNamespace(fused_forward=NoLaunch(), fused_dq=NoLaunch(),
-                                  fused_dkdv=NoLaunch(), LOG2E=fused._kernels(q.device).LOG2E)
-    real_kernels, fused._kernels = fused._kernels, lambda device: stubs
+    if not launcher:
+        kernels = types.SimpleNamespace(fused_forward=NoLaunch(), fused_dq=NoLaunch(),
+                                        fused_dkdv=NoLaunch(),
+                                        LOG2E=fused._kernels(q.device).LOG2E)
+    fused._kernels = lambda device: kernels
 
     def forward():
         with torch.no_grad():
@@ -162,9 +227,10 @@ def host_only(repeats: int, calls: int, profile_top: int) -> str:
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         dilated_attention(*leaves, SEGMENTS, RATES, backend="triton").backward(dout)
 
-    lines = [f"torch {torch.__version__}, host only (launches stubbed), fp32 CPU tensors "
-             f"(1, 64, 12, 64), LongNet's setting; microseconds per call over {repeats} "
-             f"repeats of {calls} calls"]
+    how = ("launches through Triton's launcher, its C part stubbed, sm_90 kernels"
+           if launcher else "launches stubbed")
+    lines = [f"torch {torch.__version__}, host only ({how}), fp16 CPU tensors (1, 64, 12, 64), "
+             f"LongNet's setting; microseconds per call over {repeats} repeats of {calls} calls"]
     try:
         for name, call in (("forward", forward), ("forward + backward", training)):
             for _ in range(calls):
@@ -182,7 +248,7 @@ def host_only(repeats: int, calls: int, profile_top: int) -> str:
                 lines.append(python_profile(lambda: [call() for _ in range(calls)],
                                             profile_top))
     finally:
-        fused._kernels = real_kernels
+        fused._kernels, fused.tile_sizes = real_kernels, real_sizes
     return "\n".join(lines)
 
 
@@ -192,13 +258,16 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--host-only", action="store_true",
                         help="time the host's Python per call on CPU, launches stubbed")
+    parser.add_argument("--launcher", action="store_true",
+                        help="with --host-only: through Triton's launcher (sm_90 kernels, an "
+                        "idle stand-in driver), not stubbed")
     parser.add_argument("--repeats", type=int, default=7, help="with --host-only")
     parser.add_argument("--calls", type=int, default=500, help="with --host-only, per repeat")
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
                         help="also cProfile's TOP Python functions by own time")
     args = parser.parse_args(argv)
     if args.host_only:
-        print(host_only(args.repeats, args.calls, args.profile))
+        print(host_only(args.repeats, args.calls, args.profile, args.launcher))
         return 0
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
