@@ -42,8 +42,10 @@ call adds on top of its launches.
 ``JITFunction.run`` (its binder specialising each argument, the cache lookup, the launch
 metadata) under a stand-in for Triton's CUDA driver whose launcher does nothing. So it
 times the Python of a GPU call's launches as well, but not the C launcher that would
-follow (each argument unpacked, cuLaunchKernel). The first calls compile (about a
-minute with a cold Triton cache); run it in a process of its own.
+follow (each argument unpacked, cuLaunchKernel); then one forward launch alone, through
+``JITFunction.run``, its binder alone, and ``CompiledKernel.run`` with the arguments bound
+once (what launching from a cache of compiled kernels would leave). The first calls
+compile (about a minute with a cold Triton cache); run it in a process of its own.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ import statistics
 import sys
 import time
 import types
+from typing import List
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -195,6 +198,58 @@ def _with_launcher(fused):
     return triton_kernels
 
 
+def _microseconds_per_call(call, repeats: int, calls: int) -> List[float]:
+    """Per repeat, the microseconds of one of `calls` calls of `call` back to back."""
+    per_call = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+    return per_call
+
+
+def _spread(values: List[float]) -> str:
+    return (f"min {min(values):.1f}, median {statistics.median(values):.1f}, "
+            f"max {max(values):.1f}")
+
+
+def _per_launch(call, repeats: int, calls: int) -> List[str]:
+    """One fused forward launch of `call` timed three ways (us): through JITFunction.run;
+    its binder (each argument specialised) alone; CompiledKernel.run with those arguments
+    bound once, what a launch straight from a cache of compiled kernels would leave (the
+    idle driver's C launcher does nothing)."""
+    import triton.runtime.jit as jit
+
+    seen = {}
+    run = jit.JITFunction.run
+
+    def keep(self, *args, grid, warmup, **kwargs):
+        seen.setdefault(self.fn.__name__, (self, args, kwargs, grid))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    jit.JITFunction.run = keep
+    try:
+        call()
+    finally:
+        jit.JITFunction.run = run
+    kernel, args, kwargs, grid = seen["fused_forward"]
+    binder = kernel.device_caches[0][4]
+    compiled = kernel[grid](*args, **kwargs)
+    bound = list(binder(*args, **kwargs)[0].values())
+    ways = {
+        "JITFunction.run": lambda: kernel[grid](*args, **kwargs),
+        "its binder": lambda: binder(*args, **kwargs),
+        "CompiledKernel.run, arguments bound once": lambda: compiled.run(
+            grid[0], grid[1], 1, 0, compiled.function, compiled.packed_metadata, None, None,
+            None, *bound),
+    }
+    lines = [f"one fused_forward launch ({len(bound)} arguments), us:"]
+    for name, way in ways.items():
+        lines.append(f"  {name}: {_spread(_microseconds_per_call(way, repeats, calls))}")
+    return lines
+
+
 def host_only(repeats: int, calls: int, profile_top: int, launcher: bool = False) -> str:
     """The host's Python per call, the fused kernel's launches stubbed or (launcher) through
     Triton's launcher up to its C part (module docstring)."""
@@ -235,18 +290,13 @@ def host_only(repeats: int, calls: int, profile_top: int, launcher: bool = False
         for name, call in (("forward", forward), ("forward + backward", training)):
             for _ in range(calls):
                 call()
-            per_call = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                for _ in range(calls):
-                    call()
-                per_call.append((time.perf_counter() - start) / calls * 1e6)
-            lines.append(f"{name}: min {min(per_call):.1f}, median "
-                         f"{statistics.median(per_call):.1f}, max {max(per_call):.1f} us; "
+            lines.append(f"{name}: {_spread(_microseconds_per_call(call, repeats, calls))} us; "
                          f"{dispatched_ops(call)} aten ops")
             if profile_top:
                 lines.append(python_profile(lambda: [call() for _ in range(calls)],
                                             profile_top))
+        if launcher:
+            lines += _per_launch(forward, repeats, calls)
     finally:
         fused._kernels, fused.tile_sizes = real_kernels, real_sizes
     return "\n".join(lines)
