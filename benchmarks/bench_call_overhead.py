@@ -234,7 +234,9 @@ def _per_launch(call, repeats: int, calls: int) -> List[str]:
     finally:
         jit.JITFunction.run = run
     kernel, args, kwargs, grid = seen["fused_forward"]
-    binder = kernel.device_caches[0][4]
+    # as JITFunction.run unpacks it: the device's kernel cache, key cache, target, backend
+    # and the generated binder
+    *_, binder = kernel.device_caches[0]
     compiled = kernel[grid](*args, **kwargs)
     bound = list(binder(*args, **kwargs)[0].values())
     ways = {
