@@ -59,6 +59,7 @@ and whose forward + backward, fit on the device.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -138,7 +139,15 @@ def captured(step: Callable[[], None], name: str = "step") -> Callable[[], None]
         print(f"{name}: not captured, timed without a graph ({type(error).__name__}: "
               f"{str(error).splitlines()[0] if str(error) else ''})", flush=True)
         return step
-    return graph.replay
+    # The graph reads the step's tensors at their captured addresses, so the step (whose
+    # closure holds them) must live as long as the replay: dropped, their blocks are free,
+    # the next capture's empty_cache() unmaps them, and this replay faults.
+    return functools.partial(_replay, graph, step)
+
+
+def _replay(graph: torch.cuda.CUDAGraph, step: Callable[[], None]) -> None:
+    """One replay of `graph`; `step` is held only to keep what the graph reads alive."""
+    graph.replay()
 
 
 # One kernel call of a floor: its q, k, v (b', rows, heads, d), contiguous, and causal
