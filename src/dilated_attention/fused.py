@@ -183,6 +183,15 @@ def _kernels(device: torch.device):
     return triton_kernels
 
 
+def _launcher(kernel):
+    """`kernel[grid](...)` as it launches: a compiled kernel through triton_launch, which
+    binds its arguments once per call key instead of every call; an interpreted kernel (or
+    a stand-in that records launches) as it is."""
+    from .triton_launch import launcher
+
+    return launcher(kernel)
+
+
 def _precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: float32 products as torch would compute them (full fp32
     unless torch.set_float32_matmul_precision allows TF32); half precision is exact anyway."""
@@ -310,6 +319,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
     sizes = tile_sizes(q.device, q.dtype, d)
     plan = planner(**sizes.plan("forward"))
     kernels = _kernels(q.device)
+    launch = _launcher(kernels.fused_forward)
     has_mask = mask is not None
     mask, mask_strides = _mask_arg(mask, lse)
     # a plan has a tile for every (row, head): none only for an empty sequence; the rule's
@@ -317,7 +327,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
     # the plain one completes the check first (REPORT). One launch per tile height.
     for rule in _variants(nonfinite):
         for tiles, block_m in plan.launches():
-            kernels.fused_forward[(tiles.shape[0], b)](
+            launch[(tiles.shape[0], b)](
                 q, k, v, out, lse, mask, lse if nonfinite is None else nonfinite, tiles,
                 plan.rows, plan.spans, plan.extras,
                 *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
@@ -350,6 +360,7 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     queries = planner(**sizes.plan("dq"))
     keys = planner(**sizes.plan("dkdv"))
     kernels = _kernels(q.device)
+    launch_dq, launch_dkdv = _launcher(kernels.fused_dq), _launcher(kernels.fused_dkdv)
     dout, out = dout.to(q.dtype), out.to(q.dtype)
     dlse_arg = lse if dlse is None else dlse.to(torch.float32)
     has_mask = mask is not None
@@ -361,7 +372,7 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     for rule in _variants(nonfinite):
         any_bad = nonfinite if rule else lse
         for tiles, block_m in queries.launches():
-            kernels.fused_dq[(tiles.shape[0], b)](
+            launch_dq[(tiles.shape[0], b)](
                 q, k, v, out, dout, lse, dlse_arg, delta, dq, mask, any_bad, tiles,
                 queries.rows, queries.spans, queries.extras,
                 *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(),
@@ -374,7 +385,7 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
                 **flags,
             )
         for tiles, block_m in keys.launches():
-            kernels.fused_dkdv[(tiles.shape[0], b)](
+            launch_dkdv[(tiles.shape[0], b)](
                 q, k, v, dout, lse, delta, dk, dv, mask, any_bad, tiles, keys.rows,
                 keys.spans, keys.extras,
                 *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),

@@ -1,0 +1,165 @@
+"""triton_launch: the fused kernels launched from a kept compiled kernel pass Triton's
+launcher exactly what JITFunction.run would.
+
+Without a GPU the kernels compile for sm_90 under a stand-in driver (as
+benchmarks/bench_call_overhead.py --launcher does) whose loader gives each compiled
+binary its own function handle and whose launcher records its arguments, in a process of
+its own (the tests' conftest sets TRITON_INTERPRET, which would make interpreted kernels).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dilated_attention import triton_launch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Runs the op's forward and backward on CPU tensors through the compiled kernels, first
+# through triton_launch ("kept"), then with every launch through JITFunction.run ("jit"),
+# and prints per mode each launch as the launcher received it.
+SCRIPT = r"""
+import json, os, sys
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+import triton.runtime.jit as jit
+
+launches = []
+
+class RecordingDriver:
+    class utils:
+        @staticmethod
+        def load_binary(name, kernel, shared, device):
+            # module, function (one per compiled binary), registers, spills, threads
+            return 1, hash(kernel), 0, 0, 1024
+
+        @staticmethod
+        def get_device_properties(device):
+            return {"max_shared_mem": 232448, "multiprocessor_count": 132}
+
+    def is_active(self):
+        return True
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 7
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def launcher_cls(self, src, metadata):
+        return lambda *args: launches[-1].append((metadata.name, args))
+
+driver.set_active(RecordingDriver())
+from dilated_attention import dilated_attention, fused, triton_kernels, triton_launch
+assert type(triton_kernels.fused_forward).__name__ == "JITFunction"
+os.environ["TRITON_INTERPRET"] = "1"  # the op's check for CPU tensors; kernels stay compiled
+fused._kernels = lambda device: triton_kernels
+fused.tile_sizes = lambda device, dtype, head_dim: fused.cuda_tile_sizes((9, 0), dtype, 64)
+binds = [0]
+run = jit.JITFunction.run
+
+def counted(self, *args, **kwargs):
+    binds[0] += 1
+    return run(self, *args, **kwargs)
+
+jit.JITFunction.run = counted
+
+def describe(name, args):
+    grid, stream, function, metadata = args[:3], args[3], args[4], args[5]
+    params = [["tensor", str(x.dtype), list(x.shape), list(x.stride()), x.data_ptr() % 16]
+              if isinstance(x, torch.Tensor) else x for x in args[9:]]
+    return [name, list(grid), stream, str(function), repr(metadata), params]
+
+def inputs(dtype, misaligned):
+    # (b, n, h, d); misaligned: q starts 1 element past a 16-byte boundary
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64 * 4 * 64 + 1, generator=g).to(dtype)
+    q = (base[1:] if misaligned else base[:-1]).view(1, 64, 4, 64)
+    k, v, dout = (torch.randn(1, 64, 2, 64, generator=g).to(dtype) for _ in range(3))
+    return q, k, v, dout[:, :, :1].expand(1, 64, 4, 64).contiguous()
+
+def step(dtype, misaligned):
+    q, k, v, dout = inputs(dtype, misaligned)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    dilated_attention(*leaves, [16, 32], [1, 2], backend="triton").backward(dout)
+
+calls = [(torch.float16, False), (torch.float16, False), (torch.float16, True),
+         (torch.float16, False), (torch.float32, False), (torch.float16, True)]
+result = {}
+for mode in ("kept", "jit"):
+    if mode == "jit":
+        fused._launcher = lambda kernel: kernel
+    triton_launch.forget()
+    launches.clear()
+    binds[0] = 0
+    for dtype, misaligned in calls:
+        launches.append([])  # this call's launches
+        step(dtype, misaligned)
+    result[mode] = {"calls": [[describe(*launch) for launch in call] for call in launches],
+                    "binds": binds[0]}
+print(json.dumps(result))
+"""
+
+
+def test_kept_kernels_launch_as_triton_would(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env["TRITON_CACHE_DIR"] = env.get("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    kept, jit = result["kept"], result["jit"]
+    # the same kernels (function handles), grids, streams and parameters, launch for launch
+    assert kept["calls"] == jit["calls"]
+    launches = sum(len(call) for call in jit["calls"])
+    assert jit["binds"] == launches
+    # kept: each call key bound once (its first call), the repeated calls launched directly
+    assert 0 < kept["binds"] <= launches - len(jit["calls"][1]) - len(jit["calls"][3]) \
+        - len(jit["calls"][5])
+    # and the keys told the specialisations apart: q's alignment and the dtype each gave
+    # the forward other compiled kernels (calls: fp16, fp16, fp16 with q misaligned, fp16,
+    # fp32, fp16 with q misaligned)
+    forward = [{launch[3] for launch in call if launch[0] == "fused_forward"}
+               for call in jit["calls"]]
+    assert forward[0] == forward[1] == forward[3]
+    assert forward[2] == forward[5]
+    assert forward[2] != forward[0] and forward[4] != forward[0]
+
+
+def test_call_keys_follow_what_triton_specialises() -> None:
+    q = torch.zeros(2, 8, 16)
+    misaligned = torch.zeros(2 * 8 * 16 + 1)[1:].view(2, 8, 16)
+    kwargs = {"CAUSAL": True, "num_warps": 4}
+    key = triton_launch._call_key(0, 1, (q, 3, 0.5), kwargs)
+    assert key == triton_launch._call_key(0, 1, (torch.ones(2, 8, 16), 3, 0.5), kwargs)
+    assert key != triton_launch._call_key(0, 1, (misaligned, 3, 0.5), kwargs)
+    assert key != triton_launch._call_key(0, 1, (q.half(), 3, 0.5), kwargs)
+    assert key != triton_launch._call_key(0, 1, (q, 4, 0.5), kwargs)
+    assert key != triton_launch._call_key(1, 1, (q, 3, 0.5), kwargs)
+    assert key != triton_launch._call_key(0, 1, (q, 3, 0.5), {**kwargs, "num_warps": 8})
+    # a number where a tensor was: no key, so Triton's own path
+    assert triton_launch._call_key(0, 1, (3, 3, 0.5), kwargs) is None
+    assert triton_launch._leading_tensors((q, q, 1, q)) == 2
+
+
+def test_interpreted_kernels_and_stand_ins_launch_as_they_are() -> None:
+    class StandIn:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    stand_in = StandIn()
+    assert triton_launch.launcher(stand_in) is stand_in
