@@ -587,3 +587,19 @@ def test_ring_double_backward_on_one_process(causal: bool) -> None:
     for order, g_list, w_list in zip(("first", "second"), got, want):
         for name, g, w in zip("qkv", g_list, w_list):
             close(g, w, torch.float64, f"{order} d{name}")
+
+
+@pytest.mark.parametrize("grad_off", [torch.no_grad, torch.inference_mode])
+def test_a_forward_without_grad_equals_one_with(grad_off) -> None:
+    """With nothing to differentiate the op skips its autograd Function (host time): the
+    same out and lse, bit for bit, and nothing that requires grad."""
+    cfg = Config(b=2, n=64, h=4, hk=2, d=8, segment_lengths=(16, 32), dilation_rates=(1, 2),
+                 causal=True, scale=None, seed=0)
+    q, k, v, _, _ = make_inputs(cfg, torch.float32)
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    with_grad = run_op(cfg, q, k, v, "auto")
+    with grad_off():
+        without = run_op(cfg, q, k, v, "auto")
+    for got, want in zip(without, with_grad):
+        assert not got.requires_grad
+        assert torch.equal(got, want.detach())

@@ -177,7 +177,13 @@ def dilated_attention_local(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns,
     kernels apply the rule themselves (other backends ignore it).
     """
     heads = heads or Heads.of(q.shape[2], k.shape[2])
-    op = _forward_op if torch.compiler.is_compiling() else _LocalAttention.apply
+    if torch.compiler.is_compiling():
+        op = _forward_op
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        op = _LocalAttention.apply
+    else:
+        # nothing to differentiate: the Function's machinery would be host time alone
+        op = forward_flat
     out, lse, _ = op(q, k, v, list(patterns[0]), list(patterns[1]), opts.causal, opts.scale,
                      opts.backend, opts.dropout_p, opts.seed, heads.first, list(heads.kv_of),
                      None if documents is None else list(documents), key_mask, nonfinite_rule)

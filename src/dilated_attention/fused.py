@@ -35,6 +35,7 @@ from torch import Tensor
 from .fused_plan import TilePlan, dense_plan, tile_plan
 from .patterns import Heads, Patterns
 from .layout import Documents
+from .triton_launch import launcher
 
 
 class KernelTiles(NamedTuple):
@@ -183,15 +184,6 @@ def _kernels(device: torch.device):
     return triton_kernels
 
 
-def _launcher(kernel):
-    """`kernel[grid](...)` as it launches: a compiled kernel through triton_launch, which
-    binds its arguments once per call key instead of every call; an interpreted kernel (or
-    a stand-in that records launches) as it is."""
-    from .triton_launch import launcher
-
-    return launcher(kernel)
-
-
 def _precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: float32 products as torch would compute them (full fp32
     unless torch.set_float32_matmul_precision allows TF32); half precision is exact anyway."""
@@ -319,7 +311,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
     sizes = tile_sizes(q.device, q.dtype, d)
     plan = planner(**sizes.plan("forward"))
     kernels = _kernels(q.device)
-    launch = _launcher(kernels.fused_forward)
+    launch = launcher(kernels.fused_forward)
     has_mask = mask is not None
     mask, mask_strides = _mask_arg(mask, lse)
     # a plan has a tile for every (row, head): none only for an empty sequence; the rule's
@@ -360,7 +352,7 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     queries = planner(**sizes.plan("dq"))
     keys = planner(**sizes.plan("dkdv"))
     kernels = _kernels(q.device)
-    launch_dq, launch_dkdv = _launcher(kernels.fused_dq), _launcher(kernels.fused_dkdv)
+    launch_dq, launch_dkdv = launcher(kernels.fused_dq), launcher(kernels.fused_dkdv)
     dout, out = dout.to(q.dtype), out.to(q.dtype)
     dlse_arg = lse if dlse is None else dlse.to(torch.float32)
     has_mask = mask is not None

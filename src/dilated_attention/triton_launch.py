@@ -30,8 +30,6 @@ import functools
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
-from triton import knobs
-from triton.runtime import driver
 
 # Call keys kept per kernel: a key holds shapes and strides, not addresses, so a training
 # run has a handful; past this many the oldest goes (Triton still has its kernel).
@@ -44,7 +42,11 @@ class Launcher:
     kernels' pointers), then numbers: the key takes each group as a whole."""
 
     def __init__(self, kernel: Any) -> None:
-        self.kernel = kernel
+        # triton is optional: imported where a compiled kernel exists
+        from triton import knobs
+        from triton.runtime import driver
+
+        self.kernel, self._knobs, self._driver = kernel, knobs, driver
         # how many leading arguments are tensors, from the first call; None: not yet
         self._tensors: Optional[int] = None
         # call key -> (the compiled kernel, the names of the parameters after the positional
@@ -58,7 +60,7 @@ class Launcher:
     def _launch(self, grid: Tuple[int, int, int], *args: Any, **kwargs: Any) -> None:
         if self._tensors is None:
             self._tensors = _leading_tensors(args)
-        device = driver.active.get_current_device()
+        device = self._driver.active.get_current_device()
         key = _call_key(device, self._tensors, args, kwargs)
         try:
             found = self._compiled.get(key) if key is not None else None
@@ -68,11 +70,11 @@ class Launcher:
             compiled, tail = found
             params = (*args, *[kwargs[name] for name in tail])
             # what JITFunction.run does once it has the compiled kernel
-            stream = driver.active.get_current_stream(device)
+            stream = self._driver.active.get_current_stream(device)
+            hooks = self._knobs.runtime
             compiled.run(*grid, stream, compiled.function, compiled.packed_metadata,
                          compiled.launch_metadata(grid, stream, *params),
-                         knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook,
-                         *params)
+                         hooks.launch_enter_hook, hooks.launch_exit_hook, *params)
             return
         compiled = self.kernel[grid](*args, **kwargs)
         if hasattr(compiled, "result"):  # compiled asynchronously (a triton 3.6 knob)
