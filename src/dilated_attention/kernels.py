@@ -129,6 +129,8 @@ def input_sums(*tensors: Tensor) -> Tensor:
     a GPU (the fused kernels take the sum of k alone and complete the check themselves). A
     sum of finite entries that overflows (entries near the dtype's largest) also says
     non-finite, which costs the caller its exact path, never a wrong result."""
+    if len(tensors) == 1:  # the fused path's check, every call: no vector to fill
+        return tensors[0].detach().sum(dtype=lse_dtype(tensors[0].dtype)).view(1)
     sums = torch.empty(len(tensors), dtype=lse_dtype(tensors[0].dtype),
                        device=tensors[0].device)
     with torch.no_grad():  # an out= argument takes no autograd history
