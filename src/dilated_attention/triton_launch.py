@@ -9,10 +9,11 @@ of the op's own Python (BENCHMARKS.md, "Host time per call"), and a call that
 waits for its result pays it before its kernels start.
 
 ``launcher(kernel)[grid](*args, **kwargs)`` does that once per call key and
-then launches the remembered ``CompiledKernel`` as ``JITFunction.run`` ends:
-through the compiled kernel's own ``compiled[grid](*params)`` (every parameter
-in the kernel's order, constexprs included), on the current stream, with
-Triton's launch hooks. The key is at least as fine as Triton's specialisation,
+then launches the remembered ``CompiledKernel`` with the lines that end
+``JITFunction.run`` (its ``run`` with every parameter in the kernel's order,
+constexprs included, on the current stream, with Triton's launch metadata and
+hooks; the same in triton 3.6 and 3.9, and ``tests/test_triton_launch.py``
+checks them against Triton's own path). The key is at least as fine as Triton's specialisation,
 so it never meets a kernel compiled for other arguments: each tensor's dtype
 and whether its address is a multiple of 16, the value of every other argument
 (all that Triton specialises an integer on is a function of its value), the
