@@ -166,9 +166,9 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS,
         ],
         # a few minutes' subset of them for a short lease: bf16 against float64, the
         # non-finite rule (the kernels' variants and the check the forward completes), a
-        # CUDA graph of a training step
+        # CUDA graph of a training step, a call repeated (its launches from kept kernels)
         "smoke": [[*PYTEST, "tests/test_fused.py",
-                   "-k", "bfloat16 or nonfinite or minus_inf or cuda_graph"]],
+                   "-k", "bfloat16 or nonfinite or minus_inf or cuda_graph or repeated"]],
         "strided": [
             [PY, "benchmarks/gpu_suite.py", "--strided-check"],
             [PY, "benchmarks/bench_strided.py", "--device", "cuda", "--dtype", "bfloat16",

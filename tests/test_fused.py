@@ -256,6 +256,19 @@ def test_module_matches_auto_backend() -> None:
     assert "backend='triton'" in repr(fused)
 
 
+def test_a_repeated_call_matches_the_reference_again() -> None:
+    """A call's second time launches the compiled kernels that triton_launch kept from the
+    first (on a GPU; interpreted kernels launch as they are): out, lse and every gradient
+    match fp64 again."""
+    case = CASES["documents-and-padding"]
+    check(case, op(case))
+    check(case, op(case))
+    if torch.cuda.is_available():
+        from dilated_attention import triton_kernels, triton_launch
+
+        assert triton_launch.launcher(triton_kernels.fused_forward)._compiled
+
+
 def test_double_backward() -> None:
     """create_graph=True: the forward runs the fused kernel, the recorded backward the
     blockwise launches (the fused backward has no derivative); both orders match fp64."""
