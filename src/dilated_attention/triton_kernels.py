@@ -490,9 +490,13 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
         do = tl.load(do_at + t64[:, None] * sdon, mask=d_ok, other=0.0)
         lse = tl.load(lse_at + t64 * sln)
         delta = tl.load(delta_at + t64 * sln)
-    # a query that attends nothing: +inf, so that its p is 0; the span's times (bias, see
-    # fused_forward) enter in the same fused multiply-add
-    lse = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634 - bias)
+    # the span's times (bias, see fused_forward) enter in the fused multiply-add to base 2;
+    # in a masked chunk a query that attends nothing has lse -inf: +inf, so that its p is 0
+    # (a query of an unmasked chunk attends the tile's keys: its lse is finite, or an input
+    # is not, and then the rule's variant overwrites this one's dk, dv)
+    lse = lse * 1.4426950408889634 - bias
+    if MASKED:
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
     # (M keys, N queries): the probabilities, with the queries' counts
     qk = tl.dot(k, tl.trans(q), input_precision=PRECISION)
     p = tl.exp2(qk * scale_log2 - lse[None, :])
