@@ -449,6 +449,31 @@ def test_a_key_whose_logits_are_all_minus_inf_still_gives_nan() -> None:
     assert torch.equal(torch.isnan(out.detach()[0].cpu()).all(-1), attends)
 
 
+def test_a_query_whose_logits_all_overflow_adds_nothing_to_the_keys() -> None:
+    """Finite fp32 inputs whose products overflow: every logit of query 3 is -inf, so it
+    attends nothing (out 0, lse -inf) and gives its keys no gradient: dK/dV stay those of the
+    other queries, finite (no -inf - -inf in its chunks, masked or not)."""
+    # one segment of 64 rows: the interpreter's chunks of 32 queries are whole, unmasked
+    case = Case(64, (64, 16), (1, 2), False, h=2, hk=1, d=4, with_lse=False)
+    leaves, dout, _, _ = inputs(case)
+    with torch.no_grad():
+        q, k, _ = leaves
+        q[0, 3] = 0.0
+        q[0, 3, :, 0] = 1e30
+        k[..., 0] = -(k[..., 0].abs() + 1.0) * 1e30
+    out, _ = op(case)(*leaves, None)
+    dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+    assert torch.equal(out.detach()[0, 3], torch.zeros_like(out[0, 3]))
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.isfinite(g).all(), name
+    # query 3 adds nothing: the same gradients with its dout zeroed
+    dout_without = dout.clone()
+    dout_without[0, 3] = 0.0
+    _, dk_without, dv_without = torch.autograd.grad(op(case)(*leaves, None)[0], leaves,
+                                                    dout_without)
+    assert torch.equal(dv, dv_without)
+
+
 PIECES = [  # (case, first row, rows of the piece)
     (Case(64, (16, 32, 64), (1, 2, 4), True, b=2), 20, 30),
     (Case(80, (8, 32), (1, 2), True, h=2, hk=1, cu_seqlens=(0, 20, 20, 57, 80), masked=True),

@@ -491,12 +491,16 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
         lse = tl.load(lse_at + t64 * sln)
         delta = tl.load(delta_at + t64 * sln)
     # the span's times (bias, see fused_forward) enter in the fused multiply-add to base 2;
-    # in a masked chunk a query that attends nothing has lse -inf: +inf, so that its p is 0
-    # (a query of an unmasked chunk attends the tile's keys: its lse is finite, or an input
-    # is not, and then the rule's variant overwrites this one's dk, dv)
+    # a query that attends nothing has lse -inf: +inf, so that its p is 0. In an unmasked
+    # chunk of the plain kernel a query attends every key of the tile, so lse is -inf only
+    # where all its logits are (an overflow), and clamping it to -FLT_MAX keeps those p at 0
+    # in one instruction (a NaN lse comes of a non-finite input: the rule's variant, which
+    # turns it as a masked chunk does, then overwrites the tile)
     lse = lse * 1.4426950408889634 - bias
-    if MASKED:
+    if MASKED or NONFINITE:
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    else:
+        lse = tl.maximum(lse, -3.4028234663852886e38)
     # (M keys, N queries): the probabilities, with the queries' counts
     qk = tl.dot(k, tl.trans(q), input_precision=PRECISION)
     p = tl.exp2(qk * scale_log2 - lse[None, :])
