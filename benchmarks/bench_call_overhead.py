@@ -32,7 +32,9 @@ LongNet's setting, backend "triton" (TRITON_INTERPRET=1 is set; nothing runs in 
 interpreter). Per pass: min / median / max microseconds per call over repeats of
 many calls, the aten ops one call dispatches (torch.profiler; views and allocations
 left out: on a GPU each of the rest is a launch, though a CPU reduction also
-dispatches a fill and a copy), and with --profile cProfile's top functions. What is
+dispatches a fill and a copy), the microseconds from a call's start to its first
+fused kernel launch (the host's part of a call that waits for its result: its kernels
+cannot start before), and with --profile cProfile's top functions. What is
 left is the Python between the user's call and the launches (validation, the agreement, the
 op's dispatch into autograd, the plan lookup, the launch arguments), which a GPU
 call adds on top of its launches.
@@ -152,7 +154,10 @@ def dispatched_ops(call) -> int:
 
 class _IdleDriver:
     """Stands in for Triton's CUDA driver (``triton.runtime.driver.set_active``): an sm_90
-    target whose kernels load as dummies and whose launcher does nothing."""
+    target whose kernels load as dummies and whose launcher only calls `on_launch`."""
+
+    def __init__(self, on_launch) -> None:
+        self.on_launch = on_launch
 
     class utils:
         @staticmethod
@@ -179,15 +184,15 @@ class _IdleDriver:
         return GPUTarget("cuda", 90, 32)
 
     def launcher_cls(self, src, metadata):
-        return lambda *args: None
+        return lambda *args: self.on_launch()
 
 
-def _with_launcher(fused):
+def _with_launcher(fused, on_launch):
     """The fused module's kernels compiled for sm_90 and launched through Triton's own
     launcher, under _IdleDriver (module docstring); returns the kernels' module."""
     from triton.runtime import driver
 
-    driver.set_active(_IdleDriver())
+    driver.set_active(_IdleDriver(on_launch))
     from dilated_attention import triton_kernels  # compiled: TRITON_INTERPRET is not set yet
 
     if type(triton_kernels.fused_forward).__name__ != "JITFunction":
@@ -209,6 +214,31 @@ def _microseconds_per_call(call, repeats: int, calls: int) -> List[float]:
     return per_call
 
 
+class _FirstLaunch:
+    """When a call's first fused kernel launch happened: the host's time on the critical
+    path of a call that waits for its result (its kernels cannot start before)."""
+
+    def __init__(self) -> None:
+        self.at = None
+
+    def __call__(self) -> None:
+        if self.at is None:
+            self.at = time.perf_counter()
+
+    def microseconds(self, call, repeats: int, calls: int) -> List[float]:
+        """Per repeat, the mean microseconds from a call's start to its first launch."""
+        per_call = []
+        for _ in range(repeats):
+            total = 0.0
+            for _ in range(calls):
+                self.at = None
+                start = time.perf_counter()
+                call()
+                total += self.at - start
+            per_call.append(total / calls * 1e6)
+        return per_call
+
+
 def _spread(values: List[float]) -> str:
     return (f"min {min(values):.1f}, median {statistics.median(values):.1f}, "
             f"max {max(values):.1f}")
@@ -222,11 +252,15 @@ def _per_launch(call, repeats: int, calls: int) -> List[str]:
     launcher does nothing)."""
     import triton.runtime.jit as jit
 
-    from dilated_attention import triton_launch
+    try:
+        from dilated_attention import triton_launch
+    except ImportError:  # an older tree (a baseline's src/ on PYTHONPATH)
+        triton_launch = None
 
     seen = {}
     run = jit.JITFunction.run
-    triton_launch.forget()  # so that the call binds through JITFunction.run again
+    if triton_launch is not None:
+        triton_launch.forget()  # so that the call binds through JITFunction.run again
 
     def keep(self, *args, grid, warmup, **kwargs):
         seen.setdefault(self.fn.__name__, (self, args, kwargs, grid))
@@ -243,15 +277,16 @@ def _per_launch(call, repeats: int, calls: int) -> List[str]:
     *_, binder = kernel.device_caches[0]
     compiled = kernel[grid](*args, **kwargs)
     bound = list(binder(*args, **kwargs)[0].values())
-    kept = triton_launch.launcher(kernel)
-    ways = {
-        "JITFunction.run": lambda: kernel[grid](*args, **kwargs),
-        "triton_launch (the op's launches)": lambda: kept[grid](*args, **kwargs),
+    ways = {"JITFunction.run": lambda: kernel[grid](*args, **kwargs)}
+    if triton_launch is not None:
+        kept = triton_launch.launcher(kernel)
+        ways["triton_launch (the op's launches)"] = lambda: kept[grid](*args, **kwargs)
+    ways.update({
         "its binder": lambda: binder(*args, **kwargs),
         "CompiledKernel.run, arguments bound once": lambda: compiled.run(
             grid[0], grid[1], 1, 0, compiled.function, compiled.packed_metadata, None, None,
             None, *bound),
-    }
+    })
     lines = [f"one fused_forward launch ({len(bound)} arguments), us:"]
     for name, way in ways.items():
         lines.append(f"  {name}: {_spread(_microseconds_per_call(way, repeats, calls))}")
@@ -264,8 +299,9 @@ def host_only(repeats: int, calls: int, profile_top: int, launcher: bool = False
     from dilated_attention import fused
 
     real_kernels, real_sizes = fused._kernels, fused.tile_sizes
+    first_launch = _FirstLaunch()
     if launcher:
-        kernels = _with_launcher(fused)
+        kernels = _with_launcher(fused, first_launch)
     # the op refuses CPU tensors for backend "triton" unless this is set
     os.environ["TRITON_INTERPRET"] = "1"
     # (b, n, h, d); half precision: the kernels a bf16 call runs on a GPU (the interpreter
@@ -274,7 +310,7 @@ def host_only(repeats: int, calls: int, profile_top: int, launcher: bool = False
 
     class NoLaunch:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
+            return lambda *args, **kwargs: first_launch()
 
     if not launcher:
         kernels = types.SimpleNamespace(fused_forward=NoLaunch(), fused_dq=NoLaunch(),
@@ -299,7 +335,8 @@ def host_only(repeats: int, calls: int, profile_top: int, launcher: bool = False
             for _ in range(calls):
                 call()
             lines.append(f"{name}: {_spread(_microseconds_per_call(call, repeats, calls))} us; "
-                         f"{dispatched_ops(call)} aten ops")
+                         f"{dispatched_ops(call)} aten ops; to its first fused launch "
+                         f"{_spread(first_launch.microseconds(call, repeats, calls))} us")
             if profile_top:
                 lines.append(python_profile(lambda: [call() for _ in range(calls)],
                                             profile_top))
