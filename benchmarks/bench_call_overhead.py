@@ -152,9 +152,11 @@ def dispatched_ops(call) -> int:
                if event.key.startswith("aten::") and event.key not in _NO_LAUNCH)
 
 
-class _IdleDriver:
+class StandInDriver:
     """Stands in for Triton's CUDA driver (``triton.runtime.driver.set_active``): an sm_90
-    target whose kernels load as dummies and whose launcher only calls `on_launch`."""
+    target whose kernels load as dummies, each compiled binary with its own function handle,
+    and whose launcher only calls ``on_launch(kernel name, the launcher's arguments)``
+    (tests/test_triton_launch.py records them)."""
 
     def __init__(self, on_launch) -> None:
         self.on_launch = on_launch
@@ -162,8 +164,8 @@ class _IdleDriver:
     class utils:
         @staticmethod
         def load_binary(name, kernel, shared, device):
-            # module, function, registers, spills, most threads per block
-            return 1, 1, 0, 0, 1024
+            # module, function (one per binary), registers, spills, most threads per block
+            return 1, hash(kernel), 0, 0, 1024
 
         @staticmethod
         def get_device_properties(device):
@@ -184,15 +186,15 @@ class _IdleDriver:
         return GPUTarget("cuda", 90, 32)
 
     def launcher_cls(self, src, metadata):
-        return lambda *args: self.on_launch()
+        return lambda *args: self.on_launch(metadata.name, args)
 
 
 def _with_launcher(fused, on_launch):
     """The fused module's kernels compiled for sm_90 and launched through Triton's own
-    launcher, under _IdleDriver (module docstring); returns the kernels' module."""
+    launcher, under StandInDriver (module docstring); returns the kernels' module."""
     from triton.runtime import driver
 
-    driver.set_active(_IdleDriver(on_launch))
+    driver.set_active(StandInDriver(on_launch))
     from dilated_attention import triton_kernels  # compiled: TRITON_INTERPRET is not set yet
 
     if type(triton_kernels.fused_forward).__name__ != "JITFunction":
@@ -221,7 +223,7 @@ class _FirstLaunch:
     def __init__(self) -> None:
         self.at = None
 
-    def __call__(self) -> None:
+    def __call__(self, *launch) -> None:
         if self.at is None:
             self.at = time.perf_counter()
 
@@ -248,8 +250,8 @@ def _per_launch(call, repeats: int, calls: int) -> List[str]:
     """One fused forward launch of `call` timed four ways (us): through JITFunction.run;
     through triton_launch, as the op launches (the compiled kernel kept per call key); the
     binder of JITFunction.run (each argument specialised) alone; CompiledKernel.run with
-    the arguments bound once, the least a launch can cost in Python (the idle driver's C
-    launcher does nothing)."""
+    the arguments bound once, the least a launch can cost in Python (the stand-in driver's
+    C launcher does nothing)."""
     import triton.runtime.jit as jit
 
     try:

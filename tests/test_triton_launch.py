@@ -1,10 +1,9 @@
 """triton_launch: the fused kernels launched from a kept compiled kernel pass Triton's
 launcher exactly what JITFunction.run would.
 
-Without a GPU the kernels compile for sm_90 under a stand-in driver (as
-benchmarks/bench_call_overhead.py --launcher does) whose loader gives each compiled
-binary its own function handle and whose launcher records its arguments, in a process of
-its own (the tests' conftest sets TRITON_INTERPRET, which would make interpreted kernels).
+Without a GPU the kernels compile for sm_90 under benchmarks/bench_call_overhead.py's
+stand-in driver (its --launcher mode's), whose loader gives each compiled binary its own
+function handle and whose launcher here records its arguments, in a process of its own (the tests' conftest sets TRITON_INTERPRET, which would make interpreted kernels).
 """
 
 from __future__ import annotations
@@ -30,39 +29,14 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = r"""
 import json, os, sys
 import torch
-from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 import triton.runtime.jit as jit
 
+sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
+from bench_call_overhead import StandInDriver
+
 launches = []
-
-class RecordingDriver:
-    class utils:
-        @staticmethod
-        def load_binary(name, kernel, shared, device):
-            # module, function (one per compiled binary), registers, spills, threads
-            return 1, hash(kernel), 0, 0, 1024
-
-        @staticmethod
-        def get_device_properties(device):
-            return {"max_shared_mem": 232448, "multiprocessor_count": 132}
-
-    def is_active(self):
-        return True
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 7
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def launcher_cls(self, src, metadata):
-        return lambda *args: launches[-1].append((metadata.name, args))
-
-driver.set_active(RecordingDriver())
+driver.set_active(StandInDriver(lambda name, args: launches[-1].append((name, args))))
 from dilated_attention import dilated_attention, fused, triton_kernels, triton_launch
 assert type(triton_kernels.fused_forward).__name__ == "JITFunction"
 os.environ["TRITON_INTERPRET"] = "1"  # the op's check for CPU tensors; kernels stay compiled
@@ -118,8 +92,8 @@ def test_kept_kernels_launch_as_triton_would(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     env["TRITON_CACHE_DIR"] = env.get("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT)], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     kept, jit = result["kept"], result["jit"]
