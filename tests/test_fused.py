@@ -764,10 +764,20 @@ def test_kernels_created_without_the_interpreter_are_refused(monkeypatch) -> Non
         _call()
 
 
+def _no_checked_calls(monkeypatch) -> None:
+    """The op keeps each call signature's checked configuration, taking which packages are
+    installed as fixed for the process (validation.signature): a test that changes that
+    starts with none kept."""
+    from dilated_attention import functional, validation
+
+    monkeypatch.setattr(functional, "_DILATED_CALLS", validation.CheckedCalls())
+
+
 def test_needs_the_triton_package(monkeypatch) -> None:
     from dilated_attention import kernels
 
     monkeypatch.setitem(kernels._INSTALLED, "triton", False)
+    _no_checked_calls(monkeypatch)
     with pytest.raises(ValueError, match="the triton package installed"):
         _call()
 
@@ -786,6 +796,7 @@ def test_an_interpreter_too_old_for_numpy_is_refused(monkeypatch) -> None:
     assert kernels._interpreter_problem((), (2, 4)) is None
     problem = kernels._interpreter_problem((3, 6), (2, 4))
     monkeypatch.setattr(kernels, "_INTERPRETER_PROBLEM", problem)
+    _no_checked_calls(monkeypatch)
     with pytest.raises(ValueError, match=r"triton 3\.7 or newer.*got triton 3\.6 and numpy 2\.4"):
         _call()
     with pytest.raises(ValueError, match=r"triton 3\.7 or newer"):

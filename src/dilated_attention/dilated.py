@@ -18,7 +18,8 @@ a sequence-parallel one, is ``functional.dilated_attention``.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import functools
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -39,13 +40,75 @@ def local_plan(q: Tensor, k: Tensor, patterns: Patterns, causal: bool, heads: Op
     return make_plan(layout, patterns, causal, heads, 0, str(q.device), documents)
 
 
+class LocalCall(NamedTuple):
+    """A validated single-device call, less its tensors. nonfinite_rule: the fused kernels
+    apply docs/spec.md's non-finite rule (the caller checked nothing; see `forward_local`)."""
+
+    patterns: Patterns
+    opts: KernelOptions
+    heads: Heads
+    documents: Documents
+    nonfinite_rule: bool
+
+    def flat(self) -> Tuple:
+        """The call as the custom ops take it (their arguments after q, k, v; key_mask goes
+        before nonfinite_rule)."""
+        opts = self.opts
+        return (list(self.patterns[0]), list(self.patterns[1]), opts.causal, opts.scale,
+                opts.backend, opts.dropout_p, opts.seed, self.heads.first,
+                list(self.heads.kv_of), None if self.documents is None else list(self.documents))
+
+
+def forward_local(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
+                  call: LocalCall) -> Tuple[Tensor, Tensor, Tensor]:
+    """The single-device forward: q (b, n, h, d), k/v (b, n, hk, d), key_mask (b, n) bool
+    (True = ignore that key) -> out (b, n, h, d), lse (b, n, h) fp32, and an fp32 check (1,)
+    for the backward. With call.nonfinite_rule the vector is the fused kernels' check, left
+    on the device and not finite where q, k or v holds a NaN or an infinity that the
+    kernels read (the sum of k, made NaN by the forward kernel where a q row or an out is
+    not finite; triton_kernels' module docstring), else unset and unread."""
+    opts = call.opts
+    if opts.backend == "triton" and call.nonfinite_rule:
+        nonfinite = input_sums(k)
+    else:
+        nonfinite = torch.empty(1, dtype=torch.float32, device=q.device)
+    if opts.backend == "triton":
+        out, lse = fused.forward(q, k, v, call.patterns, causal=opts.causal, scale=opts.scale,
+                                 heads=call.heads, documents=call.documents, key_mask=key_mask,
+                                 nonfinite=nonfinite if call.nonfinite_rule else None)
+    else:
+        plan = local_plan(q, k, call.patterns, opts.causal, call.heads, call.documents)
+        out, lse = launches.forward(q, k, v, plan, opts, key_mask=key_mask)
+    return out, lse, nonfinite
+
+
+def backward_local(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   dlse: Optional[Tensor], nonfinite: Tensor, key_mask: Optional[Tensor],
+                   call: LocalCall) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `forward_local`, given its final out (b, n, h, d), lse (b, n, h) and
+    nonfinite check."""
+    opts = call.opts
+    # grad mode is on inside a backward only under create_graph=True: then the launches
+    # record a differentiable kernel (kernels.attention_backward), the fused kernel cannot
+    recorded = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (dout, q, k, v, out, lse, dlse))
+    if opts.backend == "triton" and not recorded:
+        return fused.backward(dout, q, k, v, out, lse, dlse, call.patterns, causal=opts.causal,
+                              scale=opts.scale, heads=call.heads, documents=call.documents,
+                              key_mask=key_mask,
+                              nonfinite=nonfinite if call.nonfinite_rule else None)
+    plan = local_plan(q, k, call.patterns, opts.causal, call.heads, call.documents)
+    return launches.backward(dout, q, k, v, out, lse, plan, opts, dlse=dlse, key_mask=key_mask)
+
+
 # Under torch.compile the single-device op is a pair of custom ops (forward, backward):
 # the compiler sees one opaque node per call instead of tracing the planning and every
-# launch, and autograd is registered on the forward. Their arguments are the agreed call,
-# flattened to the types custom ops take. Eager calls run the same functions through a
-# plain autograd.Function (`_LocalAttention`): the dispatcher's wrapping of a custom op
-# cost more host time than the fused forward's own Python (bench_call_overhead.py
-# --host-only; BENCHMARKS.md, "Host time per call").
+# launch, and autograd is registered on the forward. Their arguments are the call
+# flattened to the types custom ops take (LocalCall.flat). Eager calls run the same
+# functions through a plain autograd.Function (`_LocalAttention`), with the call as one
+# argument: the dispatcher's wrapping of a custom op cost more host time than the fused
+# forward's own Python, and so did flattening the call and building it again
+# (bench_call_overhead.py --host-only; BENCHMARKS.md, "Host time per call").
 
 
 def forward_flat(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int],
@@ -53,29 +116,11 @@ def forward_flat(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int],
                  dropout_p: float, seed: int, first_head: int, kv_of: List[int],
                  cu_seqlens: Optional[List[int]], key_mask: Optional[Tensor],
                  nonfinite_rule: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """The single-device forward: q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse
-    (b, n, h) fp32, and an fp32 check (1,) for the backward; the call flattened to custom-op
-    argument types (key_mask (b, n) bool, True = ignore that key; cu_seqlens: documents, each
-    an independent sequence). nonfinite_rule: the fused kernels apply docs/spec.md's non-finite
-    rule (the caller checked nothing); the vector is then their check, left on the device
-    and not finite where q, k or v holds a NaN or an infinity that the kernels read (the
-    sum of k, made NaN by the forward kernel where a q row or an out is not finite;
-    triton_kernels' module docstring), else unset and unread."""
-    patterns, opts, heads, documents = _unflatten(segment_lengths, dilation_rates, causal, scale,
-                                                  backend, dropout_p, seed, first_head, kv_of,
-                                                  cu_seqlens)
-    if opts.backend == "triton" and nonfinite_rule:
-        nonfinite = input_sums(k)
-    else:
-        nonfinite = torch.empty(1, dtype=torch.float32, device=q.device)
-    if opts.backend == "triton":
-        out, lse = fused.forward(q, k, v, patterns, causal=causal, scale=scale, heads=heads,
-                                 documents=documents, key_mask=key_mask,
-                                 nonfinite=nonfinite if nonfinite_rule else None)
-    else:
-        out, lse = launches.forward(q, k, v, local_plan(q, k, patterns, causal, heads, documents),
-                                    opts, key_mask=key_mask)
-    return out, lse, nonfinite
+    """`forward_local` with the call flattened (LocalCall.flat; key_mask before
+    nonfinite_rule)."""
+    return forward_local(q, k, v, key_mask, _unflatten(
+        segment_lengths, dilation_rates, causal, scale, backend, dropout_p, seed, first_head,
+        kv_of, cu_seqlens, nonfinite_rule))
 
 
 def backward_flat(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -84,21 +129,10 @@ def backward_flat(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   dropout_p: float, seed: int, first_head: int, kv_of: List[int],
                   cu_seqlens: Optional[List[int]], key_mask: Optional[Tensor],
                   nonfinite_rule: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients of `forward_flat`, given its final out (b, n, h, d), lse (b, n, h) and
-    nonfinite check."""
-    patterns, opts, heads, documents = _unflatten(segment_lengths, dilation_rates, causal, scale,
-                                                  backend, dropout_p, seed, first_head, kv_of,
-                                                  cu_seqlens)
-    # grad mode is on inside a backward only under create_graph=True: then the launches
-    # record a differentiable kernel (kernels.attention_backward), the fused kernel cannot
-    recorded = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (dout, q, k, v, out, lse, dlse))
-    if opts.backend == "triton" and not recorded:
-        return fused.backward(dout, q, k, v, out, lse, dlse, patterns, causal=causal,
-                              scale=scale, heads=heads, documents=documents, key_mask=key_mask,
-                              nonfinite=nonfinite if nonfinite_rule else None)
-    plan = local_plan(q, k, patterns, causal, heads, documents)
-    return launches.backward(dout, q, k, v, out, lse, plan, opts, dlse=dlse, key_mask=key_mask)
+    """`backward_local` with the call flattened, as `forward_flat`'s."""
+    return backward_local(dout, q, k, v, out, lse, dlse, nonfinite, key_mask, _unflatten(
+        segment_lengths, dilation_rates, causal, scale, backend, dropout_p, seed, first_head,
+        kv_of, cu_seqlens, nonfinite_rule))
 
 
 _forward_op = torch.library.custom_op("dilated_attention::forward", forward_flat,
@@ -108,11 +142,11 @@ _backward_op = torch.library.custom_op("dilated_attention::backward", backward_f
 
 
 def _unflatten(segment_lengths, dilation_rates, causal, scale, backend, dropout_p, seed,
-               first_head, kv_of, cu_seqlens):
-    patterns = (tuple(segment_lengths), tuple(dilation_rates))
-    opts = KernelOptions(causal, scale, backend, dropout_p, seed)
-    documents = None if cu_seqlens is None else tuple(cu_seqlens)
-    return patterns, opts, Heads(first_head, tuple(kv_of)), documents
+               first_head, kv_of, cu_seqlens, nonfinite_rule) -> LocalCall:
+    return LocalCall((tuple(segment_lengths), tuple(dilation_rates)),
+                     KernelOptions(causal, scale, backend, dropout_p, seed),
+                     Heads(first_head, tuple(kv_of)),
+                     None if cu_seqlens is None else tuple(cu_seqlens), nonfinite_rule)
 
 
 @_forward_op.register_fake
@@ -130,40 +164,59 @@ def _setup_context(ctx, inputs, output) -> None:
     # not materialising gradients matters: a zeros dlse would cost every backward launch
     # the lse-gradient padding (kernels.attention_backward)
     out, lse, nonfinite = output
-    save_for_backward(ctx, *inputs[:3], (out, lse), inputs[3:], nonfinite)
+    q, k, v, *flat = inputs
+    save_for_backward(ctx, q, k, v, (out, lse), _unflatten(*flat[:-2], flat[-1]), nonfinite)
+    ctx.key_mask = flat[-2]
 
 
 def _backward(ctx, dout, dlse, _):
     dout, q, k, v, out, lse, nonfinite = saved_for_backward(ctx, dout)
+    call, key_mask = ctx.args, ctx.key_mask
     if torch.is_grad_enabled():
         # create_graph=True (double backward): the backward op has no derivative, so run
         # its Python code, which autograd records (its launches then use the blockwise
         # kernel, built from differentiable ops; kernels.attention_backward). out and lse keep
         # their own graph through this op, so the second derivative is exact.
-        dq, dk, dv = backward_flat(dout, q, k, v, out, lse, dlse, nonfinite, *ctx.args)
+        dq, dk, dv = backward_local(dout, q, k, v, out, lse, dlse, nonfinite, key_mask, call)
+    elif torch.compiler.is_compiling():
+        dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, nonfinite, *call.flat(),
+                                  key_mask, call.nonfinite_rule)
     else:
-        backward = _backward_op if torch.compiler.is_compiling() else backward_flat
-        dq, dk, dv = backward(dout, q, k, v, out, lse, dlse, nonfinite, *ctx.args)
-    return (dq, dk, dv) + (None,) * len(ctx.args)
+        dq, dk, dv = backward_local(dout, q, k, v, out, lse, dlse, nonfinite, key_mask, call)
+    return dq, dk, dv
 
 
-torch.library.register_autograd("dilated_attention::forward", _backward,
+def _op_backward(ctx, dout, dlse, nonfinite):
+    # the custom op's inputs: q, k, v, then the flat call (no gradient)
+    return _backward(ctx, dout, dlse, nonfinite) + (None,) * 12
+
+
+torch.library.register_autograd("dilated_attention::forward", _op_backward,
                                 setup_context=_setup_context)
 
 
 class _LocalAttention(torch.autograd.Function):
-    """The eager twin of the custom op pair: the same forward, context and backward. The
-    forward takes `ctx` itself: a separate setup_context would make every apply bind its
-    arguments by inspect.signature, host time on every call."""
+    """The eager twin of the custom op pair: the same forward, context and backward, with
+    the call as one argument. The forward takes `ctx` itself: a separate setup_context
+    would make every apply bind its arguments by inspect.signature, host time on every
+    call."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = forward_flat(*inputs)
-        ctx.mark_non_differentiable(output[2])
-        _setup_context(ctx, inputs, output)
-        return output
+    def forward(ctx, q, k, v, key_mask, call):
+        out, lse, nonfinite = forward_local(q, k, v, key_mask, call)
+        ctx.mark_non_differentiable(nonfinite)
+        save_for_backward(ctx, q, k, v, (out, lse), call, nonfinite)
+        ctx.key_mask = key_mask
+        return out, lse, nonfinite
 
-    backward = staticmethod(_backward)
+    @staticmethod
+    def backward(ctx, dout, dlse, nonfinite):
+        return _backward(ctx, dout, dlse, nonfinite) + (None, None)
+
+
+# Heads.of, kept for eager calls (Dynamo cannot trace an lru_cache): building it took 2.5 us
+# of every call's host time
+_all_heads = functools.lru_cache(maxsize=256)(Heads.of)
 
 
 def dilated_attention_local(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns,
@@ -176,15 +229,16 @@ def dilated_attention_local(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns,
     rows replaced (``functional._nonfinite_keys``) unless `nonfinite_rule`: then the fused
     kernels apply the rule themselves (other backends ignore it).
     """
-    heads = heads or Heads.of(q.shape[2], k.shape[2])
     if torch.compiler.is_compiling():
-        op = _forward_op
-    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        op = _LocalAttention.apply
+        call = LocalCall(patterns, opts, heads or Heads.of(q.shape[2], k.shape[2]), documents,
+                         nonfinite_rule)
+        out, lse, _ = _forward_op(q, k, v, *call.flat(), key_mask, nonfinite_rule)
+        return out, lse
+    call = LocalCall(patterns, opts, heads or _all_heads(q.shape[2], k.shape[2]), documents,
+                     nonfinite_rule)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse, _ = _LocalAttention.apply(q, k, v, key_mask, call)
     else:
         # nothing to differentiate: the Function's machinery would be host time alone
-        op = forward_flat
-    out, lse, _ = op(q, k, v, list(patterns[0]), list(patterns[1]), opts.causal, opts.scale,
-                     opts.backend, opts.dropout_p, opts.seed, heads.first, list(heads.kv_of),
-                     None if documents is None else list(documents), key_mask, nonfinite_rule)
+        out, lse, _ = forward_local(q, k, v, key_mask, call)
     return out, lse

@@ -74,9 +74,9 @@ def fail_on_every_rank(group, error: Exception) -> NoReturn:
 
 def _tensor_config(q: Tensor, k: Tensor, v: Tensor, key_padding_mask, *,
                    allow_empty: bool) -> Dict[str, Any]:
-    """The checked shapes every rank must share, and this rank's own facts (per_rank keys)."""
+    """The checked shapes every rank must share, and this rank's length ("n", per_rank):
+    static checks (validation.signature); `_data_config` adds the rest."""
     check.check_qkv(q, k, v, allow_empty=allow_empty)
-    check.check_no_transform(q, k, v)
     mask = check.check_key_padding_mask(key_padding_mask, q)
     b, n, h, d = q.shape
     return {
@@ -85,10 +85,21 @@ def _tensor_config(q: Tensor, k: Tensor, v: Tensor, key_padding_mask, *,
         # autograd: every rank runs the backward collectives, or none does
         "requires_grad": torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
         "key_padding_mask": mask is not None,
-        # this rank's own (per_rank): its length, whether its mask ignores any key (and
-        # "nonfinite", which the caller adds)
         "n": n,
-        "masked_keys": mask is not None and (not _inspects(q) or bool(mask.any())),
+    }
+
+
+def _data_config(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], *,
+                 check_finite: bool) -> Dict[str, Any]:
+    """What a call reads every time, after its static checks passed: no torch.func
+    transform, and this rank's data (per_rank): whether its mask ignores any key, and
+    (check_finite) whether a q, k or v entry is not finite (a read-back; see
+    `_nonfinite_keys`)."""
+    check.check_no_transform(q, k, v)
+    return {
+        "masked_keys": key_padding_mask is not None and (not _inspects(q)
+                                                         or bool(key_padding_mask.any())),
+        "nonfinite": check_finite and _inspects(q) and not _all_finite(q, k, v),
     }
 
 
@@ -99,6 +110,10 @@ def _inspects(q: Tensor) -> bool:
 
 
 _PER_RANK = ("n", "masked_keys", "nonfinite")
+
+# Each op's checked configurations by call signature (validation.CheckedCalls).
+_DILATED_CALLS = check.CheckedCalls()
+_RING_CALLS = check.CheckedCalls()
 
 
 def _all_finite(*tensors: Tensor) -> bool:
@@ -263,7 +278,7 @@ def dilated_attention(
     group = comm.resolve_group(group)
     distributed = comm.is_distributed(group)
 
-    def config() -> Dict[str, Any]:
+    def checked() -> Dict[str, Any]:
         segs, rates = check.check_patterns(segment_lengths, dilation_rates)
         p = check.check_dropout(dropout_p)
         tensors = _tensor_config(q, k, v, key_padding_mask, allow_empty=distributed)
@@ -271,13 +286,6 @@ def dilated_attention(
                                    backend=backend, masked=tensors["key_padding_mask"],
                                    head_dim=q.shape[-1])
         whole_op_backend = kernel(whole_op=True)
-        # a named kernel is each launch's too (checked once); auto may differ per launch
-        launch_backend = kernel() if backend == "auto" else whole_op_backend
-        # whether a q, k or v row holds a non-finite number (this rank's own; see
-        # _nonfinite_keys). Not read back where one device runs the fused kernels: they
-        # apply the rule themselves, from a flag left on the device (no sync)
-        tensors["nonfinite"] = (_inspects(q) and (distributed or whole_op_backend != "triton")
-                                and not _all_finite(q, k, v))
         return {
             **tensors,
             "segment_lengths": segs,
@@ -292,14 +300,28 @@ def dilated_attention(
             "strategy": check.check_strategy(strategy),
             "window_size": _no_window(window_size),
             # derived from the arguments above (the comm check names the first key that
-            # differs, in this order): the kernel of the exchange's launches; the kernel
+            # differs, in this order): the kernel of the exchange's launches (a named kernel
+            # is each launch's too, checked once; auto may differ per launch); the kernel
             # where a rank computes the whole op on its rows (one device, or a Ulysses
             # rank's heads over all rows of its block: auto may pick the fused kernel
-            # there, which then runs the exchange's own pairs too); this rank's dropout seed
-            "backend": launch_backend,
+            # there, which then runs the exchange's own pairs too)
+            "backend": kernel() if backend == "auto" else whole_op_backend,
             "whole_op_backend": whole_op_backend,
-            "seed": dropout_seed(p),
         }
+
+    def config() -> Dict[str, Any]:
+        call = _DILATED_CALLS.get(
+            check.signature((q, k, v, key_padding_mask),
+                            (segment_lengths, dilation_rates, dropout_p, distributed, backend,
+                             is_causal, return_lse, scale, cu_seqlens, layout, strategy,
+                             window_size)),
+            checked)
+        # whether a q, k or v row holds a non-finite number (this rank's own). Not read back
+        # where one device runs the fused kernels: they apply the rule themselves, from a
+        # flag left on the device (no sync). This rank's dropout seed.
+        data = _data_config(q, k, v, key_padding_mask, check_finite=(
+            distributed or call["whole_op_backend"] != "triton"))
+        return {**call, **data, "seed": dropout_seed(call["dropout_p"])}
 
     infos = comm.agree(group, config, per_rank=_PER_RANK + ("seed",))
     call = infos[0]  # rank 0's dropout seed is the call's
@@ -326,8 +348,11 @@ def dilated_attention(
                 fused_pairs=call["whole_op_backend"] == "triton")
         # one device checked nothing (the config's "nonfinite"): the fused kernels apply the
         # rule; Ulysses ranks replaced their non-finite rows (_attend)
+        # (not dataclasses.replace: 2 us of host time a call)
+        whole_op = KernelOptions(opts.causal, opts.scale, call["whole_op_backend"],
+                                 opts.dropout_p, opts.seed)
         return dilated_attention_local(
-            q, k, v, patterns, dataclasses.replace(opts, backend=call["whole_op_backend"]),
+            q, k, v, patterns, whole_op,
             heads=heads, documents=documents, key_mask=mask, nonfinite_rule=not distributed)
 
     run = functools.partial(route.run, lengths=lengths, opts=opts, sequence=sequence)
@@ -442,9 +467,8 @@ def ring_attention(
     group = comm.resolve_group(group)
     distributed = comm.is_distributed(group)
 
-    def config() -> Dict[str, Any]:
+    def checked() -> Dict[str, Any]:
         tensors = _tensor_config(q, k, v, key_padding_mask, allow_empty=distributed)
-        tensors["nonfinite"] = _inspects(q) and not _all_finite(q, k, v)
         causal = check.check_bool("is_causal", is_causal)
         return {
             **tensors,
@@ -458,6 +482,14 @@ def ring_attention(
                                       masked=tensors["key_padding_mask"],
                                       head_dim=q.shape[-1]),
         }
+
+    def config() -> Dict[str, Any]:
+        call = _RING_CALLS.get(
+            check.signature((q, k, v, key_padding_mask),
+                            (distributed, is_causal, window_size, return_lse, scale, layout,
+                             cu_seqlens, backend)),
+            checked)
+        return {**call, **_data_config(q, k, v, key_padding_mask, check_finite=True)}
 
     infos = comm.agree(group, config, per_rank=_PER_RANK)
     call = infos[0]

@@ -73,8 +73,10 @@ class Launcher:
             # what JITFunction.run does once it has the compiled kernel
             stream = self._driver.active.get_current_stream(device)
             hooks = self._knobs.runtime
-            compiled.run(*grid, stream, compiled.function, compiled.packed_metadata,
-                         compiled.launch_metadata(grid, stream, *params),
+            # launch_metadata is None without an enter hook (its first line): not called then
+            metadata = (None if hooks.launch_enter_hook is None
+                        else compiled.launch_metadata(grid, stream, *params))
+            compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, metadata,
                          hooks.launch_enter_hook, hooks.launch_exit_hook, *params)
             return
         compiled = self.kernel[grid](*args, **kwargs)

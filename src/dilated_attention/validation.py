@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Optional, Sequence, Tuple
+import os
+import types
+from typing import Any, Callable, Dict, Hashable, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -340,3 +342,86 @@ def check_first_order(what: str) -> None:
             f"supported on one device (group=None or a group of one rank): dilated_attention "
             f"and ring_attention, any backend (the recorded backward runs the blockwise kernel)"
         )
+
+
+# --------------------------------------------------------------------------
+# Checks once per call signature.
+#
+# A model calls an op with a handful of signatures (the same arguments, and tensors of the
+# same shapes, every layer and step), and at short lengths on a GPU the checks above were
+# a fifth of the host's time before a call's first kernel could start (BENCHMARKS.md, "Host
+# time per call"). So the ops run their static checks (those that read only the arguments'
+# values and the tensors' types, shapes, dtypes, devices and requires_grad) once per
+# signature and keep the checked configuration; what reads data or per-call state (a
+# mask's any(), non-finite inputs, torch.func transforms, a dropout seed) runs every call.
+# Only a configuration that passed is kept: a bad call raises every time.
+
+# Scalars keyed by type and value (True, 1 and 1.0 are equal keys otherwise, but a check
+# may take one and refuse another).
+_PLAIN = frozenset((bool, int, float, str, type(None)))
+
+
+class _NoKey(Exception):
+    """An argument with no cheap exact key: the call is checked in full."""
+
+
+def _value_key(value: Any) -> Hashable:
+    kind = type(value)
+    if kind in _PLAIN:
+        return kind, value
+    if (kind is list or kind is tuple) and all(type(item) is int for item in value):
+        return kind, tuple(value)
+    raise _NoKey
+
+
+def _tensor_key(x: Any) -> Hashable:
+    if x is None:
+        return None
+    if type(x) is not Tensor:  # subclasses (parameters, DTensor, fake tensors) check in full
+        raise _NoKey
+    return x.shape, x.dtype, x.device, x.requires_grad
+
+
+def signature(tensors: Sequence[Optional[Tensor]], values: Sequence[Any]) -> Optional[Tuple]:
+    """A hashable key of everything a call's static checks read, or None (check in full).
+
+    `tensors` by type, shape, dtype, device and requires_grad; `values` (the other
+    arguments) by type and value: plain bools, ints, floats, strings, None, and lists or
+    tuples of ints; with the grad mode and, for CPU tensors, TRITON_INTERPRET (which the
+    Triton backend's check reads). None for any other argument, and while torch.compile
+    traces (the checks are traced with the call there). Which packages are installed, and
+    a device's compute capability, are taken as fixed for the process."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        keys = (*map(_tensor_key, tensors), *map(_value_key, values))
+    except _NoKey:
+        return None
+    device = keys[0][2] if keys[0] is not None else None
+    interpret = os.environ.get("TRITON_INTERPRET") if getattr(device, "type", None) == "cpu" \
+        else None
+    return keys, torch.is_grad_enabled(), interpret
+
+
+class CheckedCalls:
+    """Checked configurations by call signature (``signature``): ``get(key, check)`` returns
+    ``check()``'s mapping (read-only), running it only the first time `key` is seen (every
+    time for a None key). Bounded: past `size` signatures it starts again empty."""
+
+    def __init__(self, size: int = 256) -> None:
+        self._size = size
+        self._checked: Dict[Hashable, Mapping[str, Any]] = {}
+
+    def get(self, key: Optional[Hashable], check: Callable[[], Dict[str, Any]]
+            ) -> Mapping[str, Any]:
+        found = self._checked.get(key) if key is not None else None
+        if found is None:
+            found = types.MappingProxyType(check())
+            if key is not None:
+                if len(self._checked) >= self._size:
+                    self._checked.clear()
+                self._checked[key] = found
+        return found
+
+    def clear(self) -> None:
+        self._checked.clear()
