@@ -36,7 +36,20 @@ sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
 from bench_call_overhead import StandInDriver
 
 launches = []
-driver.set_active(StandInDriver(lambda name, args: launches[-1].append((name, args))))
+hooked = []  # what the launch hooks saw: ("enter" or "exit", the kernel's name)
+
+
+def launched(name, args):
+    # as Triton's C launcher: the enter hook, the launch, the exit hook (a None is skipped)
+    metadata, enter, leave = args[6:9]
+    if enter is not None:
+        enter(metadata)
+    launches[-1].append((name, args))
+    if leave is not None:
+        leave(metadata)
+
+
+driver.set_active(StandInDriver(launched))
 from dilated_attention import dilated_attention, fused, triton_kernels, triton_launch
 assert type(triton_kernels.fused_forward).__name__ == "JITFunction"
 os.environ["TRITON_INTERPRET"] = "1"  # the op's check for CPU tensors; kernels stay compiled
@@ -72,18 +85,33 @@ def step(dtype, misaligned):
 
 calls = [(torch.float16, False), (torch.float16, False), (torch.float16, True),
          (torch.float16, False), (torch.float32, False), (torch.float16, True)]
+from triton import knobs
+
+def enter_hook(metadata):
+    hooked.append(("enter", metadata.get()["name"]))
+
+def exit_hook(metadata):
+    hooked.append(("exit", metadata.get()["name"]))
+
 result = {}
-for mode in ("kept", "jit"):
-    if mode == "jit":
-        fused.launcher = lambda kernel: kernel
+kept_launcher = fused.launcher
+for mode in ("kept", "jit", "kept hooked", "jit hooked"):
+    fused.launcher = kept_launcher if mode.startswith("kept") else (lambda kernel: kernel)
+    if mode.endswith("hooked"):
+        knobs.runtime.launch_enter_hook.add(enter_hook)
+        knobs.runtime.launch_exit_hook.add(exit_hook)
     triton_launch.forget()
     launches.clear()
+    hooked.clear()
     binds[0] = 0
     for dtype, misaligned in calls:
         launches.append([])  # this call's launches
         step(dtype, misaligned)
     result[mode] = {"calls": [[describe(*launch) for launch in call] for call in launches],
-                    "binds": binds[0]}
+                    "binds": binds[0], "hooked": list(hooked)}
+    if mode.endswith("hooked"):
+        knobs.runtime.launch_enter_hook.remove(enter_hook)
+        knobs.runtime.launch_exit_hook.remove(exit_hook)
 print(json.dumps(result))
 """
 
@@ -112,6 +140,13 @@ def test_kept_kernels_launch_as_triton_would(tmp_path) -> None:
     assert forward[0] == forward[1] == forward[3]
     assert forward[2] == forward[5]
     assert forward[2] != forward[0] and forward[4] != forward[0]
+    # launch hooks (a profiler's): each launch calls them as Triton's own path does, with
+    # the launch metadata; without them the kept launches build none
+    assert kept["hooked"] == jit["hooked"] == []
+    hooked = result["jit hooked"]["hooked"]
+    assert result["kept hooked"]["hooked"] == hooked
+    assert len(hooked) == 2 * launches and {name for _, name in hooked} >= {"fused_forward"}
+    assert result["kept hooked"]["calls"] == result["jit hooked"]["calls"] == jit["calls"]
 
 
 def test_call_keys_follow_what_triton_specialises() -> None:

@@ -12,8 +12,9 @@ waits for its result pays it before its kernels start.
 then launches the remembered ``CompiledKernel`` with the lines that end
 ``JITFunction.run`` (its ``run`` with every parameter in the kernel's order,
 constexprs included, on the current stream, with Triton's launch metadata and
-hooks; the same in triton 3.6 and 3.9, and ``tests/test_triton_launch.py``
-checks them against Triton's own path). The key is at least as fine as Triton's specialisation,
+hooks where a hook is set; the same in triton 3.6 and 3.9, and
+``tests/test_triton_launch.py`` checks them, hooks included, against Triton's
+own path). The key is at least as fine as Triton's specialisation,
 so it never meets a kernel compiled for other arguments: each tensor's dtype
 and whether its address is a multiple of 16, the value of every other argument
 (all that Triton specialises an integer on is a function of its value), the
@@ -73,11 +74,16 @@ class Launcher:
             # what JITFunction.run does once it has the compiled kernel
             stream = self._driver.active.get_current_stream(device)
             hooks = self._knobs.runtime
-            # launch_metadata is None without an enter hook (its first line): not called then
-            metadata = (None if hooks.launch_enter_hook is None
-                        else compiled.launch_metadata(grid, stream, *params))
-            compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, metadata,
-                         hooks.launch_enter_hook, hooks.launch_exit_hook, *params)
+            enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+            if _idle(enter) and _idle(leave):
+                # the launch metadata is for the hooks alone, and the launcher calls no hook
+                # given as None: where none is set, the same launch without building it
+                compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None,
+                             None, None, *params)
+            else:
+                compiled.run(*grid, stream, compiled.function, compiled.packed_metadata,
+                             compiled.launch_metadata(grid, stream, *params), enter, leave,
+                             *params)
             return
         compiled = self.kernel[grid](*args, **kwargs)
         if hasattr(compiled, "result"):  # compiled asynchronously (a triton 3.6 knob)
@@ -89,6 +95,12 @@ class Launcher:
         if len(self._compiled) >= MAX_KEYS:
             del self._compiled[next(iter(self._compiled))]
         self._compiled[key] = (compiled, tail)
+
+
+def _idle(hook: Any) -> bool:
+    """Whether a launch hook of Triton's knobs calls nothing: None, or an empty HookChain
+    (triton 3.6 and 3.9 hold one of these, empty unless a profiler adds to it)."""
+    return hook is None or getattr(hook, "calls", None) == []
 
 
 def _leading_tensors(args: Sequence[Any]) -> int:
