@@ -361,46 +361,38 @@ def check_first_order(what: str) -> None:
 _PLAIN = frozenset((bool, int, float, str, type(None)))
 
 
-class _NoKey(Exception):
-    """An argument with no cheap exact key: the call is checked in full."""
-
-
-def _value_key(value: Any) -> Hashable:
-    kind = type(value)
-    if kind in _PLAIN:
-        return kind, value
-    if (kind is list or kind is tuple) and all(type(item) is int for item in value):
-        return kind, tuple(value)
-    raise _NoKey
-
-
-def _tensor_key(x: Any) -> Hashable:
-    if x is None:
-        return None
-    if type(x) is not Tensor:  # subclasses (parameters, DTensor, fake tensors) check in full
-        raise _NoKey
-    return x.shape, x.dtype, x.device, x.requires_grad
-
-
 def signature(tensors: Sequence[Optional[Tensor]], values: Sequence[Any]) -> Optional[Tuple]:
     """A hashable key of everything a call's static checks read, or None (check in full).
 
     `tensors` by type, shape, dtype, device and requires_grad; `values` (the other
     arguments) by type and value: plain bools, ints, floats, strings, None, and lists or
     tuples of ints; with the grad mode and, for CPU tensors, TRITON_INTERPRET (which the
-    Triton backend's check reads). None for any other argument, and while torch.compile
-    traces (the checks are traced with the call there). Which packages are installed, and
-    a device's compute capability, are taken as fixed for the process."""
+    Triton backend's check reads). None for any other argument (tensor subclasses such as
+    parameters, DTensor or fake tensors included), and while torch.compile traces (the
+    checks are traced with the call there). Which packages are installed, and a device's
+    compute capability, are taken as fixed for the process."""
     if torch.compiler.is_compiling():
         return None
-    try:
-        keys = (*map(_tensor_key, tensors), *map(_value_key, values))
-    except _NoKey:
-        return None
+    keys: list = []
+    for x in tensors:
+        if x is None:
+            keys.append(None)
+        elif type(x) is Tensor:
+            keys.append((x.shape, x.dtype, x.device, x.requires_grad))
+        else:
+            return None
+    for value in values:
+        kind = type(value)
+        if kind in _PLAIN:
+            keys.append((kind, value))
+        elif (kind is list or kind is tuple) and all(type(item) is int for item in value):
+            keys.append((kind, tuple(value)))
+        else:
+            return None
     device = keys[0][2] if keys[0] is not None else None
     interpret = os.environ.get("TRITON_INTERPRET") if getattr(device, "type", None) == "cpu" \
         else None
-    return keys, torch.is_grad_enabled(), interpret
+    return tuple(keys), torch.is_grad_enabled(), interpret
 
 
 class CheckedCalls:
