@@ -340,8 +340,9 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
               into: Optional[Tuple[Tensor, Tensor, Tensor]] = None
               ) -> Tuple[Tensor, Tensor, Tensor]:
     b, n, h, d = q.shape
-    dq, dk, dv = into or tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device)
-                               for x in (q, k, v))
+    # in each input's layout where it is dense (what autograd's accumulation keeps as is);
+    # the kernels write through strides
+    dq, dk, dv = into or (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     # delta shares lse's (contiguous) strides in the kernels; on meta tensors (estimate's
     # dry run) it is made all the same, as what the launches hold
     lse = lse.to(torch.float32).contiguous()
