@@ -27,7 +27,7 @@ fused kernel"). Needs a CUDA device.
 
 --host-only (no device needed) times the host's own work per call of the fused
 kernel's path with the Triton launches replaced by no-ops: fp16 CPU tensors of 64
-rows (so that the input check's sum, device work on a GPU, costs little),
+rows (so that device work on a GPU, done here by the CPU, costs little),
 LongNet's setting, backend "triton" (TRITON_INTERPRET=1 is set; nothing runs in the
 interpreter). Per pass: min / median / max microseconds per call over repeats of
 many calls, the aten ops one call dispatches (torch.profiler; views and allocations

@@ -401,9 +401,9 @@ FLAGGED = [("q", 0, 0, 0, 0, math.nan), ("q", 1, 37, 1, 11, -math.inf),
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy, in the interpreter
 def test_the_nonfinite_check_is_set_by_every_nonfinite_input_the_kernels_read() -> None:
     """The check that the single-device op hands the kernels' variants for the non-finite
-    rule (left on the device, never read back): the sum of k, which the plain forward makes
-    NaN where a q row or an out it writes is not finite. A NaN or an infinity anywhere in q
-    or k sets it (any batch row, row, head or element, a key row no query attends
+    rule (left on the device, never read back): a 0, which the plain forward makes NaN
+    where a q row, an out it writes or a row of k is not finite. A NaN or an infinity
+    anywhere in q or k sets it (any batch row, row, head or element, a key row no query attends
     included), and in v wherever a program loads the row; a value row that no program
     loads leaves it finite and the result bit for bit that of finite inputs. Finite inputs
     leave it finite."""
@@ -431,10 +431,38 @@ def test_the_nonfinite_check_is_set_by_every_nonfinite_input_the_kernels_read() 
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy, in the interpreter
+def test_the_check_reads_all_of_k_when_tiles_launch_at_two_heights() -> None:
+    """The programs of the forward's first launch share k's rows for the check: with tiles
+    launched at two heights (32 and 16 rows) a NaN in a row of k that no query attends (rows
+    2, 3 mod 4: both patterns have rate 4, and the two heads offsets 0 and 1), so that no
+    out shows it, still sets it, in any head or batch row; finite inputs leave it finite."""
+    from dilated_attention import dilated
+
+    gen = torch.Generator().manual_seed(5)
+    # (b, n, h, d), (b, n, hk, d)
+    q = torch.randn(2, 100, 2, 12, generator=gen).to(DEVICE)
+    k, v = (torch.randn(2, 100, 2, 12, generator=gen).to(DEVICE) for _ in range(2))
+    patterns = ((32, 64), (4, 4))
+    plan = fused._planner(q, k, patterns, False, Heads.of(2, 2), None, None)(
+        **fused.tile_sizes(q.device, q.dtype, 12).plan("forward"))
+    assert len(plan.launches()) == 2
+
+    def check(k):
+        return dilated.forward_flat(q, k, v, list(patterns[0]), list(patterns[1]), False, 0.3,
+                                    "triton", 0.0, 0, 0, [0, 1], None, None, True)[2]
+
+    assert bool(torch.isfinite(check(k)).all())
+    for b, row, head in ((0, 2, 0), (1, 59, 1), (1, 99, 0), (0, 62, 1)):
+        planted = k.clone()
+        planted[b, row, head, 7] = math.nan
+        assert not bool(torch.isfinite(check(planted)).all()), (b, row, head)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy, in the interpreter
 def test_a_key_whose_logits_are_all_minus_inf_still_gives_nan() -> None:
     """A key row with a -inf element whose every query has a positive weight there: its
-    logits are all -inf, so the plain kernel drops it and writes finite outs; the check (the
-    sum of k) still sends the rule's variant, which gives every query that attends it NaN."""
+    logits are all -inf, so the plain kernel drops it and writes finite outs; the check (its
+    programs read every row of k) still sends the rule's variant, which gives every query that attends it NaN."""
     case = Case(32, (8, 16), (1, 2), False, h=2, hk=1)
     leaves, _, _, mask = inputs(case)
     with torch.no_grad():

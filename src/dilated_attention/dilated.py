@@ -25,8 +25,7 @@ import torch
 from torch import Tensor
 
 from . import fused, launches
-from .kernels import (KernelOptions, input_sums, lse_dtype, save_for_backward,
-                      saved_for_backward)
+from .kernels import KernelOptions, lse_dtype, save_for_backward, saved_for_backward
 from .patterns import Heads, Patterns
 from .layout import Documents, Layout
 from .plan import Plan, make_plan
@@ -65,11 +64,11 @@ def forward_local(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
     (True = ignore that key) -> out (b, n, h, d), lse (b, n, h) fp32, and an fp32 check (1,)
     for the backward. With call.nonfinite_rule the vector is the fused kernels' check, left
     on the device and not finite where q, k or v holds a NaN or an infinity that the
-    kernels read (the sum of k, made NaN by the forward kernel where a q row or an out is
-    not finite; triton_kernels' module docstring), else unset and unread."""
+    kernels read (fused.new_check, made NaN by the forward kernel; triton_kernels' module
+    docstring), else unset and unread."""
     opts = call.opts
     if opts.backend == "triton" and call.nonfinite_rule:
-        nonfinite = input_sums(k)
+        nonfinite = fused.new_check(q.device)
     else:
         nonfinite = torch.empty(1, dtype=torch.float32, device=q.device)
     if opts.backend == "triton":

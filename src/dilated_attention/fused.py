@@ -10,9 +10,9 @@ q, k, v are read in place through their strides (no copy, whatever their
 layout); out, lse, dq, dk, dv are written once each, with no zero fill. The
 backward runs two kernels: dq over the query tiles (it also stores delta =
 rowsum(dout * out) - dlse, one fp32 per (row, head)), then dK/dV over the
-key tiles, which reads delta. With a `nonfinite` check (the single-device op:
-the sum of k, which the plain forward makes NaN where a q row or an out is not
-finite) each kernel is launched again in its variant for the non-finite rule,
+key tiles, which reads delta. With a `nonfinite` check (the single-device op: a
+0 on the device, which the plain forward makes NaN where a q row, an out or a k
+row is not finite) each kernel is launched again in its variant for the non-finite rule,
 which does nothing unless the check is not finite, and then writes everything a
 second time (triton_kernels' module docstring). Each of these runs once per
 tile height of its plan: tiles of few rows launch apart at a smaller BLOCK_M
@@ -230,16 +230,23 @@ def forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, *, causal: bool
     (a sequence-parallel rank's); out and lse are then those rows' attention over these
     keys alone (tile_plan's window), a part to merge with the other keys' by the lse.
 
-    nonfinite: `kernels.input_sums(k)`, on the device, which the plain kernel makes NaN
-    where a q row or an out is not finite: where it is not finite, the kernels' variant
-    that applies docs/spec.md's non-finite rule runs too (no host sync: its programs read
-    it). None: the caller has replaced non-finite rows (functional._nonfinite_keys), as
-    the sequence-parallel paths do.
+    nonfinite: a float32 (1,) of 0 on the device (`new_check`), which the plain kernel
+    makes NaN where a q row, an out or a k row is not finite: where it is not finite, the
+    kernels' variant that applies docs/spec.md's non-finite rule runs too (no host sync:
+    its programs read it). None: the caller has replaced non-finite rows
+    (functional._nonfinite_keys), as the sequence-parallel paths do.
 
     into: (out, lse) to write instead of new tensors, views of larger ones allowed (the
     kernels write through strides): a zigzag rank's chunks write one output."""
     return _forward(q, k, v, _planner(q, k, patterns, causal, heads, documents, piece), causal,
                     scale, _per_kv_head(key_mask, k), nonfinite, into)
+
+
+def new_check(device: torch.device) -> Tensor:
+    """A check for `forward`'s `nonfinite` (then `backward`'s): finite until a kernel finds a
+    NaN or an infinity in its inputs. One fill on the device (the kernels read every input
+    themselves: no reduction, no read-back)."""
+    return torch.zeros(1, dtype=torch.float32, device=device)
 
 
 def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -316,18 +323,20 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
     mask, mask_strides = _mask_arg(mask, lse)
     # a plan has a tile for every (row, head): none only for an empty sequence; the rule's
     # variant after the plain one, over the same tiles (it overwrites them where it runs);
-    # the plain one completes the check first (REPORT). One launch per tile height.
+    # the plain one completes the check first (REPORT), the first launch's programs
+    # reading every row of k for it. One launch per tile height.
     for rule in _variants(nonfinite):
-        for tiles, block_m in plan.launches():
+        for i, (tiles, block_m) in enumerate(plan.launches()):
+            report = not rule and nonfinite is not None
             launch[(tiles.shape[0], b)](
                 q, k, v, out, lse, mask, lse if nonfinite is None else nonfinite, tiles,
                 plan.rows, plan.spans, plan.extras,
                 *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
                 *mask_strides, d, scale * kernels.LOG2E,
+                k.shape[1] if report and i == 0 else 0, k.shape[2],
                 CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
                 EXTRAS=plan.max_extras, POW2_PERIODS=plan.pow2_periods,
-                SPAN_COUNTS=sizes.forward.counts_per_span(plan), NONFINITE=rule,
-                REPORT=not rule and nonfinite is not None,
+                SPAN_COUNTS=sizes.forward.counts_per_span(plan), NONFINITE=rule, REPORT=report,
                 BLOCK_M=block_m, BLOCK_N=sizes.forward.chunk, BLOCK_D=_head_block(d),
                 num_warps=sizes.forward.warps(block_m), num_stages=sizes.num_stages,
             )

@@ -126,11 +126,9 @@ def input_sums(*tensors: Tensor) -> Tensor:
     device: one of them is a NaN or an infinity where a tensor holds one. One reduction per
     tensor and nothing else (the cheapest full read: 1.6x faster than aminmax on CPU,
     measured at 16K x 12 x 64 fp32, one thread: 9.5 against 15 ms): one launch per tensor on
-    a GPU (the fused kernels take the sum of k alone and complete the check themselves). A
-    sum of finite entries that overflows (entries near the dtype's largest) also says
-    non-finite, which costs the caller its exact path, never a wrong result."""
-    if len(tensors) == 1:  # the fused path's check, every call: no vector to fill
-        return tensors[0].detach().sum(dtype=lse_dtype(tensors[0].dtype)).view(1)
+    a GPU (the fused kernels check their inputs themselves: fused.new_check). A sum of
+    finite entries that overflows (entries near the dtype's largest) also says non-finite,
+    which costs the caller its exact path, never a wrong result."""
     sums = torch.empty(len(tensors), dtype=lse_dtype(tensors[0].dtype),
                        device=tensors[0].device)
     with torch.no_grad():  # an out= argument takes no autograd history

@@ -22,13 +22,15 @@ Non-finite inputs (docs/spec.md, "Non-finite inputs"): each kernel has a
 second variant (NONFINITE) that applies the rule itself, launched after the
 plain one over the same tiles; its programs return at once unless AnyBad (the
 op's device-side check, read by no host) is a NaN or an infinity, and then
-overwrite what the plain one wrote. The check is the sum of k
-(``kernels.input_sums``), which the plain forward (REPORT) turns into a NaN where
-a q row it loads, or an out it writes, is not finite. That covers every input the
-rule concerns at no cost in the key loop: a non-finite q row is its tile's own; a
-non-finite value row that a program loads reaches its out through the products
-(p v, 0 * inf and 0 * NaN included); a non-finite key row can leave every out
-finite (a -inf logit only drops the key), hence its sum. A value row that no
+overwrite what the plain one wrote. The check starts at 0, and the plain forward
+(REPORT) makes it NaN where a q row it loads, an out it writes, or a row of k
+is not finite: each program sums its tile's q, its out, and an equal share of
+k's rows (all of k across the first launch's programs, after their key loops).
+That covers every input the rule concerns at no cost in the key loop: a
+non-finite q row is its tile's own; a non-finite value row that a program loads
+reaches its out through the products (p v, 0 * inf and 0 * NaN included); a
+non-finite key row can leave every out finite (a -inf logit only drops the
+key), hence k's own sum. A value row that no
 program loads changes nothing and is not reported. In the rule's variant a key row whose
 k holds a NaN or an infinity gets a NaN logit, so a query attending it gets a NaN out and lse
 whatever the signs (a -inf logit would otherwise drop the key); a non-finite
@@ -141,6 +143,30 @@ def _rows_at(ptr, b, head, sb, sh, sd, BLOCK_D: tl.constexpr):
     """(1, D) pointers to x[b, 0, head, :]: add row * stride_n for a row's elements."""
     return (ptr + b.to(tl.int64) * sb + head.to(tl.int64) * sh
             + tl.arange(0, BLOCK_D)[None, :] * sd)
+
+
+@triton.jit
+def _share_sum(ptr, b, rows, heads, sb, sn, sh, sd, head_dim, BLOCK_D: tl.constexpr,
+               CHUNK: tl.constexpr):
+    """The sum of this program's share of x[b] (rows, heads, head_dim): the (row, head)
+    pairs cut into equal runs, one per program of the launch's first grid dimension, so
+    that its programs together read every element once (rows 0: none). Not pipelined: it
+    runs once per program (no buffers beside the key loop's)."""
+    pairs = rows * heads
+    share = tl.cdiv(pairs, tl.num_programs(0))
+    lo = tl.program_id(0) * share
+    hi = tl.minimum(lo + share, pairs)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = ptr + b.to(tl.int64) * sb
+    total = tl.zeros((CHUNK,), tl.float32)
+    for i in tl.range(lo, hi, CHUNK, num_stages=1):
+        pair = i + tl.arange(0, CHUNK)
+        ok = pair < hi
+        at = base + ((pair // heads).to(tl.int64) * sn + (pair % heads).to(tl.int64) * sh)
+        x = tl.load(at[:, None] + offs_d[None, :] * sd,
+                    mask=ok[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+        total += tl.sum(x.to(tl.float32), 1)
+    return tl.sum(total, 0)
 
 
 @triton.jit
@@ -308,7 +334,7 @@ def fused_forward(
     Q, K, V, Out, Lse, Mask, AnyBad, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, slb, sln, slh, smb, smn, smh,
-    head_dim, scale_log2,
+    head_dim, scale_log2, check_rows, kv_heads,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
     POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr,
     REPORT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -316,7 +342,8 @@ def fused_forward(
     """out, lse of one query tile: the online softmax over its spans' keys, each span's
     whole unmasked chunks first, then the masked rest. NONFINITE: the variant that applies
     the non-finite rule, where AnyBad is not finite; REPORT (the plain variant before it):
-    a non-finite q row or out element makes AnyBad NaN (module docstring)."""
+    a non-finite q row or out element, or one in the program's share of the first
+    check_rows rows of K (kv_heads heads), makes AnyBad NaN (module docstring)."""
     if NONFINITE:
         if _all_finite(AnyBad):
             return
@@ -362,8 +389,12 @@ def fused_forward(
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
     if REPORT:
+        # k's share after the key loop: before it, the loop's registers and spills moved
+        # (sm_90: LongNet's d 128 tile spilled 76 bytes instead of 64; here they do not)
+        k_sum = _share_sum(K, b, check_rows, kv_heads, skb, skn, skh, skd, head_dim, BLOCK_D,
+                           16)
         # all programs store the same NaN: no atomics needed
-        if not _finite(q_sum + tl.sum(tl.sum(out, 1), 0)):
+        if not _finite(q_sum + tl.sum(tl.sum(out, 1), 0) + k_sum):
             tl.store(AnyBad, float("nan"))
     if NONFINITE:
         # NaN for a non-finite q row (its own) or one that attends a non-finite k (l is
