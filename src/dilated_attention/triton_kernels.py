@@ -389,13 +389,7 @@ def fused_forward(
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
     if REPORT:
-        # k's share after the key loop: before it, the loop's registers and spills moved
-        # (sm_90: LongNet's d 128 tile spilled 76 bytes instead of 64; here they do not)
-        k_sum = _share_sum(K, b, check_rows, kv_heads, skb, skn, skh, skd, head_dim, BLOCK_D,
-                           16)
-        # all programs store the same NaN: no atomics needed
-        if not _finite(q_sum + tl.sum(tl.sum(out, 1), 0) + k_sum):
-            tl.store(AnyBad, float("nan"))
+        q_sum += tl.sum(tl.sum(out, 1), 0)
     if NONFINITE:
         # NaN for a non-finite q row (its own) or one that attends a non-finite k (l is
         # NaN); the out too where it attends a non-finite v (hit, else the products)
@@ -406,6 +400,15 @@ def fused_forward(
     _store_rows(Out, out, b, t, row_ok, head, sob, son, soh, sod, head_dim, BLOCK_D)
     tl.store(Lse + b.to(tl.int64) * slb + t.to(tl.int64) * sln + head.to(tl.int64) * slh, lse,
              mask=row_ok)
+    if REPORT:
+        # k's share last, when nothing but a scalar is live: before the key loop it moved
+        # the loop's spills (sm_90, LongNet's d 128 tile: 76 bytes instead of 64), and
+        # with the out live sm_100's d 256 tile spilled
+        report = q_sum + _share_sum(K, b, check_rows, kv_heads, skb, skn, skh, skd, head_dim,
+                                    BLOCK_D, 16)
+        # all programs store the same NaN: no atomics needed
+        if not _finite(report):
+            tl.store(AnyBad, float("nan"))
 
 
 @triton.jit
