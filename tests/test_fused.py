@@ -462,7 +462,8 @@ def test_the_check_reads_all_of_k_when_tiles_launch_at_two_heights() -> None:
 def test_a_key_whose_logits_are_all_minus_inf_still_gives_nan() -> None:
     """A key row with a -inf element whose every query has a positive weight there: its
     logits are all -inf, so the plain kernel drops it and writes finite outs; the check (its
-    programs read every row of k) still sends the rule's variant, which gives every query that attends it NaN."""
+    programs read every row of k) still sends the rule's variant, which gives every query
+    that attends it NaN."""
     case = Case(32, (8, 16), (1, 2), False, h=2, hk=1)
     leaves, _, _, mask = inputs(case)
     with torch.no_grad():

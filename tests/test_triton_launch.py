@@ -3,7 +3,8 @@ launcher exactly what JITFunction.run would.
 
 Without a GPU the kernels compile for sm_90 under benchmarks/bench_call_overhead.py's
 stand-in driver (its --launcher mode's), whose loader gives each compiled binary its own
-function handle and whose launcher here records its arguments, in a process of its own (the tests' conftest sets TRITON_INTERPRET, which would make interpreted kernels).
+function handle and whose launcher here records its arguments, in a process of its own
+(the tests' conftest sets TRITON_INTERPRET, which would make interpreted kernels).
 """
 
 from __future__ import annotations

@@ -162,27 +162,30 @@ def _backward_shapes(dout, q, k, v, *args):
 def _setup_context(ctx, inputs, output) -> None:
     # not materialising gradients matters: a zeros dlse would cost every backward launch
     # the lse-gradient padding (kernels.attention_backward)
-    out, lse, nonfinite = output
     q, k, v, *flat = inputs
-    save_for_backward(ctx, q, k, v, (out, lse), _unflatten(*flat[:-2], flat[-1]), nonfinite)
-    ctx.key_mask = flat[-2]
+    _save(ctx, q, k, v, key_mask=flat[-2], call=_unflatten(*flat[:-2], flat[-1]),
+          output=output)
+
+
+def _save(ctx, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], call: LocalCall,
+          output: Tuple[Tensor, Tensor, Tensor]) -> None:
+    """What `_backward` reads: the inputs, the output and its check, the call."""
+    out, lse, nonfinite = output
+    save_for_backward(ctx, q, k, v, (out, lse), call, nonfinite)
+    ctx.key_mask = key_mask
 
 
 def _backward(ctx, dout, dlse, _):
     dout, q, k, v, out, lse, nonfinite = saved_for_backward(ctx, dout)
     call, key_mask = ctx.args, ctx.key_mask
-    if torch.is_grad_enabled():
-        # create_graph=True (double backward): the backward op has no derivative, so run
-        # its Python code, which autograd records (its launches then use the blockwise
-        # kernel, built from differentiable ops; kernels.attention_backward). out and lse keep
-        # their own graph through this op, so the second derivative is exact.
-        dq, dk, dv = backward_local(dout, q, k, v, out, lse, dlse, nonfinite, key_mask, call)
-    elif torch.compiler.is_compiling():
-        dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, nonfinite, *call.flat(),
-                                  key_mask, call.nonfinite_rule)
-    else:
-        dq, dk, dv = backward_local(dout, q, k, v, out, lse, dlse, nonfinite, key_mask, call)
-    return dq, dk, dv
+    if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+        return _backward_op(dout, q, k, v, out, lse, dlse, nonfinite, *call.flat(), key_mask,
+                            call.nonfinite_rule)
+    # eager; or create_graph=True (double backward): the backward op has no derivative, so
+    # its Python code runs, which autograd records (its launches then use the blockwise
+    # kernel, built from differentiable ops; kernels.attention_backward). out and lse keep
+    # their own graph through this op, so the second derivative is exact.
+    return backward_local(dout, q, k, v, out, lse, dlse, nonfinite, key_mask, call)
 
 
 def _op_backward(ctx, dout, dlse, nonfinite):
@@ -202,11 +205,10 @@ class _LocalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_mask, call):
-        out, lse, nonfinite = forward_local(q, k, v, key_mask, call)
-        ctx.mark_non_differentiable(nonfinite)
-        save_for_backward(ctx, q, k, v, (out, lse), call, nonfinite)
-        ctx.key_mask = key_mask
-        return out, lse, nonfinite
+        output = forward_local(q, k, v, key_mask, call)
+        ctx.mark_non_differentiable(output[2])
+        _save(ctx, q, k, v, key_mask, call, output)
+        return output
 
     @staticmethod
     def backward(ctx, dout, dlse, nonfinite):
@@ -228,14 +230,12 @@ def dilated_attention_local(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns,
     rows replaced (``functional._nonfinite_keys``) unless `nonfinite_rule`: then the fused
     kernels apply the rule themselves (other backends ignore it).
     """
-    if torch.compiler.is_compiling():
-        call = LocalCall(patterns, opts, heads or Heads.of(q.shape[2], k.shape[2]), documents,
-                         nonfinite_rule)
+    compiling = torch.compiler.is_compiling()
+    heads = heads or (Heads.of if compiling else _all_heads)(q.shape[2], k.shape[2])
+    call = LocalCall(patterns, opts, heads, documents, nonfinite_rule)
+    if compiling:
         out, lse, _ = _forward_op(q, k, v, *call.flat(), key_mask, nonfinite_rule)
-        return out, lse
-    call = LocalCall(patterns, opts, heads or _all_heads(q.shape[2], k.shape[2]), documents,
-                     nonfinite_rule)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse, _ = _LocalAttention.apply(q, k, v, key_mask, call)
     else:
         # nothing to differentiate: the Function's machinery would be host time alone

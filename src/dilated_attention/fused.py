@@ -12,9 +12,9 @@ backward runs two kernels: dq over the query tiles (it also stores delta =
 rowsum(dout * out) - dlse, one fp32 per (row, head)), then dK/dV over the
 key tiles, which reads delta. With a `nonfinite` check (the single-device op: a
 0 on the device, which the plain forward makes NaN where a q row, an out or a k
-row is not finite) each kernel is launched again in its variant for the non-finite rule,
-which does nothing unless the check is not finite, and then writes everything a
-second time (triton_kernels' module docstring). Each of these runs once per
+row is not finite) each kernel is launched again in its variant for the
+non-finite rule, which does nothing unless the check is not finite, and then
+writes everything a second time (triton_kernels' module docstring). Each of these runs once per
 tile height of its plan: tiles of few rows launch apart at a smaller BLOCK_M
 (Note [fused kernel], "Narrow tiles"), all of dq's before dK/dV's.
 
@@ -326,8 +326,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
     # the plain one completes the check first (REPORT), the first launch's programs
     # reading every row of k for it. One launch per tile height.
     for rule in _variants(nonfinite):
+        report = not rule and nonfinite is not None
         for i, (tiles, block_m) in enumerate(plan.launches()):
-            report = not rule and nonfinite is not None
             launch[(tiles.shape[0], b)](
                 q, k, v, out, lse, mask, lse if nonfinite is None else nonfinite, tiles,
                 plan.rows, plan.spans, plan.extras,

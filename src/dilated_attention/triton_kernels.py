@@ -353,7 +353,7 @@ def fused_forward(
         # taken now: nothing of it stays live through the key loop but this scalar (a sum
         # is not finite where an element is not, or where finite ones overflow: then the
         # rule's variant runs for nothing, and gives the same result)
-        q_sum = tl.sum(tl.sum(q.to(tl.float32), 1), 0)
+        checked = tl.sum(tl.sum(q.to(tl.float32), 1), 0)
     d_ok = tl.arange(0, BLOCK_D)[None, :] < head_dim
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -389,7 +389,7 @@ def fused_forward(
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
     if REPORT:
-        q_sum += tl.sum(tl.sum(out, 1), 0)
+        checked += tl.sum(tl.sum(out, 1), 0)
     if NONFINITE:
         # NaN for a non-finite q row (its own) or one that attends a non-finite k (l is
         # NaN); the out too where it attends a non-finite v (hit, else the products)
@@ -404,10 +404,10 @@ def fused_forward(
         # k's share last, when nothing but a scalar is live: before the key loop it moved
         # the loop's spills (sm_90, LongNet's d 128 tile: 76 bytes instead of 64), and
         # with the out live sm_100's d 256 tile spilled
-        report = q_sum + _share_sum(K, b, check_rows, kv_heads, skb, skn, skh, skd, head_dim,
-                                    BLOCK_D, 16)
+        checked += _share_sum(K, b, check_rows, kv_heads, skb, skn, skh, skd, head_dim,
+                              BLOCK_D, 16)
         # all programs store the same NaN: no atomics needed
-        if not _finite(report):
+        if not _finite(checked):
             tl.store(AnyBad, float("nan"))
 
 
