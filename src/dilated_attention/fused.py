@@ -65,8 +65,13 @@ class KernelTiles(NamedTuple):
 class TileSizes:
     """The three kernels' tiles on one device, how many chunks ahead their loops load
     (Triton's num_stages), how many chunks each piece of a split span must keep
-    (split_chunks; Note [fused kernel] in fused_plan.py, "Split spans"), and the fewest
-    rows a launch of narrow tiles may have (narrowest: tl.dot's least, 16; "Narrow tiles").
+    (split_chunks; Note [fused kernel] in fused_plan.py, "Split spans"), the fewest
+    rows a launch of narrow tiles may have (narrowest: tl.dot's least, 16; "Narrow tiles"),
+    and the most programs a launch of a kernel's variant for the non-finite rule has
+    (rule_programs, over its batch rows; each takes every so many tiles): its programs
+    return at once unless an input holds a NaN or an infinity, and a program per tile made
+    a finite call schedule as many programs as the plain launch had (98,304 per kernel at
+    1M tokens in LongNet's setting) only to return.
 
     Eight chunks: a piece's partial last chunk and its loop's start (the loads' pipeline
     filling again) then cost at most about an eighth of a chunk's work more per piece,
@@ -79,6 +84,7 @@ class TileSizes:
     num_stages: int = 2
     split_chunks: int = 8
     narrowest: int = 16
+    rule_programs: int = 1024
 
     def plan(self, kernel: str) -> Dict[str, Any]:
         """fused_plan.tile_plan's arguments for `kernel` ("forward", "dq" or "dkdv")."""
@@ -86,12 +92,20 @@ class TileSizes:
         return dict(block_m=tiles.rows, keys=kernel == "dkdv",
                     split_keys=self.split_chunks * tiles.chunk, narrowest=self.narrowest)
 
+    def grid(self, tiles: Tensor, batch: int, rule: bool) -> Tuple[int, int]:
+        """A launch's grid over `tiles` (T, 6) and `batch` rows: a program per tile, or
+        (`rule`: the variant for the non-finite rule) at most rule_programs in all."""
+        count = tiles.shape[0]
+        return (min(count, max(1, self.rule_programs // batch)) if rule else count), batch
+
 
 # Triton's interpreter (CPU tensors) runs one numpy operation per block operation: fewer,
 # larger blocks are faster there (16 is tl.dot's least size). Spans split where every piece
 # fills a chunk (the tests' short sequences rarely do; tests/test_fused.py also forces it).
+# Two programs of a rule variant per batch row: every test of non-finite inputs runs its
+# loop over several tiles.
 INTERPRETER_TILE_SIZES = TileSizes(*[KernelTiles(32, 32, num_warps=1)] * 3, num_stages=1,
-                                   split_chunks=1)
+                                   split_chunks=1, rule_programs=2)
 
 # CUDA, by the dot products' kind (fp16/bf16 "half"; fp32 on tensor cores "tf32", or on CUDA
 # cores "ieee") and the head dim padded to a power of two (64 at least, 256 at most). Each
@@ -328,12 +342,12 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
     for rule in _variants(nonfinite):
         report = not rule and nonfinite is not None
         for i, (tiles, block_m) in enumerate(plan.launches()):
-            launch[(tiles.shape[0], b)](
+            launch[sizes.grid(tiles, b, rule)](
                 q, k, v, out, lse, mask, lse if nonfinite is None else nonfinite, tiles,
                 plan.rows, plan.spans, plan.extras,
                 *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
                 *mask_strides, d, scale * kernels.LOG2E,
-                k.shape[1] if report and i == 0 else 0, k.shape[2],
+                k.shape[1] if report and i == 0 else 0, k.shape[2], tiles.shape[0],
                 CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
                 EXTRAS=plan.max_extras, POW2_PERIODS=plan.pow2_periods,
                 SPAN_COUNTS=sizes.forward.counts_per_span(plan), NONFINITE=rule, REPORT=report,
@@ -374,12 +388,12 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     for rule in _variants(nonfinite):
         any_bad = nonfinite if rule else lse
         for tiles, block_m in queries.launches():
-            launch_dq[(tiles.shape[0], b)](
+            launch_dq[sizes.grid(tiles, b, rule)](
                 q, k, v, out, dout, lse, dlse_arg, delta, dq, mask, any_bad, tiles,
                 queries.rows, queries.spans, queries.extras,
                 *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(),
                 *lse.stride(), *dlse_arg.stride(), *dq.stride(), *mask_strides,
-                d, scale * kernels.LOG2E, scale,
+                d, scale * kernels.LOG2E, scale, tiles.shape[0],
                 HAS_DLSE=dlse is not None, EXTRAS=queries.max_extras,
                 POW2_PERIODS=queries.pow2_periods,
                 SPAN_COUNTS=sizes.dq.counts_per_span(queries), NONFINITE=rule,
@@ -387,12 +401,12 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
                 **flags,
             )
         for tiles, block_m in keys.launches():
-            launch_dkdv[(tiles.shape[0], b)](
+            launch_dkdv[sizes.grid(tiles, b, rule)](
                 q, k, v, dout, lse, delta, dk, dv, mask, any_bad, tiles, keys.rows,
                 keys.spans, keys.extras,
                 *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
                 *dk.stride(), *dv.stride(), *mask_strides,
-                d, scale * kernels.LOG2E, scale,
+                d, scale * kernels.LOG2E, scale, tiles.shape[0],
                 EXTRAS=keys.max_extras, POW2_PERIODS=keys.pow2_periods,
                 SPAN_COUNTS=sizes.dkdv.counts_per_span(keys), NONFINITE=rule,
                 BLOCK_M=block_m, BLOCK_N=sizes.dkdv.chunk,

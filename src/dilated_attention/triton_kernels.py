@@ -5,8 +5,9 @@ optional, and whether ``@triton.jit`` makes compiled or interpreted kernels is
 decided when this module is imported (TRITON_INTERPRET=1 at that moment gives
 the interpreter, which runs on CPU tensors).
 
-Every program computes one tile for one batch row (grid (tiles, batch)). A
-tile is rows ``cell + rows[row_lo : row_lo + count]`` of one head, and a
+Every program of a plain kernel computes one tile for one batch row (grid
+(tiles, batch)); a variant for the non-finite rule (below) has fewer programs per
+batch row, each computing every so many tiles. A tile is rows ``cell + rows[row_lo : row_lo + count]`` of one head, and a
 list of spans of the other side: ``cell + start + stride * i`` for
 ``i < count`` of the span's head, key i counting times + #{extras: i mod period
 == phase} times (a span with extras has times 1; Note [fused kernel] in
@@ -22,7 +23,11 @@ Non-finite inputs (docs/spec.md, "Non-finite inputs"): each kernel has a
 second variant (NONFINITE) that applies the rule itself, launched after the
 plain one over the same tiles; its programs return at once unless AnyBad (the
 op's device-side check, read by no host) is a NaN or an infinity, and then
-overwrite what the plain one wrote. The check starts at 0, and the plain forward
+overwrite what the plain one wrote. It launches a few programs that loop over the
+tiles (fused.TileSizes.rule_programs), not one per tile: a finite call, where
+they all return, then schedules a few hundred programs instead of as many as
+the plain launch (tens of thousands from 64K tokens on), each taking its
+resources for nothing. The check starts at 0, and the plain forward
 (REPORT) makes it NaN where a q row it loads, an out it writes, or a row of k
 is not finite: each program sums its tile's q, its out, and an equal share of
 k's rows (all of k across the first launch's programs, after their key loops).
@@ -55,10 +60,10 @@ LOG2E = 1.4426950408889634  # the kernels take scale * LOG2E: base-2 logits
 
 
 @triton.jit
-def _program(tiles, rows, BLOCK_M: tl.constexpr):
-    """This program's batch row and tile: (b, head of the rows, span_lo, span_hi, cell,
-    (M,) absolute rows, (M,) which are real, first row, last row)."""
-    at = tiles + tl.program_id(0) * 6
+def _program(tiles, rows, tile, BLOCK_M: tl.constexpr):
+    """This program's batch row and its tile number `tile`: (b, head of the rows, span_lo,
+    span_hi, cell, (M,) absolute rows, (M,) which are real, first row, last row)."""
+    at = tiles + tile * 6
     cell = tl.load(at)
     row_lo = tl.load(at + 1)
     count = tl.load(at + 2)
@@ -334,20 +339,47 @@ def fused_forward(
     Q, K, V, Out, Lse, Mask, AnyBad, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, slb, sln, slh, smb, smn, smh,
+    head_dim, scale_log2, check_rows, kv_heads, num_tiles,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
+    POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr,
+    REPORT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out, lse of query tiles: each program one tile of the plain kernel (REPORT: a
+    non-finite q row or out element, or one in the program's share of the first check_rows
+    rows of K (kv_heads heads), makes AnyBad NaN); NONFINITE, the variant that applies the
+    non-finite rule where AnyBad is not finite, its programs each taking every
+    num_programs-th of the num_tiles tiles (module docstring)."""
+    if NONFINITE:
+        if _all_finite(AnyBad):
+            return
+        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            _forward_tile(tile, Q, K, V, Out, Lse, Mask, AnyBad, tiles, rows, spans, extras, sqb,
+                          sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sob, son, soh,
+                          sod, slb, sln, slh, smb, smn, smh, head_dim, scale_log2, check_rows,
+                          kv_heads, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS,
+                          NONFINITE, REPORT, BLOCK_M, BLOCK_N, BLOCK_D)
+    else:
+        _forward_tile(tl.program_id(0), Q, K, V, Out, Lse, Mask, AnyBad, tiles, rows, spans,
+                      extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sob, son,
+                      soh, sod, slb, sln, slh, smb, smn, smh, head_dim, scale_log2, check_rows,
+                      kv_heads, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS,
+                      NONFINITE, REPORT, BLOCK_M, BLOCK_N, BLOCK_D)
+
+
+@triton.jit
+def _forward_tile(
+    tile, Q, K, V, Out, Lse, Mask, AnyBad, tiles, rows, spans, extras,
+    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
+    sob, son, soh, sod, slb, sln, slh, smb, smn, smh,
     head_dim, scale_log2, check_rows, kv_heads,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
     POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr,
     REPORT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """out, lse of one query tile: the online softmax over its spans' keys, each span's
-    whole unmasked chunks first, then the masked rest. NONFINITE: the variant that applies
-    the non-finite rule, where AnyBad is not finite; REPORT (the plain variant before it):
-    a non-finite q row or out element, or one in the program's share of the first
-    check_rows rows of K (kv_heads heads), makes AnyBad NaN (module docstring)."""
-    if NONFINITE:
-        if _all_finite(AnyBad):
-            return
-    b, head, span_lo, span_hi, cell, t, row_ok, first, last = _program(tiles, rows, BLOCK_M)
+    whole unmasked chunks first, then the masked rest (the flags: ``fused_forward``)."""
+    b, head, span_lo, span_hi, cell, t, row_ok, first, last = _program(tiles, rows, tile,
+                                                                       BLOCK_M)
     q = _load_rows(Q, b, t, row_ok, head, sqb, sqn, sqh, sqd, head_dim, BLOCK_D)
     if REPORT:
         # taken now: nothing of it stays live through the key loop but this scalar (a sum
@@ -445,21 +477,51 @@ def fused_dq(
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh,
     sdqb, sdqn, sdqh, sdqd, smb, smn, smh,
+    head_dim, scale_log2, scale, num_tiles,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DLSE: tl.constexpr,
+    PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
+    SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dq of query tiles, and delta = rowsum(dout * out) - dlse of their rows (the dK/dV
+    kernel reads it: the query tiles cover every (row, head) once). A program per tile, or
+    (NONFINITE, the variant for AnyBad) every num_programs-th one (module docstring).
+
+    Delta has lse's strides."""
+    if NONFINITE:
+        if _all_finite(AnyBad):
+            return
+        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            _dq_tile(tile, Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, AnyBad, tiles, rows,
+                     spans, extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
+                     sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh,
+                     sdqb, sdqn, sdqh, sdqd, smb, smn, smh, head_dim, scale_log2, scale, CAUSAL,
+                     HAS_MASK, HAS_DLSE, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE,
+                     BLOCK_M, BLOCK_N, BLOCK_D)
+    else:
+        _dq_tile(tl.program_id(0), Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, AnyBad, tiles,
+                 rows, spans, extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
+                 sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh, sdqb,
+                 sdqn, sdqh, sdqd, smb, smn, smh, head_dim, scale_log2, scale, CAUSAL, HAS_MASK,
+                 HAS_DLSE, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, BLOCK_M,
+                 BLOCK_N, BLOCK_D)
+
+
+@triton.jit
+def _dq_tile(
+    tile, Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, AnyBad, tiles, rows, spans, extras,
+    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
+    sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh,
+    sdqb, sdqn, sdqh, sdqd, smb, smn, smh,
     head_dim, scale_log2, scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DLSE: tl.constexpr,
     PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
     SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """dq of one query tile, and delta = rowsum(dout * out) - dlse of its rows (the
-    dK/dV kernel reads it: the query tiles cover every (row, head) once). NONFINITE: the
-    variant for AnyBad (module docstring).
-
-    Delta has lse's strides."""
-    if NONFINITE:
-        if _all_finite(AnyBad):
-            return
-    b, head, span_lo, span_hi, cell, t, row_ok, first, last = _program(tiles, rows, BLOCK_M)
+    """dq and delta of one query tile (``fused_dq``)."""
+    b, head, span_lo, span_hi, cell, t, row_ok, first, last = _program(tiles, rows, tile,
+                                                                       BLOCK_M)
     q = _load_rows(Q, b, t, row_ok, head, sqb, sqn, sqh, sqd, head_dim, BLOCK_D)
     do = _load_rows(dOut, b, t, row_ok, head, sdob, sdon, sdoh, sdod, head_dim, BLOCK_D)
     o = _load_rows(Out, b, t, row_ok, head, sob, son, soh, sod, head_dim, BLOCK_D)
@@ -564,6 +626,37 @@ def fused_dkdv(
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sdob, sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd,
     sdvb, sdvn, sdvh, sdvd, smb, smn, smh,
+    head_dim, scale_log2, scale, num_tiles,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
+    POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dK, dV of key tiles: a program per tile, or (NONFINITE, the variant for AnyBad) every
+    num_programs-th one (module docstring). Delta has lse's strides."""
+    if NONFINITE:
+        if _all_finite(AnyBad):
+            return
+        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            _dkdv_tile(tile, Q, K, V, dOut, Lse, Delta, dK, dV, Mask, AnyBad, tiles, rows, spans,
+                       extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sdob,
+                       sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd, sdvb, sdvn, sdvh,
+                       sdvd, smb, smn, smh, head_dim, scale_log2, scale, CAUSAL, HAS_MASK,
+                       PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, BLOCK_M, BLOCK_N,
+                       BLOCK_D)
+    else:
+        _dkdv_tile(tl.program_id(0), Q, K, V, dOut, Lse, Delta, dK, dV, Mask, AnyBad, tiles, rows,
+                   spans, extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sdob,
+                   sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd, sdvb, sdvn, sdvh, sdvd,
+                   smb, smn, smh, head_dim, scale_log2, scale, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
+                   POW2_PERIODS, SPAN_COUNTS, NONFINITE, BLOCK_M, BLOCK_N, BLOCK_D)
+
+
+@triton.jit
+def _dkdv_tile(
+    tile, Q, K, V, dOut, Lse, Delta, dK, dV, Mask, AnyBad, tiles, rows, spans, extras,
+    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
+    sdob, sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd,
+    sdvb, sdvn, sdvh, sdvd, smb, smn, smh,
     head_dim, scale_log2, scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
     POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr,
@@ -572,13 +665,9 @@ def fused_dkdv(
     """dK, dV of one key tile (rows of one key/value head): over the spans of query rows
     that read them, for every query head of its GQA group; written once. Per span the
     masked chunks (causal: the first ones, queries before the tile's last row; the last,
-    partial one) and the unmasked ones between them.
-
-    NONFINITE: the variant for AnyBad (module docstring). Delta has lse's strides."""
-    if NONFINITE:
-        if _all_finite(AnyBad):
-            return
-    b, kv, span_lo, span_hi, cell, u, row_ok, first, last = _program(tiles, rows, BLOCK_M)
+    partial one) and the unmasked ones between them (the flags: ``fused_dkdv``)."""
+    b, kv, span_lo, span_hi, cell, u, row_ok, first, last = _program(tiles, rows, tile,
+                                                                     BLOCK_M)
     k = _load_rows(K, b, u, row_ok, kv, skb, skn, skh, skd, head_dim, BLOCK_D)
     v = _load_rows(V, b, u, row_ok, kv, svb, svn, svh, svd, head_dim, BLOCK_D)
     live = row_ok
