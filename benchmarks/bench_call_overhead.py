@@ -14,6 +14,13 @@ forward and forward + backward. Per case, after three warm-up calls:
   (a read-back inside the call makes every call wait);
 - kernels: the device time of every kernel of 5 calls (torch.profiler), per call, and the
   profiler's table of them;
+- timeline: 5 calls each followed by a synchronise under torch.profiler (host and device
+  on one clock), per call: from its start to its first work on the device (the host's
+  lead, which nothing overlaps), the device busy (the union of its kernels and copies),
+  the device idle between its first and last work (waiting for the host's next launch,
+  or for a synchronising call), and from its last work to the synchronise's return;
+  medians. What "wall minus kernels" is made of (the profiler's own overhead is in the
+  host's parts);
 - host: torch.profiler's CPU table of 5 calls queued without a synchronise, by self CPU
   time: the host's own work per op, and any call that waits for the device (a read-back,
   an allocation that syncs, a full launch queue) shows as the CUDA runtime call it waits in;
@@ -61,10 +68,11 @@ import statistics
 import sys
 import time
 import types
-from typing import List
+from typing import List, Optional, Sequence, Tuple
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from dilated_attention import dilated_attention
 
@@ -98,6 +106,57 @@ def python_profile(run, top: int) -> str:
     return text.getvalue()
 
 
+Interval = Tuple[float, float]
+
+
+def split_calls(calls: Sequence[Interval], device: Sequence[Interval]
+                ) -> List[Optional[Tuple[float, float, float, float]]]:
+    """Per call (start, end) on the host, with the device's work (start, end) on the same
+    clock: (lead, busy, idle, tail), the call's time cut into its start to its first device
+    work, the union of its device work (what starts within the call), the device idle
+    between its first and last work, and its last work's end to the call's end; None for
+    a call with no device work."""
+    parts = []
+    for lo, hi in calls:
+        mine = sorted((start, end) for start, end in device if lo <= start < hi)
+        if not mine:
+            parts.append(None)
+            continue
+        busy, (run_start, run_end) = 0.0, mine[0]
+        for start, end in mine[1:]:
+            if start > run_end:
+                busy += run_end - run_start
+                run_start, run_end = start, end
+            else:
+                run_end = max(run_end, end)
+        busy += run_end - run_start
+        first, last = mine[0][0], max(end for _, end in mine)
+        parts.append((first - lo, busy, last - first - busy, hi - last))
+    return parts
+
+
+def timeline(call, calls: int = 5) -> str:
+    """The module docstring's timeline of `calls` synchronised calls, in ms (medians)."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            with record_function(f"timeline call {i}"):
+                call()
+                torch.cuda.synchronize()
+    events = prof.events()
+    marks = [(e.time_range.start, e.time_range.end) for e in events
+             if e.name.startswith("timeline call ")]
+    device = [(e.time_range.start, e.time_range.end) for e in events
+              if e.device_type == DeviceType.CUDA]
+    parts = [p for p in split_calls(marks, device) if p is not None]
+    if not parts:
+        return "timeline: no device work seen\n"
+    lead, busy, idle, tail = (statistics.median(p[i] for p in parts) / 1e3 for i in range(4))
+    return (f"timeline of a synchronised call under the profiler (median of {len(parts)}): "
+            f"to its first device work {lead:.3f} ms, device busy {busy:.3f}, device idle "
+            f"between its first and last work {idle:.3f}, last work to the synchronise's "
+            f"return {tail:.3f}\n")
+
+
 def measure(call, profile_top: int = 0) -> str:
     for _ in range(3):
         call()
@@ -122,6 +181,7 @@ def measure(call, profile_top: int = 0) -> str:
         for _ in range(5):
             call()
     torch.cuda.synchronize()
+    parts = timeline(call)
     python = ""
     if profile_top:
         python = ("Python, 20 calls queued without a synchronise:\n"
@@ -129,6 +189,7 @@ def measure(call, profile_top: int = 0) -> str:
         torch.cuda.synchronize()
     return (f"wall median {statistics.median(walls) * 1e3:.3f} ms (min {min(walls) * 1e3:.3f}); "
             f"host per call, unsynchronised {host * 1e3:.3f} ms; kernels {kernels:.3f} ms\n"
+            + parts
             + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8,
                                         max_name_column_width=50)
             + "host, 5 calls queued without a synchronise:\n"

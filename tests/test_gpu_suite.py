@@ -167,3 +167,22 @@ def test_the_host_only_measurement_runs_anywhere_and_restores_the_kernels():
     lines = report.splitlines()
     assert lines[1].startswith("forward: min ") and lines[2].startswith("forward + backward: ")
     assert all(float(word.rstrip(",")) > 0 for word in lines[1].split()[2:7:2])
+
+
+def test_the_timeline_cuts_a_call_into_lead_busy_idle_and_tail():
+    """bench_call_overhead.py's timeline (where a synchronised call's time goes, for the GPU
+    session that measures it): overlapping device work counts once, idle is the device's
+    time between its first and last work, work that starts outside a call is not its."""
+    path = SUITE.parent / "bench_call_overhead.py"
+    spec = importlib.util.spec_from_file_location("bench_call_overhead", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls = [(0.0, 100.0), (100.0, 150.0), (200.0, 210.0)]
+    # call 0: work 10-30 and 25-40 (one run: 30 busy), then 60-70 (20 idle before it), its
+    # end 30 later; call 1: 120-140 and 145-160 (the latter ending after the call: a tail
+    # of -10); call 2: none
+    device = [(25.0, 40.0), (10.0, 30.0), (60.0, 70.0), (120.0, 140.0), (145.0, 160.0)]
+    parts = bench.split_calls(calls, device)
+    assert parts[0] == (10.0, 40.0, 20.0, 30.0)
+    assert parts[1] == (20.0, 35.0, 5.0, -10.0)
+    assert parts[2] is None
