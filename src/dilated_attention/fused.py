@@ -166,7 +166,15 @@ def tile_sizes(device: torch.device, dtype: torch.dtype, head_dim: int) -> TileS
     anywhere but CUDA)."""
     if device.type != "cuda":
         return INTERPRETER_TILE_SIZES
-    return cuda_tile_sizes(torch.cuda.get_device_capability(device), dtype, head_dim)
+    return cuda_tile_sizes(_capability(device), dtype, head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> Tuple[int, int]:
+    """A GPU's compute capability, fixed for the process (as validation.signature takes
+    it): torch looks it up again on every call, in the host time before a call's first
+    launch."""
+    return torch.cuda.get_device_capability(device)
 
 
 def cuda_tile_sizes(capability: Tuple[int, int], dtype: torch.dtype,
