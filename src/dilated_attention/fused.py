@@ -67,11 +67,12 @@ class TileSizes:
     (Triton's num_stages), how many chunks each piece of a split span must keep
     (split_chunks; Note [fused kernel] in fused_plan.py, "Split spans"), the fewest
     rows a launch of narrow tiles may have (narrowest: tl.dot's least, 16; "Narrow tiles"),
-    and the most programs a launch of a kernel's variant for the non-finite rule has
-    (rule_programs, over its batch rows; each takes every so many tiles): its programs
-    return at once unless an input holds a NaN or an infinity, and a program per tile made
-    a finite call schedule as many programs as the plain launch had (98,304 per kernel at
-    1M tokens in LongNet's setting) only to return.
+    and the most programs a launch of a kernel's variant for the non-finite rule has, over
+    its batch rows (rule_programs), each taking every so many tiles. A finite call's
+    variants only read the check and return: with a program per tile they scheduled as
+    many programs as the plain launch (98,304 per kernel at 1M tokens in LongNet's
+    setting). 1,024 is several per SM on any GPU (132 on an H100), so that the rule's work
+    still spreads where it runs; not timed.
 
     Eight chunks: a piece's partial last chunk and its loop's start (the loads' pipeline
     filling again) then cost at most about an eighth of a chunk's work more per piece,
