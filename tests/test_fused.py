@@ -478,39 +478,48 @@ def test_a_key_whose_logits_are_all_minus_inf_still_gives_nan() -> None:
     assert torch.equal(torch.isnan(out.detach()[0].cpu()).all(-1), attends)
 
 
-@pytest.mark.parametrize("b", [1, 2])
-def test_the_rules_variants_alone_compute_every_tile(b, monkeypatch) -> None:
+# two launch heights (32 and 16 rows) in one or two batch rows; padding, documents and
+# extras of period 3
+RULE_ALONE_CASES = {"narrow-tiles-b1": dataclasses.replace(CASES["narrow-tiles"], masked=False),
+                    "narrow-tiles-b2": dataclasses.replace(CASES["narrow-tiles"], masked=False,
+                                                           b=2),
+                    "documents-and-padding": dataclasses.replace(CASES["documents-and-padding"],
+                                                                 b=2),
+                    "lcm-not-power-of-two": CASES["lcm-not-power-of-two"]}
+
+
+@pytest.mark.parametrize("name", RULE_ALONE_CASES)
+def test_the_rules_variants_alone_compute_every_tile(name, monkeypatch) -> None:
     """The variants for the non-finite rule launch a few programs that each take every so
     many tiles (TileSizes.rule_programs: 2 per batch row in the interpreter), not one per
     tile. Launched alone (no plain kernel first), with the check already NaN, on finite
     inputs (where the rule changes nothing) into outputs filled with NaN: out, lse and every
-    gradient equal the reference, so no tile, launch height (32 and 16 rows here) or batch
-    row is left out."""
-    case = Case(192, (64, 128), (1, 4), True, h=2, hk=1, b=b)
-    leaves, dout, dlse, _ = inputs(case)
+    gradient equal the reference, so no tile, launch height or batch row is left out."""
+    case = RULE_ALONE_CASES[name]
+    leaves, dout, dlse, mask = inputs(case)
     q, k, v = (x.detach() for x in leaves)
     patterns = (case.segment_lengths, case.dilation_rates)
     heads = Heads.of(case.h, case.hk)
-    plan = fused._planner(q, k, patterns, True, heads, None, None)(
-        **fused.tile_sizes(q.device, q.dtype, case.d).plan("forward"))
-    assert {height for _, height in plan.launches()} == {32, 16}
+    if name.startswith("narrow-tiles"):
+        plan = fused._planner(q, k, patterns, case.causal, heads, None, None)(
+            **fused.tile_sizes(q.device, q.dtype, case.d).plan("forward"))
+        assert {height for _, height in plan.launches()} == {32, 16}
     monkeypatch.setattr(fused, "_variants", lambda nonfinite: (True,))
     check = fused.new_check(q.device).fill_(math.nan)
-    scale = case.d ** -0.5
-    kw = dict(causal=True, scale=scale, heads=heads, documents=None, key_mask=None,
-              nonfinite=check)
+    kw = dict(causal=case.causal, scale=case.scale or case.d ** -0.5, heads=heads,
+              documents=case.cu_seqlens, key_mask=mask, nonfinite=check)
     out, lse = fused.forward(q, k, v, patterns, **kw,
                              into=(torch.full_like(q, math.nan),
                                    torch.full(q.shape[:3], math.nan, device=q.device)))
     dlse_rows = dlse.transpose(1, 2)  # (b, h, n) -> (b, n, h)
     dq, dk, dv = fused.backward(dout, q, k, v, out, lse, dlse_rows, patterns, **kw,
                                 into=tuple(torch.full_like(x, math.nan) for x in (q, k, v)))
-    ref_leaves, ref_out, ref_lse = reference(case, leaves, None)
+    ref_leaves, ref_out, ref_lse = reference(case, leaves, mask)
     close(out.cpu(), ref_out, case.dtype, "out")
     close(lse.cpu().transpose(1, 2), ref_lse, case.dtype, "lse")
     want = grads([ref_out, ref_lse], [dout.cpu().double(), dlse.cpu()], ref_leaves)
-    for name, got, wanted in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
-        close(got.cpu(), wanted, case.dtype, name)
+    for what, got, wanted in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        close(got.cpu(), wanted, case.dtype, what)
 
 
 def test_a_query_whose_logits_all_overflow_adds_nothing_to_the_keys() -> None:
