@@ -74,8 +74,10 @@ fused.TUNED_TILE_SIZES first):
   dry run for the same 64K calls.
 - ``profile``: torch.profiler tables (CUDA kernels by time) of one 1M-token
   call, forward and forward + backward, per backend; then where a short call's
-  time goes at 8K and 64K (bench_call_overhead.py: wall against kernels, and
-  the Python of queued calls by function, Triton's launcher included), and
+  time goes at 8K and 64K (bench_call_overhead.py: wall against kernels, a
+  synchronised call cut into the host's lead, device busy, device idle and the
+  synchronise's tail, and the Python of queued calls by function, Triton's
+  launcher included), and
   the host's Python alone on this machine's CPU (its --host-only).
 
 The report (markdown: device, driver, CUDA, cuDNN, torch, triton, commit,
