@@ -27,7 +27,9 @@ overwrite what the plain one wrote. It launches a few programs that loop over th
 tiles (fused.TileSizes.rule_programs), not one per tile: a finite call, where
 they all return, then schedules a few hundred programs instead of as many as
 the plain launch (tens of thousands from 64K tokens on), each taking its
-resources for nothing. The check starts at 0, and the plain forward
+resources for nothing. Their loop's bound, num_tiles (which the plain kernels
+ignore), is not specialised: tile counts that are multiples of 16 and others
+share the compiled kernels. The check starts at 0, and the plain forward
 (REPORT) makes it NaN where a q row it loads, an out it writes, or a row of k
 is not finite: each program sums its tile's q, its out, and an equal share of
 k's rows (all of k across the first launch's programs, after their key loops).
@@ -334,7 +336,7 @@ def _softmax_step(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
     return m_new, l_i, acc, hit
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles"])
 def fused_forward(
     Q, K, V, Out, Lse, Mask, AnyBad, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
@@ -471,7 +473,7 @@ def _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, star
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles"])
 def fused_dq(
     Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, AnyBad, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
@@ -620,7 +622,7 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles"])
 def fused_dkdv(
     Q, K, V, dOut, Lse, Delta, dK, dV, Mask, AnyBad, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
