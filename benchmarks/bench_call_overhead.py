@@ -181,7 +181,10 @@ def measure(call, profile_top: int = 0) -> str:
         for _ in range(5):
             call()
     torch.cuda.synchronize()
-    parts = timeline(call)
+    try:
+        parts = timeline(call)
+    except Exception as error:  # never run on a GPU before: keep the rest of the report
+        parts = f"timeline: failed ({type(error).__name__}: {error})\n"
     python = ""
     if profile_top:
         python = ("Python, 20 calls queued without a synchronise:\n"
