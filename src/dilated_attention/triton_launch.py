@@ -3,7 +3,7 @@
 ``kernel[grid](*args, **kwargs)`` runs ``JITFunction.run`` on every call: it
 specialises each argument (a tensor's dtype and 16-byte alignment, an
 integer's range, divisibility by 16 and equality to 1), hashes that with the
-keyword arguments and looks the compiled kernel up. For the fused kernels' 46
+keyword arguments and looks the compiled kernel up. For the fused kernels' ~50
 arguments that is ~22 us a launch on a 2-core CPU, as much per forward as all
 of the op's own Python (BENCHMARKS.md, "Host time per call"), and a call that
 waits for its result pays it before its kernels start.
