@@ -6,18 +6,19 @@ decided when this module is imported (TRITON_INTERPRET=1 at that moment gives
 the interpreter, which runs on CPU tensors).
 
 Every program of a plain kernel computes one tile for one batch row (grid
-(tiles, batch)); a variant for the non-finite rule (below) has fewer programs per
-batch row, each computing every so many tiles. A tile is rows ``cell + rows[row_lo : row_lo + count]`` of one head, and a
-list of spans of the other side: ``cell + start + stride * i`` for
-``i < count`` of the span's head, key i counting times + #{extras: i mod period
-== phase} times (a span with extras has times 1; Note [fused kernel] in
-fused_plan.py). The softmax is in base 2, exp2(s * scale * log2(e) - (m -
-log2 times)) * count: one fused multiply-add per pair before the exp2 (the row
-max m is taken over the raw products, the scale being positive; the span's
-times shift m once per row and chunk), and where the plan has extras the
-per-key count a product after it, not a log2 added before; the counts are
-computed once per span where every period divides BLOCK_N (SPAN_COUNTS: they
-repeat from chunk to chunk), else per chunk.
+(tiles, batch)); a variant for the non-finite rule (below) has fewer programs
+per batch row, each computing every so many tiles. A tile is rows
+``cell + rows[row_lo : row_lo + count]`` of one head, and a list of spans of
+the other side: ``cell + start + stride * i`` for ``i < count`` of the span's
+head, key i counting times + #{extras: i mod period == phase} times (a span
+with extras has times 1; Note [fused kernel] in fused_plan.py). The softmax is
+in base 2, exp2(s * scale * log2(e) - (m - log2 times)) * count: one fused
+multiply-add per pair before the exp2 (the row max m is taken over the raw
+products, the scale being positive; the span's times shift m once per row and
+chunk), and where the plan has extras the per-key count a product after it,
+not a log2 added before; the counts are computed once per span where every
+period divides BLOCK_N (SPAN_COUNTS: they repeat from chunk to chunk), else
+per chunk.
 
 Non-finite inputs (docs/spec.md, "Non-finite inputs"): each kernel has a
 second variant (NONFINITE) that applies the rule itself, launched after the
