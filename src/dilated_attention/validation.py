@@ -414,6 +414,3 @@ class CheckedCalls:
                     self._checked.clear()
                 self._checked[key] = found
         return found
-
-    def clear(self) -> None:
-        self._checked.clear()
