@@ -188,9 +188,13 @@ def _backward(ctx, dout, dlse, _):
     return backward_local(dout, q, k, v, out, lse, dlse, nonfinite, key_mask, call)
 
 
+# the custom op's inputs after q, k, v: the flat call, key_mask and nonfinite_rule
+_CALL_INPUTS = forward_flat.__code__.co_argcount - 3
+
+
 def _op_backward(ctx, dout, dlse, nonfinite):
-    # the custom op's inputs: q, k, v, then the flat call (no gradient)
-    return _backward(ctx, dout, dlse, nonfinite) + (None,) * 12
+    # no gradient for the call's inputs
+    return _backward(ctx, dout, dlse, nonfinite) + (None,) * _CALL_INPUTS
 
 
 torch.library.register_autograd("dilated_attention::forward", _op_backward,
