@@ -135,6 +135,18 @@ def split_calls(calls: Sequence[Interval], device: Sequence[Interval]
     return parts
 
 
+def timeline_intervals(events) -> Tuple[List[Interval], List[Interval]]:
+    """The profiler's events -> the calls' marks on the host and the device's work: a
+    record_function range also shows on the device as a user annotation spanning the
+    kernels it launched (kineto's gpu_user_annotation, named as the host's range), which
+    is neither a call nor device work."""
+    marks = [(e.time_range.start, e.time_range.end) for e in events
+             if e.name.startswith("timeline call ") and e.device_type == DeviceType.CPU]
+    device = [(e.time_range.start, e.time_range.end) for e in events
+              if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    return marks, device
+
+
 def timeline(call, calls: int = 5) -> str:
     """The module docstring's timeline of `calls` synchronised calls, in ms (medians)."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -142,12 +154,7 @@ def timeline(call, calls: int = 5) -> str:
             with record_function(f"timeline call {i}"):
                 call()
                 torch.cuda.synchronize()
-    events = prof.events()
-    marks = [(e.time_range.start, e.time_range.end) for e in events
-             if e.name.startswith("timeline call ")]
-    device = [(e.time_range.start, e.time_range.end) for e in events
-              if e.device_type == DeviceType.CUDA]
-    parts = [p for p in split_calls(marks, device) if p is not None]
+    parts = [p for p in split_calls(*timeline_intervals(prof.events())) if p is not None]
     if not parts:
         return "timeline: no device work seen\n"
     lead, busy, idle, tail = (statistics.median(p[i] for p in parts) / 1e3 for i in range(4))

@@ -14,12 +14,17 @@ import torch
 SUITE = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_suite.py"
 
 
-@pytest.fixture(scope="module")
-def suite():
-    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
+def _load(name: str):
+    """benchmarks/<name>.py as a module (the benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, SUITE.parent / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def suite():
+    return _load("gpu_suite")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for machines without CUDA")
@@ -114,10 +119,7 @@ def test_sdpa_whole_times_whole_sequence_blocks_with_views_and_copies(suite, cap
 def test_short_steps_get_more_turns_than_repeats():
     """bench_single_device.time_cases: at least `repeats` turns, more while they took under
     min_seconds (the GPU suite asks 0.3 s: a millisecond call gets a median of hundreds)."""
-    spec = importlib.util.spec_from_file_location("bench_single_device",
-                                                  SUITE.parent / "bench_single_device.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load("bench_single_device")
     calls = {"a": 0, "b": 0}
 
     def step(name):
@@ -135,10 +137,7 @@ def test_short_steps_get_more_turns_than_repeats():
 def test_queued_runs_time_several_calls_per_synchronise():
     """bench_single_device.time_cases(queued=K): each run is K calls before one synchronise,
     recorded per call (the op's throughput with the host's work overlapped)."""
-    spec = importlib.util.spec_from_file_location("bench_single_device",
-                                                  SUITE.parent / "bench_single_device.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load("bench_single_device")
     calls = []
     bench.synchronize = lambda: calls.append("sync")
 
@@ -155,10 +154,7 @@ def test_queued_runs_time_several_calls_per_synchronise():
 def test_the_host_only_measurement_runs_anywhere_and_restores_the_kernels():
     """The suite's profile part ends with bench_call_overhead.py --host-only, which runs on
     any machine (CPU tensors, the fused launches stubbed) and puts the real kernels back."""
-    path = SUITE.parent / "bench_call_overhead.py"
-    spec = importlib.util.spec_from_file_location("bench_call_overhead", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load("bench_call_overhead")
     from dilated_attention import fused
 
     kernels = fused._kernels
@@ -173,10 +169,7 @@ def test_the_timeline_cuts_a_call_into_lead_busy_idle_and_tail():
     """bench_call_overhead.py's timeline (where a synchronised call's time goes, for the GPU
     session that measures it): overlapping device work counts once, idle is the device's
     time between its first and last work, work that starts outside a call is not its."""
-    path = SUITE.parent / "bench_call_overhead.py"
-    spec = importlib.util.spec_from_file_location("bench_call_overhead", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load("bench_call_overhead")
     calls = [(0.0, 100.0), (100.0, 150.0), (200.0, 210.0)]
     # call 0: work 10-30 and 25-40 (one run: 30 busy), then 60-70 (20 idle before it), its
     # end 30 later; call 1: 120-140 and 145-160 (the latter ending after the call: a tail
@@ -186,3 +179,30 @@ def test_the_timeline_cuts_a_call_into_lead_busy_idle_and_tail():
     assert parts[0] == (10.0, 40.0, 20.0, 30.0)
     assert parts[1] == (20.0, 35.0, 5.0, -10.0)
     assert parts[2] is None
+
+
+def test_the_timeline_keeps_the_device_annotation_out_of_calls_and_work():
+    """A record_function range comes back twice from a CUDA profile: the host's range and
+    a user annotation on the device over the kernels it launched, under the same name.
+    Counted as a call, it would halve the medians' calls; as device work, it would fill
+    the idle time it spans."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    bench = _load("bench_call_overhead")
+
+    def event(name, start, end, device_type, annotation=False):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end),
+                               device_type=device_type, is_user_annotation=annotation)
+
+    events = [event("timeline call 0", 0.0, 100.0, DeviceType.CPU),
+              event("timeline call 0", 10.0, 70.0, DeviceType.CUDA, annotation=True),
+              event("fused_forward", 10.0, 30.0, DeviceType.CUDA),
+              event("fused_forward", 60.0, 70.0, DeviceType.CUDA),
+              event("cudaLaunchKernel", 5.0, 8.0, DeviceType.CPU)]
+    marks, device = bench.timeline_intervals(events)
+    assert marks == [(0.0, 100.0)]
+    assert device == [(10.0, 30.0), (60.0, 70.0)]
+    assert bench.split_calls(marks, device) == [(10.0, 30.0, 30.0, 30.0)]
+
