@@ -27,13 +27,15 @@ whose speed drifts slows all sides alike.
         --cuda-graph                                  # the kernels' time, no host in it
     python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --max-tokens
     python benchmarks/bench_single_device.py --device cuda --strided on   # views vs copies on a GPU
+    python benchmarks/bench_single_device.py --device cuda --dtype bfloat16 --causal  # LM training
 
 Schedules: ``longnet`` (segments [2048, 4096], rates [1, 2]) and
 ``geometric`` (segments 2048, 4096, ..., 65536, rates 1, 2, ..., 32: w / r =
-2048), 12 heads x 64, batch 1. The floors run the kernel named by
-``--floor-backend`` (default: the op's ``--backend``, or ``auto``, the
-device's best dense kernel, for a backend with no per-launch kernel such as
-the fused ``triton``).
+2048), 12 heads x 64, batch 1; ``--causal`` times causal calls (a language model's:
+the op with ``is_causal=True``, each floor call causal within its segment). The
+floors run the kernel named by ``--floor-backend`` (default: the op's
+``--backend``, or ``auto``, the device's best dense kernel, for a backend with
+no per-launch kernel such as the fused ``triton``).
 
 Working memory (peak resident memory beyond the inputs: q, k, v, and dout
 for forward + backward; what the call returns, out and in training dq, dk,
@@ -50,9 +52,10 @@ the op as torch.compile's mode="reduce-overhead" or a captured training step
 runs it; the fused kernel only, the SDPA path reads its input check back), memory
 is the allocator's peak (``torch.cuda.max_memory_allocated``) beyond the
 inputs, in the same process, and the table adds the achieved TFLOP/s of
-the useful work (the score and value products the patterns select:
-4 b h d sum_i n w_i / r_i^2 forward, 2.5x that more in backward; causal
-halves it). ``--max-tokens`` searches the longest sequence whose forward,
+the useful work (the score and value products the patterns select: 4 b d
+per (head, query, key) pair a pattern selects, about 4 b h d sum_i n w_i / r_i^2
+forward, 2.5x that more in backward; a causal pattern selects a row's earlier keys
+and itself, about half). ``--max-tokens`` searches the longest sequence whose forward,
 and whose forward + backward, fit on the device.
 """
 
@@ -107,10 +110,25 @@ def make_inputs(n: int, dtype: torch.dtype, requires_grad: bool = False):
     return q, k, v
 
 
+def selected_pairs(n: int, segments: Sequence[int], rates: Sequence[int], heads: int,
+                   causal: bool) -> int:
+    """(head, query, key) pairs the patterns select, a pair that two select counted twice:
+    per pattern (w, r), segments of min(w, n) rows (the last one shorter where it does not
+    divide n), in each head j the m rows of offset j mod r attending m keys (causal: their
+    own and the earlier ones, m (m + 1) / 2 pairs)."""
+    pairs = 0
+    for w, r in zip(segments, rates):
+        length = min(w, n)
+        for rows in [length] * (n // length) + ([n % length] if n % length else []):
+            for j in range(heads):
+                m = max(0, -(-(rows - j % r) // r))  # rows i < `rows` with i = j (mod r)
+                pairs += m * (m + 1) // 2 if causal else m * m
+    return pairs
+
+
 def useful_flops(n: int, backward: bool) -> float:
     """The score and value products the patterns select (see the module docstring)."""
-    fwd = sum(4 * HEADS * HEAD_DIM * n * min(w, n) / r**2 for w, r in zip(SEGMENTS, RATES))
-    fwd = fwd / 2 if CAUSAL else fwd
+    fwd = 4 * HEAD_DIM * selected_pairs(n, SEGMENTS, RATES, HEADS, CAUSAL)
     return fwd * 3.5 if backward else fwd
 
 
@@ -216,10 +234,12 @@ def run_case(impl: str, n: int, dtype: torch.dtype, backward: bool):
                 # as a training step after zero_grad(set_to_none=True): no accumulation into
                 # earlier gradients (which the floors would not pay)
                 q.grad = k.grad = v.grad = None
-                dilated_attention(q, k, v, SEGMENTS, RATES, backend=BACKEND).backward(dout)
+                dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=CAUSAL,
+                                  backend=BACKEND).backward(dout)
             else:
                 with torch.no_grad():
-                    dilated_attention(q, k, v, SEGMENTS, RATES, backend=BACKEND)
+                    dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=CAUSAL,
+                                      backend=BACKEND)
 
         return step
     if impl == "ideal":
@@ -233,10 +253,10 @@ def run_case(impl: str, n: int, dtype: torch.dtype, backward: bool):
 
         def step():
             if backward:
-                F.scaled_dot_product_attention(q, k, v).backward(dout)
+                F.scaled_dot_product_attention(q, k, v, is_causal=CAUSAL).backward(dout)
             else:
                 with torch.no_grad():
-                    F.scaled_dot_product_attention(q, k, v)
+                    F.scaled_dot_product_attention(q, k, v, is_causal=CAUSAL)
 
         return step
     raise ValueError(f"unknown impl {impl!r}")
@@ -288,11 +308,13 @@ def measure_memory_in_this_process(n: int, dtype: torch.dtype, training: bool) -
         dout = torch.randn_like(q) if training else None
         def step():
             if training:
-                out = dilated_attention(q, k, v, SEGMENTS, RATES, backend=BACKEND)
+                out = dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=CAUSAL,
+                                        backend=BACKEND)
                 out.backward(dout)
                 return out, q.grad, k.grad, v.grad
             with torch.no_grad():
-                return dilated_attention(q, k, v, SEGMENTS, RATES, backend=BACKEND)
+                return dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=CAUSAL,
+                                         backend=BACKEND)
         return step
 
     return peak_bytes_of(call, n, warm_up=1024)
@@ -323,11 +345,12 @@ def measure_cuda_memory(n: int, dtype: torch.dtype, training: bool) -> float:
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     if training:
-        out = dilated_attention(q, k, v, SEGMENTS, RATES, backend=BACKEND)
+        out = dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=CAUSAL, backend=BACKEND)
         out.backward(dout)
     else:
         with torch.no_grad():
-            out = dilated_attention(q, k, v, SEGMENTS, RATES, backend=BACKEND)
+            out = dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=CAUSAL,
+                                    backend=BACKEND)
     synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     del out, q, k, v, dout
@@ -372,7 +395,8 @@ def measure_memory(n: int, dtype_name: str, training: bool, schedule: str,
     out = subprocess.run(
         [sys.executable, __file__, "--memory-case", str(n), dtype_name, str(int(training)),
          "--strided", strided, "--schedule", schedule, "--backend", BACKEND]
-        + (["--block-rows", str(block_rows)] if block_rows else []),
+        + (["--block-rows", str(block_rows)] if block_rows else [])
+        + (["--causal"] if CAUSAL else []),
         env=env, capture_output=True, text=True, check=True,
     )
     return float(out.stdout.strip().splitlines()[-1])
@@ -390,6 +414,8 @@ def main(argv=None) -> None:
                         "segments 2048..65536, rates 1..32 (w / r = 2048)")
     parser.add_argument("--dense-max", type=int, default=16384,
                         help="skip dense SDPA above this length (it is quadratic)")
+    parser.add_argument("--causal", action="store_true",
+                        help="causal calls (the op and every floor call)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--min-seconds", type=float, default=0.0,
@@ -428,8 +454,9 @@ def main(argv=None) -> None:
     parser.add_argument("--memory-case", nargs=3, metavar=("N", "DTYPE", "TRAINING"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    global DEVICE, BACKEND, FLOOR_BACKEND, SEGMENTS, RATES, CLOCK
+    global DEVICE, BACKEND, FLOOR_BACKEND, SEGMENTS, RATES, CAUSAL, CLOCK
     SEGMENTS, RATES = SCHEDULES[args.schedule]
+    CAUSAL = args.causal
     BACKEND = args.backend
     FLOOR_BACKEND = args.floor_backend or (BACKEND if BACKEND != "triton" else "auto")
     if args.strided != "auto":
@@ -465,7 +492,8 @@ def main(argv=None) -> None:
           f"(floors: {FLOOR_BACKEND}), strided views {policy.STRIDED_VIEWS.get(DEVICE, False)}, "
           f"block rows {policy.ROWS_PER_BLOCK.get(DEVICE)} (or n / {policy.MAX_BLOCKS}), "
           f"h={HEADS} d={HEAD_DIM} schedule {args.schedule}: segments={list(SEGMENTS)} "
-          f"rates={list(RATES)} batch 1, load average {os.getloadavg()[0]:.2f}", flush=True)
+          f"rates={list(RATES)} {'causal' if CAUSAL else 'not causal'}, batch 1, "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
     if args.max_tokens:
         if DEVICE != "cuda":
             parser.error("--max-tokens needs --device cuda")
@@ -474,7 +502,7 @@ def main(argv=None) -> None:
             print(f"longest {'forward + backward' if training else 'forward'}: {n:,} tokens "
                   f"({n / 2**20:.2f} Mi)", flush=True)
             rows.append(dict(max_tokens=n, backward=training, dtype=args.dtype,
-                             schedule=args.schedule, backend=BACKEND))
+                             schedule=args.schedule, causal=CAUSAL, backend=BACKEND))
         _write_json(args.json, rows)
         return
     header = ("n", "pass", "op s (min/med/max)", "ideal floor s", "per-launch floor s",
@@ -486,7 +514,8 @@ def main(argv=None) -> None:
         input_bytes = n * HEADS * HEAD_DIM * torch.tensor([], dtype=dtype).element_size()
         for backward in (False, True):
             row = dict(n=n, backward=backward, dtype=args.dtype, device=DEVICE,
-                       schedule=args.schedule, backend=BACKEND, floor_backend=FLOOR_BACKEND,
+                       schedule=args.schedule, causal=CAUSAL, backend=BACKEND,
+                       floor_backend=FLOOR_BACKEND,
                        queued=args.queued, cuda_graph=args.cuda_graph)
             mem: Optional[float] = None
             if not args.no_memory:

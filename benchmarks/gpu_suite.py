@@ -55,6 +55,8 @@ fused.TUNED_TILE_SIZES first):
   host's work overlapping the kernels before it, as in a training loop), and
   in CUDA graphs (``--cuda-graph``: op and floors captured, their replays timed:
   the kernels alone, as mode="reduce-overhead" runs them).
+- ``causal``: bench-triton's runs with ``is_causal=True`` (a language model's
+  calls; the floors' calls causal too), both schedules, no memory.
 - ``triton-floor``: the fused kernel against floors made of the fused kernels
   themselves (``--floor-backend triton``: the same per-pattern calls on
   pre-gathered rows, through their dense plan), both schedules, no memory:
@@ -193,6 +195,9 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS,
             ["--no-memory", "--queued", "10"]) + bench_commands(
             "triton", seq_lens, "0", "triton_graph", ("longnet",),
             ["--no-memory", "--cuda-graph"]),
+        # causal calls, a language model's: what auto runs for them in bf16
+        "causal": bench_commands("triton", seq_lens, "0", "triton_causal",
+                                 extra=["--no-memory", "--causal"]),
         "compare": compare_commands(baseline, seq_lens),
         "sdpa-whole": [
             command for views in ("on", "off") for command in bench_commands(

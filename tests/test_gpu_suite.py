@@ -38,13 +38,22 @@ def test_without_cuda_it_says_so_and_exits_0():
 def test_list_names_every_part(suite, capsys):
     assert suite.main(["--list"]) == 0
     out = capsys.readouterr().out
-    for name in ("tests", "strided", "bench-sdpa", "tiles", "bench-triton", "memory",
-                 "profile"):
+    for name in ("tests", "strided", "bench-sdpa", "tiles", "bench-triton", "causal",
+                 "memory", "profile"):
         assert f"{name}:" in out
     assert "--schedule geometric" in out and "--max-tokens" in out and "-m cuda" in out
     assert "tune_tiles.py" in out
     # the SDPA path is benchmarked by its kernel's name: auto runs the fused kernel on a GPU
     assert "--backend cuda_cudnn" in out and "--backend auto" not in out
+
+
+def test_the_causal_part_times_causal_calls_of_the_fused_kernel(suite, capsys):
+    assert suite.main(["--list", "--part", "causal", "--seq-lens", "65536"]) == 0
+    commands = [line.strip() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert len(commands) == 2
+    for command, schedule in zip(commands, ("longnet", "geometric")):
+        assert "--backend triton" in command and "--causal" in command
+        assert f"--schedule {schedule}" in command and "causal" in command.split("--json")[1]
 
 
 def test_report_keeps_parts_and_replaces_a_part_run_again(suite, tmp_path, monkeypatch):
@@ -206,3 +215,17 @@ def test_the_timeline_keeps_the_device_annotation_out_of_calls_and_work():
     assert device == [(10.0, 30.0), (60.0, 70.0)]
     assert bench.split_calls(marks, device) == [(10.0, 30.0, 30.0, 30.0)]
 
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_useful_work_counts_every_pair_the_patterns_select(causal):
+    """bench_single_device's TFLOP/s count the (head, query, key) pairs of the count matrix
+    (a pair that two patterns select twice), causal or not, with short last segments,
+    segments longer than the sequence and head counts that the rates do not divide."""
+    from reference import dilated_counts
+
+    bench = _load("bench_single_device")
+    for n, segments, rates, heads in [(64, (16, 32), (1, 2), 4), (50, (12, 20, 80), (1, 3, 5), 3),
+                                      (33, (8, 8), (2, 2), 5), (7, (16,), (4,), 2)]:
+        want = int(dilated_counts(n, heads, segments, rates, causal).sum())
+        assert bench.selected_pairs(n, segments, rates, heads, causal) == want
