@@ -57,6 +57,10 @@ fused.TUNED_TILE_SIZES first):
   the kernels alone, as mode="reduce-overhead" runs them).
 - ``causal``: bench-triton's runs with ``is_causal=True`` (a language model's
   calls; the floors' calls causal too), both schedules, no memory.
+- ``fp32``: the LongNet setting in float32 up to 256K, the fused kernel and then
+  the SDPA path (auto's choice for fp32, its launches on the memory-efficient op),
+  no memory: whether auto should take the fused kernel for fp32 too. Not in
+  ``all``.
 - ``triton-floor``: the fused kernel against floors made of the fused kernels
   themselves (``--floor-backend triton``: the same per-pattern calls on
   pre-gathered rows, through their dense plan), both schedules, no memory:
@@ -109,7 +113,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 SEQ_LENS = ["8192", "16384", "32768", "65536", "131072", "262144", "524288", "1048576"]
-BENCH = [PY, "benchmarks/bench_single_device.py", "--device", "cuda", "--dtype", "bfloat16"]
+ON_CUDA = [PY, "benchmarks/bench_single_device.py", "--device", "cuda"]
+BENCH = ON_CUDA + ["--dtype", "bfloat16"]
 # The tests, in parallel where pytest-xdist is installed (the GPU machines have it): the
 # fused kernels' compiles dominate them, 6.3 minutes in one process on an H100 against 18 s
 # in 12 on an H200
@@ -119,11 +124,11 @@ PYTEST = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider"] + (
 
 def bench_commands(backend: str, seq_lens: Sequence[str], dense_max: str = "32768",
                    name: str = "", schedules: Sequence[str] = ("longnet", "geometric"),
-                   extra: Sequence[str] = ()) -> List[List[str]]:
+                   extra: Sequence[str] = (), dtype: str = "bfloat16") -> List[List[str]]:
     """The backend's bench_single_device runs: per schedule, at `seq_lens` (at least 0.3 s
     of turns per case: below 64K a call takes a millisecond or less), with `extra`
     arguments."""
-    return [BENCH + ["--backend", backend, "--schedule", schedule, "--seq-lens", *seq_lens,
+    return [ON_CUDA + ["--dtype", dtype, "--backend", backend, "--schedule", schedule, "--seq-lens", *seq_lens,
                      "--repeats", "5", "--min-seconds", "0.3", "--dense-max", dense_max,
                      *extra, "--json", f"bench-out/gpu_{name or backend}_{schedule}.json"]
             for schedule in schedules]
@@ -141,16 +146,17 @@ def compare_commands(baseline: Optional[str], seq_lens: Sequence[str]) -> List[L
     return [command for pair in zip(runs["current"], runs["baseline"]) for command in pair]
 
 
-def sdpa_backend() -> str:
-    """The SDPA path's kernel on this GPU in bf16 (``select_backend`` of a launch, not a
-    whole op): cuDNN on an H100; without a GPU, that."""
+def sdpa_backend(torch_dtype: str = "bfloat16") -> str:
+    """The SDPA path's kernel on this GPU in that dtype (``select_backend`` of a launch, not
+    a whole op): in bf16 cuDNN on an H100, in fp32 the memory-efficient op; without a GPU,
+    those."""
     import torch
 
     from dilated_attention.kernels import select_backend
 
     if not torch.cuda.is_available():
-        return "cuda_cudnn"
-    return select_backend(torch.device("cuda"), torch.bfloat16)
+        return "cuda_cudnn" if torch_dtype == "bfloat16" else "cuda_efficient"
+    return select_backend(torch.device("cuda"), getattr(torch, torch_dtype))
 
 
 def parts(seq_lens: Sequence[str] = SEQ_LENS,
@@ -199,6 +205,12 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS,
         "causal": bench_commands("triton", seq_lens, "0", "triton_causal",
                                  extra=["--no-memory", "--causal"]),
         "compare": compare_commands(baseline, seq_lens),
+        # float32, which auto keeps on the SDPA path: is the fused kernel (full-precision
+        # products, as torch's default matmul precision asks) faster there too?
+        "fp32": [command for backend in ("triton", sdpa_backend(torch_dtype="float32"))
+                 for command in bench_commands(
+                     backend, [n for n in seq_lens if int(n) <= 262144] or seq_lens, "0",
+                     f"{backend}_fp32", ("longnet",), ["--no-memory"], "float32")],
         "sdpa-whole": [
             command for views in ("on", "off") for command in bench_commands(
                 sdpa, [n for n in seq_lens if int(n) >= 65536] or seq_lens, "0",
@@ -538,7 +550,8 @@ def main(argv=None) -> int:
     # the parts in the order asked for (all: the suite's order, every part but compare,
     # which needs --baseline, smoke, a subset of tests, and triton-floor and sdpa-whole,
     # questions for when the rest is known)
-    todo = ([n for n in names if n not in ("compare", "smoke", "triton-floor", "sdpa-whole")]
+    todo = ([n for n in names
+             if n not in ("compare", "smoke", "triton-floor", "sdpa-whole", "fp32")]
             if "all" in args.part
             else list(dict.fromkeys(args.part)))
     table = parts(args.seq_lens, args.baseline)

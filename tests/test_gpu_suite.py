@@ -56,6 +56,18 @@ def test_the_causal_part_times_causal_calls_of_the_fused_kernel(suite, capsys):
         assert f"--schedule {schedule}" in command and "causal" in command.split("--json")[1]
 
 
+def test_the_fp32_part_times_the_fused_kernel_against_the_sdpa_path(suite, capsys):
+    assert suite.main(["--list", "--part", "fp32", "--seq-lens", "8192", "1048576"]) == 0
+    commands = [line.strip() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert len(commands) == 2
+    for command, backend in zip(commands, ("triton", "cuda_efficient")):
+        assert command.count("--dtype") == 1 and "--dtype float32" in command
+        assert f"--backend {backend}" in command and "--schedule longnet" in command
+        assert "--seq-lens 8192 --" in command  # past 256K an fp32 call takes seconds
+    assert suite.main(["--list"]) == 0
+    assert "fp32:" not in capsys.readouterr().out
+
+
 def test_report_keeps_parts_and_replaces_a_part_run_again(suite, tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     report = tmp_path / "report.md"
