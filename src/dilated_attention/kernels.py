@@ -572,11 +572,7 @@ def _blockwise_forward(q, k, v, *, causal, scale, dropout_p, seed, key_mask=None
         for ki, (k0, k1) in enumerate(_blocks(m)):
             if causal and k0 >= q1:
                 break
-            s = (qf[:, :, :, q0:q1] @ kf[:, :, :, k0:k1].transpose(-1, -2)) * scale
-            if causal and k1 > q0:
-                s = s.masked_fill(_causal_mask(q0, q1, k0, k1, q.device), -math.inf)
-            if mask is not None:
-                s = s.masked_fill(mask[..., k0:k1], -math.inf)
+            s = _block_scores(qf, kf, mask, (q0, q1), (k0, k1), causal=causal, scale=scale)
             new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
             # a row with no key yet keeps max -inf: shift by 0 so exp gives 0, not NaN
             shift = new_max.masked_fill(new_max == -math.inf, 0.0)
@@ -593,6 +589,19 @@ def _blockwise_forward(q, k, v, *, causal, scale, dropout_p, seed, key_mask=None
     # (b, hk, g, n, d) -> (b, n, h, d)
     out = out.permute(0, 3, 1, 2, 4).reshape(b, n, h, d).to(q.dtype)
     return out, lse.permute(0, 3, 1, 2).reshape(b, n, h)
+
+
+def _block_scores(qf: Tensor, kf: Tensor, mask: Optional[Tensor], rows: Tuple[int, int],
+                  keys: Tuple[int, int], *, causal: bool, scale: float) -> Tensor:
+    """Scaled logits of the query rows [q0, q1) against the keys [k0, k1), -inf where the
+    causal bound or the key mask hides a key: (b, hk, g, q1 - q0, k1 - k0)."""
+    (q0, q1), (k0, k1) = rows, keys
+    s = (qf[:, :, :, q0:q1] @ kf[:, :, :, k0:k1].transpose(-1, -2)) * scale
+    if causal and k1 > q0:
+        s = s.masked_fill(_causal_mask(q0, q1, k0, k1, qf.device), -math.inf)
+    if mask is not None:
+        s = s.masked_fill(mask[..., k0:k1], -math.inf)
+    return s
 
 
 def _causal_mask(q0, q1, k0, k1, device) -> Tensor:
@@ -627,11 +636,7 @@ def _blockwise_backward(dout, q, k, v, out, lse, *, causal, scale, dropout_p, se
         for ki, (k0, k1) in enumerate(_blocks(m)):
             if causal and k0 >= q1:
                 break
-            s = (qf[:, :, :, q0:q1] @ kf[:, :, :, k0:k1].transpose(-1, -2)) * scale
-            if causal and k1 > q0:
-                s = s.masked_fill(_causal_mask(q0, q1, k0, k1, q.device), -math.inf)
-            if mask is not None:
-                s = s.masked_fill(mask[..., k0:k1], -math.inf)
+            s = _block_scores(qf, kf, mask, (q0, q1), (k0, k1), causal=causal, scale=scale)
             p = torch.exp(s - lsef[:, :, :, q0:q1])
             dp = dof[:, :, :, q0:q1] @ vf[:, :, :, k0:k1].transpose(-1, -2)
             if dropout_p > 0.0:
