@@ -43,6 +43,12 @@ fused.TUNED_TILE_SIZES first):
   fused.CUDA_TILE_SIZES entry (to be checked with cross_compile.py before it
   is shipped). 19 candidates x 3 kernels, each compiled on first use: d 128
   (``--head-dims 128``) is a second call by hand.
+- ``tile-order``: tune_tiles.py's ``--order-windows 0 1024``: each kernel
+  with the shipped tiles cell by cell against heaviest first in windows of
+  1,024 tiles (fused.TileSizes.order_window; a simulation says a launch of few
+  waves ends up to a third sooner, BENCHMARKS.md "Tile order"), LongNet at
+  8K, causal at 16K and 64K, the geometric schedule causal at 16K. Not in
+  ``all``.
 - ``bench-sdpa`` / ``bench-triton``: bench_single_device.py in bf16 for the
   backend (the SDPA path, ``sdpa_backend``: what auto ran before the fused
   kernel, and still runs for fp32 and the exchange's launches; the fused
@@ -193,6 +199,15 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS,
         # fastest go into fused.TUNED_TILE_SIZES for this GPU's capability)
         "tiles": [[PY, "benchmarks/tune_tiles.py", "--head-dims", "64",
                    "--out", "bench-out/gpu_tiles.md"]],
+        # the shipped tiles cell by cell against heaviest first in windows of 1,024 tiles,
+        # where a launch has few waves: short sequences, causal ones most
+        "tile-order": [
+            [PY, "benchmarks/tune_tiles.py", "--head-dims", "64", "--order-windows", "0", "1024",
+             "--schedule", schedule, "--seq-len", n, *(["--causal"] if causal else []),
+             "--min-seconds", "0.5", "--queued", "10",
+             "--out", f"bench-out/gpu_tile_order_{schedule}_{n}{'_causal' if causal else ''}.md"]
+            for schedule, n, causal in (("longnet", "8192", False), ("longnet", "16384", True),
+                                        ("geometric", "16384", True), ("longnet", "65536", True))],
         # and LongNet's setting queued (10 calls per synchronise): the op's throughput with
         # the host's work overlapped, against its latency above; then captured in CUDA
         # graphs, op and floors alike: the kernels' time with no host work at all
@@ -551,7 +566,8 @@ def main(argv=None) -> int:
     # which needs --baseline, smoke, a subset of tests, and triton-floor and sdpa-whole,
     # questions for when the rest is known)
     todo = ([n for n in names
-             if n not in ("compare", "smoke", "triton-floor", "sdpa-whole", "fp32")]
+             if n not in ("compare", "smoke", "triton-floor", "sdpa-whole", "fp32",
+                          "tile-order")]
             if "all" in args.part
             else list(dict.fromkeys(args.part)))
     table = parts(args.seq_lens, args.baseline)

@@ -3,6 +3,7 @@
     python benchmarks/tune_tiles.py                     # bf16, d 64 and 128, 64K tokens, LongNet
     python benchmarks/tune_tiles.py --head-dims 64 --seq-len 131072 --schedule geometric
     python benchmarks/tune_tiles.py --rows 64 128 --chunks 32 64 --warps 4 8 --stages 2 3
+    python benchmarks/tune_tiles.py --head-dims 64 --seq-len 16384 --causal --order-windows 0 1024
 
 fused.CUDA_TILE_SIZES holds tiles that compile on every architecture
 (benchmarks/cross_compile.py), not timed ones; fused.TUNED_TILE_SIZES those
@@ -15,6 +16,12 @@ graph is kept (one kernel's tile changed at a time, so the rows of one
 kernel differ by that kernel's time; num_stages is one value for all three
 kernels: the suggestion takes the forward's). The candidates take turns
 (A B C A B C ...), so that drift slows all alike.
+
+``--order-windows W ...`` asks another question: the shipped tiles themselves,
+each launch's tiles heaviest first in windows of W tiles (fused.TileSizes'
+order_window; Note [fused kernel] in fused_plan.py, "Tile order"; 0: cell by
+cell), one candidate per W, instead of other tiles. ``--causal`` times causal
+calls (a language model's), whose tiles' work differs most.
 
 A candidate that does not launch (Triton's OutOfResources: too much shared
 memory) or whose result differs from the shipped tiles' beyond rounding is
@@ -68,16 +75,21 @@ class Timed:
         return getattr(self.sizes, self.kernel)
 
     def describe(self) -> str:
-        t = self.tile  # as cross_compile.py writes tiles
-        return f"M{t.rows} N{t.chunk} w{t.num_warps} s{self.sizes.num_stages}"
+        t = self.tile  # as cross_compile.py writes tiles, and the tile order's window
+        order = f" o{self.sizes.order_window}" if self.sizes.order_window else ""
+        return f"M{t.rows} N{t.chunk} w{t.num_warps} s{self.sizes.num_stages}{order}"
 
 
 def candidates(shipped: fused.TileSizes, kernel: str, rows: Sequence[int],
-               chunks: Sequence[int], warps: Sequence[int], stages: Optional[Sequence[int]]
-               ) -> List[fused.TileSizes]:
+               chunks: Sequence[int], warps: Sequence[int], stages: Optional[Sequence[int]],
+               order_windows: Optional[Sequence[int]] = None) -> List[fused.TileSizes]:
     """The shipped tiles with `kernel`'s replaced by each candidate (the shipped one first;
-    stages None: the shipped num_stages)."""
+    stages None: the shipped num_stages); with `order_windows`, the shipped tiles in each
+    tile order instead."""
     out = [shipped]
+    if order_windows is not None:
+        return out + [dataclasses.replace(shipped, order_window=w) for w in order_windows
+                      if w != shipped.order_window]
     for r, c, w, s in itertools.product(rows, chunks, warps, stages or [shipped.num_stages]):
         sizes = dataclasses.replace(shipped, num_stages=s,
                                     **{kernel: fused.KernelTiles(r, c, w)})
@@ -92,7 +104,8 @@ def _step(kernel: str, q, k, v, out, dout, segments, rates) -> Callable[[], obje
     if kernel == "forward":
         def forward():
             with torch.no_grad():
-                return dilated_attention(q, k, v, segments, rates, backend="triton")
+                return dilated_attention(q, k, v, segments, rates, is_causal=bench.CAUSAL,
+                                         backend="triton")
         return forward
 
     def backward():
@@ -120,12 +133,13 @@ def tune_kernel(kernel: str, head_dim: int, options: argparse.Namespace,
     # one forward (shipped tiles) whose graph every backward candidate reuses: the
     # backward kernels plan their tiles when they run
     out = (None if kernel == "forward" else
-           dilated_attention(q, k, v, segments, rates, backend="triton"))
+           dilated_attention(q, k, v, segments, rates, is_causal=bench.CAUSAL, backend="triton"))
     rows: List[Timed] = []
     steps: Dict[int, Callable[[], object]] = {}
     reference = None
     for index, sizes in enumerate(candidates(shipped, kernel, options.rows, options.chunks,
-                                             options.warps, options.stages)):
+                                             options.warps, options.stages,
+                                             options.order_windows)):
         timed = Timed(kernel, head_dim, sizes, [])
         rows.append(timed)
         patch = mock.patch.object(fused, "tile_sizes", lambda *_, sizes=sizes: sizes)
@@ -146,7 +160,8 @@ def tune_kernel(kernel: str, head_dim: int, options: argparse.Namespace,
             with patch:
                 step()
         steps[index] = patched
-    for index, seconds in bench.time_cases(steps, options.repeats).items():
+    for index, seconds in bench.time_cases(steps, options.repeats, options.min_seconds,
+                                           options.queued).items():
         rows[index].seconds = seconds
     return rows
 
@@ -191,14 +206,16 @@ def suggestion(rows: Sequence[Timed], dtype: torch.dtype,
             lines.append(f"d={d}: no timed tile for {', '.join(missing)}")
             continue
         tiles = {kernel: best[kernel].tile for kernel in KERNELS}
-        stages = best["forward"].sizes.num_stages  # one value for the three kernels
+        # one value for the three kernels: the forward's
+        stages, order = best["forward"].sizes.num_stages, best["forward"].sizes.order_window
         key = fused.cuda_tile_key(dtype, d)
         if capability is not None:
             key = (capability,) + key
         entry = ", ".join(f"KernelTiles({t.rows}, {t.chunk}, {t.num_warps})"
                           for t in tiles.values())
         sizes = " ".join(f"{t.rows},{t.chunk},{t.num_warps}" for t in tiles.values())
-        lines.append(f"{key!r}: TileSizes({entry}, num_stages={stages}),\n"
+        order_entry = f", order_window={order}" if order else ""
+        lines.append(f"{key!r}: TileSizes({entry}, num_stages={stages}{order_entry}),\n"
                      f"    check: python benchmarks/cross_compile.py --head-dims {d} "
                      f"--sizes {sizes} --stages {stages}")
     return "\n".join(lines)
@@ -220,7 +237,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--stages", type=int, nargs="+",
                         help="num_stages to try (default: the shipped one)")
+    parser.add_argument("--order-windows", type=int, nargs="+", metavar="W",
+                        help="time the shipped tiles in each tile order instead of other "
+                        "tiles (0: cell by cell)")
+    parser.add_argument("--causal", action="store_true", help="causal calls")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--min-seconds", type=float, default=0.0,
+                        help="more turns while they took less (bench_single_device's)")
+    parser.add_argument("--queued", type=int, default=1,
+                        help="calls per synchronise, timed per call (the host's work "
+                        "overlapping the kernels: short calls' kernels compared)")
     parser.add_argument("--out", help="also write the report (markdown) to this file")
     args = parser.parse_args(argv)
     for name in ("rows", "chunks", "warps"):
@@ -232,7 +258,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("--device cpu runs Triton's interpreter: set TRITON_INTERPRET=1")
+    if any(w < 0 for w in args.order_windows or []):
+        parser.error(f"--order-windows: {args.order_windows} has a negative window")
     bench.DEVICE = args.device  # bench.time_cases synchronises that device
+    bench.CAUSAL = args.causal
     dtype = getattr(torch, args.dtype)
     rows: List[Timed] = []
     for d, kernel in itertools.product(args.head_dims, args.kernels):
@@ -244,7 +273,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         name, capability, table = "CPU (interpreter)", None, "fused.CUDA_TILE_SIZES entries"
     text = (f"{name}, {args.dtype}, {args.heads} heads, {args.seq_len} tokens, "
-            f"{args.schedule} patterns, {args.repeats} turns\n\n{report(rows)}\n\n"
+            f"{args.schedule} patterns{', causal' if args.causal else ''}, "
+            f"{args.repeats} turns\n\n{report(rows)}\n\n"
             f"Fastest per kernel, as {table}:\n\n"
             f"{suggestion(rows, dtype, capability)}\n")
     print("\n" + text)

@@ -14,14 +14,15 @@ Notation: n rows, h query heads, hk key/value heads; counts (h, n, n) [j, t, u].
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dilated_attention.fused_plan import TilePlan, dense_plan, occupancy, tile_plan
+from dilated_attention.fused_occupancy import occupancy
+from dilated_attention.fused_plan import TilePlan, dense_plan, tile_plan, tile_work
 from dilated_attention.patterns import Heads
 from reference import dilated_counts
 
@@ -95,26 +96,33 @@ def plan_cases(draw):
                 causal=draw(st.booleans()), documents=documents,
                 block_m=draw(st.sampled_from([1, 3, 4, 16, 32, 64])),
                 split_keys=draw(st.sampled_from([None, 0, 1, 2, 5])),
-                narrowest=draw(st.sampled_from([None, 1, 2, 16])))
+                narrowest=draw(st.sampled_from([None, 1, 2, 16])),
+                order_window=draw(st.sampled_from([0, 1, 2, 5])))
 
 
 def check_plan(n: int, patterns, h: int, hk: int, first: int, causal: bool,
                documents: Optional[Tuple[int, ...]], block_m: int,
                kv_of: Optional[Tuple[int, ...]] = None,
                window: Optional[Tuple[int, int]] = None,
-               split_keys: Optional[int] = None, narrowest: Optional[int] = None) -> None:
+               split_keys: Optional[int] = None, narrowest: Optional[int] = None,
+               order_window: int = 0) -> None:
     """The plan visits the count matrix; with a `window` (lo, hi), its rows against its
     keys (numbered from lo), and every (row, head) of it in one tile; split_keys: spans
     split into spans without extras where each piece keeps that many elements; narrowest:
-    no launch of fewer rows."""
+    no launch of fewer rows; order_window: the plan's tiles in that order (check_order)."""
     heads = Heads(first, kv_of) if kv_of else Heads.of(h, hk, first)
     want = dilated_counts(n, h, patterns[0], patterns[1], causal, documents, first_head=first)
     lo, hi = window or (0, n)
     want = want[:, lo:hi, lo:hi]
     for keys in (False, True):
         plan = tile_plan(n, patterns, heads, hk, causal, documents, block_m, keys,
-                         window=window, split_keys=split_keys, narrowest=narrowest)
+                         window=window, split_keys=split_keys, narrowest=narrowest,
+                         order_window=order_window)
         assert all(h >= (narrowest or block_m) or h == block_m for h, _ in plan.heights)
+        if order_window:
+            check_order(tile_plan(n, patterns, heads, hk, causal, documents, block_m, keys,
+                                  window=window, split_keys=split_keys, narrowest=narrowest),
+                        plan, order_window, causal, keys)
         got, writes = expand(plan, hi - lo, hi - lo, heads, hk, causal, keys)
         assert bool((writes == 1).all()), f"keys={keys}: every (row, head) in one tile"
         mismatch = (got != want).nonzero()
@@ -125,6 +133,42 @@ def check_plan(n: int, patterns, h: int, hk: int, first: int, causal: bool,
             whole = tile_plan(n, patterns, heads, hk, causal, documents, block_m, keys,
                               window=window)
             assert (plan.max_extras == 0) == can_split(whole, split_keys), f"keys={keys}"
+
+
+def work_per_tile(plan: TilePlan, causal: bool, keys: bool) -> List[int]:
+    """Per tile, the span elements its programs loop over (triton_kernels._span's causal
+    bound: a query tile's keys up to its last row, a key tile's queries from its first)."""
+    rows, spans, work = plan.rows.tolist(), plan.spans.tolist(), []
+    for _, first, count, _, span_lo, span_hi in plan.tiles.tolist():
+        total = 0
+        for _, start, stride, elements, *_ in spans[span_lo:span_hi]:
+            at = [start + stride * i for i in range(elements)]
+            if causal:
+                bound = rows[first] if keys else rows[first + count - 1]
+                at = [t for t in at if (t >= bound if keys else t <= bound)]
+            total += len(at)
+        work.append(total)
+    return work
+
+
+def check_order(plain: TilePlan, ordered: TilePlan, window: int, causal: bool,
+                keys: bool) -> None:
+    """Note [fused kernel], "Tile order": the same tables and launches, each launch's tiles
+    cut into windows of `window` from its end, each window's tiles those of the plain
+    plan's, heaviest first, ties in the plain plan's order."""
+    for name in ("rows", "spans", "extras"):
+        assert torch.equal(getattr(plain, name), getattr(ordered, name)), name
+    assert plain.heights == ordered.heights
+    want, got = plain.tiles.tolist(), ordered.tiles.tolist()
+    work = work_per_tile(plain, causal, keys)
+    assert tile_work(plain.tiles, plain.rows, plain.spans, causal, keys).tolist() == work
+    lo = 0
+    for _, count in plain.heights:
+        edges = sorted({lo, lo + count} | set(range(lo + count, lo, -window)))
+        for a, b in zip(edges, edges[1:]):
+            expected = sorted(range(a, b), key=lambda i: -work[i])  # stable: ties in order
+            assert got[a:b] == [want[i] for i in expected], (keys, a, b)
+        lo += count
 
 
 def can_split(plan: TilePlan, split_keys: int) -> bool:
@@ -196,6 +240,12 @@ def test_dense_plan(n: int, m: int, causal: bool) -> None:
         got, writes = expand(plan, n, m, heads, 2, causal, keys)
         assert bool((writes == 1).all())
         assert torch.equal(got, want)
+        # tiles of 4 rows, heaviest first in windows of 3 (a causal square's work varies)
+        plain = dense_plan(n, m, heads, 2, 4, keys, causal=causal)
+        ordered = dense_plan(n, m, heads, 2, 4, keys, causal=causal, order_window=3)
+        check_order(plain, ordered, 3, causal, keys)
+        got, writes = expand(ordered, n, m, heads, 2, causal, keys)
+        assert bool((writes == 1).all()) and torch.equal(got, want)
 
 
 def test_periods_are_powers_of_two_where_the_rates_ratios_are() -> None:

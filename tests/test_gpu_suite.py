@@ -68,6 +68,19 @@ def test_the_fp32_part_times_the_fused_kernel_against_the_sdpa_path(suite, capsy
     assert "fp32:" not in capsys.readouterr().out
 
 
+def test_the_tile_order_part_times_the_shipped_tiles_in_both_orders(suite, capsys):
+    assert suite.main(["--list", "--part", "tile-order"]) == 0
+    commands = [line.strip() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert len(commands) == 4 and sum("--causal" in c for c in commands) == 3
+    outs = set()
+    for command in commands:
+        assert "tune_tiles.py" in command and "--order-windows 0 1024" in command
+        outs.add(command.split("--out ")[1])
+    assert len(outs) == 4  # a report each
+    assert suite.main(["--list"]) == 0
+    assert "tile-order:" not in capsys.readouterr().out
+
+
 def test_report_keeps_parts_and_replaces_a_part_run_again(suite, tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     report = tmp_path / "report.md"
@@ -241,3 +254,12 @@ def test_the_useful_work_counts_every_pair_the_patterns_select(causal):
                                       (33, (8, 8), (2, 2), 5), (7, (16,), (4,), 2)]:
         want = int(dilated_counts(n, heads, segments, rates, causal).sum())
         assert bench.selected_pairs(n, segments, rates, heads, causal) == want
+
+
+def test_the_waves_model_starts_each_program_on_the_first_free_slot():
+    """tile_order_waves.makespan (BENCHMARKS.md, "Tile order"): programs in order, each
+    on the slot that frees first; a launch ending on its heaviest program waits for it."""
+    waves = _load("tile_order_waves")
+    assert waves.makespan([3, 3, 2, 2, 2], 2) == 7  # 3 | 3, then 2 + 2 | 2
+    assert waves.makespan([1, 1, 1, 4], 2) == 5 and waves.makespan([4, 1, 1, 1], 2) == 4
+    assert waves.makespan([5], 8) == 5

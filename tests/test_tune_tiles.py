@@ -15,8 +15,9 @@ pytest.importorskip("triton")
 
 TOOL = Path(__file__).resolve().parent.parent / "benchmarks" / "tune_tiles.py"
 # small: 2 heads of 16, 128 tokens, one candidate beside the shipped tiles per kernel
-ARGS = ["--device", "cpu", "--dtype", "float32", "--head-dims", "16", "--heads", "2",
-        "--seq-len", "128", "--rows", "16", "--chunks", "16", "--warps", "1", "--repeats", "1"]
+SMALL = ["--device", "cpu", "--dtype", "float32", "--head-dims", "16", "--heads", "2",
+         "--seq-len", "128", "--repeats", "1"]
+ARGS = SMALL + ["--rows", "16", "--chunks", "16", "--warps", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def test_every_candidate_is_timed_and_the_fastest_becomes_an_entry(tune_tiles, t
     for kernel in tune_tiles.KERNELS:
         rows = _rows(report, kernel)
         # the shipped (interpreter) tiles, then the candidate; both timed, one fastest
-        assert [r.split(" | ")[2] for r in rows] == ["M32 N32 w1 s1", "M16 N16 w1 s1"], report
+        assert [r.split(" | ")[2] for r in rows] == ["M32 N32 w1 s1 o3", "M16 N16 w1 s1 o3"], report
         assert "shipped" in rows[0] and "| 1.000 |" in rows[0], report
         assert sum("fastest" in r for r in rows) == 1, report
     entry = report.split("as fused.CUDA_TILE_SIZES entries:")[1]
@@ -62,3 +63,21 @@ def test_a_candidate_with_another_result_is_left_out(tune_tiles, tmp_path, monke
 def test_tiles_must_be_powers_of_two(tune_tiles):
     with pytest.raises(SystemExit):
         tune_tiles.main(ARGS + ["--rows", "48"])
+
+
+def test_tile_orders_are_timed_on_the_shipped_tiles(tune_tiles, tmp_path):
+    """--order-windows: the shipped tiles (the interpreter's order their windows of 3) in
+    each order asked for, not other tiles; causal calls, whose tiles' work differs; the
+    suggestion carries the forward's fastest order."""
+    out = tmp_path / "orders.md"
+    assert tune_tiles.main(SMALL + ["--causal", "--order-windows", "0", "3", "--queued", "2",
+                                    "--out", str(out)]) == 0
+    report = out.read_text()
+    assert ", causal, " in report.splitlines()[0], report
+    for kernel in tune_tiles.KERNELS:
+        rows = _rows(report, kernel)
+        assert [r.split(" | ")[2] for r in rows] == ["M32 N32 w1 s1 o3", "M32 N32 w1 s1"], report
+        assert all("did not run" not in r and "differs" not in r for r in rows), report
+    forward = _rows(report, "forward")
+    entry = report.split("as fused.CUDA_TILE_SIZES entries:")[1]
+    assert ("order_window=3" in entry) == ("fastest" in forward[0]), report

@@ -67,8 +67,10 @@ class TileSizes:
     (Triton's num_stages), how many chunks each piece of a split span must keep
     (split_chunks; Note [fused kernel] in fused_plan.py, "Split spans"), the fewest
     rows a launch of narrow tiles may have (narrowest: tl.dot's least, 16; "Narrow tiles"),
-    and the most programs a launch of a kernel's variant for the non-finite rule has, over
-    its batch rows (rule_programs), each taking every so many tiles. A finite call's
+    the windows in which a launch's tiles go heaviest first (order_window, in tiles; 0: cell
+    by cell; "Tile order"), and the most programs a launch of a kernel's variant for the
+    non-finite rule has, over its batch rows (rule_programs), each taking every so many
+    tiles. A finite call's
     variants only read the check and return: with a program per tile they scheduled as
     many programs as the plain launch (98,304 per kernel at 1M tokens in LongNet's
     setting). 1,024 is several per SM on any GPU (132 on an H100), so that the rule's work
@@ -85,13 +87,15 @@ class TileSizes:
     num_stages: int = 2
     split_chunks: int = 8
     narrowest: int = 16
+    order_window: int = 0
     rule_programs: int = 1024
 
     def plan(self, kernel: str) -> Dict[str, Any]:
         """fused_plan.tile_plan's arguments for `kernel` ("forward", "dq" or "dkdv")."""
         tiles = getattr(self, kernel)
         return dict(block_m=tiles.rows, keys=kernel == "dkdv",
-                    split_keys=self.split_chunks * tiles.chunk, narrowest=self.narrowest)
+                    split_keys=self.split_chunks * tiles.chunk, narrowest=self.narrowest,
+                    order_window=self.order_window)
 
     def grid(self, tiles: Tensor, batch: int, rule: bool) -> Tuple[int, int]:
         """A launch's grid over `tiles` (T, 6) and `batch` rows: a program per tile, or
@@ -104,9 +108,10 @@ class TileSizes:
 # larger blocks are faster there (16 is tl.dot's least size). Spans split where every piece
 # fills a chunk (the tests' short sequences rarely do; tests/test_fused.py also forces it).
 # Two programs of a rule variant per batch row: every test of non-finite inputs runs its
-# loop over several tiles.
+# loop over several tiles. Tiles heaviest first in windows of three: every test runs the
+# plans in an order other than cell by cell (the kernels must not depend on it).
 INTERPRETER_TILE_SIZES = TileSizes(*[KernelTiles(32, 32, num_warps=1)] * 3, num_stages=1,
-                                   split_chunks=1, rule_programs=2)
+                                   split_chunks=1, order_window=3, rule_programs=2)
 
 # CUDA, by the dot products' kind (fp16/bf16 "half"; fp32 on tensor cores "tf32", or on CUDA
 # cores "ieee") and the head dim padded to a power of two (64 at least, 256 at most). Each
@@ -303,25 +308,26 @@ def dense_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
                   key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """q (b, n, h, d) against k/v (b, m, hk, d) (n == m when causal: the square lower
     triangle); key_mask (b, m, hk) -> out (b, n, h, d), lse (b, n, h)."""
-    return _forward(q, k, v, _dense_planner(q, k), causal, scale, key_mask, None)
+    return _forward(q, k, v, _dense_planner(q, k, causal), causal, scale, key_mask, None)
 
 
 def dense_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    dlse: Optional[Tensor], *, causal: bool, scale: float,
                    key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of `dense_forward`, given the final (merged) out and lse."""
-    return _backward(dout, q, k, v, out, lse, dlse, _dense_planner(q, k), causal, scale,
+    return _backward(dout, q, k, v, out, lse, dlse, _dense_planner(q, k, causal), causal, scale,
                      key_mask, None)
 
 
-def _dense_planner(q: Tensor, k: Tensor) -> Planner:
+def _dense_planner(q: Tensor, k: Tensor, causal: bool) -> Planner:
     hk = k.shape[2]
 
-    def planner(block_m: int, keys: bool, split_keys: int, narrowest: int) -> TilePlan:
+    def planner(block_m: int, keys: bool, split_keys: int, narrowest: int,
+                order_window: int) -> TilePlan:
         # one span per head of all the other side's rows, no extras: nothing to split, and
         # every tile full but the last
         return dense_plan(q.shape[1], k.shape[1], Heads.of(q.shape[2], hk), hk, block_m, keys,
-                          device=str(q.device))
+                          device=str(q.device), causal=causal, order_window=order_window)
 
     return planner
 

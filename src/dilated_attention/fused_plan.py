@@ -40,7 +40,7 @@ key i of the span counts 1 + #{extras with i mod period == phase} times
 its logit). So a key two patterns select is loaded and
 multiplied once, not twice: in the example class AB reads 3072 keys, not
 4096 (0.833 of the per-pattern work for LongNet's setting, computed by
-``occupancy``). Rates that do not divide each other (3 and 5) get a span
+``fused_occupancy``). Rates that do not divide each other (3 and 5) get a span
 each, whose counts add up.
 
 Split spans. A count per key costs the kernels' inner loop about a sixth of
@@ -90,8 +90,27 @@ template's (the tiles of a geometry), chosen before the cells take theirs.
 Each launch costs a kernel launch, and its own last partial wave of
 programs, hence the threshold (arithmetic, not timed). The geometric schedule's query and key
 plans of 128-row tiles then compute 0.754 of the per-pattern floor's pairs,
-not 0.857 (``occupancy``); LongNet's setting fills its tiles and launches
+not 0.857 (``fused_occupancy``); LongNet's setting fills its tiles and launches
 once.
+
+Tile order. A GPU starts a launch's programs roughly in order as earlier ones
+finish, so the launch ends with its last wave, and a wave of programs of
+unequal work ends with its heaviest: tiles cell by cell end a causal launch
+on tiles that read a whole segment (the diagonal's last rows), beside idle
+SMs. With ``order_window`` (``fused.TileSizes``) each launch's tiles go
+heaviest first (the keys each one loops over, causal bounds included) within
+windows of that many tiles counted from its last tile: the lightest run last,
+and programs that run at once still come from nearby cells, whose keys they
+share in L2 (a sort over a whole launch would scatter them). Only the tiles
+table is permuted; rows, spans and results are the plan's. A simulation of
+the launches as waves of 264 programs (an H100's 132 SMs, two programs each;
+arithmetic, BENCHMARKS.md "Tile order") puts LongNet's causal forward at 8K tokens
+at 1.06 of its work's time instead of 1.48 (non-causal: 1.09 instead of
+1.22); launches of more waves lose less either way. What L2 makes of it is
+untimed, so
+the CUDA tables keep 0 (cell by cell) until a GPU times it (tune_tiles.py
+--order-windows). The interpreter's tiles order windows of 3: every CPU test
+runs permuted plans.
 
 Why classes and a row table, not one arithmetic progression per residue mod
 L = lcm(rates): a class unites every residue of equal pattern set (head 0 of
@@ -204,7 +223,8 @@ class TilePlan(NamedTuple):
 def tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, causal: bool,
               documents: Documents, block_m: int, keys: bool, device: str = "cpu",
               window: Optional[Tuple[int, int]] = None,
-              split_keys: Optional[int] = None, narrowest: Optional[int] = None) -> TilePlan:
+              split_keys: Optional[int] = None, narrowest: Optional[int] = None,
+              order_window: int = 0) -> TilePlan:
     """The query tiles (``keys=False``: forward and dq) or key tiles (dK/dV) of a call.
 
     window (lo, hi): only the rows [lo, hi) of the n-row sequence, queries and keys
@@ -220,34 +240,39 @@ def tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, causa
     narrowest: tiles of few rows may launch apart at a smaller BLOCK_M, down to this one
     (Note [fused kernel], "Narrow tiles"); None: one launch of block_m rows.
 
+    order_window: each launch's tiles heaviest first within windows of this many tiles,
+    counted from its last tile (Note [fused kernel], "Tile order"); 0: cell by cell.
+
     Cached per shape and device: a training step's forward and backward, and
     every step of equal shape, build it once.
     """
     window = (0, n) if window is None else tuple(window)
     if device != "cpu":
         return _device_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys,
-                            window, split_keys, narrowest, device)
+                            window, split_keys, narrowest, order_window, device)
     return _tile_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys, window,
-                      split_keys, narrowest)
+                      split_keys, narrowest, order_window)
 
 
 @functools.lru_cache(maxsize=64)
 def _device_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m, keys, window,
-                 split_keys, narrowest, device) -> TilePlan:
+                 split_keys, narrowest, order_window, device) -> TilePlan:
     return _tile_plan(n, patterns, heads, num_kv_heads, causal, documents, block_m,
-                      keys, window, split_keys, narrowest).to(device)
+                      keys, window, split_keys, narrowest, order_window).to(device)
 
 
 def dense_plan(n: int, m: int, heads: Heads, num_kv_heads: int, block_m: int, keys: bool,
-               device: str = "cpu") -> TilePlan:
+               device: str = "cpu", causal: bool = False, order_window: int = 0) -> TilePlan:
     """Plain attention of n query rows against m key rows, as a plan (kernels.py's
     per-launch kernel): tiles of consecutive rows, one span of all the other side's
-    rows per head."""
-    return _dense_plan(n, m, heads, num_kv_heads, block_m, keys, device)
+    rows per head; causal (n == m): the square's lower triangle, which only
+    `order_window` reads (tile_plan's)."""
+    return _dense_plan(n, m, heads, num_kv_heads, block_m, keys, device, causal, order_window)
 
 
 @functools.lru_cache(maxsize=64)
-def _dense_plan(n, m, heads, num_kv_heads, block_m, keys, device) -> TilePlan:
+def _dense_plan(n, m, heads, num_kv_heads, block_m, keys, device, causal, order_window
+                ) -> TilePlan:
     groups = _groups(heads, num_kv_heads, keys)
     rows = m if keys else n
     other = n if keys else m
@@ -257,10 +282,14 @@ def _dense_plan(n, m, heads, num_kv_heads, block_m, keys, device) -> TilePlan:
         spans += [(head, 0, 1, other, 1, 0, 0) for head in span_heads]
         for lo in range(0, rows, block_m):
             tiles.append((0, lo, min(block_m, rows - lo), row_head, span_lo, len(spans)))
-    return TilePlan(torch.tensor(tiles, dtype=torch.int32).reshape(-1, 6),
-                    torch.arange(max(rows, 1), dtype=torch.int32),
-                    _table(spans, len(SPAN_COLUMNS)), _table([], 2), block_m, 0,
-                    heights=((block_m, len(tiles)),) if tiles else ()).to(device)
+    table, row_table = torch.tensor(tiles, dtype=torch.int64).reshape(-1, 6), torch.arange(rows)
+    span_table = torch.tensor(spans, dtype=torch.int64).reshape(-1, len(SPAN_COLUMNS))
+    heights = ((block_m, len(tiles)),) if tiles else ()
+    if order_window:
+        table = _heaviest_first(table, tile_work(table, row_table, span_table, causal, keys),
+                                heights, order_window)
+    return TilePlan(_int32(table), _int32(_nonempty(row_table)), _int32(_nonempty(span_table)),
+                    _table([], 2), block_m, 0, heights=heights).to(device)
 
 
 def _table(entries: Sequence[Tuple[int, ...]], width: int) -> Tensor:
@@ -564,7 +593,7 @@ def _leaders(active: Tensor, rates: Tensor) -> Tensor:
 def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, causal: bool,
                documents: Documents, block_m: int, keys: bool,
                window: Tuple[int, int], split_keys: Optional[int] = None,
-               narrowest: Optional[int] = None) -> TilePlan:
+               narrowest: Optional[int] = None, order_window: int = 0) -> TilePlan:
     cells = _cells(n, patterns, documents, window, heads)
     rates = torch.tensor(patterns[1], dtype=torch.int64)
     kind, kind_length, kind_phase = cells.kinds()
@@ -632,10 +661,13 @@ def _tile_plan(n: int, patterns: Patterns, heads: Heads, num_kv_heads: int, caus
         (template[height == level], template_shape[height == level]) for level in levels]
     tiles = [_cell_tiles(part, shape, cells, window) for part, shape in parts]
     heights = tuple((level, t.shape[0]) for level, t in zip(levels, tiles) if t.shape[0])
-    tiles = torch.cat(tiles)
+    tiles, row_table = torch.cat(tiles), torch.cat(rows)
+    if order_window:
+        tiles = _heaviest_first(tiles, tile_work(tiles, row_table, spans.table, causal, keys),
+                                heights, order_window)
     per_span = spans.table[:, 6] - spans.table[:, 5]
     period = spans.extras[:, 0]
-    return TilePlan(_int32(tiles), _int32(_nonempty(torch.cat(rows))),
+    return TilePlan(_int32(tiles), _int32(_nonempty(row_table)),
                     _int32(_nonempty(spans.table)), _int32(_nonempty(spans.extras)), block_m,
                     int(per_span.max()) if per_span.numel() else 0,
                     _powers_of_two(period),
@@ -670,6 +702,51 @@ def _heights(template: Tensor, spans: Tensor, uses: Tensor, block_m: int, narrow
     return height, levels
 
 
+def span_reach(tiles: Tensor, rows: Tensor, spans: Tensor, causal: bool, keys: bool
+           ) -> Tuple[Tensor, Tensor]:
+    """tiles (T, 6), rows (R,), spans (S, 7) -> per (tile, span) pair: its tile and how
+    many of the span's elements the kernel reaches from that tile (triton_kernels' _span:
+    causal query tiles read keys up to their last row, key tiles are read by queries from
+    their first row on)."""
+    per_tile = tiles[:, 5] - tiles[:, 4]
+    tile = torch.repeat_interleave(torch.arange(tiles.shape[0]), per_tile)
+    span = _within(per_tile) + tiles[tile, 4]
+    count = spans[span, 3]
+    if causal:
+        start, stride = spans[span, 1], spans[span, 2]
+        if keys:
+            reach = rows[tiles[tile, 1]] - start  # from the tile's first key on
+            skipped = torch.where(reach > 0, -(-reach // stride), 0)
+            count = torch.clamp(count - skipped, min=0)
+        else:
+            reach = rows[tiles[tile, 1] + tiles[tile, 2] - 1] - start  # up to its last row
+            count = torch.minimum(count, torch.where(reach >= 0, reach // stride + 1, 0))
+    return tile, count
+
+
+def tile_work(tiles: Tensor, rows: Tensor, spans: Tensor, causal: bool, keys: bool) -> Tensor:
+    """(T,): the elements each tile's programs loop over, its spans' together."""
+    tile, count = span_reach(tiles.long(), rows.long(), spans.long(), causal, keys)
+    return torch.zeros(tiles.shape[0], dtype=torch.int64).index_add_(0, tile, count)
+
+
+def _heaviest_first(tiles: Tensor, work: Tensor, heights: Tuple[Tuple[int, int], ...],
+                    window: int) -> Tensor:
+    """tiles (T, 6) in launches of `heights` -> the same tiles, each launch's cut into windows
+    of `window` tiles from its end (the first one partial), each window's heaviest first
+    (ties in plan order)."""
+    order, lo = [], 0
+    for _, count in heights:
+        window_of = (torch.arange(count) + (-count) % window) // window
+        launch_work = work[lo:lo + count]
+        most = int(launch_work.max())
+        # window-major, then heaviest first: one stable sort of one int64 key
+        key = window_of * (most + 1) + (most - launch_work)
+        order.append(lo + torch.sort(key, stable=True).indices)
+        lo += count
+    return tiles[torch.cat(order)] if order else tiles
+
+
 def _cell_tiles(template: Tensor, shape: Tensor, cells: _Cells, window: Tuple[int, int]
                 ) -> Tensor:
     """template (U, 5) sorted by geometry, shape (U,) its geometry -> tiles (T, 6): each
@@ -692,60 +769,3 @@ def _int32(x: Tensor) -> Tensor:
     if x.numel() and int(x.abs().max()) >= 2**31:
         raise ValueError(f"a fused-kernel plan needs indices below 2^31, got {int(x.max())}")
     return x.to(torch.int32)
-
-
-# --------------------------------------------------------------------------
-# What a plan computes, against the per-pattern floor (pure arithmetic)
-
-
-class Occupancy(NamedTuple):
-    """(row, key) pairs per batch row: `computed` by the kernel (its tiles padded to
-    their launch's BLOCK_M rows and its spans to block_n keys, after the causal bound of
-    each tile),
-    `visited` (the tiles' rows times those keys, no padding; causal: the masked pairs
-    inside the bound included) and `floor`: every pattern's dense kernel on its
-    gathered rows alone (docs/spec.md's per-pattern work; causal: the lower triangles)."""
-
-    computed: int
-    visited: int
-    floor: int
-
-    @property
-    def ratio(self) -> float:
-        return self.computed / self.floor
-
-
-def occupancy(n: int, patterns: Patterns, heads: Heads, causal: bool, documents: Documents,
-              block_m: int, block_n: int, split_keys: Optional[int] = None,
-              narrowest: Optional[int] = None) -> Occupancy:
-    """The query plan's work against the per-pattern floor (forward; dq does the same)."""
-    plan = _tile_plan(n, patterns, heads, max(heads.kv_of) + 1, causal, documents, block_m,
-                      False, (0, n), split_keys, narrowest)
-    tiles, rows, spans = plan.tiles.long(), plan.rows.long(), plan.spans.long()
-    per_tile = tiles[:, 5] - tiles[:, 4]
-    tile = torch.repeat_interleave(torch.arange(tiles.shape[0]), per_tile)
-    span = _within(per_tile) + tiles[tile, 4]
-    count = spans[span, 3]
-    if causal:
-        # keys up to the tile's last row: what the kernel loops over
-        last = rows[tiles[tile, 1] + tiles[tile, 2] - 1]
-        reach = last - spans[span, 1]
-        count = torch.minimum(count, torch.where(reach >= 0, reach // spans[span, 2] + 1, 0))
-    padded = -(-count // block_n) * block_n
-    heights, launch_tiles = zip(*plan.heights)
-    launch_rows = torch.repeat_interleave(torch.tensor(heights), torch.tensor(launch_tiles))
-    computed = int((padded * launch_rows[tile]).sum())
-    visited = int((count * tiles[tile, 2]).sum())
-    return Occupancy(computed, visited, _floor(n, patterns, heads, causal, documents))
-
-
-def _floor(n: int, patterns: Patterns, heads: Heads, causal: bool, documents: Documents) -> int:
-    total = 0
-    for w, r in zip(*patterns):
-        _, lengths = segments_between(0, n, w, documents, n)
-        for j in range(heads.count):
-            offset = (heads.first + j) % r
-            # rows of each segment at local index = offset mod r
-            k = torch.clamp(-((offset - lengths) // r), min=0)
-            total += int((k * (k + 1) // 2 if causal else k * k).sum())
-    return total
