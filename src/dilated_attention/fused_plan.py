@@ -95,22 +95,21 @@ once.
 
 Tile order. A GPU starts a launch's programs roughly in order as earlier ones
 finish, so the launch ends with its last wave, and a wave of programs of
-unequal work ends with its heaviest: tiles cell by cell end a causal launch
-on tiles that read a whole segment (the diagonal's last rows), beside idle
-SMs. With ``order_window`` (``fused.TileSizes``) each launch's tiles go
-heaviest first (the keys each one loops over, causal bounds included) within
-windows of that many tiles counted from its last tile: the lightest run last,
-and programs that run at once still come from nearby cells, whose keys they
-share in L2 (a sort over a whole launch would scatter them). Only the tiles
-table is permuted; rows, spans and results are the plan's. A simulation of
-the launches as waves of 264 programs (an H100's 132 SMs, two programs each;
-arithmetic, BENCHMARKS.md "Tile order") puts LongNet's causal forward at 8K tokens
-at 1.06 of its work's time instead of 1.48 (non-causal: 1.09 instead of
-1.22); launches of more waves lose less either way. What L2 makes of it is
-untimed, so
-the CUDA tables keep 0 (cell by cell) until a GPU times it (tune_tiles.py
---order-windows). The interpreter's tiles order windows of 3: every CPU test
-runs permuted plans.
+unequal work ends with its heaviest: tiles cell by cell end a causal launch on
+tiles that read a whole segment (the diagonal's last rows), beside idle SMs.
+With ``order_window`` (``fused.TileSizes``) each launch's tiles go heaviest
+first (the keys each one loops over, causal bounds included) within windows of
+that many tiles counted from its last tile: the lightest run last, and
+programs that run at once still come from nearby cells, whose keys they share
+in L2 (a sort over a whole launch would scatter them). Only the tiles table is
+permuted; rows, spans and results are the plan's. A simulation of the launches
+as waves of 264 programs (an H100's 132 SMs, two programs each; arithmetic:
+benchmarks/tile_order_waves.py, BENCHMARKS.md "Tile order") puts LongNet's
+causal forward at 8K tokens at 1.06 of its work's time instead of 1.48
+(non-causal: 1.09 instead of 1.22); launches of more waves lose less either
+way. What L2 makes of it is untimed, so the CUDA tables keep 0 (cell by cell)
+until a GPU times it (tune_tiles.py --order-windows). The interpreter's tiles
+use windows of 3: every CPU test runs permuted plans.
 
 Why classes and a row table, not one arithmetic progression per residue mod
 L = lcm(rates): a class unites every residue of equal pattern set (head 0 of
