@@ -115,7 +115,8 @@ def selected_pairs(n: int, segments: Sequence[int], rates: Sequence[int], heads:
     """(head, query, key) pairs the patterns select, a pair that two select counted twice:
     per pattern (w, r), segments of min(w, n) rows (the last one shorter where it does not
     divide n), in each head j the m rows of offset j mod r attending m keys (causal: their
-    own and the earlier ones, m (m + 1) / 2 pairs)."""
+    own and the earlier ones, m (m + 1) / 2 pairs). fused_occupancy._floor counts the same;
+    not called here: gpu_suite's compare part runs this script on older src/ trees."""
     pairs = 0
     for w, r in zip(segments, rates):
         length = min(w, n)

@@ -45,8 +45,8 @@ fused.TUNED_TILE_SIZES first):
   (``--head-dims 128``) is a second call by hand.
 - ``tile-order``: tune_tiles.py's ``--order-windows 0 1024``: each kernel
   with the shipped tiles cell by cell against heaviest first in windows of
-  1,024 tiles (fused.TileSizes.order_window; a simulation says a launch of few
-  waves ends up to a third sooner, BENCHMARKS.md "Tile order"), LongNet at
+  1,024 tiles (fused.TileSizes.order_window; a model, not a measurement, says
+  launches of few waves end sooner: BENCHMARKS.md "Tile order"), LongNet at
   8K, causal at 16K and 64K, the geometric schedule causal at 16K. Not in
   ``all``.
 - ``bench-sdpa`` / ``bench-triton``: bench_single_device.py in bf16 for the
@@ -134,9 +134,10 @@ def bench_commands(backend: str, seq_lens: Sequence[str], dense_max: str = "3276
     """The backend's bench_single_device runs: per schedule, at `seq_lens` (at least 0.3 s
     of turns per case: below 64K a call takes a millisecond or less), with `extra`
     arguments."""
-    return [ON_CUDA + ["--dtype", dtype, "--backend", backend, "--schedule", schedule, "--seq-lens", *seq_lens,
-                     "--repeats", "5", "--min-seconds", "0.3", "--dense-max", dense_max,
-                     *extra, "--json", f"bench-out/gpu_{name or backend}_{schedule}.json"]
+    return [ON_CUDA + ["--dtype", dtype, "--backend", backend, "--schedule", schedule,
+                       "--seq-lens", *seq_lens, "--repeats", "5", "--min-seconds", "0.3",
+                       "--dense-max", dense_max, *extra,
+                       "--json", f"bench-out/gpu_{name or backend}_{schedule}.json"]
             for schedule in schedules]
 
 

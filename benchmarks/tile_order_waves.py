@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
-from typing import List, Sequence
+from typing import Sequence, Tuple
 
 from dilated_attention import fused
 from dilated_attention.fused_plan import TilePlan, tile_work, tile_plan
@@ -38,7 +38,7 @@ def makespan(work: Sequence[float], slots: int) -> float:
 
 
 def launches(plan: TilePlan, causal: bool, keys: bool, slots: int, overhead: float
-             ) -> List[float]:
+             ) -> Tuple[float, float]:
     """(time in waves, even share) of the plan's launches together."""
     work = [w + overhead for w in tile_work(plan.tiles, plan.rows, plan.spans, causal,
                                              keys).tolist()]
@@ -46,7 +46,7 @@ def launches(plan: TilePlan, causal: bool, keys: bool, slots: int, overhead: flo
     for _, count in plan.heights:
         total += makespan(work[lo:lo + count], slots)
         lo += count
-    return [total, sum(work) / slots]
+    return total, sum(work) / slots
 
 
 def main(argv=None) -> None:

@@ -27,6 +27,18 @@ def suite():
     return _load("gpu_suite")
 
 
+def _listed(suite, capsys, *args: str) -> str:
+    """What `gpu_suite.py --list ARGS` prints (exit status 0)."""
+    assert suite.main(["--list", *args]) == 0
+    return capsys.readouterr().out
+
+
+def _part_commands(suite, capsys, *args: str):
+    """The commands `gpu_suite.py --list --part ARGS` prints, one per line after the
+    part's name."""
+    return [line.strip() for line in _listed(suite, capsys, "--part", *args).splitlines()[1:]]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for machines without CUDA")
 def test_without_cuda_it_says_so_and_exits_0():
     done = subprocess.run([sys.executable, str(SUITE)], capture_output=True, text=True,
@@ -36,8 +48,7 @@ def test_without_cuda_it_says_so_and_exits_0():
 
 
 def test_list_names_every_part(suite, capsys):
-    assert suite.main(["--list"]) == 0
-    out = capsys.readouterr().out
+    out = _listed(suite, capsys)
     for name in ("tests", "strided", "bench-sdpa", "tiles", "bench-triton", "causal",
                  "memory", "profile"):
         assert f"{name}:" in out
@@ -48,8 +59,7 @@ def test_list_names_every_part(suite, capsys):
 
 
 def test_the_causal_part_times_causal_calls_of_the_fused_kernel(suite, capsys):
-    assert suite.main(["--list", "--part", "causal", "--seq-lens", "65536"]) == 0
-    commands = [line.strip() for line in capsys.readouterr().out.splitlines()[1:]]
+    commands = _part_commands(suite, capsys, "causal", "--seq-lens", "65536")
     assert len(commands) == 2
     for command, schedule in zip(commands, ("longnet", "geometric")):
         assert "--backend triton" in command and "--causal" in command
@@ -57,28 +67,24 @@ def test_the_causal_part_times_causal_calls_of_the_fused_kernel(suite, capsys):
 
 
 def test_the_fp32_part_times_the_fused_kernel_against_the_sdpa_path(suite, capsys):
-    assert suite.main(["--list", "--part", "fp32", "--seq-lens", "8192", "1048576"]) == 0
-    commands = [line.strip() for line in capsys.readouterr().out.splitlines()[1:]]
+    commands = _part_commands(suite, capsys, "fp32", "--seq-lens", "8192", "1048576")
     assert len(commands) == 2
     for command, backend in zip(commands, ("triton", "cuda_efficient")):
         assert command.count("--dtype") == 1 and "--dtype float32" in command
         assert f"--backend {backend}" in command and "--schedule longnet" in command
         assert "--seq-lens 8192 --" in command  # past 256K an fp32 call takes seconds
-    assert suite.main(["--list"]) == 0
-    assert "fp32:" not in capsys.readouterr().out
+    assert "fp32:" not in _listed(suite, capsys)
 
 
 def test_the_tile_order_part_times_the_shipped_tiles_in_both_orders(suite, capsys):
-    assert suite.main(["--list", "--part", "tile-order"]) == 0
-    commands = [line.strip() for line in capsys.readouterr().out.splitlines()[1:]]
+    commands = _part_commands(suite, capsys, "tile-order")
     assert len(commands) == 4 and sum("--causal" in c for c in commands) == 3
     outs = set()
     for command in commands:
         assert "tune_tiles.py" in command and "--order-windows 0 1024" in command
         outs.add(command.split("--out ")[1])
     assert len(outs) == 4  # a report each
-    assert suite.main(["--list"]) == 0
-    assert "tile-order:" not in capsys.readouterr().out
+    assert "tile-order:" not in _listed(suite, capsys)
 
 
 def test_report_keeps_parts_and_replaces_a_part_run_again(suite, tmp_path, monkeypatch):
@@ -109,9 +115,8 @@ def test_run_records_output_status_and_stops_at_the_timeout(suite):
 
 
 def test_compare_times_this_tree_then_the_baseline_per_schedule(suite, capsys):
-    assert suite.main(["--list", "--part", "compare", "--baseline", "bench-out/base/src",
-                       "--seq-lens", "65536"]) == 0
-    commands = [line.strip() for line in capsys.readouterr().out.splitlines()[1:]]
+    commands = _part_commands(suite, capsys, "compare", "--baseline", "bench-out/base/src",
+                              "--seq-lens", "65536")
     assert len(commands) == 4
     for current, baseline, schedule in zip(commands[::2], commands[1::2],
                                            ("longnet", "geometric")):
@@ -122,32 +127,27 @@ def test_compare_times_this_tree_then_the_baseline_per_schedule(suite, capsys):
         assert baseline.split(" ", 2)[2] == current.replace("gpu_current", "gpu_baseline")
         assert f"--schedule {schedule}" in current and "--backend triton" in current
     # not in "all": it needs --baseline
-    assert suite.main(["--list"]) == 0
-    assert "compare:" not in capsys.readouterr().out
+    assert "compare:" not in _listed(suite, capsys)
 
 
 def test_triton_floor_times_the_fused_kernel_against_floors_of_its_own(suite, capsys):
-    assert suite.main(["--list", "--part", "triton-floor", "--seq-lens", "65536"]) == 0
-    commands = [line.strip() for line in capsys.readouterr().out.splitlines()[1:]]
+    commands = _part_commands(suite, capsys, "triton-floor", "--seq-lens", "65536")
     assert len(commands) == 2
     for command, schedule in zip(commands, ("longnet", "geometric")):
         assert "--backend triton" in command and "--floor-backend triton" in command
         assert f"--schedule {schedule}" in command and "--no-memory" in command
     # not in "all": a question for after the rest
-    assert suite.main(["--list"]) == 0
-    assert "triton-floor:" not in capsys.readouterr().out
+    assert "triton-floor:" not in _listed(suite, capsys)
 
 
 def test_sdpa_whole_times_whole_sequence_blocks_with_views_and_copies(suite, capsys):
-    assert suite.main(["--list", "--part", "sdpa-whole", "--seq-lens", "8192", "65536"]) == 0
-    commands = [line.strip() for line in capsys.readouterr().out.splitlines()[1:]]
+    commands = _part_commands(suite, capsys, "sdpa-whole", "--seq-lens", "8192", "65536")
     assert len(commands) == 4  # views on, then off; each for both schedules
     for command, views in zip(commands, ("on", "on", "off", "off")):
         assert "--backend cuda_cudnn" in command and f"--strided {views}" in command
         # one block: every row of the longest sequence; only lengths from 64K
         assert f"--block-rows {1 << 30}" in command and "--seq-lens 65536 --" in command
-    assert suite.main(["--list"]) == 0
-    assert "sdpa-whole:" not in capsys.readouterr().out
+    assert "sdpa-whole:" not in _listed(suite, capsys)
 
 
 def test_short_steps_get_more_turns_than_repeats():

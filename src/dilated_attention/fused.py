@@ -70,11 +70,10 @@ class TileSizes:
     the windows in which a launch's tiles go heaviest first (order_window, in tiles; 0: cell
     by cell; "Tile order"), and the most programs a launch of a kernel's variant for the
     non-finite rule has, over its batch rows (rule_programs), each taking every so many
-    tiles. A finite call's
-    variants only read the check and return: with a program per tile they scheduled as
-    many programs as the plain launch (98,304 per kernel at 1M tokens in LongNet's
-    setting). 1,024 is several per SM on any GPU (132 on an H100), so that the rule's work
-    still spreads where it runs; not timed.
+    tiles. A finite call's variants only read the check and return: with a program per
+    tile they scheduled as many programs as the plain launch (98,304 per kernel at 1M
+    tokens in LongNet's setting). 1,024 is several per SM on any GPU (132 on an H100), so
+    that the rule's work still spreads where it runs; not timed.
 
     Eight chunks: a piece's partial last chunk and its loop's start (the loads' pipeline
     filling again) then cost at most about an eighth of a chunk's work more per piece,
