@@ -130,6 +130,53 @@ def test_chunked_loss_under_autocast():
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("frozen_hidden", [False, True])
+def test_chunked_loss_second_derivatives(frozen_hidden):
+    """create_graph=True (a gradient penalty, a Hessian-vector product): the recorded backward
+    gives the plain path's first and second derivatives, chunk sizes of 1, 5 and all rows,
+    ignored rows and a bias; with hidden not requiring grad (a trained head alone) too."""
+    g = torch.Generator().manual_seed(2)
+    b, n, e, v = 2, 13, 6, 9
+    hidden = torch.randn(b, n, e, generator=g, dtype=torch.float64)
+    hidden.requires_grad_(not frozen_hidden)
+    weight = torch.randn(v, e, generator=g, dtype=torch.float64, requires_grad=True)
+    bias_ = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, v, (b, n), generator=g)
+    targets[:, ::4] = IGNORE_INDEX
+    inputs = [x for x in (hidden, weight, bias_) if x.requires_grad]
+    vectors = [torch.randn(x.shape, generator=g, dtype=torch.float64) for x in inputs]
+
+    def derivatives(loss):
+        first = torch.autograd.grad(loss, inputs, create_graph=True)
+        product = sum((d * u).sum() for d, u in zip(first, vectors))
+        return first + torch.autograd.grad(product, inputs)
+
+    want = derivatives(token_mean_loss(F.linear(hidden, weight, bias_), targets, None))
+    for rows in (1, 5, b * n):
+        loss = chunked_token_mean_loss(hidden, weight, targets, None, bias=bias_,
+                                       chunk_bytes=rows * v * 8)
+        for got, ref in zip(derivatives(loss), want):
+            torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-13)
+
+
+def test_model_gradient_penalty_equals_the_logits_path():
+    """The model's default loss (chunked) under create_graph=True: the same gradient penalty
+    and second-order gradients as return_logits=True."""
+    model = _build(LongNetLM, small_config(num_layers=1))
+    tokens, targets = _data(1, 11, SMALL["vocab_size"])
+    params = list(model.parameters())
+    results = []
+    for kwargs in ({}, {"return_logits": True}):
+        _, loss = model(tokens, targets, **kwargs)
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        penalty = sum((x ** 2).sum() for x in grads)
+        results.append((penalty.detach(), torch.autograd.grad(penalty, params)))
+    (penalty, grads), (ref_penalty, ref_grads) = results
+    torch.testing.assert_close(penalty, ref_penalty, rtol=1e-10, atol=1e-12)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+
+
 @pytest.mark.parametrize("kind", ["lm", "encdec"])
 @pytest.mark.parametrize("tie", [True, False])
 def test_model_loss_without_logits_equals_with(kind, tie):

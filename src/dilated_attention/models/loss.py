@@ -28,6 +28,10 @@ Note [chunked head loss]
     The matmuls run in the model's dtype and the softmax in the accumulator
     dtype, as the plain path (``F.linear`` then ``token_mean_loss``) does,
     so the loss and gradients equal the plain ones to rounding (fp64 tests).
+    Under ``create_graph=True`` the backward is itself recorded: out-of-place
+    ops, each chunk's softmax recomputed from its logits, so a second
+    derivative holds every chunk's softmax (the logits' memory, as the plain
+    path's second derivative does).
 """
 
 from __future__ import annotations
@@ -156,6 +160,8 @@ def head_loss_backward(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optio
     hidden and d bias += its column sums over the chunks, summed in the
     accumulator dtype (returned in it: the caller casts).
     """
+    if torch.is_grad_enabled():
+        return _recorded_head_loss_backward(grad, hidden, weight, bias, targets, rows, needs)
     acc = lse.dtype
     need_h, need_w, need_b = needs
     dh = torch.empty_like(hidden) if need_h else None
@@ -180,6 +186,36 @@ def head_loss_backward(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optio
         if need_b:
             db += d.sum(0, dtype=acc)
     return dh, dw, db
+
+
+def _recorded_head_loss_backward(grad: Tensor, hidden: Tensor, weight: Tensor,
+                                 bias: Optional[Tensor], targets: Tensor, rows: int,
+                                 needs: Tuple[bool, bool, bool]) -> Tuple[Optional[Tensor], ...]:
+    """``head_loss_backward`` recorded for a second derivative (backward under
+    ``create_graph=True``): out-of-place ops, and each chunk's softmax recomputed from its
+    logits (the saved lse is a constant to autograd). Autograd then keeps every chunk's
+    softmax, (N, v) in all: the logits' memory, which a second derivative needs anyway."""
+    acc = accumulator_dtype(hidden.dtype)
+    need_h, need_w, need_b = needs
+    dh = []
+    dw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+    db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device)
+    for start in range(0, hidden.shape[0], rows):
+        stop = min(start + rows, hidden.shape[0])
+        h, t = hidden[start:stop], targets[start:stop]
+        keep = t != IGNORE_INDEX
+        probs = torch.softmax(F.linear(h, weight, bias).to(acc), dim=-1)  # (r, v)
+        # (r,) -> (r, v): one at each kept row's target
+        onehot = F.one_hot(t.clamp(min=0), weight.shape[0]).to(acc) * keep.to(acc)[:, None]
+        d = ((probs - onehot) * (grad * keep)[:, None]).to(hidden.dtype)
+        if need_h:
+            dh.append(d @ weight)
+        if need_w:
+            dw = dw + (d.t() @ h).to(acc)
+        if need_b:
+            db = db + d.sum(0, dtype=acc)
+    return (torch.cat(dh) if dh else torch.zeros_like(hidden)) if need_h else None, \
+        dw if need_w else None, db if need_b else None
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
