@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from dilated_attention import LongNet, LongNetConfig, LongNetLM, dilated_attention
 from dilated_attention import all_reduce_gradients
 from dilated_attention.decoding import cached_dilated_attention
-from dilated_attention.models import IGNORE_INDEX
+from dilated_attention.models import IGNORE_INDEX, token_mean_loss
 from dilated_attention.decoding import CachePlan
 from dilated_attention.models.generation import decode_token, prefill
+from dilated_attention.models.layers import Positions
 from dilated_attention.distributed.sharding import shard_sequence
 
 from dist_harness import run_distributed
@@ -74,6 +75,9 @@ def test_presets():
         ({"attention_dropout": "0.1"}, TypeError, r"^attention_dropout must be.*'0.1'"),
         ({"num_layers": 0}, ValueError, r"num_layers.*0"),
         ({"tie_embeddings": "yes"}, TypeError, r"tie_embeddings.*'yes'"),
+        ({"layer_norm_eps": -1.0}, ValueError, r"^layer_norm_eps must be.*-1.0"),
+        ({"layer_norm_eps": float("nan")}, ValueError, r"^layer_norm_eps must be.*nan"),
+        ({"layer_norm_eps": "1e-5"}, TypeError, r"^layer_norm_eps must be.*'1e-5'"),
     ],
 )
 def test_config_errors(overrides, error, match):
@@ -174,6 +178,21 @@ def test_learned_positions_bound():
     assert model.generate(torch.zeros(1, 10, dtype=torch.long), 12).shape == (1, 22)
 
 
+@pytest.mark.parametrize("embed_dim", [1, 2, 3, 8])
+def test_sinusoidal_positions_for_any_width(embed_dim):
+    """sin(p f_i) then cos(p f_i), f_i = 10000^(-i / (e // 2)), a zero column for odd e
+    (embed_dim 1: no frequency, a zero)."""
+    positions = Positions(small_config(embed_dim=embed_dim, num_heads=1), {})
+    p = torch.arange(5, dtype=torch.float64)
+    half = embed_dim // 2
+    freq = 10000.0 ** (-torch.arange(half, dtype=torch.float64) / max(half, 1))
+    want = torch.zeros(5, embed_dim, dtype=torch.float64)
+    want[:, :half] = torch.sin(p[:, None] * freq)
+    want[:, half:2 * half] = torch.cos(p[:, None] * freq)
+    got = positions(torch.arange(5), torch.empty((), dtype=torch.float64))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_input_errors():
     model = LongNetLM(small_config())
     with pytest.raises(ValueError, match=r"tokens must be 2-D.*\(5,\)"):
@@ -188,6 +207,19 @@ def test_input_errors():
         model.generate(torch.zeros(1, 3, dtype=torch.long), 2, temperature=-1.0)
     with pytest.raises(TypeError, match="max_new_tokens.*2.5"):
         model.generate(torch.zeros(1, 3, dtype=torch.long), 2.5)
+    with pytest.raises(TypeError, match=r"generator must be a torch.Generator.*3 \(int\)"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 2, temperature=1.0, generator=3)
+
+
+def test_sampling_edges():
+    """A temperature so small that logit / temperature overflows samples the argmax (greedy);
+    ids come back in the prompt's dtype; the plain loss takes int32 targets as the models do."""
+    model = LongNetLM(small_config(), dtype=torch.float64)
+    tokens, targets = _data(2, 9, 23)
+    assert torch.equal(model.generate(tokens, 4, temperature=1e-40), model.generate(tokens, 4))
+    assert model.generate(tokens.int(), 3).dtype == torch.int32
+    logits, loss = model(tokens, targets, return_logits=True)
+    torch.testing.assert_close(token_mean_loss(logits, targets.int(), None), loss)
 
 
 def test_target_and_token_checks_before_the_forward():
@@ -233,6 +265,9 @@ def test_packed_documents_equal_training_them_one_by_one(how):
     torch.testing.assert_close(loss, total / count, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="not both"):
         model(tokens, cu_seqlens=PACKED, position_ids=_restarts(37))
+    # one row of positions for every batch row, or one row per batch row; not another batch
+    with pytest.raises(ValueError, match=r"position_ids must be.*\(2, 37\), got \(3, 37\)"):
+        model(tokens, position_ids=_restarts(37)[None].expand(3, -1))
 
 
 # ---------------------------------------------------------------------------

@@ -191,6 +191,8 @@ def test_gradients_reach_every_parameter():
         ({"segment_lengths": [4]}, ValueError, r"same length"),
         ({"dropout": 1.0}, ValueError, r"^dropout must be in \[0, 1\), got 1.0"),
         ({"gamma_init": -1.0}, ValueError, r"gamma_init.*-1.0"),
+        ({"layer_norm_eps": 0.0}, ValueError, r"^layer_norm_eps must be.*0.0"),
+        ({"layer_norm_eps": None}, TypeError, r"^layer_norm_eps must be.*None"),
         ({"layer_norm": 1}, TypeError, r"layer_norm.*1"),
     ],
 )

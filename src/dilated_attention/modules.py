@@ -12,7 +12,6 @@ do), output projection.
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence, Tuple
 
 from torch import Tensor, nn
@@ -172,10 +171,8 @@ class MultiheadDilatedAttention(nn.Module):
             )
         check.check_bool("bias", bias)
         check.check_bool("layer_norm", layer_norm)
-        if isinstance(gamma_init, bool) or not isinstance(gamma_init, (int, float)):
-            raise TypeError(f"gamma_init must be a positive float, got {gamma_init!r}")
-        if not (math.isfinite(gamma_init) and gamma_init > 0):
-            raise ValueError(f"gamma_init must be a positive finite float, got {gamma_init}")
+        gamma_init = check.check_positive_float("gamma_init", gamma_init)
+        layer_norm_eps = check.check_positive_float("layer_norm_eps", layer_norm_eps)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -106,15 +106,22 @@ def check_backend(backend: Any) -> str:
     return backend
 
 
+def check_positive_float(name: str, value) -> float:
+    """A positive finite real (not a bool), as a float; else TypeError/ValueError naming
+    `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a positive finite float, got {value!r} "
+                        f"({type(value).__name__})")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite float, got {value}")
+    return float(value)
+
+
 def check_scale(scale, head_dim: int) -> float:
     """The softmax scale: `scale` if given (positive, finite), else 1/sqrt(d)."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a positive finite float or None, got {scale!r}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite float, got {scale}")
-    return float(scale)
+    return check_positive_float("scale", scale)
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, allow_empty: bool = False) -> None:

@@ -85,6 +85,7 @@ class LongNetConfig:
             raise ValueError(
                 f"activation must be one of {tuple(ACTIVATIONS)}, got {self.activation!r}"
             )
+        check.check_positive_float("layer_norm_eps", self.layer_norm_eps)
         check.check_dropout(self.dropout, "dropout")
         check.check_dropout(self.attention_dropout, "attention_dropout")
         for name in ("bias", "tie_embeddings"):

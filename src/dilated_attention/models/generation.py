@@ -99,6 +99,9 @@ def _agree(model: nn.Module, tokens: Tensor, attention_mask, max_new_tokens, tem
             raise TypeError(f"temperature must be a float >= 0, got {temperature!r}")
         if not (math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature must be a finite float >= 0, got {temperature}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {generator!r} "
+                            f"({type(generator).__name__})")
         k = check.check_optional_positive_int("top_k", top_k)
         check.check_bool("use_cache", use_cache)
         longest = tokens.shape[1] - min(origins or (0,))  # the longest row's real tokens
@@ -143,7 +146,7 @@ def _generate(model, tokens, origins, max_new_tokens, temperature, top_k, use_ca
     for step in range(max_new_tokens):
         logits = model.logits(model.norm(hidden))
         nxt = _sample(logits, temperature, top_k, generator)
-        out = torch.cat([out, nxt[:, None]], dim=1)
+        out = torch.cat([out, nxt[:, None].to(out.dtype)], dim=1)
         if step + 1 == max_new_tokens:
             break
         if use_cache:
@@ -240,7 +243,10 @@ def _sample(logits: Tensor, temperature: float, top_k: Optional[int], generator)
     """Next ids (b,) from last-position logits (b, v): greedy at temperature 0."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # the largest logit at 0 before dividing: the others go to -inf, not past +inf, at
+    # temperatures so small that logit / temperature overflows
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)

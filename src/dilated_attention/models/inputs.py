@@ -101,7 +101,8 @@ def document_starts(position_ids: Optional[Tensor], tokens: Tensor,
                         f"{getattr(position_ids, 'dtype', type(position_ids).__name__)}")
     if position_ids.dim() == 1:
         position_ids = position_ids[None]
-    if position_ids.dim() != 2 or position_ids.shape[1] != tokens.shape[1]:
+    if position_ids.dim() != 2 or position_ids.shape[1] != tokens.shape[1] or \
+            position_ids.shape[0] not in (1, tokens.shape[0]):
         raise ValueError(
             f"position_ids must be (batch, seq_len) or (seq_len,) matching tokens "
             f"{tuple(tokens.shape)}, got {tuple(position_ids.shape)}"

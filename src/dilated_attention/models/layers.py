@@ -184,7 +184,7 @@ class Positions(nn.Module):
         half = self.embed_dim // 2
         freq = torch.exp(
             torch.arange(half, device=like.device, dtype=torch.float64)
-            * (-math.log(10000.0) / half)
+            * (-math.log(10000.0) / max(half, 1))  # embed_dim 1: no frequency, a zero
         )
         angles = pos[..., None] * freq
         # (..., n, e/2) sin and (..., n, e/2) cos -> (..., n, e), zero-padded for odd e

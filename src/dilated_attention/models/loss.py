@@ -79,7 +79,8 @@ def token_mean_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
     """
     # (b, n, v) -> (b n, v)
     total = F.cross_entropy(logits.to(accumulator_dtype(logits.dtype)).flatten(0, 1),
-                            targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+                            targets.flatten().long(), ignore_index=IGNORE_INDEX,
+                            reduction="sum")
     return _mean_over_ranks(total, targets, group)
 
 
