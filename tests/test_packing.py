@@ -154,14 +154,23 @@ def test_ring_with_documents_and_mask_on_one_device(causal):
         close(g, w, torch.float64, "grad")
 
 
-def test_nonfinite_values_reach_exactly_the_queries_that_attend_them():
-    """A NaN value row: NaN exactly where the reference attends it (causal: later rows of its
-    segment), finite and exact elsewhere; an inf key likewise, and its lse too."""
-    q, k, v, _, _ = _inputs(1, 24, 2, 2, 4, 9)
-    v[0, 5, 1] = math.nan  # row 5, kv head 1
-    k[0, 17, 0] = math.inf  # row 17, kv head 0
-    segs, rates = [8, 24], [1, 2]
-    out, lse = dilated_attention(q, k, v, segs, rates, is_causal=True, return_lse=True)
+@pytest.mark.parametrize("d", [4, 1])
+@pytest.mark.parametrize("op", ["dilated", "ring"])
+def test_nonfinite_values_reach_exactly_the_queries_that_attend_them(op, d):
+    """A NaN value row: NaN out exactly where the reference attends it (causal: later rows of
+    its segment), its lse exact (lse does not read v); an inf key likewise, and NaN lse
+    there; finite and exact elsewhere. Head dim 1 too (the op's marker pass has one value
+    column there). The NaN value row's logits underflow to a probability of 0 in some rows:
+    still NaN there (a positive count, docs/spec.md)."""
+    q, k, v, _, _ = _inputs(1, 24, 2, 2, d, 9)
+    v[0, 5, 1, d - 1] = math.nan  # row 5, kv head 1
+    k[0, 5, 1] *= 1e4  # its logits far from 0 both ways: a probability of exactly 0 in some rows
+    k[0, 17, 0, 0] = math.inf  # row 17, kv head 0
+    segs, rates = ([8, 24], [1, 2]) if op == "dilated" else ([24], [1])
+    if op == "dilated":
+        out, lse = dilated_attention(q, k, v, segs, rates, is_causal=True, return_lse=True)
+    else:
+        out, lse = ring_attention(q, k, v, is_causal=True, return_lse=True)
     from reference import dilated_counts
 
     counts = dilated_counts(24, 2, segs, rates, True)  # (h, n, n)
@@ -170,12 +179,15 @@ def test_nonfinite_values_reach_exactly_the_queries_that_attend_them():
     assert torch.equal(torch.isnan(out[0, :, 1]).any(-1), attends_v)
     assert torch.equal(torch.isnan(out[0, :, 0]).any(-1), attends_k)
     assert torch.equal(torch.isnan(lse[0, 0]), attends_k)
+    assert not torch.isnan(lse[0, 1]).any()
     clean_k, clean_v = k.clone(), v.clone()
     clean_k[0, 17, 0] = 0.0
     clean_v[0, 5, 1] = 0.0
-    ref, _ = reference_dilated_attention(q, clean_k, clean_v, segs, rates, causal=True)
+    ref, ref_lse = reference_dilated_attention(q, clean_k, clean_v, segs, rates, causal=True)
     fine = ~torch.isnan(out)
     torch.testing.assert_close(out[fine], ref[fine], rtol=1e-9, atol=1e-9)
+    fine = ~torch.isnan(lse)
+    torch.testing.assert_close(lse[fine], ref_lse[fine], rtol=1e-9, atol=1e-9)
 
 
 def test_finite_values_whose_sum_overflows_give_the_same_result():

@@ -11,6 +11,7 @@ dk, dv with the single-process op on the concatenated sequence in float64.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from typing import Dict
 from unittest import mock
@@ -20,6 +21,7 @@ import torch
 
 from dilated_attention import dilated_attention, ring_attention, validation
 from dilated_attention.distributed import comm
+from dilated_attention.distributed.sharding import piece_ranges
 from dilated_attention.plan import Layout, make_plan
 from dilated_attention.patterns import Heads
 from dist_harness import run_distributed, subgroup
@@ -142,6 +144,7 @@ def _spawned_cases(group, world):
     res["bad_input"] = _error_of(lambda: dilated_attention(bad, x, x, (4,), (2,), group=group))
 
     res["qkv_checks"] = _qkv_checks_per_call(group)
+    res["nonfinite"] = _nonfinite_calls(group)
     if world == 2:
         res["dropout"] = _dropout_case(group)
     if world == 3:
@@ -150,6 +153,35 @@ def _spawned_cases(group, world):
             res["subgroup"] = _run_sharded(sub, (5, 7), (4, 16), (2, 1), True, 4, 2, seed=7)
         res["float32"] = _run_sharded(group, *FLOAT32_CASE, seed=8, dtype=torch.float32)
     return res
+
+
+# (tensor, row, head, value) planted in 22 rows: every rank's piece holds one at P = 2 and 3
+NONFINITE = [("k", 3, 1, -math.inf), ("q", 9, 2, math.nan), ("v", 12, 1, math.nan),
+             ("k", 17, 0, math.inf), ("v", 20, 0, math.inf)]
+
+
+def _nonfinite_calls(group):
+    """docs/spec.md's non-finite rule under a group: each call's (out, lse) on this rank's
+    rows, for inputs with NaN and infinities planted on several ranks (None: one process)."""
+    world = comm.group_size(group) if group is not None else 1
+    rank = comm.group_rank(group) if group is not None else 0
+    q, k, v, _, _ = _inputs((22,), 4, 2, seed=11)
+    planted = {"q": q, "k": k, "v": v}
+    for name, row, head, value in NONFINITE:
+        planted[name][:, row, head, 1] = value
+    (lo, hi), = piece_ranges(22, world, rank)
+    q, k, v = (x[:, lo:hi] for x in (q, k, v))
+    calls = {
+        "exchange": lambda: dilated_attention(q, k, v, (4, 8, 32), (1, 2, 3), is_causal=True,
+                                              strategy="exchange", group=group, return_lse=True),
+        "ring": lambda: ring_attention(q, k, v, is_causal=True, group=group, return_lse=True),
+        "window": lambda: ring_attention(q, k, v, is_causal=True, window_size=(5, 0),
+                                         group=group, return_lse=True),
+    }
+    if world != 3:  # 4 heads, 2 kv heads over P ranks
+        calls["ulysses"] = lambda: dilated_attention(
+            q, k, v, (4, 8, 32), (1, 2, 3), strategy="ulysses", group=group, return_lse=True)
+    return {name: call() for name, call in calls.items()}
 
 
 def _qkv_checks_per_call(group):
@@ -242,6 +274,25 @@ def test_sharded_equals_single_process(world, i):
         assert all(r["fwd"][:2] == (0, 0) and r["bwd"][:2] == (0, 0) for r in results)
     else:
         assert sum(r["fwd"][0] for r in results) > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_nonfinite_inputs_give_the_single_process_result(world):
+    """NaN and infinities in q, k and v on several ranks: the exchange, Ulysses, the ring and
+    its windows give every rank the single-process rows, NaN in the same places (the rule
+    picks the queries that attend a bad row, wherever it lives) and equal elsewhere."""
+    results = [r["nonfinite"] for r in _spawn(world)]
+    want = _nonfinite_calls(None)
+    for name in results[0]:
+        got_out = torch.cat([r[name][0] for r in results], dim=1)
+        got_lse = torch.cat([r[name][1] for r in results], dim=2)
+        want_out, want_lse = want[name]
+        assert torch.isnan(want_out).any() and not torch.isnan(want_out).all(), name
+        torch.testing.assert_close(got_out, want_out, rtol=1e-9, atol=1e-10, equal_nan=True,
+                                   msg=lambda m: f"{name} out: {m}")
+        torch.testing.assert_close(got_lse, want_lse, rtol=1e-9, atol=1e-10, equal_nan=True,
+                                   msg=lambda m: f"{name} lse: {m}")
 
 
 @pytest.mark.distributed

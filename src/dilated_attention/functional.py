@@ -381,21 +381,29 @@ def _nonfinite_keys(run, q: Tensor, k: Tensor, v: Tensor,
     (0 * NaN = NaN), so a non-finite row would reach queries that never
     attend it, and which ones depends on how launches are cut (one device
     and sequence-parallel would differ). So: attend with those rows zeroed,
-    then attend once more with values that mark them (1 in column 0 for a
-    bad k row, column 1 for a bad v row; no gradient): a query whose marker
-    output is positive attends one, and its output (and for a bad k its lse)
-    becomes NaN, as exact arithmetic would give.
+    then attend once more with zero queries and values that mark them (1 in
+    column 0 for a bad k row, column 1 for a bad v row; no gradient): every
+    logit is then 0, so a query's marker output is positive exactly where it
+    attends a marked row (with a positive count: masked pairs stay 0), and its
+    output (and for a bad k its lse) becomes NaN, as exact arithmetic would
+    give. A bad v row alone leaves the lse exact (its k is kept).
     """
     bad = _bad_keys(k, v)  # (b, n, hk, 2)
-    rows = bad.any(-1, keepdim=True)
     # a non-finite query reaches its own row only (the CPU kernel would return 0 for it)
     bad_q = ~torch.isfinite(q).all(-1)  # (b, n, h)
     q = q.masked_fill(bad_q[..., None], 0.0)
-    out, lse = run(q, k.masked_fill(rows, 0.0), v.masked_fill(rows, 0.0), mask)
+    out, lse = run(q, k.masked_fill(bad[..., :1], 0.0), v.masked_fill(bad[..., 1:], 0.0), mask)
     with torch.no_grad():
-        marker = torch.zeros_like(v)
-        marker[..., :2] = bad.to(v.dtype)
-        hits, _ = run(q.detach(), k.detach().masked_fill(rows, 0.0), marker, mask)
+        zero_q = torch.zeros_like(q)
+        # the marked rows' k zeroed too: only finite values reach the marker's products
+        k_kept = k.detach().masked_fill(bad.any(-1, keepdim=True), 0.0)
+        if v.shape[-1] >= 2:
+            marker = torch.zeros_like(v)
+            marker[..., :2] = bad.to(v.dtype)
+            hits = run(zero_q, k_kept, marker, mask)[0][..., :2]
+        else:  # one value column: a marker run per column
+            hits = torch.cat([run(zero_q, k_kept, bad[..., i:i + 1].to(v.dtype), mask)[0]
+                              for i in range(2)], dim=-1)
     hit_k = (hits[..., 0] > 0) | bad_q  # (b, n, h)
     out = out.masked_fill((hit_k | (hits[..., 1] > 0))[..., None], math.nan)
     return out, lse.masked_fill(hit_k, math.nan)
