@@ -147,6 +147,31 @@ def test_other_model_families_equal_sdpa(family):
     torch.testing.assert_close(results[1][mask.bool()], results[0][mask.bool()], **TOL)
 
 
+@pytest.mark.parametrize("pad", ["none", "right"])
+def test_bidirectional_layers_that_pass_no_flag_follow_the_mask(pad):
+    """StableLM's layers keep is_causal = True and pass no flag: with config.is_causal = False
+    the mask function is what says bidirectional (eager attention reads only the mask; sdpa
+    skips an unpadded mask and then runs causal, so eager is the reference here)."""
+    config = transformers.StableLmConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, pad_token_id=0)
+    config.is_causal = False
+    ids, mask = tokens(2, 9), padding(pad, 2, 9)
+    kwargs = {"attention_mask": mask} if pad != "none" else {}
+    results = []
+    for impl in ("eager", DENSE):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl,
+                                                 dtype=torch.float64).eval()
+        assert all(layer.self_attn.is_causal for layer in model.model.layers)
+        with torch.no_grad():
+            results.append(model(ids, **kwargs).logits)
+    real = mask.bool()
+    torch.testing.assert_close(results[1][real], results[0][real], rtol=0, atol=1e-7)
+    assert build_mask(1, 3, 3, mask_function=transformers.masking_utils.
+                      bidirectional_mask_function).inner is None
+
+
 def test_dense_pattern_generates_like_sdpa():
     ids = tokens(2, 9)
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True,

@@ -71,7 +71,7 @@ from ...decoding import CachedRows, decode, origin_runs
 from ...distributed import comm
 from ...functional import dilated_attention, ring_attention
 from .documents import agreed_documents, explicit_documents, position_facts
-from .masks import Documents, Window, build_mask
+from .masks import Bidirectional, Documents, Window, build_mask
 from .padding import agreed_origins, decoding_origins, first_real_tokens
 from .refusals import RESERVED_NAME_PARTS, Refused, check_kwargs, describe
 
@@ -171,8 +171,11 @@ class _Backend:
         if window_mask is not None:
             attention_mask = window_mask.inner
         training = bool(getattr(module, "training", False))
-        # transformers' own backends read the layer's flag when the call gives none
+        # transformers' own backends read the layer's flag when the call gives none; a
+        # bidirectional mask says more (Note [what the mask function returns])
         causal_arg = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if isinstance(attention_mask, Bidirectional):
+            attention_mask, causal_arg = attention_mask.inner, False
         nq, nk = q.shape[1], k.shape[1]
         sharded = _SERVING.get()
         if sharded is not None and sharded.group is not self.group:

@@ -1,10 +1,13 @@
 """The mask function registered with the attention function.
 
 Note [what the mask function returns]
-    None when no key is padded and the mask is plain causal (or
-    bidirectional); the (b, k_len) bool keep-mask when some key is padded
-    (the form transformers' flash-attention mask takes, so model code
-    treats it as it treats that one); ``Documents`` when transformers'
+    None when no key is padded and the mask is plain causal; the (b, k_len)
+    bool keep-mask when some key is padded (the form transformers'
+    flash-attention mask takes, so model code treats it as it treats that
+    one); ``Bidirectional`` holding one of these when the mask is plain
+    bidirectional (a decoder with ``config.is_causal = False``: some layers,
+    StableLM's, keep ``is_causal = True`` and pass no flag, so the mask is
+    what says it, as it is for eager attention); ``Documents`` when transformers'
     packed-sequence detection (use_cache=False, restarting position_ids)
     wrapped the causal mask, holding the document starts read from that
     mask; ``Window`` when the model builds a sliding-window mask (it passes
@@ -41,6 +44,14 @@ class Documents:
     """transformers' packed-sequence mask: where this rank's documents start (local rows > 0)."""
 
     starts: Tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Bidirectional:
+    """transformers' plain bidirectional mask: every query sees every key; `inner` is the
+    (b, k_len) keep-mask, or None when nothing is padded."""
+
+    inner: Any = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -101,8 +112,9 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     if window is not None:
         left, right, starts = window
         return Window(left, right, _with_documents(keep, starts))
-    if mask_function is None or mask_function is causal_mask_function \
-            or mask_function is bidirectional_mask_function:
+    if mask_function is bidirectional_mask_function:
+        return Bidirectional(keep)
+    if mask_function is None or mask_function is causal_mask_function:
         return keep
     starts = _read_documents(mask_function, batch_size, q_length, q_offset, device)
     if isinstance(starts, Refused):
