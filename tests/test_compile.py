@@ -5,7 +5,8 @@ import warnings
 import pytest
 import torch
 
-from dilated_attention import MultiheadDilatedAttention, dilated_attention, recommended_dtype
+from dilated_attention import (MultiheadDilatedAttention, dilated_attention, recommended_dtype,
+                               ring_attention)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -63,24 +64,24 @@ def _compiled_runs(fn, calls, backend="aot_eager"):
                      for w in seen]
 
 
-def test_dynamic_sequence_length_compiles_once() -> None:
-    """mark_dynamic on the sequence length: one graph serves every length (no
-    ConstraintViolationError, no recompile), equal to eager, and no warning while compiling."""
-    torch.manual_seed(0)
-
-    def attend(q, k, v, mask):
-        return dilated_attention(q, k, v, [64, 128], [1, 4], is_causal=True, return_lse=True,
-                                 key_padding_mask=mask)
-
+def _masked_calls(lengths, heads: int, head_dim: int):
+    """One call per length: (2, n, heads, head_dim) q with GQA (2 kv heads), float64, and a
+    padding mask that ignores the last 5 keys of row 1."""
     calls = []
-    for n in (300, 301, 517):
-        # (b, n, h, d) with GQA; the mask ignores the last 5 keys of row 1
-        q = torch.randn(2, n, 6, 16, dtype=torch.float64, requires_grad=True)
-        k = torch.randn(2, n, 2, 16, dtype=torch.float64, requires_grad=True)
-        v = torch.randn(2, n, 2, 16, dtype=torch.float64, requires_grad=True)
+    for n in lengths:
+        q = torch.randn(2, n, heads, head_dim, dtype=torch.float64, requires_grad=True)
+        k, v = (torch.randn(2, n, 2, head_dim, dtype=torch.float64, requires_grad=True)
+                for _ in range(2))
         mask = torch.zeros(2, n, dtype=torch.bool)
         mask[1, -5:] = True
         calls.append(((q, k, v, mask), {}))
+    return calls
+
+
+def _assert_compiled_equals_eager(attend, calls) -> None:
+    """`attend` compiled once for every call (``_compiled_runs``), no warning raised: out and
+    lse equal eager mode's, gradients to fp64 rounding (the traced backward may get dout in
+    other strides, or sum dq over patterns in another order)."""
     results, seen = _compiled_runs(attend, calls)
     assert seen == []
     for (args, _), ((out, lse), grads) in zip(calls, results):
@@ -90,6 +91,32 @@ def test_dynamic_sequence_length_compiles_once() -> None:
         want = torch.autograd.grad(want_out.square().sum(), args[:3])
         for got, w in zip(grads, want):
             torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
+
+
+def test_dynamic_sequence_length_compiles_once() -> None:
+    """mark_dynamic on the sequence length: one graph serves every length (no
+    ConstraintViolationError, no recompile), equal to eager, and no warning while compiling."""
+    torch.manual_seed(0)
+
+    def attend(q, k, v, mask):
+        return dilated_attention(q, k, v, [64, 128], [1, 4], is_causal=True, return_lse=True,
+                                 key_padding_mask=mask)
+
+    _assert_compiled_equals_eager(attend, _masked_calls((300, 301, 517), 6, 16))
+
+
+@pytest.mark.parametrize("window", [(8, 0), (5, 3)])
+def test_sliding_window_compiles_once(window) -> None:
+    """ring_attention with a sliding window (a custom op pair, as the dilated op): one graph
+    for every length, documents and a padding mask included, equal to eager."""
+    torch.manual_seed(0)
+
+    def attend(q, k, v, mask):
+        return ring_attention(q, k, v, is_causal=window[1] == 0, window_size=window,
+                              cu_seqlens=[0, 7, q.shape[1]], key_padding_mask=mask,
+                              return_lse=True)
+
+    _assert_compiled_equals_eager(attend, _masked_calls((40, 41, 67), 4, 8))
 
 
 def test_module_with_dynamic_length_compiles_once() -> None:

@@ -55,7 +55,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-from typing import Dict, Iterator, List, NamedTuple, Optional, Protocol, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
@@ -616,18 +616,84 @@ class WindowAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+def _local_plan(n: int, window: Tuple[int, int], documents: Documents,
+                device_type: str) -> Callable[[bool], WindowPlan]:
+    """`plan(backward)` of one device's n rows (``WindowAttentionFunction``)."""
+    return functools.partial(window_plan, (Chunk(0, n, 0, 0),), (), (), 0,
+                             *reaches(window, n), n, documents, device_type)
+
+
 def window_attention_local(q: Tensor, k: Tensor, v: Tensor, window: Tuple[int, int],
                            opts: KernelOptions, *, documents: Documents = None,
                            key_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Sliding-window attention on one device, differentiable: out (b, n, h, d), lse (b, n, h).
 
     `window` (left, right) as the public ``window_size`` (-1 unbounded); the call is
-    already validated (``functional.ring_attention``).
+    already validated (``functional.ring_attention``). Under torch.compile a custom op
+    pair, as the dilated op (dilated.py): the planning runs inside it, at run time.
     """
-    n = q.shape[1]
-    plan = functools.partial(window_plan, (Chunk(0, n, 0, 0),), (), (), 0,
-                             *reaches(window, n), n, documents, q.device.type)
+    if torch.compiler.is_compiling():
+        return _forward_op(q, k, v, list(window), opts.causal, opts.scale, opts.backend,
+                           None if documents is None else list(documents), key_mask)
+    plan = _local_plan(q.shape[1], window, documents, q.device.type)
     return WindowAttentionFunction.apply(q, k, v, plan, opts, key_mask, None)
+
+
+# The compiled form: the call flattened to the types custom ops take (window, the options,
+# the document boundaries), key_mask last.
+
+def _forward_flat(q: Tensor, k: Tensor, v: Tensor, window: List[int], causal: bool,
+                  scale: float, backend: str, documents: Optional[List[int]],
+                  key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    plan = _local_plan(q.shape[1], tuple(window), _documents(documents), q.device.type)
+    return window_forward(q, k, v, plan(False), KernelOptions(causal, scale, backend),
+                          key_mask=key_mask)
+
+
+def _backward_flat(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   dlse: Optional[Tensor], window: List[int], causal: bool, scale: float,
+                   backend: str, documents: Optional[List[int]],
+                   key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    plan = _local_plan(q.shape[1], tuple(window), _documents(documents), q.device.type)
+    return window_backward(dout, q, k, v, out, lse, plan(True),
+                           KernelOptions(causal, scale, backend), dlse=dlse, key_mask=key_mask)
+
+
+def _documents(documents: Optional[List[int]]) -> Documents:
+    return None if documents is None else tuple(documents)
+
+
+_forward_op = torch.library.custom_op("dilated_attention::window_forward", _forward_flat,
+                                      mutates_args=())
+_backward_op = torch.library.custom_op("dilated_attention::window_backward", _backward_flat,
+                                       mutates_args=())
+
+
+@_forward_op.register_fake
+def _forward_shapes(q, k, v, *args):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
+
+
+@_backward_op.register_fake
+def _backward_shapes(dout, q, k, v, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, *call = inputs
+    save_for_backward(ctx, q, k, v, output, call)
+
+
+def _op_backward(ctx, dout, dlse):
+    # create_graph=True: the backward's Python, which autograd records (the op has no
+    # derivative)
+    backward = _backward_flat if torch.is_grad_enabled() else _backward_op
+    grads = backward(*saved_for_backward(ctx, dout), dlse, *ctx.args)
+    return tuple(grads) + (None,) * len(ctx.args)
+
+
+torch.library.register_autograd("dilated_attention::window_forward", _op_backward,
+                                setup_context=_setup_context)
 
 
 def reaches(window: Tuple[int, int], total: int) -> Tuple[int, int]:
