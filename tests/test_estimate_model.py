@@ -111,12 +111,23 @@ def test_longest_sequence_fits_and_one_step_more_does_not():
     assert all(fits[2][m].seq_len > fits[1][m].seq_len for m in fits[1])
 
 
+def test_learned_positions_cap_the_longest_sequence():
+    """A learned position table shorter than a search step (1,024 P): the table's length when
+    it fits (not "none fits"); past it, nothing longer than the table."""
+    for max_seq_len, p in ((64, 1), (3000, 2)):
+        setup = _setup(64, device="cuda", positions="learned", max_seq_len=max_seq_len)
+        for fit in model.longest(setup, 10**9, p).values():
+            assert fit.seq_len == max_seq_len // p * p and fit.estimate is not None
+    small = _setup(64, device="cuda", positions="learned", max_seq_len=64)
+    assert all(fit.seq_len == 0 for fit in model.longest(small, 10**5, 1).values())
+
+
 def test_parse_bytes():
     assert model.parse_bytes("80GB") == 80 * 10**9
     assert model.parse_bytes("24GiB") == 24 * 2**30
     assert model.parse_bytes("1.5gb") == 1.5e9
     assert model.parse_bytes("512MB") == 512 * 10**6
-    for bad in ("lots", "0GB", "8XB", "-1GB"):
+    for bad in ("lots", "0GB", "8XB", "-1GB", "inf", "1e400GB", "nan"):
         with pytest.raises(ValueError, match="--fit-memory"):
             model.parse_bytes(bad)
 
@@ -166,9 +177,10 @@ def test_model_usage_errors_are_one_line(argv, message, capsys):
 def test_model_json_mistakes_name_the_file(tmp_path, capsys):
     for text, message in (('{"vocab": 5}', "unknown LongNetConfig fields ['vocab']"),
                           ("[1]", "a JSON object"), ("{", "Expecting"),
-                          ('{"embed_dim": 30}', "divisible by num_heads")):
+                          ('{"embed_dim": 30}', "divisible by num_heads"),
+                          (b'{"vocab_size": "\xff"}', "can't decode")):
         path = tmp_path / "bad.json"
-        path.write_text(text)
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
         assert cli.main(["estimate", "--model", str(path), "--seq-len", "64"]) == 2
         err = capsys.readouterr().err
         assert f"--model {path}" in err and message in err, err

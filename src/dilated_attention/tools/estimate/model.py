@@ -91,7 +91,7 @@ def load_model(spec: str) -> Tuple[str, LongNetConfig]:
     try:
         with open(spec) as f:
             fields = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"--model {spec}: {exc}") from None
     if not isinstance(fields, dict):
         raise ValueError(f"--model {spec}: a JSON object of LongNetConfig fields expected")
@@ -286,8 +286,8 @@ def parse_bytes(text: str) -> int:
     except (ValueError, KeyError):
         raise ValueError(f"--fit-memory must be a size such as 80GB, 24GiB or 512MB, got "
                          f"{text!r}") from None
-    if value <= 0:
-        raise ValueError(f"--fit-memory must be positive, got {text!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"--fit-memory must be a positive finite size, got {text!r}")
     return int(value)
 
 
@@ -326,24 +326,32 @@ def longest(setup: ModelSetup, budget: int, world_size: int) -> Dict[str, Fit]:
 
 def _search(setup: ModelSetup, budget: int, world_size: int, step: int,
             per_row: float) -> Dict[str, Fit]:
+    # learned positions: no sequence past the table (in whole rows per rank)
+    cap = (setup.config.max_seq_len // world_size * world_size
+           if setup.config.positions == "learned" else None)
     out = {}
     for mode in CHECKPOINT_MODES:
-        def peak(k: int) -> ModelEstimate:
-            s = setup.with_length(k * step, world_size)
+        def peak(n: int) -> ModelEstimate:
+            s = setup.with_length(n, world_size)
             return formula(s, mode, int(per_row * s.rows))
 
-        if peak(1).peak_bytes > budget:
-            out[mode] = Fit(mode, world_size, 0, step, None)
-            continue
-        lo, hi = 1, 2
-        while peak(hi).peak_bytes <= budget and hi < 2**40 // step:
-            lo, hi = hi, 2 * hi
-        while hi - lo > 1:  # peak(lo) fits, peak(hi) does not
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if peak(mid).peak_bytes <= budget else (lo, mid)
-        if setup.config.positions == "learned":
-            lo = min(lo, setup.config.max_seq_len // step)
-        out[mode] = Fit(mode, world_size, lo * step, step, peak(lo) if lo else None)
+        def fits(k: int) -> bool:
+            return peak(k * step).peak_bytes <= budget
+
+        lo = 0
+        if fits(1):
+            lo, hi = 1, 2
+            while fits(hi) and hi < 2**40 // step:
+                lo, hi = hi, 2 * hi
+            while hi - lo > 1:  # lo fits, hi does not
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        n = lo * step
+        # past the table, or no multiple of step fits but the table is shorter than one:
+        # the table's length if it fits (a peak grows with N)
+        if cap is not None and (n > cap or (n == 0 and cap < step)):
+            n = cap if cap and peak(cap).peak_bytes <= budget else 0
+        out[mode] = Fit(mode, world_size, n, step, peak(n) if n else None)
     return out
 
 

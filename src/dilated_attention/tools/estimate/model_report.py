@@ -67,6 +67,9 @@ def _report_fit(setup: ModelSetup, budget: int, as_json: bool) -> int:
     step = fits[0]["none"].step
     print(f"\nN in multiples of {step:,} P tokens; the attention op's working memory from its "
           f"dry run at the longest N of each P")
+    if setup.config.positions == "learned":
+        print(f"(learned positions: N at most max_seq_len = {setup.config.max_seq_len:,}, "
+              f"the table's length)")
     if setup.device == "cpu":
         print("(on a CPU device offload is layers: the block inputs already live in host "
               "memory)")
@@ -109,4 +112,6 @@ def _mb(x: int) -> str:
 def _tokens(n: int) -> str:
     if n == 0:
         return "none fits"
+    if n % 1024:  # a learned position table's length
+        return f"{n:,}"
     return f"{n / 2**20:,.2f}M" if n >= 2**20 else f"{n // 1024:,}K"
