@@ -869,6 +869,9 @@ def test_register_checks_its_arguments():
     with pytest.raises(ValueError, match=r"strategy must be one of \('auto', 'exchange', "
                                          r"'ulysses'\), got 'heads'"):
         register("dilated_bad_test", segment_lengths=[8], dilation_rates=[1], strategy="heads")
+    with pytest.raises(TypeError, match=r"group.*'not a group'"):
+        register("dilated_bad_test", segment_lengths=[8], dilation_rates=[1],
+                 group="not a group")
     # the same settings again: nothing changes; other settings would change every model
     # built with the name (they look it up at every call): only with replace=True
     name = register("dilated_again_test", segment_lengths=[8], dilation_rates=[1])

@@ -131,6 +131,23 @@ def test_not_a_tensor(which: str) -> None:
         call(**{which: [[1.0]]})
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("which", ["q", "k", "v", "key_padding_mask"])
+def test_not_a_dense_tensor(which: str) -> None:
+    """Sparse and nested tensors are refused by name, also after a dense call of the same
+    shapes (the checked-call memo keys tensors by layout too)."""
+    q, k, v = qkv()
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    dense = {"q": q, "k": k, "v": v, "key_padding_mask": mask}
+    call(**dense)
+    nested = [torch.nested.as_nested_tensor(list(dense[which]), layout=layout)
+              for layout in (torch.strided, torch.jagged)]
+    for bad, what in ((dense[which].to_sparse(), "layout torch.sparse_coo"),
+                      (nested[0], "a nested tensor"), (nested[1], "a nested tensor")):
+        with pytest.raises(TypeError, match=names(which, "dense (strided)", what)):
+            call(**{**dense, which: bad})
+
+
 @pytest.mark.parametrize("which", ["q", "k", "v"])
 def test_not_4d(which: str) -> None:
     bad = torch.randn(2, 8, 16)
@@ -314,6 +331,16 @@ def test_named_kernels_run_on_meta_tensors() -> None:
     q, k, v = (x.to("meta") for x in qkv())
     assert call(q, k, v, backend="cpu_flash").device.type == "meta"
     assert call(q, k, v, backend="blockwise").device.type == "meta"
+    # with a padding mask too, through every single-device path (the op's launches, the
+    # dense op, a window)
+    from dilated_attention import ring_attention
+
+    mask = torch.zeros(q.shape[:2], dtype=torch.bool, device="meta")
+    for out in (call(q, k, v, key_padding_mask=mask),
+                ring_attention(q, k, v, key_padding_mask=mask),
+                ring_attention(q, k, v, key_padding_mask=mask, window_size=(2, 0),
+                               is_causal=True)):
+        assert out.device.type == "meta" and out.shape == q.shape
 
 
 def test_inputs_are_checked_once_per_call() -> None:

@@ -318,7 +318,9 @@ def _key_mask(key_mask: Optional[Tensor], segs: Segments, group: HeadGroup) -> O
     if key_mask is None:
         return None
     # (b, n) -> (b, n, 1) broadcast over kv heads, gathered like k
-    expanded = key_mask[:, :, None].expand(-1, -1, int(group.kv_heads.max()) + 1)
+    # (the kv heads from `pairs`, host values: group.kv_heads may live on the device, or on
+    # meta)
+    expanded = key_mask[:, :, None].expand(-1, -1, max(kv for _, kv in group.pairs) + 1)
     return gather(expanded, segs, group.kv_heads, group.kv_index, group.kv_stride)
 
 

@@ -124,11 +124,20 @@ def check_scale(scale, head_dim: int) -> float:
     return check_positive_float("scale", scale)
 
 
+def check_dense(name: str, x: Tensor) -> None:
+    """A plain strided tensor: the kernels index rows by strides (a sparse or nested tensor
+    would fail deep inside them)."""
+    if x.layout != torch.strided or x.is_nested:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got "
+                        f"{'a nested tensor' if x.is_nested else f'layout {x.layout}'}")
+
+
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, allow_empty: bool = False) -> None:
     """q (b, n, h, d), k/v (b, n, hk, d) with hk dividing h, one float dtype, one device."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        check_dense(name, x)
         if x.dim() != 4:
             raise ValueError(
                 f"{name} must be 4-D (batch, seq_len, heads, head_dim), got shape {tuple(x.shape)}"
@@ -317,6 +326,7 @@ def check_key_padding_mask(mask, q: Tensor) -> Optional[Tensor]:
     if not isinstance(mask, Tensor):
         raise TypeError(f"key_padding_mask must be a bool tensor or None, got "
                         f"{type(mask).__name__}")
+    check_dense("key_padding_mask", mask)
     if mask.dtype != torch.bool:
         raise TypeError(
             f"key_padding_mask must be a bool tensor (True = ignore that key), got {mask.dtype}"
@@ -371,21 +381,21 @@ _PLAIN = frozenset((bool, int, float, str, type(None)))
 def signature(tensors: Sequence[Optional[Tensor]], values: Sequence[Any]) -> Optional[Tuple]:
     """A hashable key of everything a call's static checks read, or None (check in full).
 
-    `tensors` by type, shape, dtype, device and requires_grad; `values` (the other
+    `tensors` by type, shape, dtype, device, requires_grad and layout; `values` (the other
     arguments) by type and value: plain bools, ints, floats, strings, None, and lists or
     tuples of ints; with the grad mode and, for CPU tensors, TRITON_INTERPRET (which the
     Triton backend's check reads). None for any other argument (tensor subclasses such as
-    parameters, DTensor or fake tensors included), and while torch.compile traces (the
-    checks are traced with the call there). Which packages are installed, and a device's
-    compute capability, are taken as fixed for the process."""
+    parameters, DTensor or fake tensors included) and nested tensors, and while
+    torch.compile traces (the checks are traced with the call there). Which packages are
+    installed, and a device's compute capability, are taken as fixed for the process."""
     if torch.compiler.is_compiling():
         return None
     keys: list = []
     for x in tensors:
         if x is None:
             keys.append(None)
-        elif type(x) is Tensor:
-            keys.append((x.shape, x.dtype, x.device, x.requires_grad))
+        elif type(x) is Tensor and not x.is_nested:  # a nested tensor has no shape
+            keys.append((x.shape, x.dtype, x.device, x.requires_grad, x.layout))
         else:
             return None
     for value in values:

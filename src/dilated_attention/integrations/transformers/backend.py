@@ -129,6 +129,7 @@ def register(name: str = "dilated_attention", *, segment_lengths: Sequence[int],
             raise ValueError(f"name {name!r} is already registered in transformers' "
                              f"{type(registry).__name__} by someone else: pick another name")
     segs, rates = check.check_patterns(segment_lengths, dilation_rates)
+    comm.resolve_group(group)  # a TypeError/ValueError naming group now, not at a forward
     options = (("strategy", check.check_strategy(strategy)),)
     backend = _Backend(segs, rates, group, options)
     current = tf.AttentionInterface().get(name)
