@@ -83,13 +83,15 @@ def _single(op, case, seed, with_lse=True, **kwargs):
     return {"out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def _sharded(op, group, piece, case, seed, with_lse=True, **kwargs):
-    """This rank's piece (number `piece`) through the op, its gradients and its traffic."""
+def _sharded(op, group, piece, case, seed, with_lse=True, requires=(True, True, True),
+             **kwargs):
+    """This rank's piece (number `piece`) through the op, its gradients (of the inputs that
+    `requires` marks) and its traffic."""
     lengths, _, _, _, h, hk = case
     lo = sum(lengths[:piece])
     hi = lo + lengths[piece]
     q, k, v, dout, dlse = _inputs(lengths, h, hk, seed)
-    q, k, v = (x[:, lo:hi].clone().requires_grad_() for x in (q, k, v))
+    q, k, v = (x[:, lo:hi].clone().requires_grad_(r) for x, r in zip((q, k, v), requires))
     local = {key: val[:, lo:hi] for key, val in kwargs.items() if key == "key_padding_mask"}
     rest = {key: val for key, val in kwargs.items() if key != "key_padding_mask"}
     with comm.count_communication() as fwd:
@@ -120,6 +122,13 @@ def _ulysses_ranks(group, world):
     # the loss reads only out: the lse's gradient all-to-all is skipped on every rank
     results.append(_sharded("dilated", group, comm.group_rank(group), ULYSSES_CASES[world][0],
                             0, strategy="ulysses", with_lse=False))
+    # ranks that differentiate different inputs (only whether any is agreed): rank 0 q,
+    # the others k and v, then q, k and v
+    for others in ((False, True, True), (True, True, True)):
+        requires = (True, False, False) if comm.group_rank(group) == 0 else others
+        results.append(_sharded("dilated", group, comm.group_rank(group),
+                                ULYSSES_CASES[world][0], 0, strategy="ulysses",
+                                requires=requires))
     # a configuration that differs across ranks, heads that do not split: errors everywhere
     errors = []
     case = ULYSSES_CASES[world][0]
@@ -164,6 +173,17 @@ def test_ulysses_equals_one_process(world: int) -> None:
         for name in ("dq", "dk", "dv"):
             torch.testing.assert_close(got[name], want[name][:, lo:hi], rtol=1e-10, atol=1e-10)
         assert got["bwd"] == (3, 0, 0, 4), got["bwd"]
+    want = _single("dilated", case, 0)
+    for i in (1, 2):
+        for rank, (results, _) in enumerate(outputs):
+            got = results[len(cases) + i]
+            lo, hi = sum(case[0][:rank]), sum(case[0][:rank + 1])
+            present = [name for name in ("dq", "dk", "dv") if got[name] is not None]
+            assert present == (["dq"] if rank == 0 else ["dk", "dv"] if i == 1
+                               else ["dq", "dk", "dv"])
+            for name in present:
+                torch.testing.assert_close(got[name], want[name][:, lo:hi], rtol=1e-10,
+                                           atol=1e-10, msg=f"mixed {i}, rank {rank}, {name}")
     for _, errors in outputs:
         assert "ranks disagree on 'strategy'" in errors[0]
         assert f"cannot be split over {world} head-parallel ranks" in errors[1]

@@ -111,19 +111,25 @@ def _heads_to_rows(y: Tensor, heads: Sequence[range], lengths: Sequence[int], gr
     return out.transpose(0, 1)
 
 
-class _RowsToHeads(torch.autograd.Function):
-    """`_rows_to_heads`, whose backward is `_heads_to_rows` (gradients of replicas summed)."""
+class _InputsToHeads(torch.autograd.Function):
+    """q and the stacked k, v to heads (`_rows_to_heads`); backward `_heads_to_rows` of both
+    gradients (those of replicated kv heads summed). One node for both: it exists on every
+    rank where q, k or v requires grad, which every rank agreed on (not which of them), and
+    its backward makes both all-to-alls (a gradient that did not reach the loss as zeros),
+    so the ranks' collectives pair whichever inputs each rank differentiates."""
 
     @staticmethod
-    def forward(ctx, x, heads, lengths, group):
-        ctx.args = (heads, lengths, group, x.shape[2])
-        return _rows_to_heads(x, heads, lengths, group)
+    def forward(ctx, q, kv, q_heads, kv_heads, lengths, group):
+        ctx.args = (q_heads, kv_heads, lengths, group, q.shape[2], kv.shape[2])
+        return (_rows_to_heads(q, q_heads, lengths, group),
+                _rows_to_heads(kv, kv_heads, lengths, group))
 
     @staticmethod
-    def backward(ctx, grad):
-        heads, lengths, group, total = ctx.args
+    def backward(ctx, dq, dkv):
+        q_heads, kv_heads, lengths, group, q_total, kv_total = ctx.args
         check_first_order("Ulysses (head-parallel) attention")
-        return _heads_to_rows(grad, heads, lengths, group, total), None, None, None
+        return (_heads_to_rows(dq, q_heads, lengths, group, q_total),
+                _heads_to_rows(dkv, kv_heads, lengths, group, kv_total), None, None, None, None)
 
 
 class _OutputToRows(torch.autograd.Function):
@@ -178,10 +184,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, key_mask, group: Any,
     q_heads = [split.query(u) for u in range(size)]
     kv_heads = [split.kv(u) for u in range(size)]
     lengths = tuple(lengths)
-    q_u = _RowsToHeads.apply(q, tuple(q_heads), lengths, group)
     # k and v travel together: (b, n, hk, d) x 2 -> (b, n, hk, 2, d)
     kv = torch.stack([k, v], dim=3)
-    kv_u = _RowsToHeads.apply(kv, tuple(kv_heads), lengths, group)
+    q_u, kv_u = _InputsToHeads.apply(q, kv, tuple(q_heads), tuple(kv_heads), lengths, group)
     del kv  # its copy is on the wire; do not hold it through the attention
     k_u, v_u = kv_u.unbind(3)
     mask = None
