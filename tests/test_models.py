@@ -634,6 +634,32 @@ def _targets_on_one_rank_only(group):
                        else "rank 1"):
         model(tokens, targets)
     results.append(time.monotonic() - start)
+    # one rank's other arguments wrong: every rank raises (checked inside the agreement)
+    for kind in ("lm", "encdec"):
+        model = (LongNetLM if kind == "lm" else LongNet)(small_config(), process_group=group)
+        tokens, targets = _data(1, 8, 23, seed=rank)
+        args = (tokens,) if kind == "lm" else (tokens, tokens)
+        one_rank = [({"return_logits": 1}, "return_logits must be a bool"),
+                    ({"labels": targets}, "pass targets or labels")]
+        if kind == "lm":
+            one_rank += [({"cu_seqlens": [0, 9, 3, 16]}, "cu_seqlens must be non-decreasing"),
+                         ({"position_ids": torch.arange(8)},
+                          r"position_ids must be passed on every rank.*\[0\] passed none")]
+        for kwargs, message in one_rank:
+            start = time.monotonic()
+            # (the other rank: "the call failed on another rank ... rank 1: ...")
+            with pytest.raises((ValueError, TypeError),
+                               match=message if rank == 1 or "position_ids" in kwargs
+                               else "rank 1"):
+                model(*args, targets, **(kwargs if rank == 1 else {}))
+            results.append(time.monotonic() - start)
+    # a model built with other settings on one rank (another backward): every rank raises
+    model = LongNetLM(small_config(checkpoint="layers" if rank == 1 else "none"),
+                      process_group=group)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="ranks disagree on 'config.checkpoint'"):
+        model(*_data(1, 8, 23, seed=rank))
+    results.append(time.monotonic() - start)
     # every target of every rank ignored: loss 0 on every rank, not NaN
     model = LongNetLM(small_config(), process_group=group)
     tokens, _ = _data(1, 8, 23, seed=rank)

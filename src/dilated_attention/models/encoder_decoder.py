@@ -15,11 +15,12 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .. import validation as check
 from ..distributed import comm
 from ..distributed.sharding import gather_pieces
 from .base import LongNetBase
 from .config import LongNetConfig
-from .inputs import agree_on_inputs, check_targets, check_tokens, pick_targets
+from .inputs import agree_on_inputs, check_targets, check_tokens, config_fields, pick_targets
 from .layers import magneto_gamma
 
 
@@ -55,10 +56,10 @@ class LongNet(LongNetBase):
         labels: Optional[Tensor] = None, return_logits: bool = False,
     ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         group = self.process_group
-        targets, target_name = pick_targets(targets, labels)
         vocab = self.config.vocab_size
 
         def inputs() -> Tuple[Tensor, ...]:
+            # every check inside the agreement: a mistake on one rank raises on all
             check_tokens("src_tokens", src_tokens, vocab)
             check_tokens("tgt_tokens", tgt_tokens, vocab)
             if src_tokens.shape[0] != tgt_tokens.shape[0]:
@@ -67,12 +68,16 @@ class LongNet(LongNetBase):
                     f"src_tokens and tgt_tokens must have the same batch size, got "
                     f"{src_tokens.shape[0]} and {tgt_tokens.shape[0]}"
                 )
-            if targets is not None:
-                check_targets(targets, tgt_tokens, vocab, target_name)
+            picked, target_name = pick_targets(targets, labels)
+            if picked is not None:
+                check_targets(picked, tgt_tokens, vocab, target_name)
+            check.check_bool("return_logits", return_logits)
             return src_tokens, tgt_tokens
 
-        rank, lengths, _ = agree_on_inputs(group, ("src", "tgt"), inputs,
-                                         has_targets=targets is not None, model=self._replica_check())
+        rank, lengths, _ = agree_on_inputs(
+            group, ("src", "tgt"), inputs, has_targets=targets is not None or labels is not None,
+            shared=lambda: config_fields(self.config), model=self._replica_check())
+        targets = labels if targets is None else targets
         src_start = sum(lengths["src"][:rank])
         tgt_start = sum(lengths["tgt"][:rank])
         self._check_positions(max(sum(lengths["src"]), sum(lengths["tgt"])) - 1)

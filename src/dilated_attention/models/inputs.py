@@ -9,6 +9,7 @@ the ranks' parameters (``_replica_checksums``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -95,7 +96,7 @@ def document_starts(position_ids: Optional[Tensor], tokens: Tensor,
     """This rank's facts from position_ids (b, n) or (n,): where documents start, the largest
     position; the rows of a batch must agree (documents are shared by every row)."""
     if position_ids is None:
-        return {"doc_starts": (), "max_position": None}
+        return {"doc_starts": (), "max_position": None, "position_ids": False}
     if not isinstance(position_ids, Tensor) or position_ids.dtype not in _ID_DTYPES:
         raise TypeError(f"position_ids must be an int64 or int32 tensor, got "
                         f"{getattr(position_ids, 'dtype', type(position_ids).__name__)}")
@@ -114,19 +115,20 @@ def document_starts(position_ids: Optional[Tensor], tokens: Tensor,
     if row.numel() and int(row.min()) < 0:
         raise ValueError(f"position_ids must be >= 0, got {int(row.min())}")
     return {"doc_starts": tuple((row == 0).nonzero().flatten().tolist()),
-            "max_position": int(row.max()) if row.numel() else None}
+            "max_position": int(row.max()) if row.numel() else None, "position_ids": True}
 
 
 def agree_on_inputs(
     group, names: Tuple[str, ...], inputs: Callable[[], Tuple[Tensor, ...]], *, has_targets: bool,
     facts: Callable[[], Dict[str, object]] = dict, fact_keys: Tuple[str, ...] = (),
-    shared: Optional[Dict[str, object]] = None, model: Optional[nn.Module] = None,
+    shared: Callable[[], Dict[str, object]] = dict, model: Optional[nn.Module] = None,
 ) -> Tuple[int, Dict[str, Tuple[int, ...]], List[Dict[str, object]]]:
     """Validate this rank's inputs and learn every rank's piece lengths (and `facts`).
 
-    `inputs` validates and returns the (b, n) tensors called `names`; `facts`
+    `inputs` validates and returns the (b, n) tensors called `names` (and checks
+    any other argument: what raises here raises on every rank); `facts`
     returns this rank's own values under `fact_keys` (they may differ between
-    ranks); `shared` values must be equal on every rank. Returns this rank's
+    ranks); `shared` returns values that must be equal on every rank. Returns this rank's
     group rank, {name: every rank's n} and every rank's agreed dict. Under
     sequence parallelism this is ONE agreement collective, entered even when
     this rank's inputs are bad (so every rank raises instead of waiting),
@@ -138,7 +140,7 @@ def agree_on_inputs(
 
     def local() -> dict:
         shapes = dict(zip(names, (tuple(x.shape) for x in inputs())))
-        return {"targets_passed": has_targets, **(shared or {}), **facts(),
+        return {"targets_passed": has_targets, **shared(), **facts(),
                 "replica": _replica_checksums(model, group),
                 **{f"{k}_batch": s[0] for k, s in shapes.items()},
                 **{f"{k}_len": s[1] for k, s in shapes.items()}}
@@ -148,6 +150,14 @@ def agree_on_inputs(
     _check_replicas(infos, model, group)
     lengths = {k: tuple(i[f"{k}_len"] for i in infos) for k in names}
     return comm.group_rank(group), lengths, infos
+
+
+def config_fields(config) -> Dict[str, object]:
+    """A model config's fields as agreement values ("config.<name>"): ranks built with other
+    settings (another checkpoint mode: another backward's collectives) raise on every rank,
+    naming the field, instead of waiting in a collective the others never enter."""
+    return {f"config.{field.name}": getattr(config, field.name)
+            for field in dataclasses.fields(config)}
 
 
 def agree_on_replicated_inputs(group, config: Callable[[], Dict[str, object]],

@@ -33,8 +33,8 @@ from .. import validation as check
 from .base import LongNetBase
 from .config import LongNetConfig
 from .generation import generate
-from .inputs import (agree_on_inputs, check_targets, check_tokens, document_starts,
-                     documents_of, pick_targets)
+from .inputs import (agree_on_inputs, check_targets, check_tokens, config_fields,
+                     document_starts, documents_of, pick_targets)
 from .layers import magneto_gamma
 
 
@@ -81,23 +81,33 @@ class LongNetLM(LongNetBase):
         restart at each document's start (with position_ids: they are the
         positions). ``labels`` is another name for ``targets``.
         """
-        targets, target_name = pick_targets(targets, labels)
         vocab = self.config.vocab_size
 
         def inputs() -> Tuple[Tensor, ...]:
+            # every check inside the agreement: a mistake on one rank raises on all
             check_tokens("tokens", tokens, vocab)
-            if targets is not None:
-                check_targets(targets, tokens, vocab, target_name)
+            picked, target_name = pick_targets(targets, labels)
+            if picked is not None:
+                check_targets(picked, tokens, vocab, target_name)
             if cu_seqlens is not None and position_ids is not None:
                 raise ValueError("pass cu_seqlens or position_ids (restarting at 0), not both")
+            check.check_bool("return_logits", return_logits)
             return (tokens,)
 
         rank, lengths, infos = agree_on_inputs(
-            self.process_group, ("tokens",), inputs, has_targets=targets is not None,
+            self.process_group, ("tokens",), inputs,
+            has_targets=targets is not None or labels is not None,
             facts=lambda: document_starts(position_ids, tokens, self.config.max_seq_len),
-            fact_keys=("doc_starts", "max_position"),
-            shared={"cu_seqlens": check.check_cu_seqlens(cu_seqlens)}, model=self._replica_check(),
+            fact_keys=("doc_starts", "max_position", "position_ids"),
+            shared=lambda: {"cu_seqlens": check.check_cu_seqlens(cu_seqlens),
+                            **config_fields(self.config)},
+            model=self._replica_check(),
         )
+        missing = [r for r, info in enumerate(infos) if not info["position_ids"]]
+        if 0 < len(missing) < len(infos):  # agreed facts: every rank raises
+            raise ValueError(f"position_ids must be passed on every rank of process_group or "
+                             f"on none; rank(s) {missing} passed none")
+        targets = labels if targets is None else targets
         pieces = lengths["tokens"]
         start, total = sum(pieces[:rank]), sum(pieces)
         documents = documents_of(infos, pieces, total)
