@@ -460,6 +460,13 @@ def ring_attention(
             holds chunks p and 2P-1-p concatenated: even causal work; see
             ``shard_sequence``).
         backend: kernel override, as for ``dilated_attention``.
+        window_size: a sliding window (left, right), flash-attn's convention:
+            query t attends the keys t - left .. t + right (of its document),
+            -1 unbounded on that side; (-1, -1) (the default) is dense. With
+            is_causal the right side is 0 (a positive one is a ValueError).
+            One device: exact banded tiles; under a group each rank fetches
+            only the `left` rows before its piece and the `right` rows after
+            it (a halo exchange), whatever the sequence length.
         cu_seqlens, key_padding_mask: packed documents and key padding, as
             for ``dilated_attention``. With either, the attention runs on the
             dilated machinery with one segment per document (dense attention

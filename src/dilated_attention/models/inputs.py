@@ -205,15 +205,13 @@ def _replica_params(model: nn.Module, group) -> List[Tuple[str, Tensor]]:
 def _replica_checksums(model: Optional[nn.Module], group) -> Optional[Tuple[int, ...]]:
     """A checksum of each of `_replica_params` under sequence parallelism (None without).
 
-    The sum of a parameter's bits read as int32, wrapping: exact and
-    independent of the summation order, so equal parameters give equal
-    checksums on every rank (a float sum could differ with the thread
-    count). Costs one read of the parameters (110M float32 parameters,
-    LongNet's base size: 0.1 s on one CPU thread) and a host sync, so the
-    models do it on their first two training forwards only (enough for a
-    model built differently on some rank, the first, and for a gradient
-    reduction that misses the sequence ranks, the second) and once per
-    ``generate`` call.
+    The sum of a parameter's bits read as int32, wrapping: exact and independent of the
+    summation order, so equal parameters give equal checksums on every rank (a float sum
+    could differ with the thread count). Costs one read of the parameters (LongNetLM's base
+    size, 162M float32 parameters: about 0.03 s on one CPU thread, BENCHMARKS.md) and a host
+    sync, so the models do it on their first two training forwards only (enough for a model
+    built differently on some rank, the first, and for a gradient reduction that misses the
+    sequence ranks, the second) and once per ``generate`` call.
     """
     if model is None or not comm.is_distributed(group):
         return None
