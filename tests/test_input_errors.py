@@ -490,6 +490,15 @@ def _gradient_reductions(group, rank: int) -> dict:
         lambda: all_reduce_gradients(_Wrapper(model) if rank == 1 else model, group))
     results["gradients_wrapped_values"] = sorted({p.grad.unique().item()
                                                   for p in model.parameters()})
+    # "first" has a gradient on rank 0 only (1 and 0 average to 0.5), "second" on no rank:
+    # it keeps None, as one process leaves it (an optimizer skips it)
+    model = _parameters(*mine)
+    model.second.grad = None
+    if rank == 1:
+        model.first.grad = None
+    all_reduce_gradients(model, group)
+    results["gradients_partial"] = [None if p.grad is None else p.grad.unique().tolist()
+                                    for p in model.parameters()]
     return results
 
 
@@ -520,6 +529,7 @@ def test_errors_reach_every_rank_and_name_the_argument() -> None:
                              message), message
         assert results[rank]["gradients_wrapped"] == "ok"
         assert results[rank]["gradients_wrapped_values"] == [1.5]
+        assert results[rank]["gradients_partial"] == [[0.5], None, [1.0]]
 
 
 def _one_rank_skips_backward(group) -> None:

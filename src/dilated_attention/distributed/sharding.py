@@ -296,8 +296,11 @@ def all_reduce_gradients(module: nn.Module, process_group) -> None:
     is right when the ranks of `process_group` hold the same shards (FSDP2
     over another mesh dimension); a gradient sharded over ranks of
     `process_group` itself is an error on every rank (FSDP2 has averaged it
-    already). A parameter without a gradient counts as zero (so every rank
-    reduces the same buffer).
+    already). A parameter without a gradient on this rank counts as zero (so
+    every rank reduces the same buffer); one without a gradient on every rank
+    keeps none (``.grad`` None, as one process leaves it: an optimizer skips
+    it, where a zero gradient would still move it by weight decay or
+    momentum).
 
     Every rank must hold the same trainable parameters in the same order:
     names (wrapper components such as DDP's ``module.`` or torch.compile's
@@ -325,13 +328,17 @@ def all_reduce_gradients(module: nn.Module, process_group) -> None:
                 )
         keys.extend(_parameter_key(name, p) for name, p in named)
         # every rank must reduce the same parameters at the same buffer positions
-        return {"parameters": _checksum(keys)}
+        return {"parameters": _checksum(keys),
+                "gradients": tuple(p.grad is not None for _, p in named)}
 
-    infos = comm.agree(process_group, parameters, per_rank=("parameters",))
+    infos = comm.agree(process_group, parameters, per_rank=("parameters", "gradients"))
     if len({info["parameters"] for info in infos}) > 1:
         # the error path only: every rank's whole list, to name the first difference
         lists = comm.agree(process_group, {"keys": keys}, per_rank=("keys",))
         raise ValueError(_first_difference([info["keys"] for info in lists]))
+    # the parameters with a gradient on some rank (the others keep None everywhere)
+    named = [(name, p) for (name, p), *anywhere in zip(named, *(i["gradients"] for i in infos))
+             if any(anywhere)]
     for _, p in named:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
