@@ -157,6 +157,12 @@ def _mesh_cases(group):
     model = _build("lm", sp)
     _shard(model, flat)
     out["fully_shard on dp x sp flattened"] = run(model, model)
+    # the meshes themselves as the groups: the model's (1-D) and the reduction's (2-D)
+    model = _build("lm", mesh["sp"])
+    _shard(model, mesh["dp"])
+    out["a mesh as the model's group, fully_shard on dp"] = run(model, model, reduce=mesh["sp"])
+    model = _build("lm", sp)
+    out["all_reduce_gradients over the 2-D mesh"] = run(model, model, reduce=mesh)
     # what cannot be right raises on every rank
     model = _build("lm", sp)
     wrapped = _ddp(model, dp)  # DDP over the data-parallel ranks alone
@@ -232,7 +238,9 @@ def test_unreduced_gradients_raise_at_the_next_step(world):
 
 MESH_WAYS = ("ddp over dp x sp", "all_reduce_gradients over dp x sp",
              "fully_shard on dp, all_reduce_gradients over sp", "fully_shard on dp x sp flattened",
-             "fully_shard on dp, checkpointed blocks")
+             "fully_shard on dp, checkpointed blocks",
+             "a mesh as the model's group, fully_shard on dp",
+             "all_reduce_gradients over the 2-D mesh")
 
 
 @pytest.mark.distributed

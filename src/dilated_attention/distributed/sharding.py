@@ -233,8 +233,7 @@ def sharded_within(t: Tensor, group) -> bool:
     mesh = getattr(t, "device_mesh", None)
     if mesh is None or not comm.is_distributed(group):
         return False
-    me = comm.global_rank(group, comm.group_rank(group))
-    others = {comm.global_rank(group, r) for r in range(comm.group_size(group))} - {me}
+    others = comm.members(group) - comm.members(None)  # None: this rank alone
     return bool(set(mesh.mesh.flatten().tolist()) & others)
 
 

@@ -21,12 +21,12 @@ from .agreement import agree, fail_on_all_ranks
 from .collectives import all_gather, all_reduce_, all_to_all, barrier, broadcast_, reduce_scatter
 from .counting import CommStats, count_communication
 from .groups import (Grid, ProcessGroup, global_rank, group_rank, group_size, is_distributed,
-                     resolve_group)
+                     members, resolve_group)
 from .point_to_point import RingComm, Tensors, exchange, post_exchange, wait_exchange
 
 __all__ = [
     "CommStats", "Grid", "ProcessGroup", "RingComm", "Tensors", "agree", "all_gather",
     "all_reduce_", "all_to_all", "barrier", "broadcast_", "count_communication", "exchange",
     "fail_on_all_ranks", "global_rank", "group_rank", "group_size", "is_distributed",
-    "post_exchange", "reduce_scatter", "resolve_group", "wait_exchange",
+    "members", "post_exchange", "reduce_scatter", "resolve_group", "wait_exchange",
 ]

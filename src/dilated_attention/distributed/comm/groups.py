@@ -14,7 +14,7 @@ dimension's group.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Tuple
+from typing import Any, FrozenSet, Tuple
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,10 +30,12 @@ class Grid:
     U == 1); sequence: the S ranks that hold the same heads after a head
     all-to-all (None when S == 1). The rank at (u, s) holds sequence piece
     s * U + u: ``group_rank(grid)`` is that piece index, ``group_size(grid)`` U * S.
+    members: the global ranks of the whole grid (the mesh's).
     """
 
     heads: ProcessGroup
     sequence: ProcessGroup
+    members: Tuple[int, ...] = ()
 
     @property
     def shape(self) -> Tuple[int, int]:
@@ -64,7 +66,9 @@ def resolve_group(group: Any, name: str = "group") -> ProcessGroup:
             raise ValueError(f"{name} must be a 1-D or 2-D DeviceMesh (head-parallel x "
                              f"sequence-parallel), got a {group.ndim}-D mesh {group}")
         heads, sequence = (_one_or_none(group.get_group(dim)) for dim in (0, 1))
-        return Grid(heads, sequence) if heads is not None else sequence
+        if heads is None:
+            return sequence
+        return Grid(heads, sequence, tuple(group.mesh.flatten().tolist()))
     if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(
             f"{name}: this rank (global rank {dist.get_rank()}) is not a member of the process "
@@ -124,6 +128,16 @@ def group_rank(group: ProcessGroup) -> int:
         (u, s), (heads, _) = group.coordinate, group.shape
         return s * heads + u
     return dist.get_rank(group)
+
+
+def members(group: ProcessGroup) -> FrozenSet[int]:
+    """The global ranks of `group` (a DeviceMesh, a Grid, a ProcessGroup); None: this one."""
+    group = plain(group)
+    if group is None:
+        return frozenset((dist.get_rank(),) if dist.is_initialized() else (0,))
+    if isinstance(group, Grid):
+        return frozenset(group.members)
+    return frozenset(dist.get_process_group_ranks(group))
 
 
 def global_rank(group: ProcessGroup, rank: int) -> int:
