@@ -133,6 +133,19 @@ def _sequence_cases(group):
     model = _build("lm", group)
     _train("lm", model, model, sp=group, steps=1)
     out["unreduced"] = _raises(lambda: _train("lm", model, model, sp=group, steps=1))
+    # the same with two micro-batches per step: the first forward after the step raises
+    model = _build("lm", group)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def accumulate(step):
+        for micro in range(2):
+            pieces = [shard_sequence(x, group) for x in _batch(2 * step + micro, "lm")]
+            model(*pieces)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    accumulate(0)
+    out["unreduced, accumulated"] = _raises(lambda: accumulate(1))
     return out
 
 
@@ -231,9 +244,11 @@ def test_sequence_parallel_gradients_equal_one_process(world, kind, how):
 @pytest.mark.parametrize("world", SEQUENCE_WORLDS)
 def test_unreduced_gradients_raise_at_the_next_step(world):
     for result in _spawn()[:world]:
-        msg = result[world]["unreduced"]
-        assert msg is not None and "parameters differ between the ranks of process_group" in msg
-        assert "all_reduce_gradients" in msg
+        for case in ("unreduced", "unreduced, accumulated"):
+            msg = result[world][case]
+            assert msg is not None and "parameters differ between the ranks of process_group" \
+                in msg, case
+            assert "all_reduce_gradients" in msg
 
 
 MESH_WAYS = ("ddp over dp x sp", "all_reduce_gradients over dp x sp",

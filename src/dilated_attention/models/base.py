@@ -31,9 +31,11 @@ class LongNetBase(nn.Module):
         self.config = config
         self.process_group = process_group
         self.strategy = check.check_strategy(strategy)
-        # the first training forwards compare parameter checksums across the ranks
-        # (_replica_checksums): a missed gradient reduction shows at the second
+        # two training forwards compare parameter checksums across the ranks
+        # (_replica_checksums): the first, and the first after the parameters changed (a
+        # missed gradient reduction shows there, however many micro-batches a step takes)
         self._replica_checks_left = 2
+        self._replica_versions = -1
         self._factory = {"device": device, "dtype": dtype}
         e = config.embed_dim
         self.embed = nn.Embedding(config.vocab_size, e, **self._factory)
@@ -45,13 +47,19 @@ class LongNetBase(nn.Module):
             nn.init.normal_(self.head.weight, std=e**-0.5)
 
     def _replica_check(self) -> Optional[nn.Module]:
-        """This model while it still compares its parameters across ranks (the first two
-        training forwards under a group: one read of every parameter each), else None."""
-        if self._replica_checks_left and torch.is_grad_enabled() and \
-                comm.is_distributed(self.process_group):
-            self._replica_checks_left -= 1
-            return self
-        return None
+        """This model when this training forward under a group compares its parameters across
+        ranks (one read of every parameter), else None: the first such forward, and the
+        first after an in-place update of a parameter (an optimizer step: their version
+        counters move), not the micro-batches of one step in between."""
+        if not (self._replica_checks_left and torch.is_grad_enabled()
+                and comm.is_distributed(self.process_group)):
+            return None
+        versions = sum(p._version for p in self.parameters())
+        if versions == self._replica_versions:
+            return None  # not updated since the first check: gradients still accumulating
+        self._replica_checks_left -= 1
+        self._replica_versions = versions
+        return self
 
     def _blocks(self, n: int, *, gamma: float, causal: bool, cross: bool) -> nn.ModuleList:
         return nn.ModuleList(

@@ -209,9 +209,9 @@ def _replica_checksums(model: Optional[nn.Module], group) -> Optional[Tuple[int,
     summation order, so equal parameters give equal checksums on every rank (a float sum
     could differ with the thread count). Costs one read of the parameters (LongNetLM's base
     size, 162M float32 parameters: about 0.03 s on one CPU thread, BENCHMARKS.md) and a host
-    sync, so the models do it on their first two training forwards only (enough for a model
-    built differently on some rank, the first, and for a gradient reduction that misses the
-    sequence ranks, the second) and once per ``generate`` call.
+    sync, so the models do it on two training forwards only (the first, for a model built
+    differently on some rank, and the first after an optimizer step, for a gradient reduction
+    that misses the sequence ranks) and once per ``generate`` call.
     """
     if model is None or not comm.is_distributed(group):
         return None

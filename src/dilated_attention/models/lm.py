@@ -15,11 +15,12 @@ AVERAGE over the sequence-parallel ranks is the full gradient: after
 ``backward`` call ``dilated_attention.all_reduce_gradients(model,
 process_group)``, or wrap the model in DDP over the sequence-parallel (or
 data x sequence) ranks, or FSDP2 over a mesh that includes them
-(Note [gradients across ranks] in distributed/sharding.py). The first two
-training forwards (gradients enabled) check, inside their agreement, that
-the ranks hold the same parameters: models built from different seeds, or
-a first step whose gradients were not reduced over the sequence-parallel
-ranks, are an error on every rank, not a silent divergence.
+(Note [gradients across ranks] in distributed/sharding.py). Two training forwards
+(the first, and the first after an optimizer step) check, inside their
+agreement, that the ranks hold the same parameters: models built from
+different seeds, or a first step whose gradients were not reduced over the
+sequence-parallel ranks, are an error on every rank, not a silent
+divergence.
 """
 
 from __future__ import annotations
