@@ -146,6 +146,18 @@ def _sequence_cases(group):
 
     accumulate(0)
     out["unreduced, accumulated"] = _raises(lambda: accumulate(1))
+    # a hand-written step through .data (no version counter moves): the second forward
+    model = _build("lm", group)
+
+    def by_hand(step):
+        model(*[shard_sequence(x, group) for x in _batch(step, "lm")])[1].backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-1e-2)
+                p.grad = None
+
+    by_hand(0)
+    out["unreduced, updated through .data"] = _raises(lambda: by_hand(1))
     return out
 
 
@@ -244,7 +256,7 @@ def test_sequence_parallel_gradients_equal_one_process(world, kind, how):
 @pytest.mark.parametrize("world", SEQUENCE_WORLDS)
 def test_unreduced_gradients_raise_at_the_next_step(world):
     for result in _spawn()[:world]:
-        for case in ("unreduced", "unreduced, accumulated"):
+        for case in ("unreduced", "unreduced, accumulated", "unreduced, updated through .data"):
             msg = result[world][case]
             assert msg is not None and "parameters differ between the ranks of process_group" \
                 in msg, case

@@ -31,11 +31,11 @@ class LongNetBase(nn.Module):
         self.config = config
         self.process_group = process_group
         self.strategy = check.check_strategy(strategy)
-        # two training forwards compare parameter checksums across the ranks
-        # (_replica_checksums): the first, and the first after the parameters changed (a
-        # missed gradient reduction shows there, however many micro-batches a step takes)
-        self._replica_checks_left = 2
-        self._replica_versions = -1
+        # training forwards that compare parameter checksums across the ranks
+        # (_replica_checksums, _replica_check): how many have run (counted up to 2), and the
+        # parameters' version sum at the last one (None once one ran after a change)
+        self._replica_forwards = 0
+        self._replica_versions: Optional[int] = -1
         self._factory = {"device": device, "dtype": dtype}
         e = config.embed_dim
         self.embed = nn.Embedding(config.vocab_size, e, **self._factory)
@@ -48,17 +48,23 @@ class LongNetBase(nn.Module):
 
     def _replica_check(self) -> Optional[nn.Module]:
         """This model when this training forward under a group compares its parameters across
-        ranks (one read of every parameter), else None: the first such forward, and the
-        first after an in-place update of a parameter (an optimizer step: their version
-        counters move), not the micro-batches of one step in between."""
-        if not (self._replica_checks_left and torch.is_grad_enabled()
-                and comm.is_distributed(self.process_group)):
+        ranks (one read of every parameter), else None. The first two such forwards check
+        (a step of one micro-batch, updated by any means, shows a missed gradient reduction
+        at the second), and, where the second came before the parameters changed (gradient
+        accumulation), the first after an optimizer step changed them in place (their
+        version counters move; an update through ``.data`` moves none)."""
+        if self._replica_versions is None or not (
+                torch.is_grad_enabled() and comm.is_distributed(self.process_group)):
             return None
         versions = sum(p._version for p in self.parameters())
-        if versions == self._replica_versions:
-            return None  # not updated since the first check: gradients still accumulating
-        self._replica_checks_left -= 1
-        self._replica_versions = versions
+        if self._replica_forwards < 2:
+            self._replica_forwards += 1
+            changed = self._replica_forwards == 2 and versions != self._replica_versions
+        elif versions == self._replica_versions:
+            return None  # not updated since: gradients still accumulating
+        else:
+            changed = True
+        self._replica_versions = None if changed else versions
         return self
 
     def _blocks(self, n: int, *, gamma: float, causal: bool, cross: bool) -> nn.ModuleList:
