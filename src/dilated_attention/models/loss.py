@@ -101,8 +101,13 @@ def chunked_token_mean_loss(hidden: Tensor, weight: Tensor, targets: Tensor, gro
     compute = _linear_dtype(hidden)
     rows = loss_chunk_rows(weight.shape[0], compute, chunk_bytes)
     # (b, n, e) -> (b n, e); (b, n) -> (b n,)
-    total = _ChunkedHeadLoss.apply(hidden.flatten(0, 1), weight, bias, targets.flatten(), rows,
-                                   compute)
+    flat = (hidden.flatten(0, 1), weight, bias, targets.flatten(), rows, compute)
+    if torch.compiler.is_compiling():
+        # a custom op, as the attention: its chunk loop runs at run time, not traced (it
+        # would fix the sequence length)
+        total = _forward_op(*flat)[0]
+    else:
+        total = _ChunkedHeadLoss.apply(*flat)
     return _mean_over_ranks(total, targets, group)
 
 
@@ -224,28 +229,77 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     The head runs in `compute` (the model's dtype, or autocast's) with
     autocast off inside, in forward and backward alike; gradients come back
-    in each input's own dtype.
+    in each input's own dtype. The eager twin of the custom op pair below:
+    the same functions, without the dispatcher's wrapping.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, rows, compute):
-        with _autocast_off(hidden.device.type):
-            total, lse = head_loss_forward(*_cast(compute, hidden, weight, bias), targets, rows)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.rows, ctx.compute = rows, compute
+        inputs = (hidden, weight, bias, targets, rows, compute)
+        total, lse = _forward_flat(*inputs)
+        _setup_context(ctx, inputs, (total, lse))
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
-        needs = tuple(ctx.needs_input_grad[:3])
-        with _autocast_off(hidden.device.type):
-            grads = head_loss_backward(grad, *_cast(ctx.compute, hidden, weight, bias), targets,
-                                       lse, ctx.rows, needs)
-        dh, dw, db = (None if g is None else g.to(x.dtype)
-                      for g, x in zip(grads, (hidden, weight, bias)))
-        return dh, dw, db, None, None, None
+        return _op_backward(ctx, grad, None)
 
 
 def _cast(dtype: torch.dtype, *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
     return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
+# Under torch.compile: the loss as a custom op pair (forward, backward), autograd registered on
+# the forward; a gradient that is not needed (or a bias that does not exist) comes back empty.
+
+def _forward_flat(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
+                  rows: int, compute: torch.dtype) -> Tuple[Tensor, Tensor]:
+    with _autocast_off(hidden.device.type):
+        return head_loss_forward(*_cast(compute, hidden, weight, bias), targets, rows)
+
+
+def _backward_flat(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                   targets: Tensor, lse: Tensor, rows: int, compute: torch.dtype, need_h: bool,
+                   need_w: bool, need_b: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    with _autocast_off(hidden.device.type):
+        grads = head_loss_backward(grad, *_cast(compute, hidden, weight, bias), targets, lse,
+                                   rows, (need_h, need_w, need_b))
+    return tuple(hidden.new_empty(0) if g is None else g.to(x.dtype)
+                 for g, x in zip(grads, (hidden, weight, bias)))
+
+
+_forward_op = torch.library.custom_op("dilated_attention::head_loss_forward", _forward_flat,
+                                      mutates_args=())
+_backward_op = torch.library.custom_op("dilated_attention::head_loss_backward", _backward_flat,
+                                       mutates_args=())
+
+
+@_forward_op.register_fake
+def _forward_shapes(hidden, weight, bias, targets, rows, compute):
+    acc = accumulator_dtype(compute)
+    return hidden.new_empty((), dtype=acc), hidden.new_empty(hidden.shape[0], dtype=acc)
+
+
+@_backward_op.register_fake
+def _backward_shapes(grad, hidden, weight, bias, targets, lse, rows, compute, *needs):
+    return tuple(torch.empty_like(x) if need else hidden.new_empty(0)
+                 for x, need in zip((hidden, weight, bias), needs))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    hidden, weight, bias, targets, rows, compute = inputs
+    ctx.save_for_backward(hidden, weight, bias, targets, output[1])
+    ctx.rows, ctx.compute = rows, compute
+
+
+def _op_backward(ctx, grad, _):
+    hidden, weight, bias, targets, lse = ctx.saved_tensors
+    needs = tuple(ctx.needs_input_grad[:2]) + (ctx.needs_input_grad[2] and bias is not None,)
+    # create_graph=True: the backward's Python, which autograd records (Note [chunked head loss])
+    backward = _backward_flat if torch.is_grad_enabled() else _backward_op
+    grads = backward(grad, hidden, weight, bias, targets, lse, ctx.rows, ctx.compute, *needs)
+    return tuple(g if need else None for g, need in zip(grads, needs)) + (None, None, None)
+
+
+torch.library.register_autograd("dilated_attention::head_loss_forward", _op_backward,
+                                setup_context=_setup_context)
