@@ -295,8 +295,11 @@ def _setup_context(ctx, inputs, output) -> None:
 def _op_backward(ctx, grad, _):
     hidden, weight, bias, targets, lse = ctx.saved_tensors
     needs = tuple(ctx.needs_input_grad[:2]) + (ctx.needs_input_grad[2] and bias is not None,)
-    # create_graph=True: the backward's Python, which autograd records (Note [chunked head loss])
-    backward = _backward_flat if torch.is_grad_enabled() else _backward_op
+    # the op where a compiled graph traces this backward; eager (the Function's backward, no
+    # dispatcher), or create_graph=True, the Python, which autograd records (Note [chunked
+    # head loss]): the op has no derivative
+    compiled = torch.compiler.is_compiling() and not torch.is_grad_enabled()
+    backward = _backward_op if compiled else _backward_flat
     grads = backward(grad, hidden, weight, bias, targets, lse, ctx.rows, ctx.compute, *needs)
     return tuple(g if need else None for g, need in zip(grads, needs)) + (None, None, None)
 
