@@ -130,12 +130,12 @@ def test_module_with_dynamic_length_compiles_once() -> None:
         torch.testing.assert_close(out, attn(x, x, x, is_causal=True)[0])
 
 
-def test_model_loss_with_dynamic_length_compiles_once() -> None:
+def test_model_with_dynamic_length_compiles_once() -> None:
     """LongNetLM's training forward (the chunked loss, a custom op pair like the attention)
-    with the length marked dynamic compiles (its chunk loop, traced, fixed the length:
-    ConstraintViolationError) and equals eager, loss and gradients. (The model's input
-    checks read the ids: a graph break, after which the agreed piece lengths are constants
-    of the resumed graph, so the model recompiles per length; the loss does not add to it.)"""
+    compiles into ONE graph (fullgraph: the id checks, which read the ids, are skipped while
+    tracing) that serves every length marked dynamic (the loss's chunk loop, traced, fixed
+    the length: ConstraintViolationError; the id checks' graph break made the agreed piece
+    lengths constants: a recompile per length) and equals eager, loss and gradients."""
     from dilated_attention import LongNetConfig, LongNetLM
 
     torch._dynamo.reset()
@@ -144,8 +144,8 @@ def test_model_loss_with_dynamic_length_compiles_once() -> None:
                            segment_lengths=(4, 8), dilation_rates=(1, 2),
                            loss_chunk_bytes=5 * 19 * 8)  # chunks of 5 rows: several per call
     model = LongNetLM(config, dtype=torch.float64)
-    compiled = torch.compile(model, backend="aot_eager")
-    for n in (18, 23, 31):
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for i, n in enumerate((18, 23, 31)):
         tokens, targets = (torch.randint(0, 19, (2, n), generator=torch.Generator().manual_seed(s))
                            for s in (n, n + 1))
         for x in (tokens, targets):
@@ -153,10 +153,31 @@ def test_model_loss_with_dynamic_length_compiles_once() -> None:
         results = []
         for fn in (compiled, model):
             model.zero_grad(set_to_none=True)
-            loss = fn(tokens, targets)[1]
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                loss = fn(tokens, targets)[1]
             loss.backward()
             results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
         (loss_c, grads_c), (loss_e, grads_e) = results
         torch.testing.assert_close(loss_c, loss_e, rtol=1e-12, atol=1e-12)
         for got, want in zip(grads_c, grads_e):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_encoder_decoder_compiles_once() -> None:
+    """LongNet (encoder-decoder): one graph for every pair of source and target lengths
+    marked dynamic, loss equal to eager."""
+    from dilated_attention import LongNet, LongNetConfig
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = LongNetConfig(vocab_size=19, embed_dim=16, num_heads=4, ffn_dim=24, num_layers=1,
+                           num_encoder_layers=1, segment_lengths=(4, 8), dilation_rates=(1, 2))
+    model = LongNet(config, dtype=torch.float64)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for i, (n, m) in enumerate(((18, 9), (23, 12), (31, 17))):
+        source, target = torch.randint(0, 19, (2, n)), torch.randint(0, 19, (2, m))
+        for x in (source, target):
+            torch._dynamo.mark_dynamic(x, 1)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            loss = compiled(source, target, target)[1]
+        torch.testing.assert_close(loss, model(source, target, target)[1], rtol=1e-12, atol=0)

@@ -24,6 +24,13 @@ from .loss import IGNORE_INDEX
 _ID_DTYPES = (torch.int64, torch.int32)
 
 
+def _reads_values(ids: Tensor) -> bool:
+    """Whether an id check may read the ids: not on meta tensors, and not while torch.compile
+    traces (a host read there is a graph break before every layer; the embedding and the loss
+    index with the ids either way, as the attention op skips its data checks, docs/compile.md)."""
+    return ids.device.type != "meta" and bool(ids.numel()) and not torch.compiler.is_compiling()
+
+
 def check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
     if not isinstance(tokens, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tokens).__name__}")
@@ -31,7 +38,7 @@ def check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
         raise ValueError(f"{name} must be 2-D (batch, seq_len), got shape {tuple(tokens.shape)}")
     if tokens.dtype not in _ID_DTYPES:
         raise TypeError(f"{name} must hold integer token ids (int64 or int32), got {tokens.dtype}")
-    if tokens.device.type != "meta" and tokens.numel():
+    if _reads_values(tokens):
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"{name} must be ids in [0, {vocab_size}), got values in [{lo}, {hi}]")
@@ -45,7 +52,7 @@ def check_targets(targets: Tensor, tokens: Tensor, vocab_size: int, name: str) -
         raise ValueError(f"{name} must have tokens' shape {tuple(tokens.shape)}, got {shape}")
     if targets.dtype not in _ID_DTYPES:
         raise TypeError(f"{name} must hold int64 or int32 ids, got {targets.dtype}")
-    if targets.device.type != "meta" and targets.numel():
+    if _reads_values(targets):
         bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab_size))
         if bool(bad.any()):
             value = int(targets[bad][0])
