@@ -74,6 +74,10 @@ def test_presets():
         ({"attention_dropout": -0.1}, ValueError, r"^attention_dropout must be.*-0.1"),
         ({"attention_dropout": "0.1"}, TypeError, r"^attention_dropout must be.*'0.1'"),
         ({"num_layers": 0}, ValueError, r"num_layers.*0"),
+        # None is no default for a size (it failed later, deep in the model or the loss)
+        *(({name: None}, TypeError, rf"^{name} must be a positive int, got None")
+          for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "ffn_dim",
+                       "num_encoder_layers", "max_seq_len", "loss_chunk_bytes")),
         ({"tie_embeddings": "yes"}, TypeError, r"tie_embeddings.*'yes'"),
         ({"layer_norm_eps": -1.0}, ValueError, r"^layer_norm_eps must be.*-1.0"),
         ({"layer_norm_eps": float("nan")}, ValueError, r"^layer_norm_eps must be.*nan"),

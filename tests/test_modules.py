@@ -187,6 +187,7 @@ def test_gradients_reach_every_parameter():
         ({"num_kv_heads": 3}, ValueError, r"num_heads \(4\).*num_kv_heads \(3\)"),
         ({"num_heads": 0}, ValueError, r"num_heads.*0"),
         ({"embed_dim": 16.0}, TypeError, r"embed_dim.*16.0"),
+        ({"num_heads": None}, TypeError, r"^num_heads must be a positive int, got None"),
         ({"dilation_rates": [1, 9]}, ValueError, r"dilation_rates\[1\] = 9"),
         ({"segment_lengths": [4]}, ValueError, r"same length"),
         ({"dropout": 1.0}, ValueError, r"^dropout must be in \[0, 1\), got 1.0"),

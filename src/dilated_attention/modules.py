@@ -152,12 +152,8 @@ class MultiheadDilatedAttention(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        embed_dim = check.check_optional_positive_int("embed_dim", embed_dim)
-        num_heads = check.check_optional_positive_int("num_heads", num_heads)
-        if embed_dim is None or num_heads is None:
-            raise TypeError(
-                f"embed_dim and num_heads must be positive ints, got {embed_dim!r}, {num_heads!r}"
-            )
+        embed_dim = check.check_positive_int("embed_dim", embed_dim)
+        num_heads = check.check_positive_int("num_heads", num_heads)
         if embed_dim % num_heads != 0:
             raise ValueError(
                 f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"

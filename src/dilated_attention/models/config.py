@@ -64,9 +64,10 @@ class LongNetConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "ffn_dim",
-                     "num_encoder_layers", "max_seq_len", "loss_chunk_bytes", "ffn_chunk_bytes"):
-            check.check_optional_positive_int(name, getattr(self, name))
-        check.check_optional_positive_int("num_kv_heads", self.num_kv_heads)
+                     "num_encoder_layers", "max_seq_len", "loss_chunk_bytes"):
+            setattr(self, name, check.check_positive_int(name, getattr(self, name)))
+        for name in ("num_kv_heads", "ffn_chunk_bytes"):  # None: as many as num_heads; off
+            setattr(self, name, check.check_optional_positive_int(name, getattr(self, name)))
         if self.embed_dim % self.num_heads:
             raise ValueError(
                 f"embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})"
