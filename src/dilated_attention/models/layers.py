@@ -84,7 +84,10 @@ class CrossAttention(nn.Module):
         # (b, m, e) -> (b, hk, m, d), then (b, h, m, d): query head j reads kv head j // group
         k = self.k_proj(memory).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(memory).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        if group > 1:
+            # copies of the memory's heads, not enable_gqa: SDPA's memory-efficient kernel
+            # (fp32 on a GPU) does not take it, and its math kernel would hold every score
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0
         )
