@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from typing import Any, Dict, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -59,17 +59,6 @@ def dropout_seed(dropout_p: float) -> int:
     if dropout_p == 0.0:
         return 0
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
-
-
-def fail_on_every_rank(group, error: Exception) -> NoReturn:
-    """Raise `error` here, and a ValueError naming it on every other rank of `group`.
-
-    For callers above the ops (modules, models) whose own check of their inputs
-    failed before they reached an op: the other ranks wait in that op's
-    agreement, which this rank joins with its error instead of a configuration,
-    so every rank raises and none hangs. Without a group it just raises.
-    """
-    comm.fail_on_all_ranks(comm.resolve_group(group), error)
 
 
 def _tensor_config(q: Tensor, k: Tensor, v: Tensor, key_padding_mask, *,

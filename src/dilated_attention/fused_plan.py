@@ -276,19 +276,20 @@ def _dense_plan(n, m, heads, num_kv_heads, block_m, keys, device, causal, order_
     rows = m if keys else n
     other = n if keys else m
     tiles, spans = [], []
-    for row_head, members, span_heads in groups:
+    for row_head, _, span_heads in groups:
         span_lo = len(spans)
         spans += [(head, 0, 1, other, 1, 0, 0) for head in span_heads]
         for lo in range(0, rows, block_m):
             tiles.append((0, lo, min(block_m, rows - lo), row_head, span_lo, len(spans)))
-    table, row_table = torch.tensor(tiles, dtype=torch.int64).reshape(-1, 6), torch.arange(rows)
+    table = torch.tensor(tiles, dtype=torch.int64).reshape(-1, len(TILE_COLUMNS))
+    row_table = torch.arange(rows)
     span_table = torch.tensor(spans, dtype=torch.int64).reshape(-1, len(SPAN_COLUMNS))
     heights = ((block_m, len(tiles)),) if tiles else ()
     if order_window:
         table = _heaviest_first(table, tile_work(table, row_table, span_table, causal, keys),
                                 heights, order_window)
     return TilePlan(_int32(table), _int32(_nonempty(row_table)), _int32(_nonempty(span_table)),
-                    _table([], 2), block_m, 0, heights=heights).to(device)
+                    _table([], len(EXTRA_COLUMNS)), block_m, 0, heights=heights).to(device)
 
 
 def _table(entries: Sequence[Tuple[int, ...]], width: int) -> Tensor:

@@ -17,7 +17,8 @@ from typing import Optional, Sequence, Tuple
 from torch import Tensor, nn
 
 from . import validation as check
-from .functional import dilated_attention, fail_on_every_rank
+from .distributed import comm
+from .functional import dilated_attention
 
 
 class DilatedAttention(nn.Module):
@@ -267,7 +268,7 @@ class MultiheadDilatedAttention(nn.Module):
         except (TypeError, ValueError) as error:
             # the other ranks wait in the op's agreement collective: fail there, on all of
             # them (with no process group this just raises `error`)
-            fail_on_every_rank(self.attention.process_group, error)
+            comm.fail_on_all_ranks(comm.resolve_group(self.attention.process_group), error)
         q, k, v = self.project_qkv(query, key, value)
         attn = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask,
                               cu_seqlens=cu_seqlens)

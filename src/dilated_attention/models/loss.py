@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import validation as check
+from ..kernels import lse_dtype
 from ..distributed.sharding import sum_across_ranks
 
 IGNORE_INDEX = -100
@@ -53,15 +54,10 @@ IGNORE_INDEX = -100
 LOSS_CHUNK_BYTES = 64 * 2**20
 
 
-def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the loss is computed in: fp32 for half-precision logits, fp64 stays fp64."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def loss_chunk_rows(vocab_size: int, dtype: torch.dtype,
                     chunk_bytes: int = LOSS_CHUNK_BYTES) -> int:
     """Rows per chunk: the most whose accumulator-dtype logits fit in chunk_bytes (at least 1)."""
-    itemsize = torch.empty((), dtype=accumulator_dtype(dtype)).element_size()
+    itemsize = torch.empty((), dtype=lse_dtype(dtype)).element_size()
     return max(1, chunk_bytes // (itemsize * vocab_size))
 
 
@@ -78,7 +74,7 @@ def token_mean_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
     shares (Note [gradients across ranks] in distributed/sharding.py).
     """
     # (b, n, v) -> (b n, v)
-    total = F.cross_entropy(logits.to(accumulator_dtype(logits.dtype)).flatten(0, 1),
+    total = F.cross_entropy(logits.to(lse_dtype(logits.dtype)).flatten(0, 1),
                             targets.flatten().long(), ignore_index=IGNORE_INDEX,
                             reduction="sum")
     return _mean_over_ranks(total, targets, group)
@@ -141,7 +137,7 @@ def head_loss_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ta
 
     hidden, weight and bias in one dtype (the model's); the sums in its accumulator dtype.
     """
-    acc = accumulator_dtype(hidden.dtype)
+    acc = lse_dtype(hidden.dtype)
     total = torch.zeros((), dtype=acc, device=hidden.device)
     lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
     for start in range(0, hidden.shape[0], rows):
@@ -201,7 +197,7 @@ def _recorded_head_loss_backward(grad: Tensor, hidden: Tensor, weight: Tensor,
     ``create_graph=True``): out-of-place ops, and each chunk's softmax recomputed from its
     logits (the saved lse is a constant to autograd). Autograd then keeps every chunk's
     softmax, (N, v) in all: the logits' memory, which a second derivative needs anyway."""
-    acc = accumulator_dtype(hidden.dtype)
+    acc = lse_dtype(hidden.dtype)
     need_h, need_w, need_b = needs
     dh = []
     dw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
@@ -276,7 +272,7 @@ _backward_op = torch.library.custom_op("dilated_attention::head_loss_backward", 
 
 @_forward_op.register_fake
 def _forward_shapes(hidden, weight, bias, targets, rows, compute):
-    acc = accumulator_dtype(compute)
+    acc = lse_dtype(compute)
     return hidden.new_empty((), dtype=acc), hidden.new_empty(hidden.shape[0], dtype=acc)
 
 

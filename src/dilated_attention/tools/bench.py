@@ -46,7 +46,6 @@ from .settings import (DEFAULT_SEQ_LENS, DEFAULT_WORLD_SIZES, MB, PROG, Attentio
                        check_setting, check_window, check_zigzag, default_threads, plural,
                        ring_layout)
 
-IMPLS = ("dilated", "ring", "sdpa")
 # how a case's ranks split the work: ("group", strategy) on a one-dimensional group, or
 # ("mesh", (U, S)) on a 2-D mesh (head-parallel x sequence-parallel)
 Split = Tuple[str, object]

@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ..validation import STRATEGIES
 from . import launch
-from .settings import DTYPES, PROG
+from .settings import DTYPES, IMPLS, PROG
 
 # Exit statuses: 0 success, 1 a run or a check failed, 2 a user mistake.
 EXIT_FAILED = 1
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "rank. Prints one table; writes bench.json and bench.png to --out.",
     )
     _add_model_options(bench, many_lengths=True)
-    bench.add_argument("--impl", nargs="+", choices=("dilated", "ring", "sdpa"),
+    bench.add_argument("--impl", nargs="+", choices=IMPLS,
                        default=None, help="implementations (default dilated): dilated "
                        "attention (sequence-parallel for P > 1), dense ring attention, plain "
                        "single-device SDPA (dense, P = 1 only)")

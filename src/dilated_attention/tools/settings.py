@@ -15,6 +15,8 @@ from typing import Optional, Sequence, Tuple
 from .. import validation as check
 
 PROG = "dilated-attention"
+# what `bench --impl` times: dilated attention, the dense ring, single-device SDPA
+IMPLS = ("dilated", "ring", "sdpa")
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 MB = 1e6  # reported megabytes are 10^6 bytes
 
@@ -23,6 +25,11 @@ LONGNET_SEGMENTS = (2048, 4096)
 LONGNET_RATES = (1, 2)
 DEFAULT_SEQ_LENS = (8192, 16384, 32768)
 DEFAULT_WORLD_SIZES = (1, 2, 4)
+
+
+def megabytes(x: float) -> str:
+    """Bytes as reported: "1,234.5 MB"."""
+    return f"{x / MB:,.1f} MB"
 
 
 def plural(count: int, noun: str, nouns: Optional[str] = None) -> str:

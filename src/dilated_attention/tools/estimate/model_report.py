@@ -8,7 +8,7 @@ import json
 from typing import Dict, List, Optional
 
 from ...models.checkpointing import CHECKPOINT_MODES
-from ..settings import MB, plural
+from ..settings import megabytes, plural
 from .model import Fit, ModelSetup, estimate_modes, longest, world_sizes
 from .model_dryrun import dry_run
 
@@ -31,7 +31,7 @@ def report(setup: ModelSetup, *, trace: bool, as_json: bool,
     print(f"\n{'per rank':34s}" + "".join(f"{m:>16s}" for m in CHECKPOINT_MODES))
     labels = list(dict.fromkeys(k for e in estimates.values() for k in e.breakdown))
     for label in labels:
-        print(f"  {label:32s}" + "".join(f"{_mb(e.breakdown.get(label, 0)):>16s}"
+        print(f"  {label:32s}" + "".join(f"{megabytes(e.breakdown.get(label, 0)):>16s}"
                                        for e in estimates.values()))
     _row("peak on the device", [e.peak_bytes for e in estimates.values()])
     _row("host memory (offloaded inputs)", [e.host_bytes for e in estimates.values()])
@@ -63,7 +63,7 @@ def _report_fit(setup: ModelSetup, budget: int, as_json: bool) -> int:
         p = row["none"].world_size
         cells = "".join(f"{_tokens(f.seq_len):>14s}" for f in row.values())
         host = row["offload"].estimate
-        print(f"{p:>5d}{cells}{_mb(host.host_bytes) if host else '-':>26s}")
+        print(f"{p:>5d}{cells}{megabytes(host.host_bytes) if host else '-':>26s}")
     step = fits[0]["none"].step
     print(f"\nN in multiples of {step:,} P tokens; the attention op's working memory from its "
           f"dry run at the longest N of each P")
@@ -79,7 +79,7 @@ def _report_fit(setup: ModelSetup, budget: int, as_json: bool) -> int:
 def describe(setup: ModelSetup, *, with_length: bool = True) -> str:
     c = setup.config
     kv = f", {c.num_kv_heads} kv heads" if c.num_kv_heads else ""
-    ffn = (f", feed-forward over chunks of {c.ffn_chunk_bytes / MB:,.1f} MB"
+    ffn = (f", feed-forward over chunks of {megabytes(c.ffn_chunk_bytes)}"
            if c.ffn_chunk_bytes is not None else "")
     length = (f"N = {setup.seq_len:,} over P = {plural(setup.world_size, 'rank')} "
               f"({setup.rows:,} rows per rank); " if with_length else "")
@@ -87,7 +87,7 @@ def describe(setup: ModelSetup, *, with_length: bool = True) -> str:
             f"heads{kv}, ffn {c.ffn_dim}, vocabulary {c.vocab_size:,}{ffn}), segments "
             f"{list(c.segment_lengths)}, rates {list(c.dilation_rates)}, causal; training step "
             f"(forward, backward, AdamW) with the loss over chunks of "
-            f"{c.loss_chunk_bytes / MB:,.1f} MB; {length}batch {setup.batch}, {setup.dtype} "
+            f"{megabytes(c.loss_chunk_bytes)}; {length}batch {setup.batch}, {setup.dtype} "
             f"parameters, gradients and moments; {setup.device} kernels")
 
 
@@ -98,15 +98,11 @@ def _describe_json(setup: ModelSetup) -> dict:
 
 
 def _row(label: str, values: List[int]) -> None:
-    print(f"  {label:32s}" + "".join(f"{_mb(v):>16s}" for v in values))
+    print(f"  {label:32s}" + "".join(f"{megabytes(v):>16s}" for v in values))
 
 
 def _short(stage: str) -> str:
     return stage.replace("backward, ", "bwd ").replace("forward end, a loss chunk", "fwd end")
-
-
-def _mb(x: int) -> str:
-    return f"{x / MB:,.1f} MB"
 
 
 def _tokens(n: int) -> str:

@@ -7,7 +7,7 @@ import json
 from typing import List, Tuple
 
 from ...plan import work
-from ..settings import MB, plural
+from ..settings import megabytes, plural
 from . import dryrun
 from .config import EstimateConfig, kernels_name, split, strategy_name
 from .scaled import Estimate, estimate, estimate_with_dry_run, representative
@@ -22,13 +22,13 @@ def report(config: EstimateConfig, *, trace: bool, as_json: bool) -> int:
         return 0
     print(f"ESTIMATE (not measured): {describe(config)}")
     for e in estimates:
-        print(f"\n{e.method}: peak per rank {_mb(e.peak_bytes)} (rank {e.rank}, {e.phase}; "
+        print(f"\n{e.method}: peak per rank {megabytes(e.peak_bytes)} (rank {e.rank}, {e.phase}; "
               f"{_how(e)}; {e.seconds:.2f} s)")
         for name, nbytes in e.breakdown.items():
-            print(f"  {name:44s} {_mb(nbytes):>16s}")
+            print(f"  {name:44s} {megabytes(nbytes):>16s}")
         print(f"  communication per layer, sent by rank {e.traffic_rank} (the busiest): forward "
-              f"{_mb(e.forward_bytes)} in {plural(e.forward_messages, 'message')}"
-              + (f", backward {_mb(e.backward_bytes)} in "
+              f"{megabytes(e.forward_bytes)} in {plural(e.forward_messages, 'message')}"
+              + (f", backward {megabytes(e.backward_bytes)} in "
                  f"{plural(e.backward_messages, 'message')}"
                  if config.training else ""))
     if config.impl == "dilated" and config.world_size > 1 and split(config)[0] == 1:
@@ -41,7 +41,7 @@ def report(config: EstimateConfig, *, trace: bool, as_json: bool) -> int:
     if trace:
         e, d = estimates
         print(f"\nestimate vs dry run: peak {100 * (e.peak_bytes / d.peak_bytes - 1):+.1f}%, "
-              f"forward traffic {_mb(e.forward_bytes)} vs {_mb(d.forward_bytes)}")
+              f"forward traffic {megabytes(e.forward_bytes)} vs {megabytes(d.forward_bytes)}")
     return 0
 
 
@@ -49,10 +49,6 @@ def _how(e: Estimate) -> str:
     if len(e.rows) == 1:
         return f"the real code at {e.rows[0]:,} rows per rank"
     return f"the real code at {e.rows[0]:,} and {e.rows[1]:,} rows per rank, extrapolated"
-
-
-def _mb(x: int) -> str:
-    return f"{x / MB:,.1f} MB"
 
 
 def describe(config: EstimateConfig) -> str:
