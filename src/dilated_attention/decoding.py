@@ -109,6 +109,32 @@ class CachePlan:
         first = sum(pieces[:rank])
         return cls((first, first + pieces[rank]), blocks[rank], tuple(blocks))
 
+    def empty_block(self, k: Tensor, v: Tensor, *, heads_first: bool = False) -> CachedRows:
+        """The room for this rank's new rows, like k and v (b, rows, hk, d): allocated once
+        for every planned row (the allocator takes it whole), never zero-filled, as its
+        rows past `count` are never read. heads_first: k, v are (b, hk, rows, d) (a
+        transformers cache) and the room is laid out so, viewed (b, rows, hk, d)."""
+        first, end = self.block
+        if heads_first:
+            # (b, hk, rows, d), viewed (b, rows, hk, d)
+            shape = (k.shape[0], k.shape[1], end - first, k.shape[3])
+            return CachedRows(k.new_empty(shape).transpose(1, 2),
+                              v.new_empty(shape).transpose(1, 2), first, 0)
+        shape = (k.shape[0], end - first) + tuple(k.shape[2:])
+        return CachedRows(k.new_empty(shape), v.new_empty(shape), first, 0)
+
+    def store(self, block: CachedRows, t: int, k: Tensor, v: Tensor) -> CachedRows:
+        """`block` with the row of new position t (k, v (b, hk, d)) written where t falls in
+        this rank's block; a position past the planned rows is an error (on every rank:
+        each checks every position)."""
+        first, end = self.block
+        self.owner(t)
+        if not first <= t < end:
+            return block
+        block.k[:, t - first] = k
+        block.v[:, t - first] = v
+        return block._replace(count=t - first + 1)
+
     def owner(self, t: int) -> int:
         """The rank that stores the row of new position t."""
         for rank, (start, stop) in enumerate(self.blocks):

@@ -3,9 +3,10 @@
 Notation: b batch, n sequence, h query heads, hk key/value heads, d head dim;
 a pattern is (w, r) = (segment length, dilation rate).
 
-Per pattern, every segment's selected rows are gathered into one dense batch
-(a free view when r == 1), one kernel launch returns (out, lse) for all of
-them, and the result is merged on the fly into fp32 accumulators with the
+Per pattern, the segments' selected rows are gathered into dense batches
+(a free view when r == 1, a strided view where the device reads one),
+launched in row blocks and head groups (policy.py sizes them), and each
+launch's (out, lse) is merged on the fly into fp32 accumulators with the
 log-sum-exp merge (launches.py). The backward reuses the merged (out, lse):
 each pattern's kernel backward recomputes its share of the *global* softmax,
 so dq sums over patterns and no lse gradient is needed from any kernel. With

@@ -2,8 +2,10 @@
 
 ``dilated_attention`` and ``ring_attention`` are what users (and the
 modules) call. Each builds the call's configuration inside the callable
-that ``comm.agree`` runs, so the checks run exactly once per call and a bad
-argument on one rank is an error on every rank of the group, never a hang.
+that ``comm.agree`` runs, so the checks run at most once per call (a call
+whose signature passed them before skips the static ones,
+``validation.CheckedCalls``) and a bad argument on one rank is an error on
+every rank of the group, never a hang.
 The agreed configuration then travels down as values (``patterns``,
 ``KernelOptions``, every rank's piece length, the documents) to the op that
 computes it:

@@ -205,8 +205,9 @@ def select_backend(
     launches, nor a dense block): where auto may run the fused kernel (FUSED_BY_DEFAULT).
     head_dim: the call's, where known (the fused kernel takes at most fused.MAX_HEAD_DIM).
 
-    Runs once per call, when the public op validates it (inside the
-    cross-rank agreement: an error is raised on every rank); the call's
+    Runs when the public op validates a call (inside the cross-rank
+    agreement: an error is raised on every rank; a call whose signature was
+    checked before reuses its choice, ``validation.CheckedCalls``); the call's
     launches then run the chosen kernel (`KernelOptions.backend`). A kernel
     named by `backend` is checked here, before any launch, so that a call it
     cannot run is a ValueError saying what it needs, not an error from deep

@@ -46,20 +46,13 @@ class LayerCache:
 
     def __init__(self, plan: CachePlan, k: Tensor, v: Tensor) -> None:
         self.plan = plan
-        (start, stop), (first, end) = plan.prompt, plan.block
+        start, stop = plan.prompt
         self.prompt = CachedRows(k, v, start, stop - start)
-        # never-written room costs no memory until the rows arrive
-        shape = (k.shape[0], end - first) + tuple(k.shape[2:])
-        self.block = CachedRows(k.new_empty(shape), v.new_empty(shape), first, 0)
+        self.block = plan.empty_block(k, v)
 
     def store(self, t: int, k: Tensor, v: Tensor) -> None:
         """Keep the row of position t (k, v (b, 1, hk, d)) if it falls in this rank's block."""
-        first, end = self.plan.block
-        self.plan.owner(t)  # a position past the planned rows is an error on every rank
-        if first <= t < end:
-            self.block.k[:, t - first] = k[:, 0]
-            self.block.v[:, t - first] = v[:, 0]
-            self.block = self.block._replace(count=t - first + 1)
+        self.block = self.plan.store(self.block, t, k[:, 0], v[:, 0])
 
     def rows(self) -> List[CachedRows]:
         return [self.prompt, self.block]

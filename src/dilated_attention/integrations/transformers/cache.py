@@ -55,27 +55,19 @@ class ShardedLayer(CacheLayerMixin):
 
     def _keep_prompt(self, k: Tensor, v: Tensor) -> None:
         self.lazy_initialization(k, v)
-        (start, stop), (first, end) = self.plan.prompt, self.plan.block
+        start, stop = self.plan.prompt
         if self.whole_prompt:
             k, v = (x[:, :, start:stop].clone() for x in (k, v))
         # (b, hk, m, d) -> (b, m, hk, d): views
         self.prompt = CachedRows(k.transpose(1, 2), v.transpose(1, 2), start, stop - start)
-        # never-written room costs no memory until the rows arrive
-        shape = (k.shape[0], k.shape[1], end - first, k.shape[3])
-        self.block = CachedRows(k.new_empty(shape).transpose(1, 2),
-                                v.new_empty(shape).transpose(1, 2), first, 0)
+        self.block = self.plan.empty_block(k, v, heads_first=True)
         self.seen = self.prompt_len
 
     def _keep_new_row(self, k: Tensor, v: Tensor) -> None:
         if k.shape[2] != 1:
             raise NotImplementedError(f"sharded generation feeds one new token at a time, got "
                                       f"{k.shape[2]}")
-        t, (first, end) = self.seen, self.plan.block
-        self.plan.owner(t)  # a position past the planned rows is an error on every rank
-        if first <= t < end:
-            self.block.k[:, t - first] = k[:, :, 0]
-            self.block.v[:, t - first] = v[:, :, 0]
-            self.block = self.block._replace(count=t - first + 1)
+        self.block = self.plan.store(self.block, self.seen, k[:, :, 0], v[:, :, 0])
         self.seen += 1
 
     def rows(self) -> List[CachedRows]:
