@@ -31,8 +31,8 @@ from dilated_attention.distributed import comm
 from dilated_attention.distributed.sharding import piece_ranges
 from dilated_attention.integrations import transformers as hf
 from dilated_attention.integrations.transformers import (causal_lm_loss, causal_lm_parts,
-                                                          build_mask, register, shard_inputs)
-from dilated_attention.integrations.transformers.masks import Documents, Window
+                                                          register, refusals, shard_inputs)
+from dilated_attention.integrations.transformers.masks import Documents, Window, build_mask
 from dist_harness import run_distributed
 
 TOL = dict(rtol=0, atol=1e-10)
@@ -691,13 +691,13 @@ def test_shard_inputs_masks_document_ends():
 
 
 def test_accepted_keywords():
-    assert hf.USED_KWARGS == {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "sliding_window"}
-    assert hf.IGNORED_KWARGS == {"use_cache", "max_length_q", "max_length_k",
+    assert refusals.USED_KWARGS == {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "sliding_window"}
+    assert refusals.IGNORED_KWARGS == {"use_cache", "max_length_q", "max_length_k",
                                  "num_items_in_batch", "output_hidden_states",
                                  "output_router_logits"}
-    assert set(hf.OFF_KWARGS) == {"output_attentions", "softcap", "s_aux", "seq_idx"}
-    assert hf.ACCEPTED_KWARGS == hf.USED_KWARGS | hf.IGNORED_KWARGS | set(hf.OFF_KWARGS)
-    assert hf.MASK_KWARGS == {"allow_is_causal_skip", "allow_is_bidirectional_skip", "dtype",
+    assert set(refusals.OFF_KWARGS) == {"output_attentions", "softcap", "s_aux", "seq_idx"}
+    assert refusals.ACCEPTED_KWARGS == refusals.USED_KWARGS | refusals.IGNORED_KWARGS | set(refusals.OFF_KWARGS)
+    assert refusals.MASK_KWARGS == {"allow_is_causal_skip", "allow_is_bidirectional_skip", "dtype",
                               "config", "use_vmap", "device", "local_size"}
 
 
@@ -711,7 +711,7 @@ def test_transformers_kwargs_are_all_classified():
                      "output_router_logits", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
                      "max_length_k", "position_ids", "is_causal", "seq_idx"}
     # is_causal is a named parameter of the attention function
-    assert known - {"is_causal"} <= hf.ACCEPTED_KWARGS
+    assert known - {"is_causal"} <= refusals.ACCEPTED_KWARGS
 
 
 def test_what_reaches_the_attention_function():
@@ -741,7 +741,7 @@ def test_what_reaches_the_attention_function():
     model.train()
     model(ids, labels=ids, num_items_in_batch=torch.tensor(38)).loss.backward()
     assert {kind for _, kind in seen} == {"NoneType", "Tensor", "Documents"}
-    assert set().union(*(keys for keys, _ in seen)) <= hf.ACCEPTED_KWARGS
+    assert set().union(*(keys for keys, _ in seen)) <= refusals.ACCEPTED_KWARGS
     assert all({"position_ids", "use_cache"} <= keys for keys, _ in seen)
 
 

@@ -23,11 +23,7 @@ on every rank returns what ``model.generate`` returns on one process.
 """
 
 from .backend import register
-from .documents import restarts
 from .generation import generate
-from .masks import build_mask
-from .refusals import ACCEPTED_KWARGS, IGNORED_KWARGS, MASK_KWARGS, OFF_KWARGS, USED_KWARGS
 from .training import causal_lm_loss, causal_lm_parts, shard_inputs
 
-__all__ = ["register", "generate", "build_mask", "shard_inputs", "causal_lm_loss",
-           "causal_lm_parts", "restarts", "USED_KWARGS", "IGNORED_KWARGS", "OFF_KWARGS", "ACCEPTED_KWARGS", "MASK_KWARGS"]
+__all__ = ["register", "generate", "shard_inputs", "causal_lm_loss", "causal_lm_parts"]
