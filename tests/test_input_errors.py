@@ -401,7 +401,7 @@ def test_torch_func_transforms_are_refused(transform: str, op: str) -> None:
 def test_all_reduce_gradients_arguments() -> None:
     from dilated_attention import all_reduce_gradients
 
-    with pytest.raises(TypeError, match=names("process_group", "str", "'bogus'")):
+    with pytest.raises(TypeError, match=names("group", "str", "'bogus'")):
         all_reduce_gradients(torch.nn.Linear(2, 2), "bogus")
     with pytest.raises(TypeError, match=names("module", "torch.nn.Module", "str")):
         all_reduce_gradients("model", None)

@@ -286,7 +286,7 @@ def test_data_x_sequence_mistakes_raise_on_every_rank():
             assert mesh[how] is not None, how
             assert "parameters differ between the ranks of process_group" in mesh[how], how
         msg = mesh["fully_shard flattened + all_reduce_gradients"]
-        assert msg is not None and "sharded (FSDP2) over ranks of process_group" in msg
+        assert msg is not None and "sharded (FSDP2) over ranks of `group`" in msg
 
 
 def test_example_help_shows_every_default(capsys):

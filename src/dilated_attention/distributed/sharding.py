@@ -274,13 +274,13 @@ def _first_difference(lists: Sequence[Sequence[Tuple[str, Tuple[int, ...], str]]
         return f"{name!r} {shape} {dtype}"
 
     listing = "; ".join(f"rank {r}: {entry(keys)}" for r, keys in enumerate(lists))
-    return (f"all_reduce_gradients: the ranks of process_group hold different parameters, "
+    return (f"all_reduce_gradients: the ranks of `group` hold different parameters, "
             f"whose gradients would be averaged with unrelated ones; the first difference is "
             f"trainable parameter #{at} ({listing})")
 
 
-def all_reduce_gradients(module: nn.Module, process_group) -> None:
-    """Average the parameter gradients over the ranks of `process_group`, in place.
+def all_reduce_gradients(module: nn.Module, group) -> None:
+    """Average the parameter gradients over the ranks of `group`, in place.
 
     After ``loss.backward()`` of a sequence-parallel model (a LongNetLM or
     LongNet with ``process_group=``, or a transformers model with
@@ -292,9 +292,9 @@ def all_reduce_gradients(module: nn.Module, process_group) -> None:
     the data-parallel ranks alone, pass the sequence-parallel group.
 
     FSDP2's sharded (DTensor) gradients are averaged shard by shard, which
-    is right when the ranks of `process_group` hold the same shards (FSDP2
+    is right when the ranks of `group` hold the same shards (FSDP2
     over another mesh dimension); a gradient sharded over ranks of
-    `process_group` itself is an error on every rank (FSDP2 has averaged it
+    `group` itself is an error on every rank (FSDP2 has averaged it
     already). A parameter without a gradient on this rank counts as zero (so
     every rank reduces the same buffer); one without a gradient on every rank
     keeps none (``.grad`` None, as one process leaves it: an optimizer skips
@@ -308,8 +308,8 @@ def all_reduce_gradients(module: nn.Module, process_group) -> None:
     of that list; where the ranks differ, every rank raises a ValueError
     naming the first differing parameter. Then one all-reduce per dtype.
     """
-    process_group = comm.resolve_group(process_group, "process_group")
-    if not comm.is_distributed(process_group):
+    group = comm.resolve_group(group, "group")
+    if not comm.is_distributed(group):
         _trainable(module)
         return
     named: List[Tuple[str, nn.Parameter]] = []
@@ -318,10 +318,10 @@ def all_reduce_gradients(module: nn.Module, process_group) -> None:
     def parameters() -> dict:
         named.extend(_trainable(module))
         for name, p in named:
-            if sharded_within(p, process_group):
+            if sharded_within(p, group):
                 raise ValueError(
                     f"all_reduce_gradients: parameter {name!r} is sharded (FSDP2) over ranks of "
-                    f"process_group, whose gradients fully_shard has averaged already; reduce "
+                    f"`group`, whose gradients fully_shard has averaged already; reduce "
                     f"only over ranks that hold the same shards (the sequence-parallel group "
                     f"when fully_shard runs on the data-parallel mesh dimension), or not at all"
                 )
@@ -330,10 +330,10 @@ def all_reduce_gradients(module: nn.Module, process_group) -> None:
         return {"parameters": _checksum(keys),
                 "gradients": tuple(p.grad is not None for _, p in named)}
 
-    infos = comm.agree(process_group, parameters, per_rank=("parameters", "gradients"))
+    infos = comm.agree(group, parameters, per_rank=("parameters", "gradients"))
     if len({info["parameters"] for info in infos}) > 1:
         # the error path only: every rank's whole list, to name the first difference
-        lists = comm.agree(process_group, {"keys": keys}, per_rank=("keys",))
+        lists = comm.agree(group, {"keys": keys}, per_rank=("keys",))
         raise ValueError(_first_difference([info["keys"] for info in lists]))
     # the parameters with a gradient on some rank (the others keep None everywhere)
     named = [(name, p) for (name, p), *anywhere in zip(named, *(i["gradients"] for i in infos))
@@ -348,6 +348,6 @@ def all_reduce_gradients(module: nn.Module, process_group) -> None:
     for grads in by_dtype.values():
         # one flat buffer per dtype: one collective instead of one per parameter
         flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce_(flat, process_group, op="avg")
+        comm.all_reduce_(flat, group, op="avg")
         for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(reduced.view_as(g))
