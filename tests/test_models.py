@@ -74,6 +74,7 @@ def test_presets():
         ({"attention_dropout": -0.1}, ValueError, r"^attention_dropout must be.*-0.1"),
         ({"attention_dropout": "0.1"}, TypeError, r"^attention_dropout must be.*'0.1'"),
         ({"num_layers": 0}, ValueError, r"num_layers.*0"),
+        ({"backend": "fast"}, ValueError, r"^backend must be one of .*'fast'"),
         # None is no default for a size (it failed later, deep in the model or the loss)
         *(({name: None}, TypeError, rf"^{name} must be a positive int, got None")
           for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "ffn_dim",
@@ -93,6 +94,16 @@ def test_config_errors(overrides, error, match):
 
 # ---------------------------------------------------------------------------
 # Forward, loss, state, plumbing
+
+
+def test_config_backend_reaches_every_layer():
+    """config.backend is the kernel of every layer's attention: one the device lacks is the
+    op's error naming it, at the first forward (the fused kernel's results against the
+    others are tests/test_fused.py's)."""
+    model = LongNetLM(small_config(backend="cuda_flash"))
+    assert {block.self_attn.attention.backend for block in model.layers} == {"cuda_flash"}
+    with pytest.raises(ValueError, match="'cuda_flash'.*CUDA"):
+        model(torch.zeros(1, 5, dtype=torch.long))
 
 
 @pytest.mark.parametrize("tie", [True, False])

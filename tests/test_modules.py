@@ -33,6 +33,20 @@ def test_shapes(num_kv_heads, n):
     assert m.k_proj.weight.shape == (4 * (num_kv_heads or 4), 16)
 
 
+def test_scale_reaches_the_attention():
+    """scale=s equals the default scale 1/sqrt(d) with q's projection multiplied by s sqrt(d)."""
+    torch.manual_seed(0)
+    scaled, plain = _mhda(scale=0.3, dtype=torch.float64), _mhda(dtype=torch.float64)
+    plain.load_state_dict(scaled.state_dict())
+    with torch.no_grad():
+        for p in (plain.q_proj.weight, plain.q_proj.bias):
+            p.mul_(0.3 * 4 ** 0.5)  # head_dim 4
+    x = torch.randn(2, 19, 16, dtype=torch.float64)
+    torch.testing.assert_close(scaled(x, x, x, is_causal=True)[0],
+                               plain(x, x, x, is_causal=True)[0], rtol=1e-12, atol=1e-12)
+    assert "scale=0.3" in repr(scaled)
+
+
 def test_state_dict_round_trip():
     torch.manual_seed(0)
     m = _mhda(num_kv_heads=2)

@@ -124,6 +124,7 @@ class MultiheadDilatedAttention(nn.Module):
         segment_lengths, dilation_rates: the dilation patterns.
         num_kv_heads: hk, key/value heads, dividing num_heads (default h).
         dropout: attention dropout, training mode only.
+        scale: softmax scale, default 1/sqrt(head_dim).
         bias: biases on the four projections.
         layer_norm: the MAGNETO sub-LN before out_proj (False omits it).
         layer_norm_eps: its epsilon.
@@ -142,6 +143,7 @@ class MultiheadDilatedAttention(nn.Module):
         *,
         num_kv_heads: Optional[int] = None,
         dropout: float = 0.0,
+        scale: Optional[float] = None,
         bias: bool = True,
         layer_norm: bool = True,
         layer_norm_eps: float = 1e-5,
@@ -181,8 +183,8 @@ class MultiheadDilatedAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.attention = DilatedAttention(
-            segment_lengths, dilation_rates, dropout=dropout, process_group=process_group,
-            strategy=strategy, backend=backend,
+            segment_lengths, dilation_rates, dropout=dropout, scale=scale,
+            process_group=process_group, strategy=strategy, backend=backend,
         )
         self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory) if layer_norm else None
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)

@@ -39,6 +39,10 @@ class LongNetConfig:
     head loss] in models/loss.py; ``ffn_chunk_bytes`` (None: off) runs the
     feed-forward over chunks of rows in training, each recomputed in
     backward, bounding one chunk's (b, rows, ffn_dim) intermediate.
+
+    ``backend`` is the dilated self-attention's kernel, as for
+    ``dilated_attention`` ("auto": the fastest for the device and dtype,
+    docs/backends.md).
     """
 
     vocab_size: int = 64
@@ -61,6 +65,7 @@ class LongNetConfig:
     checkpoint: str = "none"
     loss_chunk_bytes: int = LOSS_CHUNK_BYTES
     ffn_chunk_bytes: Optional[int] = None
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "ffn_dim",
@@ -91,6 +96,7 @@ class LongNetConfig:
         check.check_dropout(self.attention_dropout, "attention_dropout")
         for name in ("bias", "tie_embeddings"):
             check.check_bool(name, getattr(self, name))
+        check.check_backend(self.backend)
         if self.checkpoint not in CHECKPOINT_MODES:
             raise ValueError(
                 f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}"

@@ -126,6 +126,7 @@ class Block(nn.Module):
             gamma_init=gamma,
             process_group=process_group,
             strategy=strategy,
+            backend=config.backend,
             **factory,
         )
         self.cross_norm = nn.LayerNorm(e, eps=eps, **factory) if cross_attention else None
