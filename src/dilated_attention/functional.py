@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -48,7 +48,7 @@ from .distributed.sharding import check_layout, check_piece_lengths
 from .distributed.ulysses import ulysses_attention
 from .kernels import KernelOptions, input_sums, lse_dtype, select_backend
 from .patterns import Heads, Patterns
-from .layout import Documents, Layout, unread_rows
+from .layout import CuSeqlens, Documents, Layout, unread_rows
 from .window import window_attention_local
 
 # Dropout seeds of the head-parallel ranks of a 2-D mesh or Ulysses call: each rank's
@@ -205,15 +205,15 @@ def dilated_attention(
     is_causal: bool = False,
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
-    group=None,
+    group: comm.GroupLike = None,
     return_lse: bool = False,
     backend: str = "auto",
-    cu_seqlens=None,
+    cu_seqlens: CuSeqlens = None,
     key_padding_mask: Optional[Tensor] = None,
     layout: str = "contiguous",
     strategy: str = "auto",
     window_size: Tuple[int, int] = (-1, -1),
-):
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Exact LongNet dilated attention (see docs/spec.md).
 
     Args:
@@ -425,14 +425,14 @@ def ring_attention(
     *,
     is_causal: bool = False,
     scale: Optional[float] = None,
-    group=None,
+    group: comm.GroupLike = None,
     return_lse: bool = False,
     layout: str = "contiguous",
     backend: str = "auto",
-    cu_seqlens=None,
+    cu_seqlens: CuSeqlens = None,
     key_padding_mask: Optional[Tensor] = None,
     window_size: Tuple[int, int] = (-1, -1),
-):
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Exact dense attention over the whole sequence spread across `group`.
 
     Args:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -21,6 +21,9 @@ from torch import Tensor
 from .patterns import Patterns
 
 Documents = Optional[Tuple[int, ...]]
+# What the public ops take as cu_seqlens: boundaries [0, c1, ..., N] (a tensor on the host
+# read once), checked into Documents.
+CuSeqlens = Optional[Union[Sequence[int], Tensor]]
 
 
 class Chunk(NamedTuple):

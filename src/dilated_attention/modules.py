@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
+import torch
+import torch.types
 from torch import Tensor, nn
 
 from . import validation as check
@@ -45,7 +47,7 @@ class DilatedAttention(nn.Module):
         *,
         dropout: float = 0.0,
         scale: Optional[float] = None,
-        process_group=None,
+        process_group: comm.GroupLike = None,
         strategy: str = "auto",
         backend: str = "auto",
     ) -> None:
@@ -148,9 +150,9 @@ class MultiheadDilatedAttention(nn.Module):
         layer_norm: bool = True,
         layer_norm_eps: float = 1e-5,
         gamma_init: float = 1.0,
-        device=None,
-        dtype=None,
-        process_group=None,
+        device: torch.types.Device = None,
+        dtype: Optional[torch.dtype] = None,
+        process_group: comm.GroupLike = None,
         strategy: str = "auto",
         backend: str = "auto",
     ) -> None:

@@ -110,7 +110,8 @@ def _check_dim(x: Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
-def shard_sequence(x: Tensor, group, *, layout: str = "contiguous", dim: int = 1) -> Tensor:
+def shard_sequence(x: Tensor, group: comm.GroupLike, *, layout: str = "contiguous",
+                   dim: int = 1) -> Tensor:
     """This rank's piece of the full tensor `x` (every rank passes the same x).
 
     Differentiable; for the contiguous layout the piece may share x's memory.
@@ -122,7 +123,8 @@ def shard_sequence(x: Tensor, group, *, layout: str = "contiguous", dim: int = 1
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
-def unshard_sequence(x_local: Tensor, group, *, layout: str = "contiguous", dim: int = 1) -> Tensor:
+def unshard_sequence(x_local: Tensor, group: comm.GroupLike, *, layout: str = "contiguous",
+                     dim: int = 1) -> Tensor:
     """The full tensor on every rank, from every rank's piece (uneven contiguous pieces too).
 
     One agreement collective (shapes, dtype, layout; each rank's length)
@@ -279,7 +281,7 @@ def _first_difference(lists: Sequence[Sequence[Tuple[str, Tuple[int, ...], str]]
             f"trainable parameter #{at} ({listing})")
 
 
-def all_reduce_gradients(module: nn.Module, group) -> None:
+def all_reduce_gradients(module: nn.Module, group: comm.GroupLike) -> None:
     """Average the parameter gradients over the ranks of `group`, in place.
 
     After ``loss.backward()`` of a sequence-parallel model (a LongNetLM or

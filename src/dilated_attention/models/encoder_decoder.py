@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import torch.types
 from torch import Tensor
 
 from .. import validation as check
@@ -39,7 +40,8 @@ class LongNet(LongNetBase):
     """
 
     def __init__(
-        self, config: LongNetConfig, *, device=None, dtype=None, process_group=None,
+        self, config: LongNetConfig, *, device: torch.types.Device = None,
+        dtype: Optional[torch.dtype] = None, process_group: comm.GroupLike = None,
         strategy: str = "auto",
     ) -> None:
         super().__init__(config, device, dtype, process_group, strategy)

@@ -28,9 +28,11 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import torch.types
 from torch import Tensor
 
 from .. import validation as check
+from ..distributed import comm
 from .base import LongNetBase
 from .config import LongNetConfig
 from .generation import generate
@@ -60,7 +62,8 @@ class LongNetLM(LongNetBase):
     """
 
     def __init__(
-        self, config: LongNetConfig, *, device=None, dtype=None, process_group=None,
+        self, config: LongNetConfig, *, device: torch.types.Device = None,
+        dtype: Optional[torch.dtype] = None, process_group: comm.GroupLike = None,
         strategy: str = "auto",
     ) -> None:
         super().__init__(config, device, dtype, process_group, strategy)

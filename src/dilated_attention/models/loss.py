@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import validation as check
+from ..distributed import comm
 from ..kernels import lse_dtype
 from ..distributed.sharding import sum_across_ranks
 
@@ -61,7 +62,7 @@ def loss_chunk_rows(vocab_size: int, dtype: torch.dtype,
     return max(1, chunk_bytes // (itemsize * vocab_size))
 
 
-def token_mean_loss(logits: Tensor, targets: Tensor, group) -> Tensor:
+def token_mean_loss(logits: Tensor, targets: Tensor, group: comm.GroupLike) -> Tensor:
     """Cross-entropy averaged over every non-ignored token of every rank.
 
     Targets are aligned with the logits (position t predicts targets[t]);

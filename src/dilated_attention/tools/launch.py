@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..distributed import comm
-from ..distributed.comm import ProcessGroup
+from ..distributed.comm import Group
 
 
 # --------------------------------------------------------------------------
@@ -57,13 +57,13 @@ from ..distributed.comm import ProcessGroup
 
 def init_process_group(
     backend: str, *, timeout_s: float = 1800.0, **kwargs: Any
-) -> ProcessGroup:
+) -> Group:
     """``dist.init_process_group`` with a timeout in seconds; returns WORLD."""
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return dist.group.WORLD
 
 
-def new_group(ranks: Sequence[int], **kwargs: Any) -> ProcessGroup:
+def new_group(ranks: Sequence[int], **kwargs: Any) -> Group:
     """A subgroup of the given global ranks, or None on ranks outside it.
 
     Every rank of WORLD must call this, members or not.
@@ -328,7 +328,7 @@ def limit_malloc_caching() -> None:
     libc.mallopt(m_trim_threshold, 1024 * 1024)
 
 
-def fake_world(rank: int, world_size: int) -> comm.ProcessGroup:
+def fake_world(rank: int, world_size: int) -> comm.Group:
     """Torch's fake process group as `rank` of `world_size`, for CPU and meta tensors ("fake"
     alone has no backend for meta, where ``batch_isend_irecv`` looks one up): the process
     ``dilated-attention estimate`` runs a rank of P in (tools/estimate/dryrun.py)."""

@@ -11,12 +11,12 @@ import torch.distributed as dist
 
 from .collectives import all_gather_flat
 from .counting import record
-from .groups import Grid, ProcessGroup, group_size, is_distributed, plain
+from .groups import Grid, Group, group_size, is_distributed, plain
 from .release import released_on_return
 
 
 def agree(
-    group: ProcessGroup,
+    group: Group,
     config: Union[Mapping[str, Any], Callable[[], Mapping[str, Any]]],
     *,
     per_rank: Sequence[str] = (),
@@ -69,7 +69,7 @@ def agree(
     return configs
 
 
-def fail_on_all_ranks(group: ProcessGroup, error: Exception) -> NoReturn:
+def fail_on_all_ranks(group: Group, error: Exception) -> NoReturn:
     """Raise `error` here and a ValueError naming it on every other rank of `group`.
 
     For a rank whose input failed a check before the agreement: it joins
@@ -84,7 +84,7 @@ def fail_on_all_ranks(group: ProcessGroup, error: Exception) -> NoReturn:
     raise error  # only reached when `group` is local
 
 
-def _gather_objects(obj: Any, group: ProcessGroup) -> List[Any]:
+def _gather_objects(obj: Any, group: Group) -> List[Any]:
     """Every rank's picklable `obj`, by group rank (a Grid: by piece index).
 
     A Grid gathers in two steps, so that every rank of it sees every rank's
@@ -101,7 +101,7 @@ def _gather_objects(obj: Any, group: ProcessGroup) -> List[Any]:
     return [x for row in rows for x in row]
 
 
-def _all_gather_bytes(data: bytes, group: ProcessGroup) -> List[Any]:
+def _all_gather_bytes(data: bytes, group: Group) -> List[Any]:
     """Every rank's pickled payload, unpickled, by group rank.
 
     Not ``dist.all_gather_object``: in torch 2.13 it decodes through NumPy,

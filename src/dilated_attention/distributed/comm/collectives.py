@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .counting import nbytes, record
-from .groups import (Grid, ProcessGroup, global_rank, group_rank, group_size, is_distributed,
+from .groups import (Grid, Group, global_rank, group_rank, group_size, is_distributed,
                      moves_data, plain)
 from .release import released_on_return
 
@@ -21,7 +21,7 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 
 
 def all_gather(
-    x: Tensor, group: ProcessGroup, *, dim: int = 0, sizes: Optional[Sequence[int]] = None
+    x: Tensor, group: Group, *, dim: int = 0, sizes: Optional[Sequence[int]] = None
 ) -> Tensor:
     """Every rank's `x` concatenated along `dim`, in group-rank order.
 
@@ -66,7 +66,7 @@ def all_gather(
     return torch.cat(pieces).movedim(0, dim)
 
 
-def all_reduce_(x: Tensor, group: ProcessGroup, *, op: str = "sum") -> Tensor:
+def all_reduce_(x: Tensor, group: Group, *, op: str = "sum") -> Tensor:
     """In-place all-reduce ("sum", "max", "min", "avg") of `x`; returns x."""
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     if op not in ops and op != "avg":
@@ -90,7 +90,7 @@ def all_reduce_(x: Tensor, group: ProcessGroup, *, op: str = "sum") -> Tensor:
 
 
 def reduce_scatter(
-    x: Tensor, group: ProcessGroup, *, dim: int = 0, sizes: Optional[Sequence[int]] = None
+    x: Tensor, group: Group, *, dim: int = 0, sizes: Optional[Sequence[int]] = None
 ) -> Tensor:
     """Sum `x` over ranks and return this rank's piece along `dim`.
 
@@ -141,7 +141,7 @@ def reduce_scatter(
     return out[: sizes[rank]].movedim(0, dim)
 
 
-def broadcast_(x: Tensor, src: int, group: ProcessGroup) -> Tensor:
+def broadcast_(x: Tensor, src: int, group: Group) -> Tensor:
     """In place: every rank's `x` becomes group rank `src`'s; returns x."""
     if not is_distributed(group) or x.numel() == 0:
         return x
@@ -156,7 +156,7 @@ def broadcast_(x: Tensor, src: int, group: ProcessGroup) -> Tensor:
     return x
 
 
-def barrier(group: ProcessGroup) -> None:
+def barrier(group: Group) -> None:
     group = plain(group)
     if isinstance(group, Grid):
         for dim_group in (group.heads, group.sequence):
@@ -166,7 +166,7 @@ def barrier(group: ProcessGroup) -> None:
 
 
 def all_to_all(sends: Sequence[Tensor], recv_shapes: Sequence[Sequence[int]],
-               group: ProcessGroup) -> Tensor:
+               group: Group) -> Tensor:
     """Send ``sends[p]`` to group rank p; return what every rank sent here, as one buffer.
 
     One ``all_to_all_single`` over flat buffers with split sizes, so pieces

@@ -14,12 +14,16 @@ dimension's group.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, FrozenSet, Tuple
+from typing import Any, FrozenSet, Optional, Tuple, Union
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-ProcessGroup = Any  # torch.distributed.ProcessGroup, a Grid, or None (local)
+# What the public functions and modules take as group= / process_group=
+# (``resolve_group`` checks it and makes it a Group).
+GroupLike = Optional[Union[dist.ProcessGroup, DeviceMesh]]
+# What the library passes around once resolved: a process group, a 2-D grid, or None (local).
+Group = Optional[Union[dist.ProcessGroup, "Grid"]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +37,8 @@ class Grid:
     members: the global ranks of the whole grid (the mesh's).
     """
 
-    heads: ProcessGroup
-    sequence: ProcessGroup
+    heads: Group
+    sequence: Group
     members: Tuple[int, ...] = ()
 
     @property
@@ -46,7 +50,7 @@ class Grid:
         return group_rank(self.heads), group_rank(self.sequence)
 
 
-def resolve_group(group: Any, name: str = "group") -> ProcessGroup:
+def resolve_group(group: Any, name: str = "group") -> Group:
     """The group an op runs over: a ProcessGroup, a Grid (2-D mesh) or None (local).
 
     Accepts None, a ``torch.distributed.ProcessGroup``, a 1-D ``DeviceMesh``
@@ -86,17 +90,17 @@ def resolve_group(group: Any, name: str = "group") -> ProcessGroup:
     return group
 
 
-def _one_or_none(group: ProcessGroup) -> ProcessGroup:
+def _one_or_none(group: Group) -> Group:
     """None for a group of one rank: a mesh dimension of size 1 does nothing."""
     return None if dist.get_world_size(group) == 1 else group
 
 
-def plain(group: Any) -> ProcessGroup:
+def plain(group: Any) -> Group:
     """A DeviceMesh as the group or Grid it stands for; anything else as it is."""
     return resolve_group(group) if isinstance(group, DeviceMesh) else group
 
 
-def is_distributed(group: ProcessGroup) -> bool:
+def is_distributed(group: Group) -> bool:
     """True when `group` is a process group (or grid) of more than one rank."""
     return group is not None and group_size(group) > 1
 
@@ -108,7 +112,7 @@ def moves_data(*tensors) -> bool:
     return not all(t.is_meta for t in tensors)
 
 
-def group_size(group: ProcessGroup) -> int:
+def group_size(group: Group) -> int:
     """Ranks in `group`; None (local) is 1; a Grid U * S."""
     group = plain(group)
     if group is None:
@@ -119,7 +123,7 @@ def group_size(group: ProcessGroup) -> int:
     return dist.get_world_size(group)
 
 
-def group_rank(group: ProcessGroup) -> int:
+def group_rank(group: Group) -> int:
     """This process's rank inside `group`; None (local) is 0; in a Grid its piece index."""
     group = plain(group)
     if group is None:
@@ -130,7 +134,7 @@ def group_rank(group: ProcessGroup) -> int:
     return dist.get_rank(group)
 
 
-def members(group: ProcessGroup) -> FrozenSet[int]:
+def members(group: Group) -> FrozenSet[int]:
     """The global ranks of `group` (a DeviceMesh, a Grid, a ProcessGroup); None: this one."""
     group = plain(group)
     if group is None:
@@ -140,6 +144,6 @@ def members(group: ProcessGroup) -> FrozenSet[int]:
     return frozenset(dist.get_process_group_ranks(group))
 
 
-def global_rank(group: ProcessGroup, rank: int) -> int:
+def global_rank(group: Group, rank: int) -> int:
     """The global rank of group rank `rank` (p2p ops address global ranks)."""
     return rank if group is None else dist.get_global_rank(group, rank)

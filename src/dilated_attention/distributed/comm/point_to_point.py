@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .counting import nbytes, record, record_wait
-from .groups import (ProcessGroup, global_rank, group_rank, group_size, is_distributed,
+from .groups import (Group, global_rank, group_rank, group_size, is_distributed,
                      moves_data)
 
 Tensors = Union[Tensor, Sequence[Tensor]]
@@ -21,7 +21,7 @@ def _as_list(x: Tensors) -> List[Tensor]:
     return [x] if isinstance(x, Tensor) else list(x)
 
 
-def _post(ops: List[Tuple[str, Tensor, int, int]], group: ProcessGroup) -> List[Any]:
+def _post(ops: List[Tuple[str, Tensor, int, int]], group: Group) -> List[Any]:
     """Post ("send" | "recv", tensor, global peer, tag) ops; return their requests.
 
     Tags number the tensors exchanged with one peer, so several tensors
@@ -60,7 +60,7 @@ class RingComm:
     (e.g. K/V and dK/dV in a backward) take different `tag` bases.
     """
 
-    def __init__(self, group: ProcessGroup, *, tag: int = 0) -> None:
+    def __init__(self, group: Group, *, tag: int = 0) -> None:
         if not is_distributed(group):
             raise ValueError(f"RingComm needs a process group of more than one rank, got {group!r}")
         self.group = group
@@ -95,7 +95,7 @@ class RingComm:
 def post_exchange(
     sends: Mapping[int, Tensors],
     recv_buffers: Mapping[int, Tensors],
-    group: ProcessGroup,
+    group: Group,
 ) -> List[Any]:
     """Post sending and receiving tensors to and from peers (group ranks); return the handle.
 
@@ -145,7 +145,7 @@ def wait_exchange(handle: List[Any]) -> None:
 def exchange(
     sends: Mapping[int, Tensors],
     recv_buffers: Mapping[int, Tensors],
-    group: ProcessGroup,
+    group: Group,
 ) -> None:
     """`post_exchange`, then wait for it."""
     wait_exchange(post_exchange(sends, recv_buffers, group))

@@ -41,7 +41,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from .groups import ProcessGroup
+from .groups import Group
 
 # A gloo worker lets go within microseconds of completing the work when it
 # gets a core; under heavy load it may wait for one. Past this the wait
@@ -50,7 +50,7 @@ RELEASE_TIMEOUT_S = 1.0
 
 
 @contextlib.contextmanager
-def released_on_return(group: ProcessGroup, *tensors: torch.Tensor) -> Iterator[None]:
+def released_on_return(group: Group, *tensors: torch.Tensor) -> Iterator[None]:
     """Run the collective in the block; leave only once gloo no longer holds `tensors`
     (Note [gloo releases a collective's tensors late])."""
     if not _releases_late(group, tensors):
@@ -68,7 +68,7 @@ def released_on_return(group: ProcessGroup, *tensors: torch.Tensor) -> Iterator[
         pause = 1e-4  # then sleep for real: the worker may be waiting for a core
 
 
-def _releases_late(group: ProcessGroup, tensors) -> bool:
+def _releases_late(group: Group, tensors) -> bool:
     """True when the collective runs on gloo's worker threads."""
     backend = str(dist.get_backend(group))
     if ":" in backend:  # one backend per device type: "cpu:gloo,cuda:nccl"

@@ -94,7 +94,7 @@ def _transformers():
 
 
 def register(name: str = "dilated_attention", *, segment_lengths: Sequence[int],
-             dilation_rates: Sequence[int], group=None, strategy: str = "auto",
+             dilation_rates: Sequence[int], group: comm.GroupLike = None, strategy: str = "auto",
              replace: bool = False) -> str:
     """Make ``attn_implementation=name`` run dilated attention; returns `name`.
 

@@ -73,7 +73,7 @@ REFUSED_GENERATE_KWARGS = {
 }
 
 
-def generate(model, input_ids: Tensor, *, group, max_new_tokens: int,
+def generate(model, input_ids: Tensor, *, group: comm.GroupLike, max_new_tokens: int,
              attention_mask: Optional[Tensor] = None, **generate_kwargs):
     """``model.generate`` with the prompt and the key/value cache sharded over `group`.
 

@@ -34,7 +34,7 @@ from .documents import restarts
 from .refusals import describe
 
 
-def shard_inputs(input_ids: Tensor, group, *, labels: Optional[Tensor] = None,
+def shard_inputs(input_ids: Tensor, group: comm.GroupLike, *, labels: Optional[Tensor] = None,
                  position_ids: Optional[Tensor] = None,
                  attention_mask: Optional[Tensor] = None) -> Tuple[Dict[str, Tensor],
                                                                     Optional[Tensor]]:
@@ -105,7 +105,7 @@ def shard_inputs(input_ids: Tensor, group, *, labels: Optional[Tensor] = None,
     return inputs, shard_sequence(targets, group)
 
 
-def causal_lm_loss(outputs: Tensor, targets: Tensor, group, *,
+def causal_lm_loss(outputs: Tensor, targets: Tensor, group: comm.GroupLike, *,
                    lm_head: Optional[nn.Linear] = None,
                    chunk_bytes: int = LOSS_CHUNK_BYTES) -> Tensor:
     """Token-weighted mean cross-entropy over every rank's (outputs, targets) of `shard_inputs`.

@@ -154,7 +154,7 @@ def trace(config: EstimateConfig, rank: int, *, reuse: bool = True,
                                    backward.messages), executor)
 
 
-def _groups(group) -> Tuple[comm.ProcessGroup, comm.ProcessGroup]:
+def _groups(group) -> Tuple[comm.Group, comm.Group]:
     """(heads, sequence) groups of a head-parallel call: a mesh's, or a 1-D group's alone."""
     return (group.heads, group.sequence) if isinstance(group, comm.Grid) else (group, None)
 
