@@ -32,7 +32,7 @@ from dilated_attention.distributed.sharding import piece_ranges
 from dilated_attention.integrations import transformers as hf
 from dilated_attention.integrations.transformers import (causal_lm_loss, causal_lm_parts,
                                                           register, refusals, shard_inputs)
-from dilated_attention.integrations.transformers.masks import Documents, Window, build_mask
+from dilated_attention.integrations.transformers.masks import PackedDocuments, Window, build_mask
 from dist_harness import run_distributed
 
 TOL = dict(rtol=0, atol=1e-10)
@@ -740,7 +740,7 @@ def test_what_reaches_the_attention_function():
         model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
     model.train()
     model(ids, labels=ids, num_items_in_batch=torch.tensor(38)).loss.backward()
-    assert {kind for _, kind in seen} == {"NoneType", "Tensor", "Documents"}
+    assert {kind for _, kind in seen} == {"NoneType", "Tensor", "PackedDocuments"}
     assert set().union(*(keys for keys, _ in seen)) <= refusals.ACCEPTED_KWARGS
     assert all({"position_ids", "use_cache"} <= keys for keys, _ in seen)
 
@@ -829,7 +829,7 @@ def test_mask_function_reads_documents_and_refuses_other_masks():
         return build_mask(batch_size=1, q_length=12, kv_length=12, mask_function=fn, **kwargs)
 
     assert call(causal) is None
-    assert call(packed) == Documents((5, 8))
+    assert call(packed) == PackedDocuments((5, 8))
     assert "first key of its document" in call(window).reason
     assert "later key" in call(blocks).reason
     assert "own mask function" in call(causal, use_vmap=True).reason
@@ -839,7 +839,7 @@ def test_mask_function_reads_documents_and_refuses_other_masks():
     assert isinstance(read, Window) and (read.left, read.right, read.inner) == (2, 0, None)
     read = call(lambda b, h, q, kv: window(b, h, q, kv) & (docs[b, q] == docs[b, kv]),
                 local_size=3)
-    assert (read.left, read.right, read.inner) == (2, 0, Documents((5, 8)))
+    assert (read.left, read.right, read.inner) == (2, 0, PackedDocuments((5, 8)))
     # its bidirectional window of 3: |q - kv| <= 3
     read = call(lambda b, h, q, kv: (q - kv).abs() <= 3, local_size=3)
     assert (read.left, read.right) == (3, 3)

@@ -71,7 +71,7 @@ from ...decoding import CachedRows, decode, origin_runs
 from ...distributed import comm
 from ...functional import dilated_attention, ring_attention
 from .documents import agreed_documents, explicit_documents, position_facts
-from .masks import Bidirectional, Documents, Window, build_mask
+from .masks import Bidirectional, PackedDocuments, Window, build_mask
 from .padding import agreed_origins, decoding_origins, first_real_tokens
 from .refusals import RESERVED_NAME_PARTS, Refused, check_kwargs, describe
 
@@ -215,7 +215,7 @@ class _Backend:
             return {"causal": causal, "dropout": p, "window": window,
                     "cu_seqlens": explicit_documents(kwargs),
                     "n": nk, "padded": isinstance(mask, Tensor),
-                    "overlay": mask.starts if isinstance(mask, Documents) else None, **facts,
+                    "overlay": mask.starts if isinstance(mask, PackedDocuments) else None, **facts,
                     "real_from": first_real_tokens(keep, _rows(kwargs.get("position_ids")),
                                                    q.shape[0])}
 
@@ -367,8 +367,9 @@ def _decode_window(q: Tensor, rows: Sequence[CachedRows], t: int, keep: Optional
 
 
 def _read_mask(attention_mask, batch: int, nk: int):
-    """What the mask function sent: None, a (b, nk) bool keep-mask or Documents; else raise."""
-    if attention_mask is None or isinstance(attention_mask, Documents):
+    """What the mask function sent: None, a (b, nk) bool keep-mask or PackedDocuments; else
+    raise."""
+    if attention_mask is None or isinstance(attention_mask, PackedDocuments):
         return attention_mask
     if isinstance(attention_mask, Refused):
         raise NotImplementedError(f"attention_mask: dilated attention cannot honour "
@@ -394,7 +395,7 @@ def _check_decoding(unserved_group: bool, causal: bool, mask, kwargs, dropout_p:
                         "cache")
     if not causal:
         problems.append("is_causal=False")
-    if isinstance(mask, Documents) or kwargs.get("cu_seq_lens_q") is not None:
+    if isinstance(mask, PackedDocuments) or kwargs.get("cu_seq_lens_q") is not None:
         problems.append("packed documents")
     if dropout_p > 0:
         problems.append(f"dropout {dropout_p}")

@@ -7,7 +7,7 @@ Note [what the mask function returns]
     one); ``Bidirectional`` holding one of these when the mask is plain
     bidirectional (a decoder with ``config.is_causal = False``: some layers,
     StableLM's, keep ``is_causal = True`` and pass no flag, so the mask is
-    what says it, as it is for eager attention); ``Documents`` when transformers'
+    what says it, as it is for eager attention); ``PackedDocuments`` when transformers'
     packed-sequence detection (use_cache=False, restarting position_ids)
     wrapped the causal mask, holding the document starts read from that
     mask; ``Window`` when the model builds a sliding-window mask (it passes
@@ -40,7 +40,7 @@ from .refusals import MASK_KWARGS, Refused, describe
 
 
 @dataclasses.dataclass(frozen=True)
-class Documents:
+class PackedDocuments:
     """transformers' packed-sequence mask: where this rank's documents start (local rows > 0)."""
 
     starts: Tuple[int, ...]
@@ -58,7 +58,7 @@ class Bidirectional:
 class Window:
     """transformers' sliding-window mask, read and checked: query t sees the keys [t - left,
     t + right] of its document; `inner` is what the mask says besides (None, the (b, k_len)
-    keep-mask, or Documents)."""
+    keep-mask, or PackedDocuments)."""
 
     left: int
     right: int
@@ -123,12 +123,12 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
 
 
 def _with_documents(keep, starts: Tuple[int, ...]):
-    """The keep-mask (or None), or Documents(starts) when the mask packs documents."""
+    """The keep-mask (or None), or PackedDocuments(starts) when the mask packs documents."""
     if not starts:  # one document, however the mask was written
         return keep
     if keep is not None:
         return Refused("padding together with transformers' packed-sequence mask")
-    return Documents(starts)
+    return PackedDocuments(starts)
 
 
 def _keep_mask(attention_mask, batch: int, kv_length: int):
