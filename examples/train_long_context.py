@@ -31,7 +31,7 @@ fully_shard (FSDP2) shards it over mesh["dp"], each block and then the
 model; data-parallel replica d trains on its own rows of every batch
 (--batch-size / DP of them). FSDP2 averages the gradients over "dp" and
 all_reduce_gradients averages them over "sp" (Note [gradients across ranks]
-in dilated_attention/distributed/sharding.py); the reported loss is the
+in dilated_attention/distributed/gradients.py); the reported loss is the
 replicas' mean, which is the whole batch's (every row has as many targets),
 so --compare again checks against one process training on the whole batch.
 

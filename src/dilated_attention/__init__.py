@@ -1,6 +1,7 @@
 """Exact dilated (LongNet) attention and ring attention for very long sequences."""
 
-from .distributed.sharding import all_reduce_gradients, shard_sequence, unshard_sequence
+from .distributed.gradients import all_reduce_gradients
+from .distributed.sharding import shard_sequence, unshard_sequence
 from .functional import dilated_attention, ring_attention
 from .kernels import recommended_dtype
 from .models import LongNet, LongNetConfig, LongNetLM

@@ -1,2 +1,3 @@
-"""The distributed core: every torch.distributed call (comm), sequence sharding,
-sequence-parallel dilated attention and ring attention."""
+"""The distributed core: every torch.distributed call (comm), sequence sharding, the
+training reductions (gradients), sequence-parallel dilated attention, the ring, the halo
+exchange and Ulysses."""

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .. import validation as check
 from ..distributed import comm
-from ..distributed.sharding import local_part, sharded_within
+from ..distributed.gradients import local_part, sharded_within
 from .loss import IGNORE_INDEX
 
 _ID_DTYPES = (torch.int64, torch.int32)

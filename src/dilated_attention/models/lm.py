@@ -15,7 +15,7 @@ AVERAGE over the sequence-parallel ranks is the full gradient: after
 ``backward`` call ``dilated_attention.all_reduce_gradients(model,
 process_group)``, or wrap the model in DDP over the sequence-parallel (or
 data x sequence) ranks, or FSDP2 over a mesh that includes them
-(Note [gradients across ranks] in distributed/sharding.py). Two training forwards
+(Note [gradients across ranks] in distributed/gradients.py). Two training forwards
 (the first, and the first after an optimizer step) check, inside their
 agreement, that the ranks hold the same parameters: models built from
 different seeds, or a first step whose gradients were not reduced over the

@@ -2,7 +2,7 @@
 
 Under sequence parallelism each rank holds its own tokens; the loss is the
 global token mean on every rank and its gradient P times this rank's share
-(Note [gradients across ranks] in distributed/sharding.py).
+(Note [gradients across ranks] in distributed/gradients.py).
 
 Two ways to the same loss: ``token_mean_loss`` from logits, and
 ``chunked_token_mean_loss`` from the final hidden states and the head's
@@ -46,7 +46,7 @@ from torch import Tensor
 from .. import validation as check
 from ..distributed import comm
 from ..kernels import lse_dtype
-from ..distributed.sharding import sum_across_ranks
+from ..distributed.gradients import sum_across_ranks
 
 IGNORE_INDEX = -100
 
@@ -72,7 +72,7 @@ def token_mean_loss(logits: Tensor, targets: Tensor, group: comm.GroupLike) -> T
     group of P ranks the value is the global mean on every rank and the
     gradient is P times this rank's share of it, so that averaging the
     gradients over the group (all_reduce_gradients, DDP, FSDP2) sums the
-    shares (Note [gradients across ranks] in distributed/sharding.py).
+    shares (Note [gradients across ranks] in distributed/gradients.py).
     """
     # (b, n, v) -> (b n, v)
     total = F.cross_entropy(logits.to(lse_dtype(logits.dtype)).flatten(0, 1),

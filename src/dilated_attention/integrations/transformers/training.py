@@ -10,7 +10,7 @@ a document starting at its first row from transformers' default positions
 gradient convention; after ``backward`` average the parameter gradients over
 the sequence-parallel ranks with ``dilated_attention.all_reduce_gradients(model,
 pg)`` (or wrap the model in DDP / FSDP2 over ranks that include them; Note
-[gradients across ranks] in distributed/sharding.py).
+[gradients across ranks] in distributed/gradients.py).
 
 Long sequences: the logits of n tokens take n v floats (the loss upcasts them
 to fp32). ``causal_lm_parts`` splits a causal LM into its body and its
