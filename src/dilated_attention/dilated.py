@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from . import fused, launches
-from .kernels import KernelOptions, lse_dtype, save_for_backward, saved_for_backward
+from .kernels import (KernelOptions, lse_dtype, records_backward, save_for_backward,
+                      saved_for_backward)
 from .patterns import Heads, Patterns
 from .layout import Documents, Layout
 from .plan import Plan, make_plan
@@ -88,11 +89,9 @@ def backward_local(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     """Gradients of `forward_local`, given its final out (b, n, h, d), lse (b, n, h) and
     nonfinite check."""
     opts = call.opts
-    # grad mode is on inside a backward only under create_graph=True: then the launches
-    # record a differentiable kernel (kernels.attention_backward), the fused kernel cannot
-    recorded = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (dout, q, k, v, out, lse, dlse))
-    if opts.backend == "triton" and not recorded:
+    # a recorded backward (create_graph=True) runs launches of a differentiable kernel
+    # (kernels.attention_backward); the fused kernel has no derivative
+    if opts.backend == "triton" and not records_backward(dout, q, k, v, out, lse, dlse):
         return fused.backward(dout, q, k, v, out, lse, dlse, call.patterns, causal=opts.causal,
                               scale=opts.scale, heads=call.heads, documents=call.documents,
                               key_mask=key_mask,

@@ -121,6 +121,12 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def records_backward(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd records the backward running now, through any of `tensors`: grad
+    mode is on inside a backward only under create_graph=True (double backward)."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+
+
 def input_sums(*tensors: Tensor) -> Tensor:
     """The sum of each tensor (one dtype and device), in lse_dtype, as one vector on their
     device: one of them is a NaN or an infinity where a tensor holds one. One reduction per
@@ -403,8 +409,7 @@ def attention_backward(
     # it can differentiate (the fused kernels' backward ops have no derivative). Any kernel's
     # backward computes the same gradients from the final out and lse, so the blockwise
     # kernel stands in for whichever kernel ran the forward.
-    recorded = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (dout, q, k, v, out, lse, dlse))
+    recorded = records_backward(dout, q, k, v, out, lse, dlse)
     backend = "blockwise" if recorded else _launch_backend(opts, q, key_mask is not None)
     if backend == "triton":
         return fused.dense_backward(dout, q, k, v, out, lse, dlse, causal=causal, scale=scale,
