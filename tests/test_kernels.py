@@ -228,3 +228,20 @@ def test_dropout_mask_does_not_depend_on_the_default_dtype(default_dtype) -> Non
         default_dtype(default)
         got, _ = attention_forward(q, k, v, opts)
         assert torch.equal(got, want), default
+
+
+def test_dropout_streams_of_other_ranks_and_launches_differ() -> None:
+    """Note [dropout streams]: the masks of another sequence rank (seed + 2^32), head-parallel
+    rank (+ 2^48) or launch (+ 1) are other masks. A CPU generator keeps its seed's low 32
+    bits, so a sum seeded every rank's masks alike; they each keep about 1 - p of the scores."""
+    q, k, _, _, _ = make((1, 16, 16, 2, 2, 16, False), torch.float64, seed=6)
+    seed = 12345
+    masks = {}
+    for offset in (0, 1, 1 << 32, 1 << 48, (1 << 48) + (1 << 32)):
+        opts = KernelOptions(False, 0.5, "blockwise", dropout_p=0.5, seed=seed + offset)
+        masks[offset] = (_dropout_factors(q, k, opts) > 0)
+    for offset, keep in masks.items():
+        assert 0.4 < keep.double().mean() < 0.6, offset
+        for other, kept in masks.items():
+            if other != offset:
+                assert 0.35 < (keep != kept).double().mean() < 0.65, (offset, other)

@@ -224,7 +224,14 @@ def _dropout_case(group):
         minus = loss(*(x - eps * u for x, u in zip((q, k, v), dirs)))
         again = loss(q, k, v)
         no_dropout = loss(q, k, v, p=0.0)
+        # the same piece on both ranks (segments inside each): their own masks (Note
+        # [dropout streams]), so other outputs
+        twin = torch.randn(1, 8, 2, 8, generator=torch.Generator().manual_seed(9),
+                           dtype=torch.float64)
+        torch.manual_seed(1)
+        twin_out = dilated_attention(twin, twin, twin, (8,), (1,), dropout_p=0.5, group=group)
     return {
+        "twin": twin_out,
         "value": value.item(), "again": again.item(), "no_dropout": no_dropout.item(),
         "difference": (plus - minus).item() / (2 * eps),
         "directional": sum((x.grad * u).sum() for x, u in zip(inputs, dirs)).item(),
@@ -353,6 +360,7 @@ def test_dropout_replays_its_masks_in_backward():
     difference = sum(r["difference"] for r in results)
     directional = sum(r["directional"] for r in results)
     assert difference == pytest.approx(directional, rel=1e-6)
+    assert not torch.equal(results[0]["twin"], results[1]["twin"])
 
 
 @pytest.mark.distributed

@@ -51,11 +51,6 @@ from .patterns import Heads, Patterns
 from .layout import CuSeqlens, Documents, Layout, unread_rows
 from .window import window_attention_local
 
-# Dropout seeds of the head-parallel ranks of a 2-D mesh or Ulysses call: each rank's
-# launches draw their own masks (they compute different heads with equal launch ids).
-_HEAD_RANK_SEED_STRIDE = 1 << 48
-
-
 def dropout_seed(dropout_p: float) -> int:
     """A seed from torch's default generator, so `torch.manual_seed` fixes dropout."""
     if dropout_p == 0.0:
@@ -169,7 +164,8 @@ class _Route:
         blocks = [lengths[t * size:(t + 1) * size]
                   for t in range(comm.group_size(self.sequence))]
         block_lengths = tuple(sum(block) for block in blocks)
-        head_opts = dataclasses.replace(opts, seed=opts.seed + u * _HEAD_RANK_SEED_STRIDE)
+        # each head-parallel rank's launches draw their own masks (equal launch ids)
+        head_opts = opts.for_rank(u, head_parallel=True)
 
         def attend(q_u, k_u, v_u, heads: Heads, mask_u):
             return sequence(q_u, k_u, v_u, heads, mask_u, head_opts, self.sequence,

@@ -115,6 +115,42 @@ class KernelOptions:
             self, seed=self.seed + launch, causal=self.causal if causal is None else causal
         )
 
+    def for_rank(self, rank: int, *, head_parallel: bool = False) -> "KernelOptions":
+        """The options of a rank's launches: its own dropout streams (Note [dropout streams]).
+        head_parallel: `rank` is a head-parallel (Ulysses) rank, else a sequence rank."""
+        stride = _HEAD_RANK_SEED_STRIDE if head_parallel else _SEQUENCE_RANK_SEED_STRIDE
+        return dataclasses.replace(self, seed=self.seed + rank * stride)
+
+
+# Note [dropout streams]
+#     A call draws one seed (functional.dropout_seed, agreed over its ranks). Launch i of
+#     sequence rank s under head-parallel rank u draws its masks from
+#         seed + u * 2^48 + s * 2^32 + i
+#     (KernelOptions.for_rank, for_launch), and score block (qi, ki) of the launch from a
+#     generator seeded with a 64-bit hash of (that seed, qi, ki) (_block_seed): every bit
+#     of the hash depends on every input, as it must, for a CPU generator keeps only its
+#     seed's low 32 bits (a plain sum seeded every rank's masks alike). The streams stay
+#     apart while a rank makes fewer than 2^32 launches per call and a head-parallel rank
+#     has fewer than 2^16 sequence ranks.
+_SEQUENCE_RANK_SEED_STRIDE = 1 << 32
+_HEAD_RANK_SEED_STRIDE = 1 << 48
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit ints in which each output bit depends
+    on every input bit."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _block_seed(seed: int, qi: int, ki: int) -> int:
+    """The generator seed of score block (qi, ki) of the launch seeded `seed`."""
+    golden = 0x9E3779B97F4A7C15
+    return _mix64((_mix64((_mix64(seed & _MASK64) + golden + qi) & _MASK64) + golden + ki)
+                  & _MASK64)
+
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of log-sum-exps and merge accumulators for inputs of `dtype`."""
@@ -545,7 +581,7 @@ def _dropout_scale(shape, p: float, seed: int, qi: int, ki: int, device,
     (bf16 uniforms are coarse) and the masks would change with the setting.
     """
     gen = torch.Generator(device=device)
-    gen.manual_seed((seed * 1_000_003 + qi * 65_537 + ki) % (2**63 - 1))
+    gen.manual_seed(_block_seed(seed, qi, ki))
     keep = torch.rand(shape, generator=gen, device=device, dtype=torch.float32) >= p
     return keep.to(dtype) * (1.0 / (1.0 - p))
 

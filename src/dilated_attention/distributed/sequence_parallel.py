@@ -52,11 +52,6 @@ from ..plan import Launch, Plan, Transfer, make_plan
 from ..validation import check_first_order
 from . import comm
 
-# Dropout seeds of different ranks' launches must differ (their launch ids
-# overlap); launch ids of one call stay far below this.
-_SEED_STRIDE = 1 << 32
-
-
 def pack(x: Tensor, transfer: Transfer) -> Tensor:
     """Transfer's selected rows of x (b, n, hk, ...): (b, columns, ...), pair after pair."""
     keys = transfer.keys
@@ -292,7 +287,7 @@ def sequence_parallel_dilated_attention(
     heads = heads or Heads.of(q.shape[2], k.shape[2])
     layout = layout or Layout.contiguous(lengths)
     plan = make_plan(layout, patterns, opts.causal, heads, rank, str(q.device), documents)
-    opts = dataclasses.replace(opts, seed=opts.seed + rank * _SEED_STRIDE)
+    opts = opts.for_rank(rank)  # its launch ids overlap the other ranks
     piece = FusedPiece.of(patterns, heads, documents, layout, rank, plan) if fused_pairs else None
     return SequenceParallelDilatedAttentionFunction.apply(q, k, v, plan, opts, group, key_mask,
                                                           piece)
