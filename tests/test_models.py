@@ -96,6 +96,32 @@ def test_config_errors(overrides, error, match):
 # Forward, loss, state, plumbing
 
 
+def test_cross_attention_reads_kv_head_j_over_group():
+    """The encoder-decoder's cross-attention under GQA: query head j reads key/value head
+    j // (h / hk), as SDPA's enable_gqa (one process cannot tell j % hk from it otherwise)."""
+    from dilated_attention.models.layers import CrossAttention
+
+    torch.manual_seed(0)
+    config = small_config(num_heads=6, num_kv_heads=2)
+    attend = CrossAttention(config, {"dtype": torch.float64})
+    x, memory = (torch.randn(2, n, 24, dtype=torch.float64) for n in (5, 9))
+    # (b, n, e) -> (b, heads, n, d)
+    q, k, v = (proj(t).unflatten(-1, (-1, 4)).transpose(1, 2) for proj, t in
+               ((attend.q_proj, x), (attend.k_proj, memory), (attend.v_proj, memory)))
+    out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    want = attend.out_proj(out.transpose(1, 2).flatten(-2))
+    torch.testing.assert_close(attend(x, memory), want, rtol=1e-12, atol=1e-12)
+
+
+def test_top_k_keeps_exactly_the_k_largest_logits():
+    from dilated_attention.models.generation import _sample
+
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0, 1.0]]).expand(2000, -1)
+    gen = torch.Generator().manual_seed(0)
+    assert set(_sample(logits, 1.0, 2, gen).tolist()) == {1, 2}
+    assert set(_sample(logits, 1.0, 1, gen).tolist()) == {1}
+
+
 def test_config_backend_reaches_every_layer():
     """config.backend is the kernel of every layer's attention: one the device lacks is the
     op's error naming it, at the first forward (the fused kernel's results against the

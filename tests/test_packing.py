@@ -377,7 +377,13 @@ def _zigzag_case(group):
                             layout="zigzag", key_padding_mask=shard_sequence(
                                 mask, group, layout="zigzag"), cu_seqlens=[0, 5, n])
     (out * shard_sequence(dout, group, layout="zigzag")).sum().backward()
-    return {"out": out, "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    # one segment over every rank and heads that split: strategy="auto" would pick Ulysses
+    # by traffic, which takes contiguous pieces only, so zigzag runs the exchange
+    dense = [shard_sequence(x, group, layout="zigzag") for x in _inputs(1, n, 4, 4, 8, 78)[:3]]
+    dense_out = dilated_attention(*dense, [n], [1], is_causal=True, group=group,
+                                  layout="zigzag")
+    return {"out": out, "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad,
+            "dense": dense_out}
 
 
 @functools.lru_cache(maxsize=None)
@@ -452,6 +458,7 @@ def test_zigzag_dilated_equals_one_process(world):
                             cu_seqlens=[0, 5, n])
     (out * dout).sum().backward()
     want = {"out": out, "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    want["dense"] = dilated_attention(*_inputs(1, n, 4, 4, 8, 78)[:3], [n], [1], is_causal=True)
     for rank, r in enumerate(_spawn(world)):
         rows = torch.cat([torch.arange(a, b) for a, b in piece_ranges(n, world, rank, "zigzag")])
         for key, value in want.items():

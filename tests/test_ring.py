@@ -54,6 +54,9 @@ def _cases(world: int) -> List[Dict]:
         _case(15, n=8 * world, layout="zigzag", causal=True, b=1, dtype=torch.float32,
               sizes=RingSizes(2, 3)),
         _case(16, lengths=uneven, causal=True, hk=2, dtype=torch.bfloat16, sizes=RingSizes(2, 2)),
+        # one sub-piece a piece and query chunks of 2: a diagonal square's later chunks (2 rows
+        # each) stay causal
+        _case(18, lengths=[6] * world, causal=True, hk=2, dlse=True, sizes=RingSizes(6, 2)),
         # the default bounds with pieces of 800 rows: forward sub-pieces of 512 rows (2 per
         # piece), backward ones of 256 (4 per piece), query chunks of 768 (2 per piece)
         _case(17, n=800 * world, layout="zigzag", causal=True, h=4, hk=2, b=1, d=4, dlse=True),

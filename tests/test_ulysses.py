@@ -129,6 +129,9 @@ def _ulysses_ranks(group, world):
         results.append(_sharded("dilated", group, comm.group_rank(group),
                                 ULYSSES_CASES[world][0], 0, strategy="ulysses",
                                 requires=requires))
+    # the loss reads lse on rank 0 only: the other ranks send its gradient as zeros
+    results.append(_sharded("dilated", group, comm.group_rank(group), ULYSSES_CASES[world][0],
+                            0, strategy="ulysses", with_lse=comm.group_rank(group) == 0))
     # a configuration that differs across ranks, heads that do not split: errors everywhere
     errors = []
     case = ULYSSES_CASES[world][0]
@@ -184,6 +187,19 @@ def test_ulysses_equals_one_process(world: int) -> None:
             for name in present:
                 torch.testing.assert_close(got[name], want[name][:, lo:hi], rtol=1e-10,
                                            atol=1e-10, msg=f"mixed {i}, rank {rank}, {name}")
+    # lse in rank 0's loss only: one process's gradients with dlse zero past rank 0's rows
+    lengths, _, _, _, h, hk = case
+    q, k, v, dout, dlse = _inputs(lengths, h, hk, 0)
+    dlse[..., lengths[0]:] = 0
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    out, lse = _attend("dilated", q, k, v, case)
+    _loss(out, lse, dout, dlse).backward()
+    for rank, (results, _) in enumerate(outputs):
+        got = results[len(cases) + 3]
+        lo, hi = sum(lengths[:rank]), sum(lengths[:rank + 1])
+        for name, want in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+            torch.testing.assert_close(got[name], want[:, lo:hi], rtol=1e-10, atol=1e-10,
+                                       msg=f"lse on rank 0 only, rank {rank}, {name}")
     for _, errors in outputs:
         assert "ranks disagree on 'strategy'" in errors[0]
         assert f"cannot be split over {world} head-parallel ranks" in errors[1]
@@ -258,6 +274,11 @@ def test_auto_picks_the_strategy_with_less_traffic() -> None:
     # pattern cross each border, far less than Ulysses' whole q, k, v, out
     geometric = _shape([1 << 16] * 4, [2048, 16384, 131072, 1 << 18], [1, 8, 64, 128])
     assert strategies.auto_choice(geometric) == "exchange"
+    # a tie keeps the exchange
+    tie = strategies.Shape((4, 4, 4, 4), ((16,), (1,)), False, 8, 4, 1, 1, 4, 4, None)
+    assert max(strategies.traffic("exchange", tie, (1, 4))) \
+        == max(strategies.traffic("ulysses", tie, (4, 1)))
+    assert strategies.auto_choice(tie) == "exchange"
     # a 2 x 2 grid: the heads' all-to-all and the sequence exchange of the halved heads
     grid = strategies.traffic("ulysses", dense, (2, 2))
     half = _shape([8192] * 2, [16384], [1], h=4, hk=4)
