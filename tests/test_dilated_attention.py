@@ -313,6 +313,39 @@ def test_half_precision_in_output_equals_fp32_accumulators(cfg, block_rows, cu_s
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_three_patterns_in_half_precision_keep_fp32_accumulators(dtype):
+    """Three writes per entry would round in the output twice: such blocks accumulate in
+    fp32 (policy.in_output), bit for bit what fp32 accumulators everywhere give."""
+    assert policy.in_output(2, dtype) and not policy.in_output(3, dtype)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 64, 4, 16, generator=gen).to(dtype) for _ in range(3))
+    got = dilated_attention(q, k, v, [8, 16, 32], [1, 2, 4], backend="cpu_flash")
+    with mock.patch.object(policy, "in_output", lambda writes, dtype: False):
+        want = dilated_attention(q, k, v, [8, 16, 32], [1, 2, 4], backend="cpu_flash")
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", ["cpu_flash", "blockwise", "triton"])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_gradient_of_one_input_alone(backend, which):
+    """Only one of q, k, v requires grad (the others frozen): the op still records its
+    backward, and that input's gradient is exact."""
+    dtype = torch.float32 if backend == "triton" else torch.float64  # no fp64 in Triton
+    gen = torch.Generator().manual_seed(1)
+    x = {name: torch.randn(1, 24, 2, 8, generator=gen, dtype=torch.float64) for name in "qkv"}
+    dout = torch.randn(1, 24, 2, 8, generator=gen, dtype=torch.float64)
+    leaf = x[which].to(dtype).requires_grad_()
+    out = dilated_attention(*(leaf if n == which else x[n].to(dtype) for n in "qkv"),
+                            [8, 16], [1, 2], backend=backend)
+    (got,) = torch.autograd.grad(out, leaf, dout.to(dtype))
+    ref_leaf = x[which].clone().requires_grad_()
+    ref, _ = reference_dilated_attention(*(ref_leaf if n == which else x[n] for n in "qkv"),
+                                         (8, 16), (1, 2))
+    (want,) = torch.autograd.grad(ref, ref_leaf, dout)
+    close(got, want, dtype, f"d{which}")
+
+
 FIRST_WRITES = [  # (config, ROWS_PER_BLOCK, ROWS_PER_LAUNCH, padded): dense segments
     (Config(2, 64, 6, 2, 16, (8, 16), (1, 2), False, None, 33), 16, None, False),
     (Config(1, 60, 4, 4, 8, (10, 20), (1, 2), True, None, 34), 20, None, True),

@@ -197,3 +197,22 @@ def test_eager_chain_where_the_kernel_does_not_apply(kernel):
             mock.patch.object(kernel, "merge_", side_effect=AssertionError("kernel called")):
         merge.merge_(acc_out, acc_lse, out, lse)
     assert_close(acc_out, reference(*(x.double() for x in sides((7, 8))))[0])
+
+
+def test_half_output_rounds_ties_to_even(kernel) -> None:
+    """Equal lse on both sides weighs each 1/2, and half the sum of two bf16 values is often
+    halfway between two bf16 numbers: the in-output store rounds as torch does (to even),
+    bit for bit the fp32 merge cast to bf16."""
+    gen = torch.Generator().manual_seed(0)
+    acc, new = (torch.randn(4096, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    zeros = torch.zeros(4096)
+    in_fp32 = acc.float()
+    kernel.merge_(in_fp32, zeros.clone(), new, zeros)
+    in_out = acc.clone()
+    kernel.merge_(in_out, zeros.clone(), new, zeros)
+    assert torch.equal(in_out, in_fp32.to(torch.bfloat16))
+    # the smallest tie: 1 and 1 + 2^-7 merge to 1 + 2^-8, which rounds to 1
+    one = torch.ones(1, 1, dtype=torch.bfloat16)
+    kernel.merge_(one, torch.zeros(1), torch.full((1, 1), 1 + 2**-7, dtype=torch.bfloat16),
+                  torch.zeros(1))
+    assert one.item() == 1.0

@@ -190,6 +190,26 @@ def test_nonfinite_values_reach_exactly_the_queries_that_attend_them(op, d):
     torch.testing.assert_close(lse[fine], ref_lse[fine], rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("backend", ["cpu_flash", "blockwise", "triton"])
+def test_nonfinite_query_rows_are_nan(backend):
+    """A q row holding a NaN or an infinity: its out and lse are NaN (docs/spec.md), on the
+    launch paths as in the fused kernels (which apply the rule themselves); every other row
+    is exact."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, 2, 8, generator=gen) for _ in range(3))
+    q[0, 5, 1, 3] = math.nan
+    q[0, 9, 0, 0] = math.inf
+    out, lse = dilated_attention(q, k, v, [8], [1], return_lse=True, backend=backend)
+    bad = torch.zeros(16, 2, dtype=torch.bool)
+    bad[5, 1] = bad[9, 0] = True
+    assert torch.equal(out[0].isnan().all(-1), bad)
+    assert torch.equal(out[0].isnan().any(-1), bad)
+    assert torch.equal(lse[0].isnan(), bad.T)
+    ref, _ = reference_dilated_attention(q.double().nan_to_num(0, 0, 0), k.double(),
+                                         v.double(), (8,), (1,))
+    torch.testing.assert_close(out[0][~bad], ref[0][~bad].float(), rtol=1e-5, atol=1e-5)
+
+
 def test_finite_values_whose_sum_overflows_give_the_same_result():
     """The non-finite check is one sum per input (functional._all_finite): finite entries whose
     sum overflows take the exact path for non-finite rows, which finds none: the same out
