@@ -77,7 +77,11 @@ import torch.nn.functional as F
 
 from dilated_attention import dilated_attention
 from dilated_attention.dilated import local_plan
-from dilated_attention.kernels import BACKENDS, KernelOptions, attention_backward
+try:
+    from dilated_attention.backends import BACKENDS
+except ImportError:  # a tree before backends.py (gpu_suite.py --part compare --baseline)
+    from dilated_attention.kernels import BACKENDS
+from dilated_attention.kernels import KernelOptions, attention_backward
 from dilated_attention.kernels import attention_forward
 from dilated_attention import policy
 from dilated_attention.patterns import Heads, Segments, gather, head_groups

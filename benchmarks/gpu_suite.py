@@ -159,7 +159,7 @@ def sdpa_backend(torch_dtype: str = "bfloat16") -> str:
     those."""
     import torch
 
-    from dilated_attention.kernels import select_backend
+    from dilated_attention.backends import select_backend
 
     if not torch.cuda.is_available():
         return "cuda_cudnn" if torch_dtype == "bfloat16" else "cuda_efficient"
@@ -379,7 +379,7 @@ def strided_check() -> None:
 
     from dilated_attention import dilated_attention, policy
     from dilated_attention.kernels import KernelOptions, attention_backward, attention_forward
-    from dilated_attention.kernels import select_backend
+    from dilated_attention.backends import select_backend
     from dilated_attention.patterns import Heads, Segments, gather, head_groups, strided_view
     from reference import reference_dilated_attention
 
@@ -500,7 +500,7 @@ def profile_case(backend: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from dilated_attention import dilated_attention
-    from dilated_attention.kernels import select_backend
+    from dilated_attention.backends import select_backend
 
     try:
         select_backend(torch.device("cuda"), torch.bfloat16, backend=backend)

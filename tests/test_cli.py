@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dilated_attention.distributed.halo import halo_schedule
-from dilated_attention import kernels
+from dilated_attention import backends
 from dilated_attention.plan import Layout
 from dilated_attention.tools import bench, cli, estimate, settings
 from dilated_attention.tools.estimate import config as est_config
@@ -322,7 +322,7 @@ def test_estimate_models_cuda_sizes_and_kernels(capsys, monkeypatch):
                                     (False, formula.CUDA_SCRATCH, (1.25, 4.5))):
         with monkeypatch.context() as patch:
             if not fused_op:
-                patch.setitem(kernels.FUSED_BY_DEFAULT, "cuda", ())
+                patch.setitem(backends.FUSED_BY_DEFAULT, "cuda", ())
             for config, inputs in ((cuda, 3), (dataclasses.replace(cuda, training=True), 4)):
                 e, dry = estimate.estimate(config), estimate.dry_run(config)
                 assert label in e.breakdown and formula.SCRATCH not in e.breakdown

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dilated_attention import MultiheadDilatedAttention, dilated_attention, fused
-from dilated_attention.kernels import select_backend
+from dilated_attention.backends import select_backend
 from dilated_attention.patterns import Heads
 from reference import attention_with_counts, close, dilated_counts, grads
 
@@ -669,11 +669,11 @@ def _sharded(group, calls):
     dlse>, and how often the fused kernels ran (dense per-launch blocks, the whole op)."""
     from unittest import mock
 
-    from dilated_attention import fused, kernels, ring_attention
+    from dilated_attention import backends, fused, ring_attention
     from dilated_attention.distributed import comm
 
     rank, results = comm.group_rank(group), []
-    fused_by_default = mock.patch.dict(kernels.FUSED_BY_DEFAULT, {"cpu": (torch.float32,)})
+    fused_by_default = mock.patch.dict(backends.FUSED_BY_DEFAULT, {"cpu": (torch.float32,)})
     for call in calls:
         case, ran = call.case, {"dense": 0, "op": 0}
         patches = (mock.patch.object(fused, "dense_forward",
@@ -847,9 +847,9 @@ def _no_checked_calls(monkeypatch) -> None:
 
 
 def test_needs_the_triton_package(monkeypatch) -> None:
-    from dilated_attention import kernels
+    from dilated_attention import backends
 
-    monkeypatch.setitem(kernels._INSTALLED, "triton", False)
+    monkeypatch.setitem(backends._INSTALLED, "triton", False)
     _no_checked_calls(monkeypatch)
     with pytest.raises(ValueError, match="the triton package installed"):
         _call()
@@ -861,14 +861,14 @@ def test_an_interpreter_too_old_for_numpy_is_refused(monkeypatch) -> None:
     takes int() of a 1-element array), nor 3.0 and 3.1's at all: a ValueError naming the
     versions, not an InterpreterError from inside the kernel. Compiled kernels are not
     affected."""
-    from dilated_attention import kernels
+    from dilated_attention import backends
 
-    assert kernels._interpreter_problem((3, 6), (2, 3)) is None
-    assert "triton 3.2 or newer" in kernels._interpreter_problem((3, 1), (2, 3))
-    assert kernels._interpreter_problem((3, 7), (2, 4)) is None
-    assert kernels._interpreter_problem((), (2, 4)) is None
-    problem = kernels._interpreter_problem((3, 6), (2, 4))
-    monkeypatch.setattr(kernels, "_INTERPRETER_PROBLEM", problem)
+    assert backends._interpreter_problem((3, 6), (2, 3)) is None
+    assert "triton 3.2 or newer" in backends._interpreter_problem((3, 1), (2, 3))
+    assert backends._interpreter_problem((3, 7), (2, 4)) is None
+    assert backends._interpreter_problem((), (2, 4)) is None
+    problem = backends._interpreter_problem((3, 6), (2, 4))
+    monkeypatch.setattr(backends, "_INTERPRETER_PROBLEM", problem)
     _no_checked_calls(monkeypatch)
     with pytest.raises(ValueError, match=r"triton 3\.7 or newer.*got triton 3\.6 and numpy 2\.4"):
         _call()
@@ -926,7 +926,7 @@ def test_the_cuda_tiles_compute_the_op(sizes, monkeypatch) -> None:
 
 
 def test_auto_runs_the_fused_kernel_for_a_whole_op_in_half_precision_on_cuda(monkeypatch):
-    """kernels.FUSED_BY_DEFAULT: on CUDA (an H100 here, capability patched) backend="auto"
+    """backends.FUSED_BY_DEFAULT: on CUDA (an H100 here, capability patched) backend="auto"
     runs a single-device op in bf16/fp16 with the fused kernel, padding mask or not; the
     sequence-parallel launches, fp32 (not measured on a GPU) and head dims past the tiles
     keep the SDPA kernels."""

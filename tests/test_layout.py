@@ -136,7 +136,7 @@ def test_layers() -> None:
 
 # Below the public ops (functional.py, dilated.py): what the ops are built from.
 BELOW_OPS = {f"{PACKAGE}.{m}"
-             for m in ("kernels", "layout", "plan", "launches", "patterns", "merge")}
+             for m in ("backends", "kernels", "layout", "plan", "launches", "patterns", "merge")}
 
 
 def test_modules_reach_ranks_only_through_the_public_ops() -> None:
@@ -198,8 +198,8 @@ def test_only_the_comm_package_talks_to_torch_distributed() -> None:
 
 # Per-device tables that are not the memory policy: a kernel's speed (tile sizes, whether a
 # kernel is used) stays beside the kernel, and the devices' names in messages.
-NOT_MEMORY_POLICY = {f"{PACKAGE}.kernels.FUSED_BY_DEFAULT", f"{PACKAGE}.merge.MERGE_KERNEL",
-                     f"{PACKAGE}.merge_kernel.BLOCK_ELEMENTS", f"{PACKAGE}.kernels._DEVICE_NAMES"}
+NOT_MEMORY_POLICY = {f"{PACKAGE}.backends.FUSED_BY_DEFAULT", f"{PACKAGE}.merge.MERGE_KERNEL",
+                     f"{PACKAGE}.merge_kernel.BLOCK_ELEMENTS", f"{PACKAGE}.backends._DEVICE_NAMES"}
 DEVICE_TYPES = {"cpu", "cuda", "meta"}
 
 

@@ -3,7 +3,7 @@
 from .distributed.gradients import all_reduce_gradients
 from .distributed.sharding import shard_sequence, unshard_sequence
 from .functional import dilated_attention, ring_attention
-from .kernels import recommended_dtype
+from .backends import recommended_dtype
 from .models import LongNet, LongNetConfig, LongNetLM
 from .modules import DilatedAttention, MultiheadDilatedAttention
 

@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, NoReturn, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -40,13 +40,15 @@ from torch import Tensor
 from . import validation as check
 from .dilated import dilated_attention_local
 from .distributed import comm
+from .distributed.comm import GroupLike
 from .distributed import strategy as strategies
 from .distributed.halo import halo_attention
 from .distributed.ring import RingAttentionFunction
 from .distributed.sequence_parallel import sequence_parallel_dilated_attention
 from .distributed.sharding import check_layout, check_piece_lengths
 from .distributed.ulysses import ulysses_attention
-from .kernels import KernelOptions, input_sums, lse_dtype, select_backend
+from .backends import select_backend
+from .kernels import KernelOptions, input_sums, lse_dtype
 from .patterns import Heads, Patterns
 from .layout import CuSeqlens, Documents, Layout, unread_rows
 from .window import window_attention_local
@@ -56,6 +58,18 @@ def dropout_seed(dropout_p: float) -> int:
     if dropout_p == 0.0:
         return 0
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def fail_on_every_rank(group: GroupLike, error: Exception) -> NoReturn:
+    """Raise `error` here, and a ValueError naming it on every other rank of `group`.
+
+    For callers above the ops (modules, models) whose own check of their inputs
+    failed before they reached an op: the other ranks wait in that op's
+    agreement, which this rank joins with its error instead of a configuration,
+    so every rank raises and none hangs. Without a group it just raises. (Here,
+    not in the modules: they reach other ranks only through the public ops.)
+    """
+    comm.fail_on_all_ranks(comm.resolve_group(group), error)
 
 
 def _tensor_config(q: Tensor, k: Tensor, v: Tensor, key_padding_mask, *,
@@ -201,7 +215,7 @@ def dilated_attention(
     is_causal: bool = False,
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
-    group: comm.GroupLike = None,
+    group: GroupLike = None,
     return_lse: bool = False,
     backend: str = "auto",
     cu_seqlens: CuSeqlens = None,
@@ -421,7 +435,7 @@ def ring_attention(
     *,
     is_causal: bool = False,
     scale: Optional[float] = None,
-    group: comm.GroupLike = None,
+    group: GroupLike = None,
     return_lse: bool = False,
     layout: str = "contiguous",
     backend: str = "auto",

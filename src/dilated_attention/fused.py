@@ -125,7 +125,7 @@ INTERPRETER_TILE_SIZES = TileSizes(*[KernelTiles(32, 32, num_warps=1)] * 3, num_
 # Where ptxas gives a kernel fewer registers on its own (for occupancy) it may spill a few
 # bytes. They are the tiles of every GPU whose capability has no timed entry below
 # (TUNED_TILE_SIZES, from benchmarks/tune_tiles.py; on the H100 these were 1.2-2x slower).
-# The largest head dim the tables have tiles for (kernels.select_backend refuses more).
+# The largest head dim the tables have tiles for (backends.select_backend refuses more).
 MAX_HEAD_DIM = 256
 CUDA_TILE_SIZES = {
     ("half", 64): TileSizes(KernelTiles(128, 32, 8), KernelTiles(128, 32, 8),

@@ -19,8 +19,7 @@ import torch.types
 from torch import Tensor, nn
 
 from . import validation as check
-from .distributed import comm
-from .functional import dilated_attention
+from .functional import GroupLike, dilated_attention, fail_on_every_rank
 
 
 class DilatedAttention(nn.Module):
@@ -47,7 +46,7 @@ class DilatedAttention(nn.Module):
         *,
         dropout: float = 0.0,
         scale: Optional[float] = None,
-        process_group: comm.GroupLike = None,
+        process_group: GroupLike = None,
         strategy: str = "auto",
         backend: str = "auto",
     ) -> None:
@@ -152,7 +151,7 @@ class MultiheadDilatedAttention(nn.Module):
         gamma_init: float = 1.0,
         device: torch.types.Device = None,
         dtype: Optional[torch.dtype] = None,
-        process_group: comm.GroupLike = None,
+        process_group: GroupLike = None,
         strategy: str = "auto",
         backend: str = "auto",
     ) -> None:
@@ -272,7 +271,7 @@ class MultiheadDilatedAttention(nn.Module):
         except (TypeError, ValueError) as error:
             # the other ranks wait in the op's agreement collective: fail there, on all of
             # them (with no process group this just raises `error`)
-            comm.fail_on_all_ranks(comm.resolve_group(self.attention.process_group), error)
+            fail_on_every_rank(self.attention.process_group, error)
         q, k, v = self.project_qkv(query, key, value)
         attn = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask,
                               cu_seqlens=cu_seqlens)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from .kernels import BACKENDS
+from .backends import BACKENDS
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 # the largest row count or stride torch can index (int64)
@@ -100,7 +100,7 @@ def check_strategy(strategy: Any) -> str:
 
 def check_backend(backend: Any) -> str:
     """A kernel name the ops know (whether it runs on given inputs is checked per call,
-    ``kernels.select_backend``)."""
+    ``backends.select_backend``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return backend

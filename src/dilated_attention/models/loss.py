@@ -45,7 +45,6 @@ from torch import Tensor
 
 from .. import validation as check
 from ..distributed import comm
-from ..kernels import lse_dtype
 from ..distributed.gradients import sum_across_ranks
 
 IGNORE_INDEX = -100
@@ -55,10 +54,16 @@ IGNORE_INDEX = -100
 LOSS_CHUNK_BYTES = 64 * 2**20
 
 
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the loss is computed in: fp32 for half-precision logits, fp64 stays fp64
+    (the attention's lse dtype; the models stay above the kernels, so it is said again)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def loss_chunk_rows(vocab_size: int, dtype: torch.dtype,
                     chunk_bytes: int = LOSS_CHUNK_BYTES) -> int:
     """Rows per chunk: the most whose accumulator-dtype logits fit in chunk_bytes (at least 1)."""
-    itemsize = torch.empty((), dtype=lse_dtype(dtype)).element_size()
+    itemsize = torch.empty((), dtype=accumulator_dtype(dtype)).element_size()
     return max(1, chunk_bytes // (itemsize * vocab_size))
 
 
@@ -75,7 +80,7 @@ def token_mean_loss(logits: Tensor, targets: Tensor, group: comm.GroupLike) -> T
     shares (Note [gradients across ranks] in distributed/gradients.py).
     """
     # (b, n, v) -> (b n, v)
-    total = F.cross_entropy(logits.to(lse_dtype(logits.dtype)).flatten(0, 1),
+    total = F.cross_entropy(logits.to(accumulator_dtype(logits.dtype)).flatten(0, 1),
                             targets.flatten().long(), ignore_index=IGNORE_INDEX,
                             reduction="sum")
     return _mean_over_ranks(total, targets, group)
@@ -138,7 +143,7 @@ def head_loss_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ta
 
     hidden, weight and bias in one dtype (the model's); the sums in its accumulator dtype.
     """
-    acc = lse_dtype(hidden.dtype)
+    acc = accumulator_dtype(hidden.dtype)
     total = torch.zeros((), dtype=acc, device=hidden.device)
     lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
     for start in range(0, hidden.shape[0], rows):
@@ -198,7 +203,7 @@ def _recorded_head_loss_backward(grad: Tensor, hidden: Tensor, weight: Tensor,
     ``create_graph=True``): out-of-place ops, and each chunk's softmax recomputed from its
     logits (the saved lse is a constant to autograd). Autograd then keeps every chunk's
     softmax, (N, v) in all: the logits' memory, which a second derivative needs anyway."""
-    acc = lse_dtype(hidden.dtype)
+    acc = accumulator_dtype(hidden.dtype)
     need_h, need_w, need_b = needs
     dh = []
     dw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
@@ -273,7 +278,7 @@ _backward_op = torch.library.custom_op("dilated_attention::head_loss_backward", 
 
 @_forward_op.register_fake
 def _forward_shapes(hidden, weight, bias, targets, rows, compute):
-    acc = lse_dtype(compute)
+    acc = accumulator_dtype(compute)
     return hidden.new_empty((), dtype=acc), hidden.new_empty(hidden.shape[0], dtype=acc)
 
 

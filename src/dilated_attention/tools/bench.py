@@ -40,7 +40,8 @@ from . import launch
 from ..distributed.sharding import piece_lengths, piece_ranges
 from ..distributed import strategy as strategies
 from ..functional import dilated_attention, ring_attention
-from ..kernels import lse_dtype, recommended_dtype
+from ..backends import recommended_dtype
+from ..kernels import lse_dtype
 from ..validation import check_strategy
 from .settings import (DEFAULT_SEQ_LENS, DEFAULT_WORLD_SIZES, MB, PROG, AttentionSetting,
                        check_setting, check_window, check_zigzag, default_threads, plural,

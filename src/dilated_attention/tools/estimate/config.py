@@ -15,7 +15,8 @@ from ...distributed import strategy as strategies
 from ...distributed.sharding import piece_lengths
 from ...distributed.ulysses import HeadSplit
 from ...fused import MAX_HEAD_DIM
-from ...kernels import FUSED_BY_DEFAULT, lse_dtype
+from ...backends import FUSED_BY_DEFAULT
+from ...kernels import lse_dtype
 from ...validation import check_strategy
 from ...window import reaches
 from ..settings import (AttentionSetting, check_setting, check_window, check_zigzag,
@@ -166,7 +167,7 @@ def strategy_name(config: EstimateConfig) -> str:
 
 
 def backend_for(config: EstimateConfig) -> str:
-    """The kernel of the launches on the modelled device: what ``kernels.select_backend``
+    """The kernel of the launches on the modelled device: what ``backends.select_backend``
     picks there.
 
     CPU: the flash op. CUDA: on a compute capability 9.0+ GPU with triton and
@@ -184,7 +185,7 @@ def backend_for(config: EstimateConfig) -> str:
 
 def fuses(config: EstimateConfig) -> bool:
     """Whether the modelled GPU runs the dilated op with the fused Triton kernel (auto there:
-    kernels.FUSED_BY_DEFAULT): the whole op where a rank computes it (one device, Ulysses
+    backends.FUSED_BY_DEFAULT): the whole op where a rank computes it (one device, Ulysses
     over every rank), else each rank's own pairs, the launches on received keys beside it
     (the exchange on contiguous pieces, as the estimate lays them out)."""
     return (config.device == "cuda" and config.impl == "dilated"

@@ -43,10 +43,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ...kernels import lse_dtype
 from ...models.checkpointing import CHECKPOINT_MODES
 from ...models.config import LongNetConfig
-from ...models.loss import loss_chunk_rows
+from ...models.loss import accumulator_dtype, loss_chunk_rows
 from .config import EstimateConfig, make_config
 from .scaled import estimate as op_estimate
 
@@ -166,7 +165,7 @@ def parameter_counts(config: LongNetConfig) -> Tuple[int, int, int]:
 
 def _sizes(setup: ModelSetup) -> Tuple[int, int]:
     dtype = setup.torch_dtype
-    return dtype.itemsize, lse_dtype(dtype).itemsize
+    return dtype.itemsize, accumulator_dtype(dtype).itemsize
 
 
 def block_saved(setup: ModelSetup) -> Tuple[int, int]:
@@ -215,7 +214,7 @@ def formula(setup: ModelSetup, mode: str, op_working: int) -> ModelEstimate:
     inputs = 2 * R * 8  # tokens and targets (int64)
     # the last block's output (the final norm's input and statistics), the normed hidden
     # states (the loss's input), the loss's per-row log-sum-exp
-    loss_dtype = lse_dtype(setup.torch_dtype)
+    loss_dtype = accumulator_dtype(setup.torch_dtype)
     tail = 2 * E + R * (2 * a + loss_dtype.itemsize)
     rows = min(R, loss_chunk_rows(v, setup.torch_dtype, c.loss_chunk_bytes))
     acc_logits = loss_dtype.itemsize
