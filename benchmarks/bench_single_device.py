@@ -311,6 +311,7 @@ def measure_memory_in_this_process(n: int, dtype: torch.dtype, training: bool) -
     def call(n):
         q, k, v = make_inputs(n, dtype, requires_grad=training)
         dout = torch.randn_like(q) if training else None
+
         def step():
             if training:
                 out = dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=CAUSAL,

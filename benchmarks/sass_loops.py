@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+
 def sass(cubin: bytes) -> str:
     from triton.backends.nvidia import compiler
 

@@ -61,6 +61,7 @@ def _comm_cases(group):
     t0 = time.monotonic()
     res["mismatch"] = _raises(comm.agree, group, {"causal": rank == 1, "scale": 0.5})
     # agree: a rank failing before the collective makes every rank raise
+
     def build():
         if rank == size - 1:
             raise TypeError("q must be a torch.Tensor, got list")

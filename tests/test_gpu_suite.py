@@ -241,7 +241,6 @@ def test_the_timeline_keeps_the_device_annotation_out_of_calls_and_work():
     assert bench.split_calls(marks, device) == [(10.0, 30.0, 30.0, 30.0)]
 
 
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_the_useful_work_counts_every_pair_the_patterns_select(causal):
     """bench_single_device's TFLOP/s count the (head, query, key) pairs of the count matrix

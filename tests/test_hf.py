@@ -489,6 +489,7 @@ def _window_models(group):
                   group=group)
     n = 29
     (start, stop), = piece_ranges(n, world, rank)
+
     def loss_of(model, inputs, targets, g):
         logits = model(**inputs).logits
         return logits, causal_lm_loss(logits, targets, g)

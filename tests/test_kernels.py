@@ -149,7 +149,6 @@ def test_merge_low_precision_blocks_into_fp32() -> None:
     close(acc_lse.transpose(1, 2), ref_lse, torch.bfloat16, "merged lse")
 
 
-
 @pytest.mark.parametrize("backend", ["cpu_flash", "blockwise"])
 def test_head_dim_not_unit_stride_is_exact(backend: str) -> None:
     """The CPU flash op, called directly, is wrong when head_dim has stride != 1: we copy."""

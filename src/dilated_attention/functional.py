@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from . import validation as check
+from .backends import select_backend
 from .dilated import dilated_attention_local
 from .distributed import comm
 from .distributed.comm import GroupLike
@@ -47,11 +48,11 @@ from .distributed.ring import RingAttentionFunction
 from .distributed.sequence_parallel import sequence_parallel_dilated_attention
 from .distributed.sharding import check_layout, check_piece_lengths
 from .distributed.ulysses import ulysses_attention
-from .backends import select_backend
 from .kernels import KernelOptions, input_sums, lse_dtype
 from .patterns import Heads, Patterns
 from .layout import CuSeqlens, Documents, Layout, unread_rows
 from .window import window_attention_local
+
 
 def dropout_seed(dropout_p: float) -> int:
     """A seed from torch's default generator, so `torch.manual_seed` fixes dropout."""

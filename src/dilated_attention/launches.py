@@ -53,6 +53,7 @@ from .patterns import (HeadGroup, Segments, Stride, gather, is_view, scatter_add
                        strided_view)
 from .plan import Block, Launch, Plan, RemoteLaunch, Transfer
 
+
 def _kernel_input(x: Tensor, segs: Segments, heads: Tensor, index: Tensor,
                   stride: Optional[Stride]) -> Tensor:
     """`gather` for a local forward launch's kernel: dense where policy.DENSE_KERNEL_INPUTS

@@ -52,6 +52,7 @@ from ..plan import Launch, Plan, Transfer, make_plan
 from ..validation import check_first_order
 from . import comm
 
+
 def pack(x: Tensor, transfer: Transfer) -> Tensor:
     """Transfer's selected rows of x (b, n, hk, ...): (b, columns, ...), pair after pair."""
     keys = transfer.keys

@@ -122,4 +122,3 @@ class LongNetBase(nn.Module):
         if targets is None:
             return logits, None
         return logits, token_mean_loss(logits, targets.long(), self.process_group)
-

@@ -128,4 +128,3 @@ _PRESETS = types.MappingProxyType(
         ),
     }
 )
-

@@ -258,7 +258,6 @@ def _check_replicas(infos: List[Dict[str, object]], model: Optional[nn.Module], 
         )
 
 
-
 def documents_of(infos, pieces: Tuple[int, ...], total: int) -> Optional[Tuple[int, ...]]:
     """The agreed document boundaries: given as cu_seqlens, or where position_ids restart."""
     given = infos[0]["cu_seqlens"]
@@ -269,4 +268,3 @@ def documents_of(infos, pieces: Tuple[int, ...], total: int) -> Optional[Tuple[i
     if len(starts) == 1 and not any(i["doc_starts"] for i in infos):
         return None  # no position_ids: one sequence
     return tuple(starts) + (total,)
-

@@ -205,4 +205,3 @@ def magneto_gamma(decoder_layers: int, encoder_layers: int = 0) -> Tuple[float, 
     enc = math.sqrt(math.log(3 * decoder_layers) * math.log(2 * encoder_layers) / 3)
     dec = math.sqrt(math.log(3 * decoder_layers))
     return enc, dec
-
