@@ -873,6 +873,13 @@ def test_register_checks_its_arguments():
     with pytest.raises(TypeError, match=r"group.*'not a group'"):
         register("dilated_bad_test", segment_lengths=[8], dilation_rates=[1],
                  group="not a group")
+    with pytest.raises(ValueError, match=r"backend must be one of .*got 'fast'"):
+        register("dilated_bad_test", segment_lengths=[8], dilation_rates=[1], backend="fast")
+    # the kernel reaches every layer's call: one this device lacks is the op's error naming it
+    cuda_only = register("dilated_cuda_kernel_test", segment_lengths=[8], dilation_rates=[1],
+                         backend="cuda_flash")
+    with pytest.raises(ValueError, match="'cuda_flash'.*CUDA"):
+        build(cuda_only)(tokens(1, 12))
     # the same settings again: nothing changes; other settings would change every model
     # built with the name (they look it up at every call): only with replace=True
     name = register("dilated_again_test", segment_lengths=[8], dilation_rates=[1])

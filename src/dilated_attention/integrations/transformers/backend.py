@@ -95,15 +95,17 @@ def _transformers():
 
 def register(name: str = "dilated_attention", *, segment_lengths: Sequence[int],
              dilation_rates: Sequence[int], group: comm.GroupLike = None, strategy: str = "auto",
-             replace: bool = False) -> str:
+             backend: str = "auto", replace: bool = False) -> str:
     """Make ``attn_implementation=name`` run dilated attention; returns `name`.
 
     Registers the attention function and its mask function under `name`.
     Then ``AutoModelForCausalLM.from_config(config, attn_implementation=name)``
     or ``model.set_attn_implementation(name)`` routes every attention
     layer through ``dilated_attention(q, k, v, segment_lengths,
-    dilation_rates, group=group)``. With `group`, every rank registers the
-    same settings and feeds its own slice of the sequence (``shard_inputs``).
+    dilation_rates, group=group, strategy=strategy, backend=backend)`` (a
+    sliding-window layer through ``ring_attention(..., window_size=...,
+    backend=backend)``). With `group`, every rank registers the same settings
+    and feeds its own slice of the sequence (``shard_inputs``).
 
     Models look their attention function up by name at every call, so new
     settings under a name would change every model already built with it:
@@ -130,17 +132,17 @@ def register(name: str = "dilated_attention", *, segment_lengths: Sequence[int],
                              f"{type(registry).__name__} by someone else: pick another name")
     segs, rates = check.check_patterns(segment_lengths, dilation_rates)
     comm.resolve_group(group)  # a TypeError/ValueError naming group now, not at a forward
-    options = (("strategy", check.check_strategy(strategy)),)
-    backend = _Backend(segs, rates, group, options)
+    attention = _Backend(segs, rates, group, check.check_strategy(strategy),
+                         check.check_backend(backend))
     current = tf.AttentionInterface().get(name)
-    if isinstance(current, _Backend) and current != backend \
+    if isinstance(current, _Backend) and current != attention \
             and not check.check_bool("replace", replace):
         raise ValueError(
             f"name {name!r} is already registered with {current.describe()}; models built with "
-            f"it would run {backend.describe()} from their next call on: pass replace=True to "
-            f"change them all, or register another name for the new settings"
+            f"it would run {attention.describe()} from their next call on: pass replace=True "
+            f"to change them all, or register another name for the new settings"
         )
-    tf.AttentionInterface.register(name, backend)
+    tf.AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, build_mask)
     return name
 
@@ -152,12 +154,13 @@ class _Backend:
     segment_lengths: Tuple[int, ...]
     dilation_rates: Tuple[int, ...]
     group: Any
-    options: Tuple[Tuple[str, Any], ...]  # passed on to dilated_attention (strategy)
+    strategy: str
+    backend: str
 
     def describe(self) -> str:
-        settings = [f"segment_lengths {list(self.segment_lengths)}",
-                    f"dilation_rates {list(self.dilation_rates)}", f"group {self.group!r}"]
-        return ", ".join(settings + [f"{key} {value!r}" for key, value in self.options])
+        return (f"segment_lengths {list(self.segment_lengths)}, dilation_rates "
+                f"{list(self.dilation_rates)}, group {self.group!r}, strategy "
+                f"{self.strategy!r}, backend {self.backend!r}")
 
     def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
                  dropout: float = 0.0, scaling: Optional[float] = None,
@@ -260,7 +263,8 @@ class _Backend:
             # a window does not depend on where a row starts: one call for every row
             return ring_attention(q, k, v, is_causal=call["window"][1] == 0,
                                   window_size=call["window"], scale=scale, group=group,
-                                  cu_seqlens=documents, key_padding_mask=key_padding_mask)
+                                  cu_seqlens=documents, key_padding_mask=key_padding_mask,
+                                  backend=self.backend)
 
         def attend(rows: slice, first: int) -> Tensor:
             return dilated_attention(
@@ -268,7 +272,8 @@ class _Backend:
                 self.dilation_rates, is_causal=call["causal"], scale=scale,
                 dropout_p=call["dropout"], group=group, cu_seqlens=documents,
                 key_padding_mask=None if key_padding_mask is None
-                else key_padding_mask[rows, first:], **dict(self.options))
+                else key_padding_mask[rows, first:], strategy=self.strategy,
+                backend=self.backend)
 
         origins = agreed_origins(infos, q.shape[0]) if padded else None
         if origins is None:
