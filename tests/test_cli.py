@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -652,3 +653,85 @@ def test_bench_window_runs_the_halo_exchange(capsys, tmp_path):
     assert row["strategy"] == "halo"
     # rank 0's last 128 rows of k and v (4 heads x 16, fp32) go to rank 1
     assert row["comm_mb"] == 128 * 2 * 4 * 16 * 4 / 1e6
+
+
+def _verify_with(kind):
+    from dilated_attention.tools import verify
+
+    case = next(c for c in verify.CASES if c.name == "span-two")
+    config = verify.make_config(world_size=2, cases=["span-two"], dtype="float64",
+                                device="cpu")
+    real = verify._attention
+    calls = []
+
+    def attention(case, q, k, v, n, group, mask=None):
+        calls.append(1)
+        if len(calls) == 1:  # the one-device reference
+            return real(case, q, k, v, n, group, mask)
+        if kind == "nan":
+            out, lse = real(case, q, k, v, n, group, mask)
+            bump = torch.zeros_like(out)
+            bump[0, 0, 0, 0] = math.nan
+            return out + bump, lse
+        return real(case, q, k.detach(), v, n, group, mask)  # no gradient reaches k
+
+    original = verify._attention
+    verify._attention = attention
+    try:
+        return verify.run_case(case, None, config, "cpu", seed=1), config
+    finally:
+        verify._attention = original
+
+
+def test_verify_fails_a_nan_output():
+    from dilated_attention.tools import verify
+
+    worst, config = _verify_with("nan")
+    assert worst["out"] == math.inf
+    results = [{"name": "span-two", "description": "", "failure": None, **worst}]
+    assert verify.report(results, config) == 1
+
+
+def test_verify_counts_a_missing_gradient_as_an_error():
+    worst, _ = _verify_with("no_dk")
+    assert worst["dk"] > 1e-3 and worst["error"] >= worst["dk"]
+
+
+def _verify_wrong_on_rank_one(group):
+    from dilated_attention.distributed import comm
+    from dilated_attention.tools import verify
+
+    config = verify.make_config(world_size=2, cases=["span-two"], dtype="float64", device="cpu")
+    if comm.group_rank(group) == 1:
+        real = verify.run_case
+
+        def wrong(*args, **kwargs):  # the real case (its collectives), then a wrong out
+            return {**real(*args, **kwargs), "error": 1.0, "out": 1.0}
+
+        verify.run_case = wrong
+    return verify.rank_main(group, config, lambda label: None, device="cpu")
+
+
+@pytest.mark.distributed
+def test_verify_reports_the_worst_rank():
+    from dist_harness import run_distributed
+
+    from dilated_attention.tools import verify
+
+    results = run_distributed(_verify_wrong_on_rank_one, 2, timeout=90)
+    assert results[0][0]["error"] == 1.0 and results[0][0]["out"] == 1.0
+    config = verify.make_config(world_size=2, cases=["span-two"], dtype="float64", device="cpu")
+    assert verify.report(results[0], config) == 1
+
+
+def test_estimate_minimum_counts_dout_when_training():
+    from dilated_attention.tools.estimate.config import EstimateConfig
+    from dilated_attention.tools.estimate.formula import minimum
+
+    cfg = EstimateConfig(segment_lengths=(1000,), dilation_rates=(1,), heads=8, head_dim=64,
+                         kv_heads=2, batch=1, dtype="float32", causal=False, window=None,
+                         seq_len=1000, world_size=1, training=True, impl="dilated", threads=1)
+    phases = minimum(cfg, 1000)
+    row = 1 * 1000 * 64 * 4  # one head's rows
+    assert phases["forward"]["inputs (q/k/v shards, dout)"] == row * (8 + 2 * 2 + 8)
+    assert phases["backward"]["inputs (q/k/v shards, dout)"] == row * (8 + 2 * 2 + 8)

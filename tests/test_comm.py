@@ -270,3 +270,52 @@ def test_a_rank_outside_the_group_raises_naming_group():
     _, errors = run_distributed(_outside_the_group, 2)
     for error in errors:
         assert error.startswith("ValueError: group: this rank (global rank 1) is not a member")
+
+
+def _agree_types(group):
+    rank = comm.group_rank(group)
+    out = []
+    for mine in ({"x": 1 if rank == 0 else 1.0}, {"flag": True if rank == 0 else 1}):
+        try:
+            comm.agree(group, mine)
+            out.append("no error")
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+@pytest.mark.distributed
+def test_agree_tells_equal_values_of_different_types_apart():
+    for res in run_distributed(_agree_types, 2, timeout=60):
+        assert "ranks disagree on 'x'" in res[0], res
+        assert "ranks disagree on 'flag'" in res[1], res
+
+
+def _all_reduce_bytes(group):
+    with comm.count_communication() as s:
+        comm.all_reduce_(torch.ones(1000), group)
+    return s.bytes_of("all_reduce")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_reduce_counts_the_ring_algorithms_bytes(world):
+    for got in run_distributed(_all_reduce_bytes, world, timeout=60):
+        assert got == 2 * (world - 1) * 4000 // world
+
+
+def _fails_at_once_or_sleeps(group):
+    if comm.group_rank(group) == 0:
+        raise RuntimeError("boom on rank zero")
+    time.sleep(40)
+    return "late"
+
+
+@pytest.mark.distributed
+def test_spawn_kills_the_other_ranks_after_the_grace():
+    from dilated_attention.tools import launch
+
+    t0 = time.monotonic()
+    with pytest.raises(launch.LaunchFailed, match="boom on rank zero"):
+        launch.spawn(_fails_at_once_or_sleeps, 2, timeout=90, grace=2)
+    assert time.monotonic() - t0 < 25

@@ -914,3 +914,13 @@ def test_package_imports_without_transformers():
     assert done.returncode == 0, done.stderr
     assert "ImportError: dilated_attention.integrations.transformers needs transformers>=5" \
         in done.stdout
+
+
+def test_agreed_origins_read_each_rows_own_first_position():
+    from dilated_attention.integrations.transformers.padding import agreed_origins
+
+    # rank 0's piece is padding in both rows; rank 1 has no mask (all ones) and its positions
+    # start at 0 in row 0 (its first real token) and at 5 in row 1
+    infos = [{"n": 4, "real_from": (None, None), "first": (0, 0)},
+             {"n": 4, "real_from": None, "first": (0, 5)}]
+    assert agreed_origins(infos, 2) == (4, 0)

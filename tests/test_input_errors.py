@@ -563,3 +563,23 @@ def test_a_rank_that_skips_backward_is_a_timeout_on_the_others() -> None:
     found = re.search(r"waited (\d+\.\d) s: .*Timed out", str(failure.value))
     assert found, str(failure.value)
     assert 4.0 < float(found.group(1)) < 30.0, found.group(0)
+
+
+def _compiled_names(group):
+    from dilated_attention import all_reduce_gradients
+    from dilated_attention.distributed import comm
+
+    rank = comm.group_rank(group)
+    model = torch.nn.Linear(3, 2)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float(rank + 1))
+    all_reduce_gradients(torch.compile(model) if rank == 1 else model, group)
+    return sorted({p.grad.unique().item() for p in model.parameters()})
+
+
+@pytest.mark.distributed
+def test_all_reduce_gradients_matches_a_compiled_model_with_a_plain_one():
+    from dist_harness import run_distributed
+
+    # torch.compile names the parameters "_orig_mod.*"
+    assert run_distributed(_compiled_names, 2, timeout=90) == [[1.5], [1.5]]

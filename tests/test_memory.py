@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
+import weakref
 
 import pytest
 import torch
@@ -428,3 +430,38 @@ def test_training_step_runs_on_meta():
         loss.backward()
         assert loss.device.type == "meta"
         assert all(p.grad is not None for p in model.parameters())
+
+
+def test_host_offload_lets_its_host_copies_go_without_the_garbage_collector():
+    from dilated_attention.models.checkpointing import HostOffload, PendingCopy
+
+    refs = []
+
+    class Copies:
+        def to_host(self, t):
+            host = t.detach().clone()
+            refs.append(weakref.ref(host))
+            return PendingCopy(host, None)
+
+        def to_device(self, host, device, ahead):
+            return PendingCopy(host.tensor.clone(), None)
+
+        def wait(self, copy):
+            return copy.tensor
+
+    layers = [torch.nn.Linear(8, 8).double() for _ in range(3)]
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with HostOffload(torch.device("cpu"), copies=Copies()):
+            y = x
+            for layer in layers:
+                y = checkpoint(functools.partial(layer), y, use_reentrant=False,
+                               early_stop=False)
+        y.pow(2).sum().backward()
+        del y
+        assert len(refs) == 3 and all(r() is None for r in refs)
+    finally:
+        if enabled:
+            gc.enable()

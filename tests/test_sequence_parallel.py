@@ -367,3 +367,43 @@ def test_dropout_replays_its_masks_in_backward():
 def test_float32_matches_single_process_tightly():
     results = [r["float32"] for r in _spawn(3)]
     _assert_matches_single(results, FLOAT32_CASE, seed=8, dtype=torch.float32, tol=1e-5)
+
+
+# The exchange in bf16 where rank 0 receives no keys (causal: its queries never read rank 1)
+# but sends its keys to rank 1: its dK/dV homes must be the accumulators' dtype (fp32).
+
+Q4_LENGTHS = (8, 8)
+
+
+def _q4_inputs():
+    g = torch.Generator().manual_seed(0)
+    n = sum(Q4_LENGTHS)
+    return [torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64).to(torch.bfloat16)
+            for _ in range(4)]
+
+
+def _q4_rank(group):
+    rank = comm.group_rank(group)
+    lo = sum(Q4_LENGTHS[:rank])
+    hi = lo + Q4_LENGTHS[rank]
+    q, k, v, dout = _q4_inputs()
+    q, k, v = (x[:, lo:hi].clone().requires_grad_() for x in (q, k, v))
+    out = dilated_attention(q, k, v, (16,), (1,), is_causal=True, group=group,
+                            strategy="exchange")
+    (out.float() * dout[:, lo:hi].float()).sum().backward()
+    return {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+@pytest.mark.distributed
+def test_exchange_in_bf16_when_a_rank_receives_no_keys():
+    q, k, v, dout = _q4_inputs()
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    out = dilated_attention(q, k, v, (16,), (1,), is_causal=True)
+    (out.float() * dout.float()).sum().backward()
+    want = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    results = run_distributed(_q4_rank, 2, timeout=90)
+    for rank, got in enumerate(results):
+        lo = sum(Q4_LENGTHS[:rank])
+        for name, ref in want.items():
+            torch.testing.assert_close(got[name].float(), ref[:, lo:lo + Q4_LENGTHS[rank]].float(),
+                                       rtol=3e-2, atol=3e-2)
