@@ -945,3 +945,64 @@ def test_head_dims_past_the_tiles_are_refused() -> None:
     q = torch.randn(1, 8, 2, 264)
     with pytest.raises(ValueError, match=r"head dim of at most 256 \(got 264\)"):
         dilated_attention(q, q, q, [4], [1], backend="triton")
+
+
+# --------------------------------------------------------------------------
+# triton_kernels._unmasked_chunks (key tiles, causal): the first whole chunk read without
+# a mask starts at the first query at or after the tile's LAST key row, ceil((last -
+# start) / stride). A hand-made plan where that bound is not a multiple of the stride:
+# key rows {0, 4} read by the queries 2, 6, 10, ... (stride 4, 40 of them: a whole chunk
+# of 32). Query 2 attends key 0 but not key 4. (kills tk-fulllo-floor)
+
+
+def _i32(rows):
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def _handmade_plans(m: int):
+    from dilated_attention.fused_plan import TilePlan
+
+    queries = [2 + 4 * i for i in range(m)]
+    empty = torch.zeros(1, 2, dtype=torch.int32)
+    q_tiles = [(0, lo, min(32, m - lo), 0, 0, 1) for lo in range(0, m, 32)]
+    query_plan = TilePlan(_i32(q_tiles), _i32(queries), _i32([(0, 0, 4, 2, 1, 0, 0)]), empty,
+                          32, 0, heights=((32, len(q_tiles)),))
+    key_plan = TilePlan(_i32([(0, 0, 2, 0, 0, 1)]), _i32([0, 4]),
+                        _i32([(0, 2, 4, m, 1, 0, 0)]), empty, 32, 0, heights=((32, 1),))
+    return queries, query_plan, key_plan
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and
+                    os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+def test_key_tile_unmasked_chunks_start_after_its_last_row():
+    pytest.importorskip("triton")
+    m = 40
+    queries, query_plan, key_plan = _handmade_plans(m)
+    n = queries[-1] + 1
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def planner(block_m, keys, split_keys, narrowest, order_window):
+        return (key_plan if keys else query_plan).to(device)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, n, 1, 16, generator=gen, dtype=torch.float64)
+                     for _ in range(4))
+    scale = 0.25
+    x32 = [x.float().to(device) for x in (q, k, v, dout)]
+    out, lse = fused._forward(*x32[:3], planner, True, scale, None, None)
+    dq, dk, dv = fused._backward(x32[3], *x32[:3], out, lse, None, planner, True, scale,
+                                 None, None)
+    counts = torch.zeros(1, n, n, dtype=torch.int64)
+    for t in queries:
+        for u in (0, 4):
+            counts[0, t, u] = int(u <= t)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, _ = attention_with_counts(*leaves, counts, scale)
+    want = grads([ref_out], [dout], leaves)
+    rows = torch.tensor(queries)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.cpu().double()[:, rows], ref_out.detach()[:, rows], **tol)
+    torch.testing.assert_close(dq.cpu().double()[:, rows], want[0][:, rows], **tol)
+    for name, got, w in (("dk", dk, want[1]), ("dv", dv, want[2])):
+        torch.testing.assert_close(got.cpu().double()[:, [0, 4]], w[:, [0, 4]], **tol, msg=name)

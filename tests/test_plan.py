@@ -460,3 +460,19 @@ def test_zigzag_balances_causal_work(world):
             assert ratio <= bound, loads
         else:
             assert ratio > 1.15  # the imbalance zigzag removes
+
+
+# --------------------------------------------------------------------------
+# policy.block_rows: a block grows to twice its target for a longer segment only with at
+# most two patterns (its entries then get at most two writes and accumulate in the
+# output); with three, it stays at the target (kills pol-block-rows-3)
+
+
+def test_block_rows_double_only_for_at_most_two_patterns():
+    assert policy.block_rows(8192, [2048, 4096], "cpu") == 4096
+    assert policy.block_rows(8192, [4096], "cpu") == 4096
+    assert policy.block_rows(8192, [8, 16, 4096], "cpu") == 2048
+    assert policy.block_rows(8192, [1024, 2048, 4096], "cpu") == 2048
+    with mock.patch.dict(policy.ROWS_PER_BLOCK, {"cpu": 16}):
+        assert policy.block_rows(64, [4, 8, 32], "cpu") == 16
+        assert policy.block_rows(64, [8, 32], "cpu") == 32

@@ -413,3 +413,123 @@ def test_cuda_plan_on_meta_tensors():
     assert _work(plan) == int(window_counts(3000, (1000, 0)).sum())
     out = ring_attention(q, q, q, is_causal=True, window_size=(1000, 0))
     assert out.shape == q.shape
+
+
+# --------------------------------------------------------------------------
+# window.py: a stripe's entry_writes bounds every write of its out, dq, dK and dV
+# (kills win-writes-keys and win-sent-writes)
+
+
+def _true_writes(plan: windows.WindowPlan, rows: int):
+    """Per local row: writes to out/dq (tiles over it as a query row) and to dK/dV (tiles
+    on own keys over it as a key row, and halos sent home), launch by launch."""
+    queries = torch.zeros(rows, dtype=torch.long)
+    keys = torch.zeros(rows, dtype=torch.long)
+    tiles = [t for s in plan.blocks for t in s.tiles] + [t for r in plan.rounds for _, t in r]
+    for t in tiles:
+        local = plan.sources[t.source].local
+        for i in range(t.count):
+            queries[t.q + i * t.step:t.q + i * t.step + t.rows] += 1
+            if local is not None:
+                lo = local + t.k + i * t.step
+                keys[lo:lo + t.keys] += 1
+    for lo, hi in plan.homes:
+        keys[lo:hi] += 1
+    return queries, keys
+
+
+# (chunks, received, sent, rounds, window, total, documents): one device, and ranks that
+# receive halos and send their rows home
+RANKS = [
+    ((Chunk(0, 48, 0, 0),), (), (), 0, (-1, 2), 48, None),
+    ((Chunk(0, 48, 0, 0),), (), (), 0, (3, 6), 48, None),
+    ((Chunk(0, 48, 0, 0),), (), (), 0, (6, 0), 48, (0, 20, 48)),
+    # rank 1 of [0, 8), [8, 20), [20, 32), window (4, 2): it receives [4, 8) and [20, 22),
+    # and sends its local rows [0, 2) (read by rank 0) and [8, 12) (read by rank 2)
+    ((Chunk(8, 20, 1, 0),), ((4, 8, 0), (20, 22, 0)), ((0, 2), (8, 12)), 1, (4, 2), 32, None),
+    ((Chunk(8, 20, 1, 0),), ((2, 8, 0), (20, 21, 0)), ((0, 1), (6, 12)), 1, (6, 1), 32, None),
+]
+
+
+@pytest.mark.parametrize("sizes", [(3, 8, 6), (2, 4, 4), None])
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("rank", RANKS)
+def test_window_entry_writes_bound_every_write(rank, backward, sizes):
+    chunks, received, sent, rounds, window, total, documents = rank
+    left, right = windows.reaches(window, total)
+    windows.window_plan.cache_clear()
+    patches = [] if sizes is None else [
+        mock.patch.dict(policy.WINDOW_TILE_ROWS, {"cpu": (sizes[0], sizes[0])}),
+        mock.patch.dict(policy.ROWS_PER_BLOCK, {"cpu": sizes[1]}),
+        mock.patch.dict(policy.ROWS_PER_LAUNCH, {"cpu": sizes[2]})]
+    try:
+        for p in patches:
+            p.start()
+        plan = windows.window_plan(chunks, received, sent, rounds, left, right, total,
+                                   documents, "cpu", backward)
+    finally:
+        for p in patches:
+            p.stop()
+        windows.window_plan.cache_clear()
+    rows = sum(c.stop - c.start for c in chunks)
+    queries, keys = _true_writes(plan, rows)
+    for s in plan.blocks:
+        most = int(max(queries[s.lo:s.hi].max(), keys[s.lo:s.hi].max()))
+        assert s.entry_writes >= most, (s.index, s.entry_writes, most)
+
+
+@pytest.mark.parametrize("window,sizes", [((-1, 2), (3, 8, 6)), ((3, 6), None)])
+def test_window_half_precision_in_output_equals_fp32_accumulators(window, sizes):
+    """bf16 sliding window: out and every gradient bit for bit what fp32 accumulators give
+    (policy.in_output only where no entry of out, dq, dK or dV gets a third write)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 48, 4, 8, generator=gen).to(torch.bfloat16)
+                     for _ in range(4))
+
+    def run():
+        windows.window_plan.cache_clear()
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = ring_attention(*leaves, window_size=window)
+        return (out,) + grads([out], [dout], leaves)
+
+    patches = [] if sizes is None else [
+        mock.patch.dict(policy.WINDOW_TILE_ROWS, {"cpu": (sizes[0], sizes[0])}),
+        mock.patch.dict(policy.ROWS_PER_BLOCK, {"cpu": sizes[1]}),
+        mock.patch.dict(policy.ROWS_PER_LAUNCH, {"cpu": sizes[2]})]
+    try:
+        for p in patches:
+            p.start()
+        got = run()
+        with mock.patch.object(policy, "in_output", lambda writes, dtype: False):
+            want = run()
+    finally:
+        for p in patches:
+            p.stop()
+        windows.window_plan.cache_clear()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+
+
+# --------------------------------------------------------------------------
+# window.py: a run's launches never overlap in query or key rows (kills win-extends-keys;
+# on CPU the overlapping add happens to be exact, on a GPU it races)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_window_runs_do_not_overlap(backward):
+    windows.window_plan.cache_clear()
+    try:
+        for (tile_rows, stripe, launch), n, (left, right) in itertools.product(
+                [(3, 24, 12), (3, 2048, 2048), (2, 8, 8), (4, 32, 16)], (40, 64),
+                [(7, 0), (0, 7), (4, 3), (5, 0), (9, 0), (6, 3), (2, 2)]):
+            with mock.patch.dict(policy.WINDOW_TILE_ROWS, {"cpu": (tile_rows, tile_rows)}), \
+                    mock.patch.dict(policy.ROWS_PER_BLOCK, {"cpu": stripe}), \
+                    mock.patch.dict(policy.ROWS_PER_LAUNCH, {"cpu": launch}):
+                plan = windows.window_plan((Chunk(0, n, 0, 0),), (), (), 0, left, right, n,
+                                           None, "cpu", backward)
+            for s in plan.blocks:
+                for t in s.tiles:
+                    if t.count > 1:
+                        assert t.rows <= t.step and t.keys <= t.step, (left, right, t)
+    finally:
+        windows.window_plan.cache_clear()
