@@ -457,20 +457,9 @@ RANKS = [
 def test_window_entry_writes_bound_every_write(rank, backward, sizes):
     chunks, received, sent, rounds, window, total, documents = rank
     left, right = windows.reaches(window, total)
-    windows.window_plan.cache_clear()
-    patches = [] if sizes is None else [
-        mock.patch.dict(policy.WINDOW_TILE_ROWS, {"cpu": (sizes[0], sizes[0])}),
-        mock.patch.dict(policy.ROWS_PER_BLOCK, {"cpu": sizes[1]}),
-        mock.patch.dict(policy.ROWS_PER_LAUNCH, {"cpu": sizes[2]})]
-    try:
-        for p in patches:
-            p.start()
+    with small_sizes(*sizes) if sizes else contextlib.nullcontext():
         plan = windows.window_plan(chunks, received, sent, rounds, left, right, total,
                                    documents, "cpu", backward)
-    finally:
-        for p in patches:
-            p.stop()
-        windows.window_plan.cache_clear()
     rows = sum(c.stop - c.start for c in chunks)
     queries, keys = _true_writes(plan, rows)
     for s in plan.blocks:
@@ -492,20 +481,10 @@ def test_window_half_precision_in_output_equals_fp32_accumulators(window, sizes)
         out = ring_attention(*leaves, window_size=window)
         return (out,) + grads([out], [dout], leaves)
 
-    patches = [] if sizes is None else [
-        mock.patch.dict(policy.WINDOW_TILE_ROWS, {"cpu": (sizes[0], sizes[0])}),
-        mock.patch.dict(policy.ROWS_PER_BLOCK, {"cpu": sizes[1]}),
-        mock.patch.dict(policy.ROWS_PER_LAUNCH, {"cpu": sizes[2]})]
-    try:
-        for p in patches:
-            p.start()
+    with small_sizes(*sizes) if sizes else contextlib.nullcontext():
         got = run()
         with mock.patch.object(policy, "in_output", lambda writes, dtype: False):
             want = run()
-    finally:
-        for p in patches:
-            p.stop()
-        windows.window_plan.cache_clear()
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), name
 
@@ -517,19 +496,13 @@ def test_window_half_precision_in_output_equals_fp32_accumulators(window, sizes)
 
 @pytest.mark.parametrize("backward", [False, True])
 def test_window_runs_do_not_overlap(backward):
-    windows.window_plan.cache_clear()
-    try:
-        for (tile_rows, stripe, launch), n, (left, right) in itertools.product(
-                [(3, 24, 12), (3, 2048, 2048), (2, 8, 8), (4, 32, 16)], (40, 64),
-                [(7, 0), (0, 7), (4, 3), (5, 0), (9, 0), (6, 3), (2, 2)]):
-            with mock.patch.dict(policy.WINDOW_TILE_ROWS, {"cpu": (tile_rows, tile_rows)}), \
-                    mock.patch.dict(policy.ROWS_PER_BLOCK, {"cpu": stripe}), \
-                    mock.patch.dict(policy.ROWS_PER_LAUNCH, {"cpu": launch}):
-                plan = windows.window_plan((Chunk(0, n, 0, 0),), (), (), 0, left, right, n,
-                                           None, "cpu", backward)
-            for s in plan.blocks:
-                for t in s.tiles:
-                    if t.count > 1:
-                        assert t.rows <= t.step and t.keys <= t.step, (left, right, t)
-    finally:
-        windows.window_plan.cache_clear()
+    for (tile_rows, stripe, launch), n, (left, right) in itertools.product(
+            [(3, 24, 12), (3, 2048, 2048), (2, 8, 8), (4, 32, 16)], (40, 64),
+            [(7, 0), (0, 7), (4, 3), (5, 0), (9, 0), (6, 3), (2, 2)]):
+        with small_sizes(tile_rows, stripe, launch):
+            plan = windows.window_plan((Chunk(0, n, 0, 0),), (), (), 0, left, right, n,
+                                       None, "cpu", backward)
+        for stripe_plan in plan.blocks:
+            for t in stripe_plan.tiles:
+                if t.count > 1:
+                    assert t.rows <= t.step and t.keys <= t.step, (left, right, t)
