@@ -496,10 +496,10 @@ def test_window_half_precision_in_output_equals_fp32_accumulators(window, sizes)
 
 @pytest.mark.parametrize("backward", [False, True])
 def test_window_runs_do_not_overlap(backward):
-    for (tile_rows, stripe, launch), n, (left, right) in itertools.product(
+    for sizes, n, (left, right) in itertools.product(
             [(3, 24, 12), (3, 2048, 2048), (2, 8, 8), (4, 32, 16)], (40, 64),
             [(7, 0), (0, 7), (4, 3), (5, 0), (9, 0), (6, 3), (2, 2)]):
-        with small_sizes(tile_rows, stripe, launch):
+        with small_sizes(*sizes):
             plan = windows.window_plan((Chunk(0, n, 0, 0),), (), (), 0, left, right, n,
                                        None, "cpu", backward)
         for stripe_plan in plan.blocks:
