@@ -655,7 +655,9 @@ def test_bench_window_runs_the_halo_exchange(capsys, tmp_path):
     assert row["comm_mb"] == 128 * 2 * 4 * 16 * 4 / 1e6
 
 
-def _verify_with(kind):
+def _verify_with(kind, monkeypatch):
+    """verify's one case "span-two" on one process, its sharded attention broken by `kind`
+    (a NaN in out, or no gradient reaching k); the one-device reference left as it is."""
     from dilated_attention.tools import verify
 
     case = next(c for c in verify.CASES if c.name == "span-two")
@@ -675,25 +677,21 @@ def _verify_with(kind):
             return out + bump, lse
         return real(case, q, k.detach(), v, n, group, mask)  # no gradient reaches k
 
-    original = verify._attention
-    verify._attention = attention
-    try:
-        return verify.run_case(case, None, config, "cpu", seed=1), config
-    finally:
-        verify._attention = original
+    monkeypatch.setattr(verify, "_attention", attention)
+    return verify.run_case(case, None, config, "cpu", seed=1), config
 
 
-def test_verify_fails_a_nan_output():
+def test_verify_fails_a_nan_output(monkeypatch):
     from dilated_attention.tools import verify
 
-    worst, config = _verify_with("nan")
+    worst, config = _verify_with("nan", monkeypatch)
     assert worst["out"] == math.inf
     results = [{"name": "span-two", "description": "", "failure": None, **worst}]
     assert verify.report(results, config) == 1
 
 
-def test_verify_counts_a_missing_gradient_as_an_error():
-    worst, _ = _verify_with("no_dk")
+def test_verify_counts_a_missing_gradient_as_an_error(monkeypatch):
+    worst, _ = _verify_with("no_dk", monkeypatch)
     assert worst["dk"] > 1e-3 and worst["error"] >= worst["dk"]
 
 
