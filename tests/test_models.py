@@ -186,6 +186,37 @@ def test_state_dict_round_trip(kind):
     torch.testing.assert_close(fresh(*args)[0], model(*args)[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind", ["lm", "encdec"])
+def test_reset_parameters_draws_on_meta_what_it_draws_anywhere(kind):
+    """A model built on the meta device, then to_empty and reset_parameters, is the model
+    reset_parameters draws with that seed anywhere; every parameter is drawn again (none
+    keeps to_empty's memory), from the distribution construction draws it from."""
+    # wide enough that a parameter's spread tells reset's distribution from construction's
+    config = small_config(positions="learned", max_seq_len=64, tie_embeddings=False,
+                          num_kv_heads=3, bias=True, embed_dim=96, ffn_dim=128)
+    cls = LongNetLM if kind == "lm" else LongNet
+    torch.manual_seed(0)
+    built = cls(config)
+    constructed = {name: p.detach().clone() for name, p in built.named_parameters()}
+    on_meta = cls(config, device="meta")
+    on_meta.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in on_meta.parameters():
+            p.fill_(math.nan)
+    for model in (built, on_meta):
+        torch.manual_seed(1)
+        model.reset_parameters()
+    torch.testing.assert_close(on_meta.state_dict(), built.state_dict(), rtol=0, atol=0)
+    for name, p in built.named_parameters():
+        first = constructed[name]
+        if first.std() == 0:  # norms' ones, biases' zeros
+            torch.testing.assert_close(p, first, rtol=0, atol=0)
+        else:
+            assert not torch.equal(p, first), name
+            # the ratio of two spreads of n draws varies by about 1 / sqrt(n)
+            assert abs((p.std() / first.std()).item() - 1) < 5 / p.numel()**0.5, name
+
+
 def test_dtype_plumbing():
     model = LongNetLM(small_config(), dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())

@@ -44,10 +44,17 @@ def _batch(step: int, kind: str):
     return (source, tokens, targets) if kind == "encdec" else (tokens, targets)
 
 
-def _build(kind: str, sp, **overrides):
+def _build(kind: str, sp, *, shard_on=None, **overrides):
+    """The model, the same on every rank; with `shard_on`, as a large one is built: on the
+    meta device, then fully_shard on that mesh, to_empty and reset_parameters."""
     torch.manual_seed(0)  # the same initial parameters on every rank and in the reference
     cls = LongNet if kind == "encdec" else LongNetLM
-    model = cls(LongNetConfig(**{**CONFIG, **overrides}), dtype=torch.float64, process_group=sp)
+    model = cls(LongNetConfig(**{**CONFIG, **overrides}), dtype=torch.float64, process_group=sp,
+                device=None if shard_on is None else "meta")
+    if shard_on is not None:
+        _shard(model, shard_on)
+        model.to_empty(device="cpu")
+        model.reset_parameters()
     with torch.no_grad():
         for p in model.parameters():  # norms and biases away from 1 and 0
             p.add_(torch.randn_like(p) * 0.05)
@@ -188,6 +195,10 @@ def _mesh_cases(group):
     out["a mesh as the model's group, fully_shard on dp"] = run(model, model, reduce=mesh["sp"])
     model = _build("lm", sp)
     out["all_reduce_gradients over the 2-D mesh"] = run(model, model, reduce=mesh)
+    model = _build("lm", sp, shard_on=mesh["dp"])
+    initial = {name: _full(p) for name, p in model.named_parameters()}
+    out["built on meta, fully_shard on dp"] = {"initial": initial,
+                                               **run(model, model, reduce=sp)}
     # what cannot be right raises on every rank
     model = _build("lm", sp)
     wrapped = _ddp(model, dp)  # DDP over the data-parallel ranks alone
@@ -276,6 +287,24 @@ def test_data_x_sequence_gradients_equal_one_process(how):
     want = _reference("lm")
     for rank, result in enumerate(_spawn()):
         _assert_equal(result["mesh"][how], want, rank)
+
+
+@pytest.mark.distributed
+def test_a_model_built_on_meta_trains_as_one_process():
+    """LongNetLM built on the meta device, sharded with FSDP2, then to_empty and
+    reset_parameters: the same parameters on every rank, and it trains as one process that
+    starts from them (DTensor draws each shard, so not the single-process draws)."""
+    results = [result["mesh"]["built on meta, fully_shard on dp"] for result in _spawn()]
+    initial = results[0]["initial"]
+    for result in results[1:]:
+        for name, p in result["initial"].items():
+            torch.testing.assert_close(p, initial[name], rtol=0, atol=0)
+    assert all(torch.isfinite(p).all() for p in initial.values())
+    model = _build("lm", None)
+    model.load_state_dict(initial)
+    want = _train("lm", model, model)
+    for rank, result in enumerate(results):
+        _assert_equal(result, want, rank)
 
 
 @pytest.mark.distributed

@@ -46,6 +46,25 @@ class LongNetBase(nn.Module):
             self.head = nn.Linear(e, config.vocab_size, bias=False, **self._factory)
             nn.init.normal_(self.head.weight, std=e**-0.5)
 
+    def reset_parameters(self) -> None:
+        """Draw every parameter again, from the distributions construction draws it from.
+
+        For a model built on the meta device (no memory): ``model.to_empty(device=...)``,
+        then this. Parameters are drawn in module order from torch's generator, so the same
+        seed gives the same model wherever it was built (not the values construction drew:
+        construction also draws torch's default initialisations, then overwrites them).
+        """
+        std = self.config.embed_dim**-0.5
+        nn.init.normal_(self.embed.weight, std=std)
+        self.positions.reset_parameters()
+        if self.head is not None:
+            nn.init.normal_(self.head.weight, std=std)
+        for name, child in self.named_children():
+            if name not in ("embed", "positions", "head"):
+                # the stacks of blocks (nn.ModuleList) and the final norms
+                for module in child if isinstance(child, nn.ModuleList) else (child,):
+                    module.reset_parameters()
+
     def _replica_check(self) -> Optional[nn.Module]:
         """This model when this training forward under a group compares its parameters across
         ranks (one read of every parameter), else None. The first two such forwards check

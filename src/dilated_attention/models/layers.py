@@ -43,10 +43,15 @@ class FeedForward(nn.Module):
         self.fc2 = nn.Linear(f, e, bias=config.bias, **factory)
         self.activation = ACTIVATIONS[config.activation]
         self.dropout = nn.Dropout(config.dropout)
+        self.gamma = gamma
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
         for fc in (self.fc1, self.fc2):
-            nn.init.xavier_normal_(fc.weight, gain=gamma)
+            nn.init.xavier_normal_(fc.weight, gain=self.gamma)
             if fc.bias is not None:
                 nn.init.zeros_(fc.bias)
+        self.norm.reset_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
         """(b, n, e) -> (b, n, e)."""
@@ -71,6 +76,9 @@ class CrossAttention(nn.Module):
         self.v_proj = nn.Linear(e, kv_dim, bias=config.bias, **factory)
         self.out_proj = nn.Linear(e, e, bias=config.bias, **factory)
         self.dropout = config.attention_dropout
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
             nn.init.xavier_normal_(proj.weight)
             if proj.bias is not None:
@@ -136,6 +144,12 @@ class Block(nn.Module):
         self.ffn_chunk_bytes = config.ffn_chunk_bytes
         self.dropout = nn.Dropout(config.dropout)
 
+    def reset_parameters(self) -> None:
+        for part in (self.attn_norm, self.self_attn, self.cross_norm, self.cross_attn,
+                     self.ffn_norm, self.ffn):
+            if part is not None:
+                part.reset_parameters()
+
     def forward(self, x: Tensor, memory: Optional[Tensor] = None,
                 cu_seqlens: Optional[Tuple[int, ...]] = None) -> Tensor:
         """x (b, n, e) [, memory (b, m, e)] -> (b, n, e); cu_seqlens: packed documents."""
@@ -174,7 +188,11 @@ class Positions(nn.Module):
         self.table = None
         if self.kind == "learned":
             self.table = nn.Embedding(config.max_seq_len, config.embed_dim, **factory)
-            nn.init.normal_(self.table.weight, std=config.embed_dim**-0.5)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.table is not None:
+            nn.init.normal_(self.table.weight, std=self.embed_dim**-0.5)
 
     def forward(self, positions: Tensor, like: Tensor) -> Tensor:
         """(n,) positions -> (n, e) embeddings in like's dtype/device; (b, n) -> (b, n, e).
