@@ -76,6 +76,29 @@ def test_ring_at_one_rank_on_cuda_matches_reference(dtype) -> None:
     close(out.cpu(), ref_out, dtype, "out")
 
 
+@pytest.mark.parametrize("backend", ["auto", "blockwise"])
+def test_float32_inputs_under_autocast_run_in_its_dtype(backend) -> None:
+    """Under CUDA bf16 autocast, float32 inputs: the op on their bf16 roundings (the fused
+    kernel for auto), bit for bit, forward and backward (tests/test_autocast.py on CPU)."""
+    if not _supported(backend, torch.bfloat16):
+        pytest.skip("bfloat16 not supported")
+    _, dev_in = _inputs(777, 4, 2, torch.float32, seed=2)
+    rounded = [x.detach().bfloat16().requires_grad_() for x in dev_in]
+    call = dict(segment_lengths=[128, 256], dilation_rates=[1, 2], is_causal=True,
+                backend=backend)
+    want = dilated_attention(*rounded, **call)
+    dout = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, rounded, dout)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = dilated_attention(*dev_in, **call)
+        got_grads = torch.autograd.grad(out, dev_in, dout)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    for got, w in zip(got_grads, want_grads):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, w.float(), rtol=0, atol=0)
+
+
 def test_recommended_dtype_follows_compute_capability() -> None:
     capability = torch.cuda.get_device_capability()
     if capability >= (8, 0):

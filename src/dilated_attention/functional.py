@@ -206,6 +206,37 @@ def _effective_window(window: Tuple[int, int], total: int) -> Tuple[int, int]:
     return tuple(-1 if side >= total - 1 else side for side in window)
 
 
+def autocast_dtype(device_type: str, dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The dtype torch.autocast, if on for `device_type`, casts a `dtype` tensor to before a
+    matrix product or an attention; None where it is off or leaves `dtype` alone (float64,
+    integers)."""
+    if (dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and torch.amp.is_autocast_available(device_type)
+            and torch.is_autocast_enabled(device_type)):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _follows_autocast(op):
+    """Under torch.autocast for the inputs' device, the op takes q, k, v in autocast's dtype,
+    as ``F.scaled_dot_product_attention`` does, and runs with autocast off: its kernels and
+    merges compute in that dtype and their own accumulators, not autocast's per-op choices."""
+
+    @functools.wraps(op)
+    def call(q, k, v, *args, **kwargs):
+        # a non-tensor q is for the checks to name
+        dtype = autocast_dtype(q.device.type, q.dtype) if isinstance(q, Tensor) else None
+        if dtype is None:
+            return op(q, k, v, *args, **kwargs)
+        q, k, v = (x.to(dtype) if isinstance(x, Tensor) and autocast_dtype(x.device.type, x.dtype)
+                   else x for x in (q, k, v))
+        with torch.autocast(q.device.type, enabled=False):
+            return op(q, k, v, *args, **kwargs)
+
+    return call
+
+
+@_follows_autocast
 def dilated_attention(
     q: Tensor,
     k: Tensor,
@@ -429,6 +460,7 @@ def _warn_unread(n: int, patterns: Patterns, heads: int, documents: Documents) -
         )
 
 
+@_follows_autocast
 def ring_attention(
     q: Tensor,
     k: Tensor,

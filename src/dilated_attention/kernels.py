@@ -17,6 +17,7 @@ triangle (n == m, query i sees keys 0..i); callers never need another mask.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional, Tuple
 
@@ -388,6 +389,23 @@ def _heads_last_mask(key_mask: Optional[Tensor]) -> Optional[Tensor]:
     return None if key_mask is None else key_mask.permute(0, 2, 1)[:, :, None, None, :]
 
 
+def _without_autocast(kernel):
+    """The blockwise kernel computes in its own accumulator dtype (``lse_dtype``) whatever
+    torch.autocast is on around the call, the op's backward included: autocast would run
+    its matrix products in half precision."""
+
+    @functools.wraps(kernel)
+    def run(first: Tensor, *args, **kwargs):
+        kind = first.device.type
+        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+            with torch.autocast(kind, enabled=False):
+                return kernel(first, *args, **kwargs)
+        return kernel(first, *args, **kwargs)
+
+    return run
+
+
+@_without_autocast
 def _blockwise_forward(q, k, v, *, causal, scale, dropout_p, seed, key_mask=None):
     b, n, h, d = q.shape
     m, hk = k.shape[1], k.shape[2]
@@ -445,6 +463,7 @@ def _causal_mask(q0, q1, k0, k1, device) -> Tensor:
     return cols > rows
 
 
+@_without_autocast
 def _blockwise_backward(dout, q, k, v, out, lse, *, causal, scale, dropout_p, seed, dlse,
                         key_mask=None):
     b, n, h, d = q.shape

@@ -19,7 +19,7 @@ import torch.types
 from torch import Tensor, nn
 
 from . import validation as check
-from .functional import GroupLike, dilated_attention, fail_on_every_rank
+from .functional import GroupLike, autocast_dtype, dilated_attention, fail_on_every_rank
 
 
 class DilatedAttention(nn.Module):
@@ -289,7 +289,10 @@ class MultiheadDilatedAttention(nn.Module):
                 )
             # checked here, not left to the projection: an error there would strike one
             # rank only while the others wait in the attention's collectives
-            if x.dtype != weight.dtype:
+            # under torch.autocast the projections cast both to autocast's dtype
+            if x.dtype != weight.dtype and not (
+                    autocast_dtype(weight.device.type, x.dtype)
+                    and autocast_dtype(weight.device.type, weight.dtype)):
                 raise TypeError(
                     f"{name} must have the module's dtype {weight.dtype}, got {x.dtype}"
                 )
