@@ -294,7 +294,8 @@ def test_estimate_models_cuda_sizes_and_kernels(capsys, monkeypatch):
     cuda = estimate.make_config(seq_len=65536, dtype="bfloat16", device="cuda")
     blocks = dryrun.plan_for(cuda, 0).blocks
     assert [(b.hi - b.lo, b.entry_writes) for b in blocks] == [(4096, 2)] * 16
-    assert {sum(l.queries.rows for l in b.forward if l.heads.identity) for b in blocks} == {4096}
+    assert {sum(launch.queries.rows for launch in b.forward if launch.heads.identity)
+            for b in blocks} == {4096}
     # the kernels in bf16/fp16: the fused one for the whole op where a rank computes it (one
     # device, Ulysses over every rank), else for each rank's own pairs, with the SDPA
     # kernels on received keys; those alone for fp32 and head dims past the fused tiles
@@ -393,9 +394,9 @@ def test_compact_plan_keeps_first_and_last_of_each_run():
     compact = dryrun.compact_plan(plan, config.heads)
     for full, short in zip(plan.blocks, compact.blocks):
         assert full.index == short.index
-        ids = [l.id for l in short.forward]
-        assert set(ids) <= {l.id for l in full.forward} and ids == sorted(ids)
-        assert {l.id for l in short.backward} == set(ids)  # the same launches both ways
+        ids = [launch.id for launch in short.forward]
+        assert set(ids) <= {launch.id for launch in full.forward} and ids == sorted(ids)
+        assert {launch.id for launch in short.backward} == set(ids)  # the same launches both ways
         # the block's first and last launches stay: they make and finish its accumulators
         assert (ids[0], ids[-1]) == (full.forward[0].id, full.forward[-1].id)
     assert sum(map(len, (b.forward for b in compact.blocks))) < sum(

@@ -139,8 +139,8 @@ def plan_counts(layout: Layout, patterns, causal, h, hk, documents=None):
                 add(g, _segment_rows(launch.queries, g.q_index, rows[p]),
                     _segment_rows(launch.keys, g.kv_index, rows[p]), launch.causal)
         assert sorted(
-            l.id for b in plan.blocks for l in b.forward) == sorted(
-            l.id for b in plan.blocks for l in b.backward)
+            launch.id for b in plan.blocks for launch in b.forward) == sorted(
+            launch.id for b in plan.blocks for launch in b.backward)
         for rnd in plan.rounds:
             for t in rnd.recvs:
                 assert t.queries.rank == p and t.keys.rank != p
@@ -221,7 +221,7 @@ def _writes_per_entry(plan, h: int, hk: int) -> Tuple[torch.Tensor, torch.Tensor
         else:
             add(counter, _rows_of(segs, index), heads)
 
-    for launch in (l for b in plan.blocks for l in b.forward):
+    for launch in (each for b in plan.blocks for each in b.forward):
         g = launch.heads
         add_side(q, launch.q_split, launch.queries, g.q_index, g.q_heads)
         add_side(kv, launch.k_split, launch.keys, g.kv_index, g.kv_heads)
@@ -289,7 +289,7 @@ def test_gathered_launches_are_cut_by_heads():
     for device, strided in (("meta", False), ("cpu", True)):
         plan = make_plan(Layout.contiguous([16384]), ((2048, 4096), (1, 2)), False,
                          Heads.of(12, 12), 0, device)
-        rate_2 = [l for b in plan.blocks for l in b.forward if not l.heads.identity]
+        rate_2 = [launch for b in plan.blocks for launch in b.forward if not launch.heads.identity]
         for launch in rate_2:
             g = launch.heads
             assert g.strided == strided
@@ -426,7 +426,8 @@ def test_plan_sizes_for_another_device_type():
     assert {b.hi - b.lo for b in cpu.blocks} == {b.hi - b.lo for b in cuda.blocks} == {2**15}
     # a CUDA launch batches a block's 16 segments of 2048 rows (it covers the block), a
     # CPU launch one
-    assert {l.queries.rows for b in cuda.blocks for l in b.forward if l.heads.identity} == {2**15}
+    assert {launch.queries.rows for b in cuda.blocks for launch in b.forward
+            if launch.heads.identity} == {2**15}
     assert cuda.launches < cpu.launches // 8
     index = cuda.blocks[0].forward[-1].heads.q_index
     assert index.device.type == "meta"
@@ -441,8 +442,8 @@ def test_cuda_launches_stay_large_for_the_geometric_schedule():
     patterns = ((2048, 4096, 8192, 16384, 32768, 65536), (1, 2, 4, 8, 16, 32))
     cuda = make_plan(Layout.contiguous([2**16]), patterns, False, Heads.of(12, 12), 0, "meta",
                      device_type="cuda")
-    entries = [l.queries.count * l.heads.rows * l.heads.q_heads.numel()
-               for b in cuda.blocks for l in b.forward]
+    entries = [launch.queries.count * launch.heads.rows * launch.heads.q_heads.numel()
+               for b in cuda.blocks for launch in b.forward]
     assert len(cuda.blocks) == 16 and len(entries) <= 64 and min(entries) >= 12288
 
 

@@ -650,16 +650,17 @@ def work(plan: Plan) -> int:
     x head; half the square for causal launches), local and remote launches alike."""
     total = 0
     for block in plan.blocks:
-        for l in block.forward:
-            rows, keys = l.heads.rows, l.heads.kv_index.shape[0]
-            heads = l.heads.q_heads.numel()
-            square = rows * (rows + 1) // 2 if l.causal else rows * keys
-            total += l.queries.count * square * heads
+        for launch in block.forward:
+            rows, keys = launch.heads.rows, launch.heads.kv_index.shape[0]
+            heads = launch.heads.q_heads.numel()
+            square = rows * (rows + 1) // 2 if launch.causal else rows * keys
+            total += launch.queries.count * square * heads
     for rnd in plan.rounds:
         for t in rnd.recvs:
-            for l in t.launches:
-                total += l.queries.count * l.heads.rows * l.heads.kv_index.shape[0] * \
-                    l.heads.q_heads.numel()
+            for launch in t.launches:
+                heads = launch.heads
+                total += launch.queries.count * heads.rows * heads.kv_index.shape[0] * \
+                    heads.q_heads.numel()
     return total
 
 
@@ -692,12 +693,12 @@ def _assemble(grid, launches, rounds_by_step, modes, remote_blocks, writes, n) -
     # dense launches first: those that tile their block store into the accumulators
     # instead of merging into zeros (launches.stored_launches)
     for todo in forward.values():
-        todo.sort(key=lambda l: not l.heads.identity)
+        todo.sort(key=lambda launch: not launch.heads.identity)
     for here, todo in backward.items():
         # within a block: launches of its own rows, then those whose keys are here (they
         # complete its dK/dV), then those whose queries are here: accumulators end early
-        todo.sort(key=lambda l: (l.q_blocks + l.k_blocks != (here, here), here not in l.k_blocks,
-                                 not l.heads.identity))
+        todo.sort(key=lambda launch: (launch.q_blocks + launch.k_blocks != (here, here),
+                                      here not in launch.k_blocks, not launch.heads.identity))
     next_id = len(numbered)
     rounds = []
     for step in sorted(rounds_by_step):

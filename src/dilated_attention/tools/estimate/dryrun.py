@@ -241,8 +241,8 @@ def distinct_ranks(config: EstimateConfig) -> List[int]:
     chosen: Dict[tuple, int] = {}
     for r in ranks:
         plan = plan_for(config, r)
-        local = sorted({(len(b.forward), b.hi - b.lo) + tuple(sorted(_launch_size(l)
-                        for l in b.forward)) for b in plan.blocks})
+        local = sorted({(len(b.forward), b.hi - b.lo) + tuple(sorted(_launch_size(item)
+                        for item in b.forward)) for b in plan.blocks})
         rounds = tuple((tuple(t.columns for t in rnd.sends), tuple(t.columns for t in rnd.recvs))
                        for rnd in plan.rounds)
         chosen.setdefault((plan.rows, tuple(local), rounds), r)
@@ -274,23 +274,23 @@ def compact_plan(plan: Plan, heads: int) -> Plan:
         # a block's first launches that tile it store their results (launches.stored_launches,
         # which the executor decides from the plan it runs): they stay, so that it still does
         span = (block.lo, block.hi)
-        stored.update(l.id for l in block.forward[:launches.stored_launches(
+        stored.update(item.id for item in block.forward[:launches.stored_launches(
             block.forward, span, heads)])
-        stored.update(l.id for l in block.backward[:launches.stored_launches(
+        stored.update(item.id for item in block.backward[:launches.stored_launches(
             block.backward, span, heads, keys=True)])
         run: List[Launch] = []
         for item in block.forward + (None,):
             sig = _own_launch(item, block.index)
             if run and (sig is None or sig != _own_launch(run[0], block.index)):
-                dropped.update(l.id for l in run[1:-1])
+                dropped.update(item.id for item in run[1:-1])
                 run = []
             if sig is not None:
                 run.append(item)
     dropped -= stored
     if not dropped:
         return plan
-    blocks = tuple(b._replace(forward=tuple(l for l in b.forward if l.id not in dropped),
-                              backward=tuple(l for l in b.backward if l.id not in dropped))
+    blocks = tuple(b._replace(forward=tuple(item for item in b.forward if item.id not in dropped),
+                              backward=tuple(item for item in b.backward if item.id not in dropped))
                    for b in plan.blocks)
     return plan._replace(blocks=blocks)
 

@@ -197,10 +197,12 @@ def kernel_scratch(config: EstimateConfig, plan: Plan = None, n: int = 0) -> Tup
         n = min(n, _window_launch_rows(config))
     if fused:
         # the launches on received keys (the fused kernel runs the local ones)
-        source = (l for rnd in plan.rounds for t in rnd.recvs for l in t.launches)
+        source = (launch for rnd in plan.rounds for t in rnd.recvs for launch in t.launches)
     else:
-        source = (l for blk in (plan.blocks if plan is not None else ()) for l in blk.forward)
-    launches = [(l.queries.count * l.heads.rows, l.heads.q_heads.numel()) for l in source]
+        source = (launch for blk in (plan.blocks if plan is not None else ())
+                  for launch in blk.forward)
+    launches = [(launch.queries.count * launch.heads.rows, launch.heads.q_heads.numel())
+                for launch in source]
     rows = max((r for r, _ in launches), default=n)
     entries = max((r * h for r, h in launches), default=0 if fused else n * config.heads)
     if config.device == "cuda":
