@@ -17,7 +17,7 @@ from dilated_attention import all_reduce_gradients
 from dilated_attention.decoding import cached_dilated_attention
 from dilated_attention.models import IGNORE_INDEX, token_mean_loss
 from dilated_attention.decoding import CachePlan
-from dilated_attention.models.generation import decode_token, prefill
+from dilated_attention.models.generation import Sampling, decode_token, prefill, sample
 from dilated_attention.models.layers import Positions
 from dilated_attention.distributed.sharding import shard_sequence
 
@@ -114,12 +114,83 @@ def test_cross_attention_reads_kv_head_j_over_group():
 
 
 def test_top_k_keeps_exactly_the_k_largest_logits():
-    from dilated_attention.models.generation import _sample
-
     logits = torch.tensor([[0.0, 3.0, 2.9, -1.0, 1.0]]).expand(2000, -1)
     gen = torch.Generator().manual_seed(0)
-    assert set(_sample(logits, 1.0, 2, gen).tolist()) == {1, 2}
-    assert set(_sample(logits, 1.0, 1, gen).tolist()) == {1}
+    assert set(sample(logits, Sampling(1.0, 2, None, (), 0), gen).tolist()) == {1, 2}
+    assert set(sample(logits, Sampling(1.0, 1, None, (), 0), gen).tolist()) == {1}
+
+
+def test_top_p_draws_from_the_nucleus_in_proportion():
+    """top_p keeps the fewest most probable ids whose probabilities reach it, and draws them
+    in proportion to their probabilities; top_p 1 draws what no top_p draws."""
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3], dtype=torch.float64)
+    logits = probs.log().expand(4000, -1)
+    gen = torch.Generator().manual_seed(0)
+    for top_p, nucleus in ((0.45, [1]), (0.75, [1, 3]), (0.9, [1, 2, 3]), (1.0, [0, 1, 2, 3])):
+        ids = sample(logits, Sampling(1.0, None, top_p, (), 0), gen)
+        assert set(ids.tolist()) == set(nucleus), top_p
+        share = (ids == 1).double().mean().item()  # ~1 / sqrt(4000) = 0.016 from its value
+        assert abs(share - 0.5 / probs[nucleus].sum().item()) < 0.05, top_p
+    same = [sample(logits, Sampling(0.7, 3, top_p, (), 0), torch.Generator().manual_seed(1))
+            for top_p in (None, 1.0)]
+    assert torch.equal(same[0], same[1])
+
+
+def _ended(ids: torch.Tensor, n: int, eos, pad: int) -> torch.Tensor:
+    """What generating with `eos` returns, from the ids of a run without: each row's ids
+    after its first eos replaced by pad, cut after the step where every row has ended."""
+    new = ids[:, n:].clone()
+    hit = torch.isin(new, torch.tensor(eos))
+    seen = hit.cumsum(1)
+    new[seen - hit.long() > 0] = pad
+    ended = (seen > 0).all(0)
+    if ended.any():
+        new = new[:, :int(ended.nonzero()[0]) + 1]
+    return torch.cat([ids[:, :n], new], dim=1)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_eos_ends_each_row_where_it_ends_alone(use_cache):
+    """A row that generates an eos id continues with pad ids and generation stops when every
+    row has ended; each row's ids up to its end are those of a run without eos_token_id
+    (greedy, and sampling from the same generator state)."""
+    torch.manual_seed(0)
+    model = LongNetLM(small_config(num_kv_heads=2), dtype=torch.float64)
+    _perturb(model)
+    prompt, _ = _data(3, 6, 23)
+    shorter = padded = 0
+    for sampling in (dict(), dict(temperature=0.9, top_k=9, top_p=0.9)):
+        def run(**more):
+            seeded = dict(generator=torch.Generator().manual_seed(4)) if sampling else {}
+            return model.generate(prompt, 25, use_cache=use_cache, **sampling, **seeded, **more)
+
+        free = run()
+        for eos in ([int(free[0, 8])], [int(free[0, 8]), int(free[1, 7]), int(free[2, 9])]):
+            got = run(eos_token_id=eos, pad_token_id=22)
+            torch.testing.assert_close(got, _ended(free, 6, eos, 22), rtol=0, atol=0)
+            shorter += got.shape[1] < free.shape[1]
+            padded += bool((got[:, 6:] == 22).any())
+        # the pad id defaults to the (first) eos id
+        eos = int(free[0, 8])
+        assert torch.equal(run(eos_token_id=eos), _ended(free, 6, [eos], eos))
+    assert shorter and padded  # the cases stop early and pad ended rows
+
+
+def test_generation_argument_errors():
+    model = LongNetLM(small_config())
+    prompt, _ = _data(1, 5, 23)
+    for kwargs, error, match in [
+        (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\], got 0.0"),
+        (dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\], got 1.5"),
+        (dict(top_p=True), TypeError, "top_p must be a float"),
+        (dict(eos_token_id=23), ValueError, r"eos_token_id must be .* in \[0, 23\), got 23"),
+        (dict(eos_token_id=[]), ValueError, r"eos_token_id must be .*, got \[\]"),
+        (dict(eos_token_id="2"), TypeError, "eos_token_id must be an int id"),
+        (dict(eos_token_id=2, pad_token_id=[1]), TypeError, r"pad_token_id must be one int id"),
+        (dict(eos_token_id=2, pad_token_id=-1), ValueError, r"pad_token_id must be .*got -1"),
+    ]:
+        with pytest.raises(error, match=match):
+            model.generate(prompt, 2, **kwargs)
 
 
 def test_config_backend_reaches_every_layer():
@@ -499,8 +570,10 @@ def _sharded_generation(group):
         padding = dict(attention_mask=mask) if pads else {}
         if size > 2 and case in (0, 1, 3):
             continue  # three ranks: the cases whose pieces differ in kind (empty, padded)
-        modes = (dict(), dict(temperature=0.9, top_k=7), dict(use_cache=False))
-        for kwargs in modes if case in (0, 1, 4) else modes[:2]:
+        modes = (dict(), dict(temperature=0.9, top_k=7),
+                 dict(temperature=0.9, top_p=0.8, eos_token_id=(3, 7), pad_token_id=0),
+                 dict(use_cache=False))
+        for kwargs in modes if case in (0, 1, 4) else modes[:3]:
             outs = []
             for model in (one, sharded):
                 if "temperature" in kwargs:
@@ -537,6 +610,7 @@ def _generation_errors(group):
     for kwargs, match in [
         (dict(tokens=prompt if rank else (prompt + 1) % 23), "ranks disagree on 'tokens'"),
         (dict(max_new_tokens=3 + rank), "ranks disagree on 'max_new_tokens'"),
+        (dict(eos_token_id=3 + rank), "ranks disagree on 'eos_token_id'"),
         (dict(temperature=1.0, generator=torch.Generator().manual_seed(rank)),
          "ranks disagree on 'sampling state'"),
         (dict(max_new_tokens=12), "sequences of 21 tokens, past max_seq_len=20"),
@@ -565,7 +639,7 @@ def test_sharded_generation_equals_one_process(world_size):
     results = run_distributed(_generation_rank, world_size, timeout=300)
     for ids, _ in results[1:]:  # every rank returns the same ids
         assert all(torch.equal(a, b) for a, b in zip(ids, results[0][0]))
-    assert all(len(errors) == 5 for _, errors in results)
+    assert all(len(errors) == 6 for _, errors in results)
 
 
 # ---------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -58,30 +58,65 @@ class LayerCache:
         return [self.prompt, self.block]
 
 
+class Sampling(NamedTuple):
+    """How the next id is drawn from the last position's logits, and when a row stops."""
+
+    temperature: float
+    top_k: Optional[int]
+    top_p: Optional[float]
+    eos: Tuple[int, ...]  # ids that end a row (none: rows run to max_new_tokens)
+    pad: int  # the id written after a row's end
+
+
 @torch.no_grad()
 def generate(model: nn.Module, tokens: Tensor, max_new_tokens: int, *,
              attention_mask: Optional[Tensor], temperature: float, top_k: Optional[int],
-             use_cache: bool, generator: Optional[torch.Generator]) -> Tensor:
-    """``LongNetLM.generate``: tokens (b, n) -> (b, n + max_new_tokens), dropout off."""
-    origins = _agree(model, tokens, attention_mask, max_new_tokens, temperature, top_k,
-                     use_cache, generator)
+             top_p: Optional[float], eos_token_id: Union[int, Sequence[int], None],
+             pad_token_id: Optional[int], use_cache: bool,
+             generator: Optional[torch.Generator]) -> Tensor:
+    """``LongNetLM.generate``: tokens (b, n) -> (b, n + steps), steps <= max_new_tokens,
+    dropout off."""
+    origins, sampling = _agree(model, tokens, attention_mask, max_new_tokens, temperature,
+                               top_k, top_p, eos_token_id, pad_token_id, use_cache, generator)
     was_training = model.training
     model.eval()
     try:
-        return _generate(model, tokens, origins, max_new_tokens, temperature, top_k, use_cache,
-                         generator)
+        return _generate(model, tokens, origins, max_new_tokens, sampling, use_cache, generator)
     finally:
         model.train(was_training)
 
 
+def _token_ids(name: str, ids, vocab_size: int, *, several: bool = True) -> Tuple[int, ...]:
+    """An id (or, if `several`, a non-empty sequence of ids), each in [0, vocab_size)."""
+    what = "an int id or a non-empty sequence of them" if several else "one int id"
+    many = ids if several and isinstance(ids, (list, tuple)) else (ids,)
+    if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in many):
+        raise TypeError(f"{name} must be {what}, got {ids!r}")
+    if not many or not all(0 <= i < vocab_size for i in many):
+        raise ValueError(f"{name} must be {what} in [0, {vocab_size}), got {ids!r}")
+    return tuple(int(i) for i in many)
+
+
+def _check_top_p(top_p) -> Optional[float]:
+    if top_p is None:
+        return None
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
+        raise TypeError(f"top_p must be a float in (0, 1] or None, got {top_p!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    return float(top_p)
+
+
 def _agree(model: nn.Module, tokens: Tensor, attention_mask, max_new_tokens, temperature, top_k,
-           use_cache, generator) -> Optional[Tuple[int, ...]]:
+           top_p, eos_token_id, pad_token_id, use_cache,
+           generator) -> Tuple[Optional[Tuple[int, ...]], Sampling]:
     """Check the arguments, and under a group that every rank passed the same ones and holds
     the same parameters: one agreement, so a mistake on one rank is an error on all.
-    Returns where each row's real tokens start (None: no padding)."""
+    Returns where each row's real tokens start (None: no padding) and the sampling."""
+    vocab = model.config.vocab_size
 
     def config() -> dict:
-        check_tokens("tokens", tokens, model.config.vocab_size)
+        check_tokens("tokens", tokens, vocab)
         if tokens.shape[1] == 0:
             raise ValueError(
                 f"tokens must hold at least one id per row, got shape {tuple(tokens.shape)}"
@@ -96,6 +131,9 @@ def _agree(model: nn.Module, tokens: Tensor, attention_mask, max_new_tokens, tem
             raise TypeError(f"generator must be a torch.Generator or None, got {generator!r} "
                             f"({type(generator).__name__})")
         k = check.check_optional_positive_int("top_k", top_k)
+        eos = () if eos_token_id is None else _token_ids("eos_token_id", eos_token_id, vocab)
+        pad = (eos[:1] or (0,)) if pad_token_id is None else \
+            _token_ids("pad_token_id", pad_token_id, vocab, several=False)
         check.check_bool("use_cache", use_cache)
         longest = tokens.shape[1] - min(origins or (0,))  # the longest row's real tokens
         if model.config.positions == "learned" and longest + new > model.config.max_seq_len:
@@ -108,11 +146,14 @@ def _agree(model: nn.Module, tokens: Tensor, attention_mask, max_new_tokens, tem
         return {"tokens": digest(tokens),
                 "attention_mask": None if attention_mask is None else digest(attention_mask),
                 "max_new_tokens": new, "temperature": float(temperature), "top_k": k,
+                "top_p": _check_top_p(top_p), "eos_token_id": eos, "pad_token_id": pad[0],
                 "use_cache": use_cache,
                 "sampling state": _sampling_state(tokens, generator) if temperature else None,
                 "origins": origins}
 
-    return agree_on_replicated_inputs(model.process_group, config, model)["origins"]
+    agreed = agree_on_replicated_inputs(model.process_group, config, model)
+    return agreed["origins"], Sampling(agreed["temperature"], agreed["top_k"], agreed["top_p"],
+                                       agreed["eos_token_id"], agreed["pad_token_id"])
 
 
 def _sampling_state(tokens: Tensor, generator: Optional[torch.Generator]) -> str:
@@ -126,7 +167,7 @@ def _sampling_state(tokens: Tensor, generator: Optional[torch.Generator]) -> str
     return digest(state)
 
 
-def _generate(model, tokens, origins, max_new_tokens, temperature, top_k, use_cache,
+def _generate(model, tokens, origins, max_new_tokens, sampling: Sampling, use_cache,
               generator) -> Tensor:
     group = model.process_group
     n = tokens.shape[1]
@@ -136,11 +177,18 @@ def _generate(model, tokens, origins, max_new_tokens, temperature, top_k, use_ca
         plan = CachePlan.of(n, max_new_tokens - 1, comm.group_size(group), comm.group_rank(group))
     hidden, caches = prefill(model, tokens, plan, origins)
     out = tokens
+    eos = torch.tensor(sampling.eos, dtype=tokens.dtype, device=tokens.device)
+    ended = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
     for step in range(max_new_tokens):
         logits = model.logits(model.norm(hidden))
-        nxt = _sample(logits, temperature, top_k, generator)
-        out = torch.cat([out, nxt[:, None].to(out.dtype)], dim=1)
-        if step + 1 == max_new_tokens:
+        nxt = sample(logits, sampling, generator).to(out.dtype)
+        if sampling.eos:
+            # a row that ended writes pad ids (still drawn: the other rows' draws stay those
+            # of their run alone); every rank holds the same ids, so all stop together
+            nxt = nxt.masked_fill(ended, sampling.pad)
+            ended |= torch.isin(nxt, eos)
+        out = torch.cat([out, nxt[:, None]], dim=1)
+        if step + 1 == max_new_tokens or (sampling.eos and bool(ended.all())):
             break
         if use_cache:
             hidden = decode_token(model, nxt, out.shape[1] - 1, caches, origins)
@@ -232,16 +280,23 @@ def _decode_block(block: Block, x: Tensor, t: int, cache: LayerCache, group,
     return block.after_attention(x, None)
 
 
-def _sample(logits: Tensor, temperature: float, top_k: Optional[int], generator) -> Tensor:
-    """Next ids (b,) from last-position logits (b, v): greedy at temperature 0."""
-    if temperature == 0.0:
+def sample(logits: Tensor, sampling: Sampling, generator) -> Tensor:
+    """Next ids (b,) from last-position logits (b, v): greedy at temperature 0; else drawn
+    from softmax(logits / T), kept to the top_k logits, then to the nucleus: the fewest most
+    probable ids whose probabilities sum to top_p or more."""
+    if sampling.temperature == 0.0:
         return logits.argmax(dim=-1)
     logits = logits.float()
     # the largest logit at 0 before dividing: the others go to -inf, not past +inf, at
     # temperatures so small that logit / temperature overflows
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
     probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p is not None and sampling.top_p < 1:
+        ordered, order = probs.sort(dim=-1, descending=True)
+        # an id goes when the more probable ones already reach top_p (the first never does)
+        beyond = (ordered.cumsum(-1) - ordered) >= sampling.top_p
+        probs = probs.masked_fill(beyond.scatter(-1, order, beyond), 0.0)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

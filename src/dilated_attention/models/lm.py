@@ -25,7 +25,7 @@ divergence.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.types
@@ -139,12 +139,20 @@ class LongNetLM(LongNetBase):
 
     def generate(self, tokens: Tensor, max_new_tokens: int, *,
                  attention_mask: Optional[Tensor] = None, temperature: float = 0.0,
-                 top_k: Optional[int] = None, use_cache: bool = True,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 eos_token_id: Union[int, Sequence[int], None] = None,
+                 pad_token_id: Optional[int] = None, use_cache: bool = True,
                  generator: Optional[torch.Generator] = None) -> Tensor:
-        """Extend tokens (b, n) by max_new_tokens ids -> (b, n + max_new_tokens).
+        """Extend tokens (b, n) by up to max_new_tokens ids -> (b, n + steps).
 
         temperature 0 is greedy; > 0 samples from softmax(logits / T),
-        restricted to the top_k logits when given (generator seeds it).
+        restricted to the top_k logits when given, then to the nucleus of
+        top_p when given (the fewest most probable ids whose probabilities
+        sum to top_p or more); generator seeds it. eos_token_id (an id or a
+        sequence of ids) ends a row: after it the row gets pad_token_id
+        (default: the first eos id), and generation stops once every row has
+        ended (steps < max_new_tokens then); each row's ids are those it
+        generates alone.
         With use_cache (default) each new token runs one position through
         the layers against cached keys/values (exact: the same result as
         rerunning the whole sequence, which use_cache=False does).
@@ -165,5 +173,6 @@ class LongNetLM(LongNetBase):
         hold the same parameters: a mismatch is an error on every rank.
         """
         return generate(self, tokens, max_new_tokens, attention_mask=attention_mask,
-                        temperature=temperature, top_k=top_k, use_cache=use_cache,
-                        generator=generator)
+                        temperature=temperature, top_k=top_k, top_p=top_p,
+                        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                        use_cache=use_cache, generator=generator)
