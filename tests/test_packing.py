@@ -232,8 +232,11 @@ def test_finite_values_whose_sum_overflows_give_the_same_result():
 
 def test_unread_rows_warn_once_per_pattern_set():
     q, k, v, _, _ = _inputs(1, 40, 4, 4, 4, 2)
-    with pytest.warns(UserWarning, match=r"segment_lengths \[16\] and dilation_rates \[8\]"):
+    with pytest.warns(UserWarning, match=r"segment_lengths \[16\] and dilation_rates \[8\]") \
+            as record:
         out = dilated_attention(q, k, v, [16], [8])
+    # shown at the caller's line (Python's default filter: once per place and pattern set)
+    assert record[0].filename == __file__
     # 4 heads read offsets 0..3 of every 8 rows: rows 4..7 of each 8 are read by none
     assert (out[0, 4:8] == 0).all()
     import warnings
