@@ -82,6 +82,33 @@ def test_meta_device_constructs():
     assert m.k_proj.weight.shape == (8, 16)
 
 
+def test_batch_first_false_takes_sequence_first_inputs():
+    """batch_first=False: (n, b, e) in and out, the batch-first module's results transposed,
+    gradients included; key_padding_mask stays (b, n); shape errors name the layout."""
+    modules = []
+    for batch_first in (True, False):
+        torch.manual_seed(0)
+        modules.append(MultiheadDilatedAttention(16, 4, [4, 8], [1, 2], num_kv_heads=2,
+                                                 batch_first=batch_first, dtype=torch.float64))
+    x = torch.randn(3, 19, 16, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(3, 19, dtype=torch.bool)
+    mask[1, 15:] = True
+    want, _ = modules[0](x, x, x, key_padding_mask=mask, is_causal=True)
+    seq_first = x.detach().transpose(0, 1).clone().requires_grad_()
+    got, _ = modules[1](seq_first, seq_first, seq_first, key_padding_mask=mask, is_causal=True)
+    assert got.shape == (19, 3, 16)
+    torch.testing.assert_close(got, want.transpose(0, 1), rtol=1e-12, atol=1e-12)
+    g = torch.randn(19, 3, 16, dtype=torch.float64)
+    got.backward(g)
+    want.backward(g.transpose(0, 1))
+    torch.testing.assert_close(seq_first.grad, x.grad.transpose(0, 1), rtol=1e-12, atol=1e-12)
+    assert "batch_first=False" in repr(modules[1])
+    with pytest.raises(ValueError, match=r"query must be \(seq_len, batch, embed_dim=16\)"):
+        modules[1](x[..., :8], x[..., :8], x[..., :8])
+    with pytest.raises(TypeError, match="batch_first must be a bool"):
+        MultiheadDilatedAttention(16, 4, [4], [1], batch_first=0)
+
+
 def test_no_layer_norm_and_no_bias():
     m = _mhda(layer_norm=False, bias=False)
     assert m.norm is None

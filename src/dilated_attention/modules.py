@@ -108,7 +108,8 @@ class MultiheadDilatedAttention(nn.Module):
     """Batch-first multi-head dilated attention, a drop-in for nn.MultiheadAttention.
 
     ``forward(query, key, value)`` with (b, n, e) inputs returns ``(out, None)``
-    like ``nn.MultiheadAttention(batch_first=True)`` with ``need_weights=False``.
+    like ``nn.MultiheadAttention(batch_first=True)`` with ``need_weights=False``;
+    ``batch_first=False`` takes and returns (n, b, e), as torch's default.
     Keys and values project to ``num_kv_heads`` heads (GQA/MQA when fewer than
     ``num_heads``); the op broadcasts them without copies.
 
@@ -133,6 +134,8 @@ class MultiheadDilatedAttention(nn.Module):
         device, dtype: for every parameter, like torch.nn.
         process_group, strategy: sequence parallelism (see DilatedAttention).
         backend: the attention kernel (see DilatedAttention).
+        batch_first: inputs and output (b, n, e) (the default); False: (n, b, e),
+            as ``nn.MultiheadAttention``'s default. key_padding_mask is (b, n) either way.
     """
 
     def __init__(
@@ -154,6 +157,7 @@ class MultiheadDilatedAttention(nn.Module):
         process_group: GroupLike = None,
         strategy: str = "auto",
         backend: str = "auto",
+        batch_first: bool = True,
     ) -> None:
         super().__init__()
         embed_dim = check.check_positive_int("embed_dim", embed_dim)
@@ -171,6 +175,7 @@ class MultiheadDilatedAttention(nn.Module):
             )
         check.check_bool("bias", bias)
         check.check_bool("layer_norm", layer_norm)
+        self.batch_first = check.check_bool("batch_first", batch_first)
         gamma_init = check.check_positive_float("gamma_init", gamma_init)
         layer_norm_eps = check.check_positive_float("layer_norm_eps", layer_norm_eps)
         self.embed_dim = embed_dim
@@ -243,7 +248,8 @@ class MultiheadDilatedAttention(nn.Module):
         *,
         cu_seqlens=None,
     ) -> Tuple[Tensor, None]:
-        """query, key, value (b, n, e) -> (out (b, n, e), None).
+        """query, key, value (b, n, e) -> (out (b, n, e), None); (n, b, e) each when not
+        batch_first.
 
         The arguments come in ``nn.MultiheadAttention``'s order.
         key_padding_mask (b, n) bool: True = ignore that key. cu_seqlens:
@@ -272,10 +278,15 @@ class MultiheadDilatedAttention(nn.Module):
             # the other ranks wait in the op's agreement collective: fail there, on all of
             # them (with no process group this just raises `error`)
             fail_on_every_rank(self.attention.process_group, error)
+        if not self.batch_first:
+            # (n, b, e) -> (b, n, e): views, the op reads them strided
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
         q, k, v = self.project_qkv(query, key, value)
         attn = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask,
                               cu_seqlens=cu_seqlens)
-        return self.project_out(attn), None
+        out = self.project_out(attn)
+        # (b, n, e) -> (n, b, e) when not batch_first
+        return (out if self.batch_first else out.transpose(0, 1)), None
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         weight = self.q_proj.weight
@@ -283,8 +294,9 @@ class MultiheadDilatedAttention(nn.Module):
             if not isinstance(x, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
             if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+                layout = "batch, seq_len" if self.batch_first else "seq_len, batch"
                 raise ValueError(
-                    f"{name} must be (batch, seq_len, embed_dim={self.embed_dim}), got shape "
+                    f"{name} must be ({layout}, embed_dim={self.embed_dim}), got shape "
                     f"{tuple(x.shape)}"
                 )
             # checked here, not left to the projection: an error there would strike one
@@ -310,4 +322,5 @@ class MultiheadDilatedAttention(nn.Module):
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, gamma_init={self.gamma_init}"
+            + ("" if self.batch_first else ", batch_first=False")
         )
