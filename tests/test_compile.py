@@ -7,6 +7,7 @@ import torch
 
 from dilated_attention import (MultiheadDilatedAttention, dilated_attention, recommended_dtype,
                                ring_attention)
+from dilated_attention.kernels import KernelOptions
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -181,3 +182,30 @@ def test_encoder_decoder_compiles_once() -> None:
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             loss = compiled(source, target, target)[1]
         torch.testing.assert_close(loss, model(source, target, target)[1], rtol=1e-12, atol=0)
+
+
+# recommended_dtype follows the compute capability on every side of its thresholds; the GPU
+# is faked, so this runs without one (test_cuda's version needs the GPU it asks about).
+
+@pytest.mark.parametrize("capability,dtype", [((6, 1), torch.float32), ((7, 0), torch.float16),
+                                              ((7, 5), torch.float16), ((8, 0), torch.bfloat16),
+                                              ((9, 0), torch.bfloat16)])
+def test_recommended_dtype_at_each_compute_capability(monkeypatch, capability, dtype):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert recommended_dtype("cuda") == dtype
+
+
+# The custom ops' fake (shape-only) implementations give what the real ops give, dtypes
+# included: for fp64 inputs the lse is fp64. A compiled graph trusts the fake: with an fp32
+# fake lse, `lse.float()` is dropped as a no-op and an fp64 tensor flows on (aot_eager).
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_custom_ops_fakes_match_the_real_ops(dtype):
+    from dilated_attention import dilated
+    from dilated_attention.patterns import Heads
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 32, 2, 8, generator=g, dtype=dtype) for _ in range(3))
+    call = dilated.LocalCall(((8, 16), (1, 2)), KernelOptions(True, 8 ** -0.5, "cpu_flash"),
+                             Heads.of(2, 2), None, False)
+    torch.library.opcheck(dilated._forward_op, (q, k, v, *call.flat(), None, False),
+                          test_utils=("test_faketensor",))

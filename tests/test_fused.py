@@ -1001,3 +1001,59 @@ def test_key_tile_unmasked_chunks_start_after_its_last_row():
     torch.testing.assert_close(dq.cpu().double()[:, rows], want[0][:, rows], **tol)
     for name, got, w in (("dk", dk, want[1]), ("dv", dv, want[2])):
         torch.testing.assert_close(got.cpu().double()[:, [0, 4]], w[:, [0, 4]], **tol, msg=name)
+
+
+# The exchange with backend="triton" in fp16: a rank's own pairs run in FusedPiece's fused
+# calls, whose lse must be fp32 (sequence_parallel_dilated_attention's contract), not the
+# inputs' fp16 rounding of it.
+
+F4_N, F4_PATTERNS = 32, ([8, 32], [1, 2])
+
+
+def _f4_inputs():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(1, F4_N, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2)]
+
+
+def _f4_rank(group):
+    from dilated_attention.distributed import comm
+
+    rank = comm.group_rank(group)
+    rows = slice(16 * rank, 16 * rank + 16)
+    q, k, v = (x[:, rows].half() for x in _f4_inputs())
+    return dilated_attention(q, k, v, *F4_PATTERNS, is_causal=True, group=group,
+                             return_lse=True, backend="triton", strategy="exchange")
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU tensors")
+def test_fused_pieces_keep_an_fp32_lse_in_half_precision():
+    from dist_harness import run_distributed
+
+    q, k, v = _f4_inputs()
+    _, want = dilated_attention(q, k, v, *F4_PATTERNS, is_causal=True, return_lse=True)
+    # the single-device fused call's own error in fp16
+    _, one = dilated_attention(q.half(), k.half(), v.half(), *F4_PATTERNS, is_causal=True,
+                               return_lse=True, backend="triton")
+    bound = 1.1 * (one.double() - want).abs().max().item()
+    for rank, (_, lse) in enumerate(run_distributed(_f4_rank, 2, timeout=240)):
+        assert lse.dtype == torch.float32, (rank, lse.dtype)
+        rows = slice(16 * rank, 16 * rank + 16)
+        error = (lse.double() - want[:, :, rows]).abs().max().item()
+        assert error <= bound, (rank, error, bound)
+
+
+# What select_backend picks and refuses on a GPU, its capability patched (no GPU needed):
+# a masked "auto" call on CUDA runs the blockwise kernel (the CPU flash op cannot take CUDA
+# tensors); a kernel that needs sm_80 runs on an sm_80 GPU (an A100).
+
+def test_select_backend_on_an_sm80_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    cuda = torch.device("cuda")
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert select_backend(cuda, dtype, masked=True) == "blockwise", dtype
+    assert select_backend(cuda, torch.float16, backend="cuda_flash") == "cuda_flash"
+    assert select_backend(cuda, torch.bfloat16, backend="triton") == "triton"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(ValueError, match=r"compute capability 8\.0 or newer \(got 7\.5\)"):
+        select_backend(cuda, torch.float16, backend="cuda_flash")

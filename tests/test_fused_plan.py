@@ -338,3 +338,18 @@ def test_narrow_tiles_launch_apart_where_they_save_work() -> None:
     assert tail.heights == ((128, 792),) and int((tail.tiles[:, 2] <= 64).sum()) == 24
     assert dense_plan(100, 100, heads, 12, 64, False).heights == ((64, 24),)
     assert tile_plan(0, ((4,), (1,)), heads, 12, False, None, 64, False).heights == ()
+
+
+# occupancy's numbers exactly, on plans small enough to count by hand: one dense segment of n
+# rows, one head, 16 x 16 tiles. Causal: the floor is the triangle with its diagonal,
+# n (n + 1) / 2; n = 100 (not a multiple of 16): the spans are padded to whole 16-key chunks.
+
+def test_occupancy_counts_small_plans_exactly():
+    one = Heads.of(1, 1)
+    causal = occupancy(64, ((64,), (1,)), one, True, None, 16, 16)
+    assert causal.floor == 64 * 65 // 2
+    dense = occupancy(64, ((64,), (1,)), one, False, None, 16, 16)
+    assert (dense.computed, dense.visited, dense.floor) == (64 * 64,) * 3
+    ragged = occupancy(100, ((100,), (1,)), one, False, None, 16, 16)
+    # 7 tiles of 16 rows (112) times 7 chunks of 16 keys (112)
+    assert (ragged.computed, ragged.visited, ragged.floor) == (112 * 112, 100 * 100, 100 * 100)

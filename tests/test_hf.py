@@ -924,3 +924,47 @@ def test_agreed_origins_read_each_rows_own_first_position():
     infos = [{"n": 4, "real_from": (None, None), "first": (0, 0)},
              {"n": 4, "real_from": None, "first": (0, 5)}]
     assert agreed_origins(infos, 2) == (4, 0)
+
+
+# shard_inputs: labels, position_ids and attention_mask of another length than input_ids are a
+# ValueError naming the argument (not a shape error from deep inside, or a silent misfit).
+
+@pytest.mark.parametrize("name", ["labels", "position_ids", "attention_mask"])
+def test_shard_inputs_refuses_a_length_other_than_input_ids(name):
+    ids = torch.arange(8)[None]
+    for n in (6, 10):
+        with pytest.raises(ValueError, match=rf"^{name} must be \(.*8\) like input_ids"):
+            shard_inputs(ids, None, **{name: torch.ones(1, n, dtype=torch.long)})
+
+
+# Sharded generation refuses beam search up front, in its agreed configuration: before the
+# prompt's prefill sends anything (the cache's own refusal comes only after the prefill).
+
+def _beam_search_refused(group):
+    name = hf.register("dilated_beam_test", segment_lengths=SEGMENTS, dilation_rates=RATES,
+                       group=group)
+    sharded = build(name)
+    with comm.count_communication() as counted:
+        with pytest.raises(NotImplementedError, match="pass num_beams=1"):
+            hf.generate(sharded, tokens(2, 21, seed=21), group=group, max_new_tokens=3,
+                        pad_token_id=0, num_beams=2)
+    return counted.messages
+
+
+@pytest.mark.distributed
+def test_sharded_generation_refuses_beam_search_before_the_prefill():
+    assert run_distributed(_beam_search_refused, 2, timeout=200) == [0, 0]
+
+
+# causal_lm_parts refuses every model that transforms its logits after lm_head, scales
+# below 1 included (Cohere's logit_scale is 0.0625): lm_head(body) would not be its logits.
+
+@pytest.mark.parametrize("field,value", [("logit_scale", 0.0625), ("logits_scaling", 0.5),
+                                         ("final_logit_softcapping", 30.0)])
+def test_causal_lm_parts_refuses_any_logit_transform(field, value):
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      **{field: value})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=rf"transforms its logits after lm_head \({field}="):
+        causal_lm_parts(model)

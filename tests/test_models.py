@@ -819,3 +819,48 @@ def test_targets_on_one_rank_only_raises_on_every_rank():
     # the group timeout is a minute: an error within 10 s is the agreement, not a timeout
     results = run_distributed(_targets_on_one_rank_only, 2, timeout=120, pg_timeout=60.0)
     assert all(t < 10.0 for elapsed in results for t in elapsed), results
+
+
+# CachePlan.store checks every position against the plan (on every rank): a row past the
+# planned new rows is an error, never a row silently not kept (the step that follows would
+# attend without its own key).
+
+def test_cache_plan_refuses_a_row_past_the_planned_rows():
+    from dilated_attention.decoding import CachePlan
+    k = torch.zeros(1, 1, 2, 4)
+    for rank in range(2):
+        plan = CachePlan.of(6, 2, 2, rank)
+        block = plan.empty_block(k, k)
+        for t in (6, 7):
+            block = plan.store(block, t, k[:, 0], k[:, 0])
+        with pytest.raises(ValueError, match=r"position 8 is outside the planned new rows \[6, 8\)"):
+            plan.store(block, 8, k[:, 0], k[:, 0])
+
+
+# decode() over rows of different origins (left padding) with a keep mask that ignores keys
+# inside the rows' windows: each run of rows reads its own rows of the mask; the batch equals
+# each row decoded alone, and a row decoded alone equals row t of the causal op on its own
+# suffix with the same keys ignored.
+
+def test_decode_reads_each_origin_runs_own_mask_rows():
+    from dilated_attention import dilated_attention
+    from dilated_attention.decoding import CachedRows, decode
+    g = torch.Generator().manual_seed(0)
+    t, patterns = 9, ((4, 8), (1, 2))
+    q = torch.randn(2, 1, 2, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, t + 1, 2, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    keep = torch.ones(2, t + 1, dtype=torch.bool)
+    keep[0, 2] = keep[1, 5] = False
+    keep[1, :3] = False  # row 1: left padding, origin 3
+    origins = (0, 3)
+    got = decode(q, [CachedRows(k, v, 0, t + 1)], t, patterns, origins=origins, keep=keep)
+    for i, origin in enumerate(origins):
+        alone = decode(q[i:i + 1], [CachedRows(k[i:i + 1], v[i:i + 1], 0, t + 1)], t, patterns,
+                       origins=(origin,), keep=keep[i:i + 1])
+        torch.testing.assert_close(got[i], alone[0], rtol=0, atol=0)
+        # the causal op over the row's own positions [origin, t], its last row
+        rows = slice(origin, t + 1)
+        qs = torch.cat([k[i:i + 1, rows, :, :].new_zeros(1, t - origin, 2, 4), q[i:i + 1]], 1)
+        want = dilated_attention(qs, k[i:i + 1, rows], v[i:i + 1, rows], *map(list, patterns),
+                                 is_causal=True, key_padding_mask=~keep[i:i + 1, rows])
+        torch.testing.assert_close(alone[0, 0], want[0, -1], rtol=1e-12, atol=1e-12)

@@ -15,7 +15,7 @@ import torch
 
 from dilated_attention.distributed import comm
 from dilated_attention import ring_attention
-from dilated_attention.distributed.ring import RingAttentionFunction, RingSizes
+from dilated_attention.distributed.ring import RingAttentionFunction, RingSizes, ring_forward
 from dilated_attention.distributed.sharding import piece_lengths
 from dilated_attention.kernels import KernelOptions
 from dist_harness import case_ranges, error_of, rows_of, run_distributed, subgroup
@@ -311,3 +311,27 @@ def test_ring_runs_on_meta_tensors_with_a_fake_group():
     proc = subprocess.run([sys.executable, "-c", _FAKE_SCRIPT], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+# The op below ring_attention checks its own `lengths` and `sizes` (ring_attention agrees them,
+# RingAttentionFunction / ring_forward callers pass them): a clear error on every rank, never
+# a ring that runs with receive buffers of the wrong rows.
+
+def _ring_arguments_checked(group):
+    opts = KernelOptions(False, 0.5, "cpu_flash")
+    x = torch.randn(1, 4, 2, 4, dtype=torch.float64)
+    return {
+        # every rank holds 4 rows but says its piece has 6
+        "lengths": error_of(lambda: ring_forward(group, x, x, x, opts, lengths=[6, 6])),
+        "sizes": error_of(lambda: RingAttentionFunction.apply(
+            x, x, x, opts, group, "contiguous", [4, 4], (2, 2))),
+    }
+
+
+@pytest.mark.distributed
+def test_ring_checks_its_lengths_and_sizes_on_every_rank():
+    for result in run_distributed(_ring_arguments_checked, 2, timeout=120):
+        msg, secs = result["lengths"]
+        assert msg.startswith("ValueError") and "lengths [6, 6]" in msg and secs < 10, msg
+        msg, secs = result["sizes"]
+        assert msg.startswith("TypeError") and "sizes must be a RingSizes" in msg, msg

@@ -173,3 +173,15 @@ def test_interpreted_kernels_and_stand_ins_launch_as_they_are() -> None:
 
     stand_in = StandIn()
     assert triton_launch.launcher(stand_in) is stand_in
+
+
+# Triton specialises a pointer on 16-byte alignment: a tensor 8 bytes past a 16-byte boundary
+# is a different kernel, so a different key.
+
+def test_call_keys_tell_8_byte_from_16_byte_alignment():
+    q = torch.zeros(2, 8, 16)
+    shifted = torch.zeros(2 * 8 * 16 + 2)[2:].view(2, 8, 16)  # 8 bytes past q's alignment
+    assert q.data_ptr() % 16 == 0 and shifted.data_ptr() % 16 == 8
+    kwargs = {"CAUSAL": True}
+    assert triton_launch._call_key(0, 1, (q, 3), kwargs) != \
+        triton_launch._call_key(0, 1, (shifted, 3), kwargs)

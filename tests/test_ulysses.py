@@ -345,3 +345,41 @@ def _models_on_a_mesh(group, shape):
 def test_models_on_a_device_mesh_equal_one_process(shape) -> None:
     results = run_distributed(_models_on_a_mesh, 4, shape, timeout=240)
     assert all(r == ["lm", "lm", "encdec", "packed"] for r in results)
+
+
+# A 2-D mesh with a dimension of size 1 is the other dimension's group ("a mesh dimension of
+# size 1 does nothing", comm/groups.py): the (1, 2) mesh resolves to the sequence group, and a
+# call over (1, 2) or (2, 1) agrees once, as over a plain group, with the one-process result.
+
+GR4_N = 16
+
+
+def _gr4_inputs():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(1, GR4_N, 4, 8, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+def _gr4_rank(group):
+    from torch.distributed.device_mesh import init_device_mesh
+    out = {}
+    for shape in ((1, 2), (2, 1)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("heads", "sequence"))
+        resolved = comm.resolve_group(mesh)
+        piece = comm.group_rank(resolved)
+        rows = slice(piece * GR4_N // 2, (piece + 1) * GR4_N // 2)
+        q, k, v = (x[:, rows].requires_grad_() for x in _gr4_inputs())
+        with comm.count_communication() as counted:
+            o = dilated_attention(q, k, v, [8, 16], [1, 2], is_causal=True, group=mesh)
+        out[shape] = (isinstance(resolved, comm.Grid), piece, o, counted.agreements)
+    return out
+
+
+@pytest.mark.distributed
+def test_a_mesh_dimension_of_one_rank_is_dropped():
+    want = dilated_attention(*_gr4_inputs(), [8, 16], [1, 2], is_causal=True)
+    for res in run_distributed(_gr4_rank, 2, timeout=200):
+        for shape, (is_grid, piece, out, agreements) in res.items():
+            assert is_grid == (shape == (2, 1)), shape  # (1, 2): the sequence group itself
+            assert agreements == 1, (shape, agreements)
+            rows = slice(piece * GR4_N // 2, (piece + 1) * GR4_N // 2)
+            torch.testing.assert_close(out, want[:, rows], rtol=1e-12, atol=1e-12)
