@@ -15,7 +15,7 @@ import torch
 
 from dilated_attention import LongNetConfig, LongNetLM
 from dilated_attention.tools import cli
-from dilated_attention.tools.estimate import model
+from dilated_attention.tools.estimate import model, scaled
 from dilated_attention.tools.estimate.model_dryrun import KernelBuffers, dry_run
 
 SMALL = dict(vocab_size=1000, embed_dim=128, ffn_dim=512, max_seq_len=1 << 20)
@@ -45,6 +45,21 @@ def test_formula_matches_the_dry_run(setup, modes):
     for mode in modes:
         formula, traced = model.formula(setup, mode, working), dry_run(setup, mode)
         assert formula.peak_bytes == pytest.approx(traced.peak_bytes, rel=0.05), mode
+
+
+@pytest.mark.parametrize("device,dtype", [("cuda", "bfloat16"), ("cuda", "float32"),
+                                          ("cpu", "float32")])
+def test_op_working_bytes_counts_the_kernels_own_buffers(device, dtype):
+    """The kernels' own buffers the op's estimate lists (the fused kernel's plan tables on
+    one GPU in bf16, the CUDA workspace in fp32, the CPU scratch) are the model's too: one
+    GPU's plan tables were dropped once, their label naming neither scratch nor workspace."""
+    setup = _setup(16384, dtype=dtype, device=device)
+    est = scaled.estimate(model.op_config(setup))
+    buffers = {label: b for label, b in est.breakdown.items() if "modelled" in label}
+    assert len(buffers) == 1 and next(iter(buffers.values())) > 0, est.breakdown
+    working, kernels = model.op_working_bytes(setup)
+    assert kernels == sum(buffers.values())
+    assert working == kernels + est.breakdown["working memory (traced)"]
 
 
 def test_offload_keeps_the_block_inputs_in_host_memory():

@@ -34,6 +34,8 @@ SCRATCH = "CPU kernel scratch (modelled)"
 CUDA_SCRATCH = "CUDA kernel workspace (modelled)"
 FUSED_PLANS = "fused kernel plan tables (modelled)"
 FUSED_BESIDE = "fused kernel plan tables, CUDA kernel workspace (modelled)"
+# the labels of the kernels' own buffers (kernel_scratch), one of which an estimate lists
+KERNEL_BUFFERS = (SCRATCH, CUDA_SCRATCH, FUSED_PLANS, FUSED_BESIDE)
 # CPU flash kernel blocking (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp):
 # query blocks of 256 rows (64 below 768 rows, 32 below 192), key blocks of 512.
 _KV_SPLIT = 512

@@ -47,6 +47,7 @@ from ...models.checkpointing import CHECKPOINT_MODES
 from ...models.config import LongNetConfig
 from ...models.loss import accumulator_dtype, loss_chunk_rows
 from .config import EstimateConfig, make_config
+from .formula import KERNEL_BUFFERS
 from .scaled import estimate as op_estimate
 
 PRESETS = ("base", "tiny")
@@ -136,7 +137,7 @@ def op_working_bytes(setup: ModelSetup) -> Tuple[int, int]:
     """(the attention op's working memory beyond its inputs and outputs, of which the
     kernels' own buffers): the op's estimate at this length (its dry run, Note [estimate])."""
     est = op_estimate(op_config(setup))
-    scratch = sum(v for k, v in est.breakdown.items() if "scratch" in k or "workspace" in k)
+    scratch = sum(est.breakdown.get(label, 0) for label in KERNEL_BUFFERS)
     working = sum(v for k, v in est.breakdown.items() if k.startswith("working memory"))
     return working + scratch, scratch
 
