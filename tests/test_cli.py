@@ -19,7 +19,7 @@ import torch
 from dilated_attention.distributed.halo import halo_schedule
 from dilated_attention import backends
 from dilated_attention.plan import Layout
-from dilated_attention.tools import bench, cli, estimate, settings
+from dilated_attention.tools import bench, cli, estimate, launch, settings
 from dilated_attention.tools.estimate import config as est_config
 from dilated_attention.tools.estimate import dryrun, formula, scaled
 
@@ -53,6 +53,13 @@ USAGE_ERRORS = [
     (["estimate", "--seq-len", str(2**62), "--dry-run"], "beyond torch's int64 sizes"),
     (["verify", "--world-size", "1"], "at least 2 ranks"),
     (["verify", "--cases", "nope"], "unknown case 'nope'"),
+    (["estimate", "--seq-len", "64", "--mesh", "2x0"], "mesh dimensions must be >= 1, got '2x0'"),
+    # --model takes the attention from the model's config, mesh included
+    (["estimate", "--model", "tiny", "--seq-len", "4096", "--mesh", "2x2"],
+     "--mesh: the model's config sets the attention"),
+    # a causal ring over 4 ranks needs N in 8 equal chunks (12 is in 4, not 8)
+    (["estimate", "--seq-len", "12", "--world-size", "4", "--impl", "ring", "--causal"],
+     "12 % 8 != 0"),
     ([], "choose a command"),
 ]
 
@@ -734,3 +741,161 @@ def test_estimate_minimum_counts_dout_when_training():
     row = 1 * 1000 * 64 * 4  # one head's rows
     assert phases["forward"]["inputs (q/k/v shards, dout)"] == row * (8 + 2 * 2 + 8)
     assert phases["backward"]["inputs (q/k/v shards, dout)"] == row * (8 + 2 * 2 + 8)
+
+
+# ---------------------------------------------------------------------------
+# The parts against numbers computed here: sizes, defaults, the launch environment, the
+# estimate's choices, its dry run's ranks and its kernel buffers
+
+
+def test_size_suffixes_are_powers_of_1024():
+    """CL1: M is 2^20 (the help says powers of 1024), as k, G and T are."""
+    assert cli.positive_int("1M") == 2**20
+    assert cli.positive_int("64m") == 64 * 2**20
+
+
+def test_verify_spawns_four_ranks_by_default(monkeypatch):
+    """CL4: verify without --world-size runs on 4 ranks (its help: default 4)."""
+    from dilated_attention.tools import verify
+
+    seen = []
+    monkeypatch.setattr(cli, "spawn", lambda fn, p, args, **kwargs: seen.append(p) or [[]])
+    monkeypatch.setattr(verify, "report", lambda results, config: 0)
+    assert cli.main(["verify", "--cases", "gqa"]) == 0
+    assert seen == [4]
+
+
+def test_window_zero_is_refused_by_the_api():
+    """ST2: --window is >= 1 keys each side, also when the config is built in Python."""
+    with pytest.raises(ValueError, match="--window must be an int >= 1, got 0"):
+        estimate.make_config(seq_len=64, impl="ring", window=0)
+    with pytest.raises(ValueError, match="--window must be an int >= 1, got 0"):
+        bench.make_config(seq_lens=[64], world_sizes=[1], impls=["ring"], window=0)
+
+
+def test_torchrun_needs_rank_and_world_size(monkeypatch):
+    """LA1: WORLD_SIZE alone (set by some other tool) is no torchrun launch."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert launch.torchrun_world_size() is None
+    monkeypatch.setenv("RANK", "0")
+    assert launch.torchrun_world_size() == 4
+
+
+def test_default_threads_are_the_cores_shared_out_at_least_one(monkeypatch):
+    """ST1: 2 cores over 4 ranks is 1 thread per rank, not 0 (a CPU scratch of 0 bytes)."""
+    monkeypatch.setattr(settings.os, "cpu_count", lambda: 2)
+    assert [settings.default_threads(p) for p in (1, 2, 4, 8)] == [2, 1, 1, 1]
+    assert estimate.make_config(seq_len=8192, world_size=4).threads == 1
+
+
+def test_estimate_window_of_n_minus_1_keys_is_the_ring():
+    """EC1: a window of N - 1 keys reaches across the sequence (functional's rule): the ring
+    runs, and the estimate's traffic is the ring's, as the dry run counts it."""
+    config = estimate.make_config(seq_len=4096, world_size=2, impl="ring", window=4095,
+                                  training=True, threads=1)
+    assert not config.windowed and est_config.strategy_name(config) == "ring"
+    dry = estimate.dry_run(config)
+    per_rank = formula.traffic(config)
+    assert per_rank[formula.busiest(per_rank)] == (dry.forward_bytes, dry.forward_messages,
+                                                   dry.backward_bytes, dry.backward_messages)
+
+
+def test_estimate_strategy_exchange_is_the_exchange():
+    """EC2: --strategy exchange runs the exchange even where auto would pick Ulysses (dense
+    attention over 4 ranks), as the op does with strategy="exchange"."""
+    config = estimate.make_config(seq_len=8192, world_size=4, segment_lengths=[8192],
+                                  dilation_rates=[1], strategy="exchange", threads=1)
+    assert est_config.split(config) == (1, 4)
+    assert est_config.strategy_name(config) == "exchange"
+    auto = dataclasses.replace(config, strategy="auto")
+    assert est_config.split(auto) == (4, 1)
+
+
+def test_estimate_models_float16_on_cuda_as_bfloat16():
+    """EC3: fp16 on an H100 runs cuDNN as bf16 does (backends.select_backend): the same
+    kernels named, the same bytes (both 2-byte dtypes with fp32 accumulators)."""
+    configs = [estimate.make_config(seq_len=65536, dtype=dtype, device="cuda", world_size=2,
+                                    strategy="exchange", segment_lengths=[2048, 65536],
+                                    dilation_rates=[1, 8]) for dtype in ("float16", "bfloat16")]
+    assert [est_config.backend_for(c) for c in configs] == ["cuda_cudnn"] * 2
+    assert est_config.kernels_name(configs[0]) == "triton; cuda_cudnn on received keys"
+    fp16, bf16 = (estimate.estimate(c) for c in configs)
+    assert fp16.peak_bytes == bf16.peak_bytes
+
+
+def test_estimate_fuses_up_to_the_largest_head_dim():
+    """EC4: the fused kernel takes head dims up to fused.MAX_HEAD_DIM (256) inclusive, as
+    backends picks it by default; 512 falls back to cuDNN."""
+    from dilated_attention.fused import MAX_HEAD_DIM
+
+    names = {d: est_config.kernels_name(estimate.make_config(
+        seq_len=16384, dtype="bfloat16", device="cuda", head_dim=d, heads=4))
+        for d in (128, MAX_HEAD_DIM, 2 * MAX_HEAD_DIM)}
+    assert names == {128: "triton", MAX_HEAD_DIM: "triton", 2 * MAX_HEAD_DIM: "cuda_cudnn"}
+
+
+@pytest.mark.parametrize("options", [
+    dict(seq_len=16384, world_size=4, segment_lengths=[1024, 8192, 16384],
+         dilation_rates=[1, 4, 8], causal=True, kv_heads=4, training=True),
+    dict(seq_len=16384, world_size=4, segment_lengths=[4096, 16384], dilation_rates=[1, 4],
+         causal=True, training=True, strategy="exchange"),
+], ids=["three-patterns", "two-patterns"])
+def test_distinct_ranks_find_the_peak_of_every_rank(options):
+    """DR3: the dry run traces one rank per distinct plan; causal ranks share their local
+    blocks but differ in their exchange rounds (the last rank receives most), so the peak
+    over the distinct ranks must be the peak over every rank."""
+    config = estimate.make_config(threads=1, **options)
+    every = scaled._largest(config, [scaled._from_trace(config, dryrun.trace(config, r))
+                                     for r in range(config.world_size)])
+    dry = estimate.dry_run(config)
+    assert (dry.peak_bytes, dry.rank, dry.phase) == (every.peak_bytes, every.rank, every.phase)
+
+
+def test_estimate_window_spanning_four_pieces_traces_a_long_enough_ring():
+    """SC3: a window of 4000 keys each side over pieces of 1024 rows crosses 4 pieces (3.9,
+    rounded up): the short ring has 2 * 4 + 2 = 10 ranks, so that a middle rank's window
+    reaches no end; its peak is the full dry run's."""
+    config = estimate.make_config(seq_len=32 * 1024, world_size=32, impl="ring", window=4000,
+                                  training=True, threads=1)
+    assert scaled._ring_ranks(config) == 10
+    est, dry = estimate.estimate(config), estimate.dry_run(config)
+    assert (est.peak_bytes, est.phase) == (dry.peak_bytes, dry.phase)
+
+
+def test_cpu_kernel_scratch_is_the_documented_formula():
+    """FO2, FO4: CPU flash kernel scratch per thread, forward: (qs ks + 2 qs + qs d) fp32
+    accumulators, plus qs ks in the dtype for bf16/fp16 only; training: 2 qs ks more per
+    thread and one buffer of the largest launch's q (batch x entries x d, in the dtype).
+    LongNet's setting at 8192 rows: qs 256, ks 512, d 64; the largest launch has 24,576
+    (row, head) entries (the plan's)."""
+    qs, ks, d = 256, 512, 64
+    accumulators = (qs * ks + 2 * qs + qs * d) * 4
+    for dtype, batch, training, want in (
+            ("float32", 1, False, accumulators),
+            ("bfloat16", 1, False, accumulators + qs * ks * 2),
+            ("float32", 1, True, accumulators + 2 * qs * ks * 4 + 1 * 24576 * d * 4),
+            ("float32", 2, True, accumulators + 2 * qs * ks * 4 + 2 * 24576 * d * 4)):
+        config = estimate.make_config(seq_len=8192, threads=1, dtype=dtype, batch=batch,
+                                      training=training)
+        label, nbytes = formula.kernel_scratch(config, dryrun.plan_for(config, 0), 8192)
+        assert (label, nbytes) == (formula.SCRATCH, want), (dtype, batch, training)
+
+
+def test_busiest_is_the_last_of_equals():
+    """FO8: busiest names the last of equally busy pieces (its docstring), forward and
+    backward bytes together."""
+    assert formula.busiest([(1, 1, 0, 0)] * 4) == 3
+    assert formula.busiest([(5, 1, 0, 0), (1, 1, 4, 1), (2, 1, 2, 1)]) == 1
+    assert formula.busiest([(5, 1, 1, 0), (1, 1, 4, 1), (2, 1, 2, 1)]) == 0
+
+
+def test_fused_plan_tables_of_a_ulysses_rank_cover_all_rows():
+    """FO9: under Ulysses over every rank a rank runs the fused kernel on all N rows of its
+    heads: its plan tables are one device's for those heads (12 heads over 4 ranks: 3)."""
+    ulysses = estimate.make_config(seq_len=16384, world_size=4, strategy="ulysses",
+                                   dtype="bfloat16", device="cuda", training=True)
+    one = estimate.make_config(seq_len=16384, heads=3, dtype="bfloat16", device="cuda",
+                               training=True)
+    assert est_config.split(ulysses) == (4, 1)
+    assert formula.fused_plan_bytes(ulysses) == formula.fused_plan_bytes(one) > 0
