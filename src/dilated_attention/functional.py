@@ -48,7 +48,7 @@ from .distributed.ring import RingAttentionFunction
 from .distributed.sequence_parallel import sequence_parallel_dilated_attention
 from .distributed.sharding import check_layout, check_piece_lengths
 from .distributed.ulysses import ulysses_attention
-from .kernels import KernelOptions, input_sums, lse_dtype
+from .kernels import KernelOptions, autocast_dtype, input_sums, lse_dtype
 from .patterns import Heads, Patterns
 from .layout import CuSeqlens, Documents, Layout, unread_rows
 from .window import window_attention_local
@@ -204,17 +204,6 @@ def _no_window(window_size) -> Tuple[int, int]:
 def _effective_window(window: Tuple[int, int], total: int) -> Tuple[int, int]:
     """The agreed window with each side that reaches the whole sequence as -1 (unbounded)."""
     return tuple(-1 if side >= total - 1 else side for side in window)
-
-
-def autocast_dtype(device_type: str, dtype: torch.dtype) -> Optional[torch.dtype]:
-    """The dtype torch.autocast, if on for `device_type`, casts a `dtype` tensor to before a
-    matrix product or an attention; None where it is off or leaves `dtype` alone (float64,
-    integers)."""
-    if (dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and torch.amp.is_autocast_available(device_type)
-            and torch.is_autocast_enabled(device_type)):
-        return torch.get_autocast_dtype(device_type)
-    return None
 
 
 def _follows_autocast(op):

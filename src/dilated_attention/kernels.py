@@ -389,6 +389,17 @@ def _heads_last_mask(key_mask: Optional[Tensor]) -> Optional[Tensor]:
     return None if key_mask is None else key_mask.permute(0, 2, 1)[:, :, None, None, :]
 
 
+def autocast_dtype(device_type: str, dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The dtype torch.autocast, if on for `device_type`, casts a `dtype` tensor to before a
+    matrix product or an attention; None where it is off or leaves `dtype` alone (float64,
+    integers)."""
+    if (dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and torch.amp.is_autocast_available(device_type)
+            and torch.is_autocast_enabled(device_type)):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 def _without_autocast(kernel):
     """The blockwise kernel computes in its own accumulator dtype (``lse_dtype``) whatever
     torch.autocast is on around the call, the op's backward included: autocast would run
@@ -397,7 +408,7 @@ def _without_autocast(kernel):
     @functools.wraps(kernel)
     def run(first: Tensor, *args, **kwargs):
         kind = first.device.type
-        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        if autocast_dtype(kind, first.dtype) is not None:
             with torch.autocast(kind, enabled=False):
                 return kernel(first, *args, **kwargs)
         return kernel(first, *args, **kwargs)
