@@ -46,6 +46,7 @@ from torch import Tensor
 from .. import validation as check
 from ..distributed import comm
 from ..distributed.gradients import sum_across_ranks
+from ..functional import autocast_dtype
 
 IGNORE_INDEX = -100
 
@@ -100,7 +101,8 @@ def chunked_token_mean_loss(hidden: Tensor, weight: Tensor, targets: Tensor, gro
     dtype, as ``F.linear`` would.
     """
     chunk_bytes = check.check_positive_int("chunk_bytes", chunk_bytes)
-    compute = _linear_dtype(hidden)
+    # the dtype F.linear(hidden, ...) computes in here: autocast's, else hidden's
+    compute = autocast_dtype(hidden.device.type, hidden.dtype) or hidden.dtype
     rows = loss_chunk_rows(weight.shape[0], compute, chunk_bytes)
     # (b, n, e) -> (b n, e); (b, n) -> (b n,)
     flat = (hidden.flatten(0, 1), weight, bias, targets.flatten(), rows, compute)
@@ -111,15 +113,6 @@ def chunked_token_mean_loss(hidden: Tensor, weight: Tensor, targets: Tensor, gro
     else:
         total = _ChunkedHeadLoss.apply(*flat)
     return _mean_over_ranks(total, targets, group)
-
-
-def _linear_dtype(hidden: Tensor) -> torch.dtype:
-    """The dtype ``F.linear(hidden, ...)`` computes in here: autocast's, else hidden's."""
-    kind = hidden.device.type
-    if hidden.dtype != torch.float64 and torch.amp.is_autocast_available(kind) and \
-            torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return hidden.dtype
 
 
 def _autocast_off(device_type: str):
