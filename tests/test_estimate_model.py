@@ -74,12 +74,18 @@ def test_model_rows_are_the_largest_piece():
     (_setup(16384), "layers", 0.01),
     # MO15: offload on a GPU holds the next block's input, fetched ahead
     (_setup(16384, device="cuda", num_layers=4), "offload", 0.01),
-    # MO14: the feed-forward over chunks of (b, rows, ffn_dim) at batch 4
-    (_setup(4096, batch=4, vocab_size=64, ffn_dim=2048, ffn_chunk_bytes=8 << 20), "none", 0.05),
-], ids=["layers", "offload", "ffn-chunks-batch-4"])
+    # MO14: the feed-forward over chunks of (b, rows, ffn_dim) at batch 4, where the top
+    # block's attention backward holds dq (once left out: 3.8% and 5.2% low), and at batch 1,
+    # where its feed-forward backward holds the chunks' input gradients (once 4.0% low)
+    (_setup(4096, batch=4, vocab_size=64, ffn_dim=2048, ffn_chunk_bytes=8 << 20), "none", 0.01),
+    (_setup(4096, batch=4, vocab_size=64, ffn_dim=2048, ffn_chunk_bytes=8 << 20), "layers",
+     0.01),
+    (_setup(8192, vocab_size=64, ffn_dim=2048, ffn_chunk_bytes=4 << 20), "none", 0.01),
+], ids=["layers", "offload", "ffn-chunks-batch-4", "ffn-chunks-batch-4-layers",
+        "ffn-chunks-batch-1"])
 def test_formula_is_close_to_the_dry_run(setup, mode, rel):
     """The formula against the model's dry run, tighter than test_formula_matches_the_dry_run's
-    5% where the formula is that close (0.2%, 0.5%, 3.8% here)."""
+    5% where the formula is that close (0.2% to 0.5% here)."""
     working, _ = model.op_working_bytes(setup)
     f, traced = model.formula(setup, mode, working), dry_run(setup, mode)
     assert f.peak_bytes == pytest.approx(traced.peak_bytes, rel=rel), (f, traced)

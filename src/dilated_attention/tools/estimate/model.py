@@ -232,14 +232,18 @@ def formula(setup: ModelSetup, mode: str, op_working: int) -> ModelEstimate:
     # One block in backward, beyond what the stack keeps: recomputed (checkpointing) and
     # its gradients in flight: the feed-forward part (the incoming gradient, fc2's input
     # gradient) or the attention part (its feed-forward and sub-LN output freed; the
-    # gradients of the residual and of the op's output, dq, dk, dv, the op's working memory).
+    # gradients of the residual and of the op's output, dq, dk, dv, the op's working memory:
+    # 3 E + the kv gradients + working).
     recompute = 0 if mode == "none" else block - (E if mode == "layers" else 0)
     if c.ffn_chunk_bytes is not None:
         chunk_rows = max(1, c.ffn_chunk_bytes // (setup.batch * f * s))
-        ffn_flight = E + min(chunk_rows, setup.rows) * setup.batch * (2 * e + 4 * f) * s
+        # the chunks' input gradients wait in autograd's buffer until the last chunk's
+        # backward is done, then are joined into one more E
+        chunk = min(chunk_rows, setup.rows) * setup.batch
+        ffn_flight = E + max(2 * E, (R - chunk) * e * s + chunk * (2 * e + 4 * f) * s)
     else:
         ffn_flight = E + R * f * s
-    attention_flight = (2 * E + R * 2 * kv * s + op_working) - feed_forward - E
+    attention_flight = (3 * E + R * 2 * kv * s + op_working) - feed_forward - E
     flight = max(ffn_flight, attention_flight)
     prefetch = E if mode == "offload" else 0  # the next block input, fetched ahead
 
