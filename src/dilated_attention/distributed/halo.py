@@ -47,13 +47,13 @@ import bisect
 import functools
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
-import torch
 from torch import Tensor
 
-from ..kernels import KernelOptions, lse_dtype
+from ..kernels import KernelOptions
 from ..layout import Documents, Layout
 from ..window import WindowAttentionFunction, reaches, window_plan
 from . import comm
+from .key_rounds import KeyRounds
 
 
 class Halo(NamedTuple):
@@ -116,75 +116,43 @@ def _union(intervals: List[Tuple[int, int, int]]) -> List[Tuple[int, int, int]]:
     return [tuple(x) for x in out]
 
 
-class HaloExchange:
-    """This rank's halos over `group` (window.Halos), round by round.
-
-    Wire format per halo: k and v stacked, (2, b, rows, hk, d); then, with a key
-    padding mask, its rows (b, rows) as uint8 (which every backend sends).
-    """
+class HaloExchange(KeyRounds):
+    """This rank's halos over `group` (window.Halos), round by round, in KeyRounds' wire
+    format: a halo's k and v are its rows, (rows, hk, d)."""
 
     def __init__(self, schedule: Tuple[Halo, ...], rank: int, own_sources: int, k: Tensor,
                  v: Tensor, key_mask: Optional[Tensor], group: Any) -> None:
-        self.recvs = [h for h in schedule if h.dst == rank]
-        self.sends = [h for h in schedule if h.src == rank]
+        hk, d = k.shape[2], k.shape[3]
+        count = max((h.round for h in schedule), default=-1) + 1
+        # each round's halos, in schedule order: (index among this rank's, halo)
+        self.recvs = [[(i, h) for i, h in enumerate(h for h in schedule if h.dst == rank)
+                       if h.round == r] for r in range(count)]
+        self.sends = [[(i, h) for i, h in enumerate(h for h in schedule if h.src == rank)
+                       if h.round == r] for r in range(count)]
         self.first = own_sources  # plan.sources: own rows, then the received halos in order
-        self.count = max((h.round for h in schedule), default=-1) + 1
-        self.k, self.v, self.key_mask, self.group = k, v, key_mask, group
-        self._posted = None
+        super().__init__(
+            k, v, key_mask, group,
+            sent=[[(h.dst, (h.stop - h.start, hk, d)) for _, h in r] for r in self.sends],
+            received=[[(h.src, (h.stop - h.start, hk, d)) for _, h in r] for r in self.recvs])
 
-    def _start(self, round_index: int):
-        b, hk, d = self.k.shape[0], self.k.shape[2], self.k.shape[3]
-        sends: Dict[int, List[Tensor]] = {}
-        recvs: Dict[int, List[Tensor]] = {}
-        buffers = []
-        for h in self.sends:
-            if h.round == round_index:
-                rows = slice(h.local, h.local + h.stop - h.start)
-                sends.setdefault(h.dst, []).append(torch.stack([self.k[:, rows], self.v[:, rows]]))
-                if self.key_mask is not None:
-                    sends[h.dst].append(self.key_mask[:, rows].to(torch.uint8))
-        for i, h in enumerate(self.recvs):
-            if h.round == round_index:
-                buf = self.k.new_empty((2, b, h.stop - h.start, hk, d))
-                recvs.setdefault(h.src, []).append(buf)
-                mask = None
-                if self.key_mask is not None:
-                    mask = torch.empty((b, h.stop - h.start), dtype=torch.uint8,
-                                       device=self.k.device)
-                    recvs[h.src].append(mask)
-                buffers.append((self.first + i, buf, mask))
-        return comm.post_exchange(sends, recvs, self.group), buffers
-
-    def post(self) -> None:
-        if self.count:
-            self._posted = self._start(0)
+    def parcels(self, index: int) -> List[List[Tensor]]:
+        out = []
+        for _, h in self.sends[index]:
+            rows = slice(h.local, h.local + h.stop - h.start)
+            out.append(self.wire(self.k[:, rows], self.v[:, rows],
+                                 None if self.key_mask is None else self.key_mask[:, rows]))
+        return out
 
     def rounds(self) -> Iterator[Tuple[int, List[Tuple[int, Tensor, Tensor, Optional[Tensor]]]]]:
-        for index in range(self.count):
-            handle, buffers = self._posted if index == 0 else self._start(index)
-            self._posted = None
-            comm.wait_exchange(handle)
-            yield index, [(source, buf[0], buf[1], None if mask is None else mask.bool())
-                          for source, buf, mask in buffers]
-            del buffers
+        for index, received in self.arrivals():
+            yield index, [(self.first + i, buf[0], buf[1], mask)
+                          for (i, _), (buf, mask) in zip(self.recvs[index], received)]
+            del received
 
     def send_home(self, round_index: int, grads: List[Tensor]) -> List[Tuple[int, Tensor]]:
         """The round's halos' dK/dV go home; ours come back from their readers."""
-        acc = grads[0].dtype if grads else lse_dtype(self.k.dtype)
-        b, hk, d = self.k.shape[0], self.k.shape[2], self.k.shape[3]
-        sends: Dict[int, List[Tensor]] = {}
-        recvs: Dict[int, List[Tensor]] = {}
-        for h, grad in zip([h for h in self.recvs if h.round == round_index], grads):
-            sends.setdefault(h.src, []).append(grad)
-        homes = []
-        for i, h in enumerate(self.sends):
-            if h.round == round_index:
-                home = torch.empty((2, b, h.stop - h.start, hk, d), dtype=acc,
-                                   device=self.k.device)
-                recvs.setdefault(h.dst, []).append(home)
-                homes.append((i, home))
-        comm.exchange(sends, recvs, self.group)
-        return homes
+        return [(i, home) for (i, _), home in zip(self.sends[round_index],
+                                                   self.homes(round_index, grads))]
 
 
 def halo_attention(q: Tensor, k: Tensor, v: Tensor, window: Tuple[int, int],

@@ -45,12 +45,13 @@ import torch
 from torch import Tensor
 
 from .. import fused, launches
-from ..kernels import KernelOptions, lse_dtype, save_for_backward, saved_for_backward
+from ..kernels import KernelOptions, save_for_backward, saved_for_backward
 from ..patterns import Heads, Patterns, Segments, gather
 from ..layout import Documents, Layout
 from ..plan import Launch, Plan, Transfer, make_plan
 from ..validation import check_first_order
 from . import comm
+from .key_rounds import KeyRounds
 
 
 def pack(x: Tensor, transfer: Transfer) -> Tensor:
@@ -65,79 +66,48 @@ def pack(x: Tensor, transfer: Transfer) -> Tensor:
     return torch.cat(columns, dim=1)
 
 
-class Exchange:
-    """The plan's transfers over `group` (see launches.RemoteKeys).
+class Exchange(KeyRounds):
+    """The plan's transfers over `group` (see launches.RemoteKeys), in KeyRounds' wire
+    format: a transfer's k and v are its selected (row, kv head) pairs, (columns, d).
 
-    Round 0 is posted by `post` (before any local launch); later rounds
-    (rotate mode) are exchanged when their turn comes. A received (2, b,
-    columns, d) buffer lives until the launches on it are done. What the
-    posted round holds during the local launches is its receive buffers and
-    one packed buffer per distinct send (``Round.packed``: a part that every
-    other rank reads whole is packed once, not once per reader); the sends
-    are freed when the round has arrived.
+    What the posted round holds during the local launches is its receive buffers and
+    one packed buffer per distinct send (``Round.packed``: a part that every other rank
+    reads whole is packed once, not once per reader); the sends are freed when the
+    round has arrived.
     """
 
     def __init__(self, plan: Plan, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
                  group: Any) -> None:
-        self.plan, self.k, self.v, self.key_mask, self.group = plan, k, v, key_mask, group
-        self._posted: Optional[Tuple[Any, List[Tuple[Tensor, Optional[Tensor]]]]] = None
+        d = k.shape[3]
+        super().__init__(
+            k, v, key_mask, group,
+            sent=[[(t.queries.rank, (t.columns, d)) for t in r.sends] for r in plan.rounds],
+            received=[[(t.keys.rank, (t.columns, d)) for t in r.recvs] for r in plan.rounds])
+        self.plan = plan
 
-    def _start(self, index: int):
-        """Post round `index`: pack and send our key parts, open receive buffers."""
+    def parcels(self, index: int) -> List[List[Tensor]]:
         rnd = self.plan.rounds[index]
-        b, d = self.k.shape[0], self.k.shape[3]
-        sends: Dict[int, List[Tensor]] = {}
-        recvs: Dict[int, List[Tensor]] = {}
-        buffers = []
+        mask = None
+        if self.key_mask is not None:
+            # (b, n) -> (b, n, hk) like k, so that it packs as k does
+            mask = self.key_mask[:, :, None].expand(-1, -1, self.k.shape[2])
         packed: Dict[int, List[Tensor]] = {}
         for i, (t, first) in enumerate(zip(rnd.sends, rnd.packed)):
             if first == i:
-                # (2, b, columns, d): k then v; the mask's columns travel as a second tensor
-                packed[i] = [torch.stack([pack(self.k, t), pack(self.v, t)])]
-                if self.key_mask is not None:
-                    # (b, n) -> (b, n, hk) like k; as uint8, which every backend sends
-                    mask = self.key_mask[:, :, None].expand(-1, -1, self.k.shape[2])
-                    packed[i].append(pack(mask, t).to(torch.uint8))
-            # the same content for several readers: one buffer, sent to each
-            sends.setdefault(t.queries.rank, []).extend(packed[first])
-        for t in rnd.recvs:
-            buf = self.k.new_empty((2, b, t.columns, d))
-            mask = None
-            recvs.setdefault(t.keys.rank, []).append(buf)
-            if self.key_mask is not None:
-                mask = torch.empty((b, t.columns), dtype=torch.uint8, device=self.k.device)
-                recvs[t.keys.rank].append(mask)
-            buffers.append((buf, mask))
-        return comm.post_exchange(sends, recvs, self.group), buffers
-
-    def post(self) -> None:
-        if self.plan.rounds:
-            self._posted = self._start(0)
+                packed[i] = self.wire(pack(self.k, t), pack(self.v, t),
+                                      None if mask is None else pack(mask, t))
+        # the same content for several readers: one buffer, sent to each
+        return [packed[first] for first in rnd.packed]
 
     def keys(self) -> Iterator[Tuple[int, List[Tuple[Transfer, Tensor, Optional[Tensor]]]]]:
-        for index, rnd in enumerate(self.plan.rounds):
-            handle, buffers = self._posted if index == 0 else self._start(index)
-            self._posted = None
-            comm.wait_exchange(handle)
-            yield index, [(t, buf, None if mask is None else mask.bool())
-                          for t, (buf, mask) in zip(rnd.recvs, buffers)]
-            del buffers
+        for index, received in self.arrivals():
+            yield index, [(t, buf, mask)
+                          for t, (buf, mask) in zip(self.plan.rounds[index].recvs, received)]
+            del received
 
     def send_home(self, round_index: int, grads: List[Tensor]) -> List[Tuple[Transfer, Tensor]]:
         """dK/dV of the received transfers go home; ours come back from their readers."""
-        rnd = self.plan.rounds[round_index]
-        acc = grads[0].dtype if grads else lse_dtype(self.k.dtype)
-        b, d = self.k.shape[0], self.k.shape[3]
-        homes = [torch.empty((2, b, t.columns, d), dtype=acc, device=self.k.device)
-                 for t in rnd.sends]
-        sends: Dict[int, List[Tensor]] = {}
-        recvs: Dict[int, List[Tensor]] = {}
-        for t, grad in zip(rnd.recvs, grads):
-            sends.setdefault(t.keys.rank, []).append(grad)
-        for t, home in zip(rnd.sends, homes):
-            recvs.setdefault(t.queries.rank, []).append(home)
-        comm.exchange(sends, recvs, self.group)
-        return list(zip(rnd.sends, homes))
+        return list(zip(self.plan.rounds[round_index].sends, self.homes(round_index, grads)))
 
 
 @dataclasses.dataclass(frozen=True)
