@@ -68,7 +68,9 @@ def test_presets():
         ({"embed_dim": 25}, ValueError, r"embed_dim \(25\).*num_heads \(6\)"),
         ({"num_kv_heads": 4}, ValueError, r"num_heads \(6\).*num_kv_heads \(4\)"),
         ({"dilation_rates": (1, 2, 32)}, ValueError, r"dilation_rates\[2\] = 32"),
-        ({"positions": "rotary"}, ValueError, r"positions.*'rotary'"),
+        ({"positions": "xpos"}, ValueError, r"positions.*'xpos'"),
+        ({"positions": "rotary", "embed_dim": 30}, ValueError, r"even head dim.*got 5"),
+        ({"rope_theta": 0.0}, ValueError, r"^rope_theta must be a positive finite float"),
         ({"activation": "tanh"}, ValueError, r"activation.*'tanh'"),
         ({"dropout": 1.5}, ValueError, r"^dropout must be in \[0, 1\), got 1.5"),
         ({"attention_dropout": -0.1}, ValueError, r"^attention_dropout must be.*-0.1"),
@@ -474,7 +476,49 @@ def _left_padded(b: int, n: int, pads, seed: int = 0):
     return tokens, mask
 
 
-@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+@pytest.mark.parametrize("kind", ["lm", "encdec"])
+def test_rotary_positions_turn_every_self_attention(kind):
+    """positions="rotary": nothing is added to the embeddings and every block's
+    self-attention gets the tables of the rows' positions (rope_theta's), in the layers as
+    the model runs them; sinusoidal positions or another theta give other logits."""
+    from dilated_attention import rotary_tables
+
+    torch.manual_seed(0)
+    config = small_config(positions="rotary", rope_theta=300.0, num_kv_heads=2)
+    model = (LongNetLM if kind == "lm" else LongNet)(config, dtype=torch.float64)
+    _perturb(model)
+    tokens, _ = _data(2, 21, 23)
+    src, _ = _data(2, 17, 23, seed=3)
+
+    def tables(n):
+        return rotary_tables(torch.arange(n), 4, theta=300.0, dtype=torch.float64)
+
+    if kind == "lm":
+        got = model(tokens)[0]
+        x = model.embed(tokens)
+        for block in model.layers:
+            x = block(x, rotary=tables(21))
+        want = model.logits(model.norm(x))
+    else:
+        got = model(src, tokens)[0]
+        memory = model.embed(src)
+        for block in model.encoder:
+            memory = block(memory, rotary=tables(17))
+        x = model.embed(tokens)
+        for block in model.decoder:
+            x = block(x, model.encoder_norm(memory), rotary=tables(21))
+        want = model.logits(model.decoder_norm(x))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for other in (dict(positions="sinusoidal"), dict(rope_theta=10000.0)):
+        changed = (LongNetLM if kind == "lm" else LongNet)(
+            small_config(**{**dict(positions="rotary", rope_theta=300.0, num_kv_heads=2),
+                            **other}), dtype=torch.float64)
+        changed.load_state_dict(model.state_dict())
+        assert not torch.allclose(changed(*((tokens,) if kind == "lm" else (src, tokens)))[0],
+                                  got)
+
+
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned", "rotary"])
 def test_left_padded_rows_generate_what_they_generate_alone(positions):
     torch.manual_seed(0)
     model = LongNetLM(small_config(num_kv_heads=2, positions=positions, max_seq_len=40),
@@ -545,6 +589,7 @@ GEN_CASES = [
      None),
     (dict(), 1, 1, 6, None),
     (dict(num_kv_heads=2), 3, 21, 10, (0, 9, 20)),
+    (dict(num_kv_heads=2, positions="rotary"), 3, 21, 10, (0, 9, 20)),
 ]
 
 
@@ -568,7 +613,7 @@ def _sharded_generation(group):
         one, sharded = _generation_models(group, overrides)
         prompt, mask = _left_padded(b, n, pads or (0,) * b, seed=n)
         padding = dict(attention_mask=mask) if pads else {}
-        if size > 2 and case in (0, 1, 3):
+        if size > 2 and case in (0, 1, 3, 5):
             continue  # three ranks: the cases whose pieces differ in kind (empty, padded)
         modes = (dict(), dict(temperature=0.9, top_k=7),
                  dict(temperature=0.9, top_p=0.8, eos_token_id=(3, 7), pad_token_id=0),
@@ -692,6 +737,10 @@ def _sp_cases(group):
         ("lm", dict(), 2),  # 3 ranks: the last piece is empty
         ("packed", dict(positions="learned", max_seq_len=20, **CHUNKS), 37),  # cross pieces
         ("restart", dict(), 37),  # the same documents, given as restarting position_ids
+        # rotary positions: global ones in each piece, restarting per document
+        ("lm", dict(num_kv_heads=2, positions="rotary", **CHUNKS), 37),
+        ("packed", dict(positions="rotary", checkpoint="layers"), 37),
+        ("encdec", dict(positions="rotary"), 26),
     ]
     done = []
     for kind, overrides, n in cases:
@@ -751,7 +800,7 @@ def _rank_main(group, with_example: bool):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sequence_parallel_training_step_equals_one_process(world_size):
     results = run_distributed(_rank_main, world_size, world_size == 2, timeout=240)
-    assert all(len(r["cases"]) == 8 for r in results)
+    assert all(len(r["cases"]) == 11 for r in results)
 
 
 def _targets_on_one_rank_only(group):

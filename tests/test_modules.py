@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from dilated_attention import DilatedAttention, MultiheadDilatedAttention, dilated_attention
+from dilated_attention import (DilatedAttention, MultiheadDilatedAttention, dilated_attention,
+                               rotary_tables)
 from dilated_attention.distributed import comm
 
 from dist_harness import run_distributed
@@ -107,6 +108,85 @@ def test_batch_first_false_takes_sequence_first_inputs():
         modules[1](x[..., :8], x[..., :8], x[..., :8])
     with pytest.raises(TypeError, match="batch_first must be a bool"):
         MultiheadDilatedAttention(16, 4, [4], [1], batch_first=0)
+
+
+def _llama_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """transformers' Llama rotation written out: x (b, n, h, d) at positions (b, n) or (n,),
+    inverse frequencies 1 / theta^(2i/d), x cos + rotate_half(x) sin."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = positions.double()[..., None] * inv_freq
+    emb = torch.cat((angles, angles), dim=-1)[..., None, :]  # (..., n, 1, d)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * emb.cos() + torch.cat((-x2, x1), dim=-1) * emb.sin()
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_rotary_turns_queries_and_keys_as_llama(per_row, batch_first):
+    """rotary=(cos, sin) turns the projected q and k as transformers' Llama does, before the
+    op: out and every gradient equal the module written out by hand (float64, GQA, positions
+    shared by the batch or one row each)."""
+    torch.manual_seed(0)
+    m = MultiheadDilatedAttention(24, 6, [4, 8], [1, 2], num_kv_heads=2, dtype=torch.float64,
+                                  batch_first=batch_first)
+    b, n = 3, 19
+    positions = (torch.arange(n) + torch.tensor([[0], [5], [11]])) if per_row else \
+        torch.arange(n) + 1000
+    tables = rotary_tables(positions, 4, theta=500.0, dtype=torch.float64)
+    assert tables[0].shape == ((b, n, 1, 2) if per_row else (n, 1, 2))
+    x = torch.randn(b, n, 24, dtype=torch.float64, requires_grad=True)
+    inputs = x if batch_first else x.transpose(0, 1)
+    got, _ = m(inputs, inputs, inputs, is_causal=True, rotary=tables)
+    got = got if batch_first else got.transpose(0, 1)
+
+    # (b, n, e) -> (b, n, heads, 4)
+    q = _llama_rope(m.q_proj(x).unflatten(-1, (6, 4)), positions, 500.0)
+    k = _llama_rope(m.k_proj(x).unflatten(-1, (2, 4)), positions, 500.0)
+    v = m.v_proj(x).unflatten(-1, (2, 4))
+    want = m.project_out(dilated_attention(q, k, v, [4, 8], [1, 2], is_causal=True))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    params = [x, m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]
+    g = torch.randn_like(want)
+    for a, w in zip(torch.autograd.grad(got, params, g), torch.autograd.grad(want, params, g)):
+        torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-12)
+
+
+def test_rotary_attention_sees_relative_positions():
+    """Shifting every position by the same amount changes nothing (up to the rounding of the
+    angles): queries and keys are turned alike. The turn has second derivatives."""
+    torch.manual_seed(0)
+    m = _mhda(num_kv_heads=2, dtype=torch.float64)
+    x = torch.randn(2, 20, 16, dtype=torch.float64, requires_grad=True)
+    outs = [m(x, x, x, is_causal=True, rotary=rotary_tables(torch.arange(20) + shift, 4,
+                                                            dtype=torch.float64))[0]
+            for shift in (0, 12345)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(outs[0], m(x, x, x, is_causal=True)[0])
+    from dilated_attention.rotary import rotate
+
+    tables = rotary_tables(torch.arange(6), 4, dtype=torch.float64)
+    y = torch.randn(2, 6, 3, 4, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradgradcheck(lambda y: rotate(y, *tables) ** 2, (y,))
+
+
+def test_rotary_errors():
+    m = _mhda()
+    x = torch.randn(2, 8, 16)
+    cos, sin = rotary_tables(torch.arange(8), 4)
+    with pytest.raises(TypeError, match=r"^rotary must be a pair of tensors \(cos, sin\)"):
+        m(x, x, x, rotary=cos)
+    with pytest.raises(ValueError, match=r"^rotary's cos must be .*\(8, 1, 2\).*got "
+                                         r"torch.float32 of shape \(9, 1, 2\)"):
+        m(x, x, x, rotary=rotary_tables(torch.arange(9), 4))
+    with pytest.raises(ValueError, match=r"^rotary's sin must be on cpu, got meta"):
+        m(x, x, x, rotary=(cos, sin.to("meta")))
+    with pytest.raises(TypeError, match=r"^positions must be an integer tensor"):
+        rotary_tables(torch.arange(8.0), 4)
+    with pytest.raises(ValueError, match=r"^head_dim must be even.*got 5"):
+        rotary_tables(torch.arange(8), 5)
+    with pytest.raises(ValueError, match=r"^theta must be a positive finite float, got -1"):
+        rotary_tables(torch.arange(8), 4, theta=-1)
 
 
 def test_no_layer_norm_and_no_bias():

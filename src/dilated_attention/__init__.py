@@ -6,12 +6,14 @@ from .functional import dilated_attention, ring_attention
 from .backends import recommended_dtype
 from .models import LongNet, LongNetConfig, LongNetLM
 from .modules import DilatedAttention, MultiheadDilatedAttention
+from .rotary import rotary_tables
 
 __all__ = [
     "dilated_attention",
     "recommended_dtype",
     "DilatedAttention",
     "MultiheadDilatedAttention",
+    "rotary_tables",
     "ring_attention",
     "shard_sequence",
     "unshard_sequence",

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from . import validation as check
 from .functional import GroupLike, autocast_dtype, dilated_attention, fail_on_every_rank
+from .rotary import check_tables, rotate
 
 
 class DilatedAttention(nn.Module):
@@ -217,14 +218,18 @@ class MultiheadDilatedAttention(nn.Module):
         return self.attention.dilation_rates
 
     def project_qkv(
-        self, query: Tensor, key: Tensor, value: Tensor
+        self, query: Tensor, key: Tensor, value: Tensor,
+        rotary: Optional[Tuple[Tensor, Tensor]] = None,
     ) -> Tuple[Tensor, Tensor, Tensor]:
-        """(b, n, e) inputs -> q (b, n, h, d), k and v (b, n, hk, d)."""
+        """(b, n, e) inputs -> q (b, n, h, d), k and v (b, n, hk, d); q and k turned by the
+        `rotary` tables when given."""
         # (b, n, e) -> (b, n, h, d)
         q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim))
         # (b, n, e) -> (b, n, hk, d)
         k = self.k_proj(key).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(value).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if rotary is not None:
+            q, k = rotate(q, *rotary), rotate(k, *rotary)
         return q, k, v
 
     def project_out(self, attn: Tensor) -> Tensor:
@@ -247,13 +252,17 @@ class MultiheadDilatedAttention(nn.Module):
         is_causal: bool = False,
         *,
         cu_seqlens=None,
+        rotary: Optional[Tuple[Tensor, Tensor]] = None,
     ) -> Tuple[Tensor, None]:
         """query, key, value (b, n, e) -> (out (b, n, e), None); (n, b, e) each when not
         batch_first.
 
         The arguments come in ``nn.MultiheadAttention``'s order.
         key_padding_mask (b, n) bool: True = ignore that key. cu_seqlens:
-        packed documents (see ``dilated_attention``). key and value must
+        packed documents (see ``dilated_attention``). rotary: rotary
+        position embeddings, the (cos, sin) that ``rotary_tables`` returns
+        for the rows' positions (global ones under sequence parallelism),
+        turning the projected queries and keys (Llama's convention). key and value must
         have query's length: dilated attention is self-attention over one
         sequence (positions define the segments). Attention weights are
         never materialised, so ``need_weights`` must be False (the default
@@ -274,6 +283,10 @@ class MultiheadDilatedAttention(nn.Module):
             check.check_bool("is_causal", is_causal)
             check.check_bool("average_attn_weights", average_attn_weights)
             self._check_inputs(query, key, value)
+            if rotary is not None:
+                batch, rows = (0, 1) if self.batch_first else (1, 0)
+                check_tables(rotary, query.shape[batch], query.shape[rows], self.head_dim,
+                             query.device)
         except (TypeError, ValueError) as error:
             # the other ranks wait in the op's agreement collective: fail there, on all of
             # them (with no process group this just raises `error`)
@@ -281,7 +294,7 @@ class MultiheadDilatedAttention(nn.Module):
         if not self.batch_first:
             # (n, b, e) -> (b, n, e): views, the op reads them strided
             query, key, value = (x.transpose(0, 1) for x in (query, key, value))
-        q, k, v = self.project_qkv(query, key, value)
+        q, k, v = self.project_qkv(query, key, value, rotary)
         attn = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask,
                               cu_seqlens=cu_seqlens)
         out = self.project_out(attn)

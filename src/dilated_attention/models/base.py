@@ -100,7 +100,13 @@ class LongNetBase(nn.Module):
     def embed_at(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """(b, n) ids at positions (n,) (or (b, n), one row each) -> (b, n, e)."""
         x = self.embed(tokens)
-        return x + self.positions(positions, x)
+        added = self.positions(positions, x)
+        return x if added is None else x + added
+
+    def rotary_at(self, positions: Tensor, like: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+        """The self-attentions' rotary tables at positions (n,) or (b, n) in like's dtype;
+        None unless positions="rotary"."""
+        return self.positions.rotary(positions, like)
 
     def _check_positions(self, largest: Optional[int]) -> None:
         """Positions past a learned table: an error on every rank (the caller agreed `largest`)."""
@@ -112,8 +118,10 @@ class LongNetBase(nn.Module):
             )
 
     def _run(self, layers: nn.ModuleList, x: Tensor, memory: Optional[Tensor] = None,
-             cu_seqlens: Optional[Tuple[int, ...]] = None) -> Tensor:
-        return run_blocks(layers, x, self.config.checkpoint, memory=memory, cu_seqlens=cu_seqlens)
+             cu_seqlens: Optional[Tuple[int, ...]] = None,
+             rotary: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
+        return run_blocks(layers, x, self.config.checkpoint, memory=memory, cu_seqlens=cu_seqlens,
+                          rotary=rotary)
 
     def head_weight(self) -> Tensor:
         """(v, e): the head's weight, the token embedding's when tied."""

@@ -13,7 +13,7 @@ from .checkpointing import CHECKPOINT_MODES
 from .loss import LOSS_CHUNK_BYTES
 
 ACTIVATIONS = types.MappingProxyType({"gelu": F.gelu, "relu": F.relu, "silu": F.silu})
-POSITIONS = ("sinusoidal", "learned")
+POSITIONS = ("sinusoidal", "learned", "rotary")
 
 
 @dataclass
@@ -27,8 +27,12 @@ class LongNetConfig:
     CPU demos.
 
     num_layers is the decoder depth; num_encoder_layers is used by the
-    encoder-decoder ``LongNet`` only. max_seq_len bounds the global positions
-    of ``positions="learned"`` (sinusoidal positions have no bound).
+    encoder-decoder ``LongNet`` only. ``positions``: "sinusoidal" or
+    "learned" embeddings added to the tokens' (max_seq_len bounds the global
+    positions of "learned"; the others have no bound), or "rotary": each
+    self-attention turns its queries and keys by their positions (RoPE,
+    Llama's convention, base ``rope_theta``; rotary.py), nothing added to the
+    tokens' embeddings.
 
     Training memory (results are the same whatever they are):
     ``checkpoint`` is "none", "layers" (recompute each block in backward,
@@ -55,6 +59,7 @@ class LongNetConfig:
     dilation_rates: Tuple[int, ...] = (1, 2, 4)
     num_encoder_layers: int = 2
     positions: str = "sinusoidal"
+    rope_theta: float = 10000.0
     max_seq_len: int = 8192
     dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -92,6 +97,10 @@ class LongNetConfig:
                 f"activation must be one of {tuple(ACTIVATIONS)}, got {self.activation!r}"
             )
         check.check_positive_float("layer_norm_eps", self.layer_norm_eps)
+        self.rope_theta = check.check_positive_float("rope_theta", self.rope_theta)
+        if self.positions == "rotary" and (self.embed_dim // self.num_heads) % 2:
+            raise ValueError(f"positions='rotary' needs an even head dim (embed_dim // "
+                             f"num_heads), got {self.embed_dim // self.num_heads}")
         check.check_dropout(self.dropout, "dropout")
         check.check_dropout(self.attention_dropout, "attention_dropout")
         for name in ("bias", "tie_embeddings"):

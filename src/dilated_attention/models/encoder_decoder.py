@@ -86,8 +86,11 @@ class LongNet(LongNetBase):
         device = src_tokens.device
         src_pos = torch.arange(src_start, src_start + src_tokens.shape[1], device=device)
         tgt_pos = torch.arange(tgt_start, tgt_start + tgt_tokens.shape[1], device=device)
-        memory = self.encoder_norm(self._run(self.encoder, self.embed_at(src_tokens, src_pos)))
+        x = self.embed_at(src_tokens, src_pos)
+        memory = self.encoder_norm(self._run(self.encoder, x,
+                                             rotary=self.rotary_at(src_pos, x)))
         if comm.is_distributed(group):
             memory = gather_pieces(memory, group, lengths["src"])
-        x = self._run(self.decoder, self.embed_at(tgt_tokens, tgt_pos), memory)
+        x = self.embed_at(tgt_tokens, tgt_pos)
+        x = self._run(self.decoder, x, memory, rotary=self.rotary_at(tgt_pos, x))
         return self._head_and_loss(self.decoder_norm(x), targets, return_logits)

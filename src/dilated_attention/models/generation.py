@@ -213,11 +213,12 @@ def prefill(model: nn.Module, tokens: Tensor, plan: Optional[CachePlan],
         # (b, n_p): each row's positions count from its first real token; pads sit at 0
         rows = (rows - torch.tensor(origins, device=rows.device)[:, None]).clamp(min=0)
     x = model.embed_at(tokens[:, start:stop], rows)
+    rotary = model.rotary_at(rows, x)
     caches = []
     for block in model.layers:
         attn = block.self_attn
         h = block.attn_norm(x)
-        q, k, v = attn.project_qkv(h, h, h)
+        q, k, v = attn.project_qkv(h, h, h, rotary)
         if plan is not None:
             caches.append(LayerCache(plan, k, v))
         out = _prompt_attention(attn.attention, q, k, v, start, origins)
@@ -262,17 +263,20 @@ def decode_token(model: nn.Module, token: Tensor, t: int, caches: List[LayerCach
         # (b, 1): each row's own position
         position = (position - torch.tensor(origins, device=token.device))[:, None]
     x = model.embed_at(token[:, None], position)
+    rotary = model.rotary_at(position, x)
     for block, cache in zip(model.layers, caches):
-        x = _decode_block(block, x, t, cache, model.process_group, origins)
+        x = _decode_block(block, x, t, cache, model.process_group, origins, rotary)
     return x[:, -1]
 
 
 def _decode_block(block: Block, x: Tensor, t: int, cache: LayerCache, group,
-                  origins: Optional[Tuple[int, ...]]) -> Tensor:
-    """x (b, 1, e) at position t -> (b, 1, e): the block with its attention over the cache."""
+                  origins: Optional[Tuple[int, ...]],
+                  rotary: Optional[Tuple[Tensor, Tensor]]) -> Tensor:
+    """x (b, 1, e) at position t -> (b, 1, e): the block with its attention over the cache
+    (q and k turned by the position's rotary tables, if any; the cache keeps turned keys)."""
     attn = block.self_attn
     h = block.attn_norm(x)
-    q, k, v = attn.project_qkv(h, h, h)
+    q, k, v = attn.project_qkv(h, h, h, rotary)
     cache.store(t, k, v)
     out = decode(q, cache.rows(), t, (attn.segment_lengths, attn.dilation_rates),
                  scale=attn.attention.scale, group=group, origins=origins)

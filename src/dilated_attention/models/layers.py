@@ -12,7 +12,7 @@ and the MAGNETO gain gamma on the value/output projections and both
 feed-forward linears.
 
 NOTE: deviations from the paper / torchscale: absolute positions (learned
-or sinusoidal) instead of xPos; xavier-normal initialisation with gain
+or sinusoidal) or rotary ones (RoPE without xPos's decay) instead of xPos; xavier-normal initialisation with gain
 gamma instead of torchscale's default init rescaled by gamma; the
 encoder-decoder's cross-attention is plain dense attention over the whole
 encoder output.
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..modules import MultiheadDilatedAttention
+from ..rotary import rotary_tables
 from .checkpointing import run_in_chunks
 from .config import ACTIVATIONS, LongNetConfig
 
@@ -151,10 +152,13 @@ class Block(nn.Module):
                 part.reset_parameters()
 
     def forward(self, x: Tensor, memory: Optional[Tensor] = None,
-                cu_seqlens: Optional[Tuple[int, ...]] = None) -> Tensor:
-        """x (b, n, e) [, memory (b, m, e)] -> (b, n, e); cu_seqlens: packed documents."""
+                cu_seqlens: Optional[Tuple[int, ...]] = None,
+                rotary: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
+        """x (b, n, e) [, memory (b, m, e)] -> (b, n, e); cu_seqlens: packed documents;
+        rotary: the rows' rotary tables (positions="rotary")."""
         h = self.attn_norm(x)
-        attn, _ = self.self_attn(h, h, h, is_causal=self.causal, cu_seqlens=cu_seqlens)
+        attn, _ = self.self_attn(h, h, h, is_causal=self.causal, cu_seqlens=cu_seqlens,
+                                 rotary=rotary)
         x = x + self.dropout(attn)
         return self.after_attention(x, memory)
 
@@ -178,12 +182,15 @@ class Block(nn.Module):
 
 
 class Positions(nn.Module):
-    """Absolute position embeddings for global positions [start, start + n)."""
+    """Global positions [start, start + n) as embeddings added to the tokens' (sinusoidal or
+    learned), or as the self-attentions' rotary tables (rotary)."""
 
     def __init__(self, config: LongNetConfig, factory: dict) -> None:
         super().__init__()
         self.kind = config.positions
         self.embed_dim = config.embed_dim
+        self.head_dim = config.embed_dim // config.num_heads
+        self.rope_theta = config.rope_theta
         self.max_seq_len = config.max_seq_len
         self.table = None
         if self.kind == "learned":
@@ -194,11 +201,21 @@ class Positions(nn.Module):
         if self.table is not None:
             nn.init.normal_(self.table.weight, std=self.embed_dim**-0.5)
 
-    def forward(self, positions: Tensor, like: Tensor) -> Tensor:
-        """(n,) positions -> (n, e) embeddings in like's dtype/device; (b, n) -> (b, n, e).
+    def rotary(self, positions: Tensor, like: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+        """(n,) or (b, n) positions -> the rotary tables (cos, sin) in like's dtype, or None
+        when the positions are embeddings."""
+        if self.kind != "rotary":
+            return None
+        return rotary_tables(positions, self.head_dim, self.rope_theta, like.dtype)
+
+    def forward(self, positions: Tensor, like: Tensor) -> Optional[Tensor]:
+        """(n,) positions -> (n, e) embeddings in like's dtype/device; (b, n) -> (b, n, e);
+        None with rotary positions (nothing is added).
 
         The caller checks positions against max_seq_len (on every rank at once).
         """
+        if self.kind == "rotary":
+            return None
         if self.table is not None:
             return self.table(positions)
         # float64 angles: exact for positions far beyond 2^24, then one cast

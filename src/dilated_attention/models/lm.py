@@ -116,7 +116,8 @@ class LongNetLM(LongNetBase):
         start, total = sum(pieces[:rank]), sum(pieces)
         documents = documents_of(infos, pieces, total)
         positions = self._positions_of(tokens, start, documents, position_ids, infos)
-        x = self._run(self.layers, self.embed_at(tokens, positions), cu_seqlens=documents)
+        x = self.embed_at(tokens, positions)
+        x = self._run(self.layers, x, cu_seqlens=documents, rotary=self.rotary_at(positions, x))
         return self._head_and_loss(self.norm(x), targets, return_logits)
 
     def _positions_of(self, tokens: Tensor, start: int, documents: Optional[Tuple[int, ...]],

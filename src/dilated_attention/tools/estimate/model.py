@@ -13,6 +13,10 @@ AdamW's two moments are in the model's dtype (as ``LongNetLM(config,
 dtype=...)`` with ``torch.optim.AdamW`` makes them) and replicated on every
 rank (sequence parallelism shards the rows, not the parameters).
 
+Rotary positions add their tables (cos and sin, (n, 1, d/2) each in the dtype),
+made once per forward and shared by every block; the rotation itself keeps
+nothing else (rotary.py).
+
 What autograd keeps, per row and block without checkpointing (``block_saved``,
 from layers.py and the op): the block input, the attention norm's output (the
 projections' input), q, k, v, the op's out and log-sum-exp, the sub-LN's
@@ -213,6 +217,8 @@ def formula(setup: ModelSetup, mode: str, op_working: int) -> ModelEstimate:
     block = attention + feed_forward
     kept = {"none": L * block, "layers": L * E, "offload": 0}[mode]
     inputs = 2 * R * 8  # tokens and targets (int64)
+    if c.positions == "rotary":
+        inputs += setup.rows * (e // c.num_heads) * s  # the (n, 1, d/2) cos and sin, shared
     # the last block's output (the final norm's input and statistics), the normed hidden
     # states (the loss's input), the loss's per-row log-sum-exp
     loss_dtype = accumulator_dtype(setup.torch_dtype)

@@ -1,0 +1,109 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021, arXiv 2104.09864): tables and rotation.
+
+Notation: b batch, n rows, h heads, d head dim (even), i < d / 2 a frequency.
+
+Llama's convention, which transformers' Llama and most checkpoints use: a head's
+vector is two halves (x1, x2) = (x[:d/2], x[d/2:]), and position p turns the pair
+(x1_i, x2_i) by the angle p * theta^(-2i/d):
+
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+
+With queries and keys both turned, a logit q_p . k_s depends on p - s alone, so
+dilated attention with rotary positions sees relative positions as dense attention
+does. The angles are computed in float64 (positions exact far beyond 2^24, where
+float32 would round them), then the tables are cast to the rotated tensors' dtype.
+The rotation holds no activation for backward (its gradient is the turn by the
+opposite angles), only the tables, which take no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from . import validation as check
+
+
+def rotary_tables(positions: Tensor, head_dim: int, theta: float = 10000.0,
+                  dtype: torch.dtype = torch.float32) -> Tuple[Tensor, Tensor]:
+    """(cos, sin) of the rotary angles at `positions` ((n,) or (b, n) integers; global
+    positions under sequence parallelism): each (n, 1, d / 2) or (b, n, 1, d / 2) in
+    `dtype`, broadcasting over the heads of q (b, n, h, d) and k (b, n, hk, d)."""
+    if not isinstance(positions, Tensor) or positions.dim() not in (1, 2) or \
+            positions.dtype.is_floating_point or positions.is_complex() or \
+            positions.dtype == torch.bool:
+        raise TypeError(f"positions must be an integer tensor of shape (n,) or (b, n), got "
+                        f"{_describe(positions)}")
+    head_dim = check.check_positive_int("head_dim", head_dim)
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for rotary positions (pairs of halves), got "
+                         f"{head_dim}")
+    theta = check.check_positive_float("theta", theta)
+    # (d/2,) frequencies theta^(-2i/d), float64
+    frequencies = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64,
+                                          device=positions.device) / head_dim)
+    # (..., n) positions -> (..., n, 1, d/2) angles: one row for every head
+    angles = (positions.to(torch.float64)[..., None] * frequencies)[..., None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (b, n, h, d) turned by the tables of ``rotary_tables`` (differentiable in x)."""
+    return _Rotation.apply(x, cos, sin)
+
+
+def check_tables(tables, batch: int, rows: int, head_dim: int, device: torch.device) -> None:
+    """`tables` must be (cos, sin), each (rows, 1, d / 2) or (batch, rows, 1, d / 2) on
+    `device`: a TypeError/ValueError naming ``rotary`` otherwise."""
+    if not (isinstance(tables, (tuple, list)) and len(tables) == 2
+            and all(isinstance(t, Tensor) for t in tables)):
+        raise TypeError(f"rotary must be a pair of tensors (cos, sin) from rotary_tables, got "
+                        f"{type(tables).__name__}")
+    shapes = {(rows, 1, head_dim // 2), (batch, rows, 1, head_dim // 2)}
+    for name, t in zip(("cos", "sin"), tables):
+        if tuple(t.shape) not in shapes or not t.is_floating_point():
+            raise ValueError(f"rotary's {name} must be floating, of shape ({rows}, 1, "
+                             f"{head_dim // 2}) or ({batch}, {rows}, 1, {head_dim // 2}) for "
+                             f"{rows} rows of head_dim {head_dim}, got {_describe(t)}")
+        if t.device != device:
+            raise ValueError(f"rotary's {name} must be on {device}, got {t.device}")
+
+
+def _describe(x) -> str:
+    if isinstance(x, Tensor):
+        return f"{x.dtype} of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def _turn(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """(x1 cos - x2 sin, x2 cos + x1 sin) into a new tensor, halves written in place."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    # (b, n, h, d) -> two (b, n, h, d/2) views
+    x1, x2 = x.chunk(2, dim=-1)
+    if torch.compiler.is_compiling():
+        # the compiler fuses this into one kernel (and takes no out= into a strided half)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    out = torch.empty_like(x)
+    out1, out2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=out1)
+    out1.addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=out2)
+    out2.addcmul_(x1, sin)
+    return out
+
+
+class _Rotation(torch.autograd.Function):
+    """The turn; its gradient is the turn of the output's gradient by the opposite angles."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _turn(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        cos, sin = ctx.saved_tensors
+        # through the Function again, so that a double backward differentiates it
+        return _Rotation.apply(grad, cos, -sin), None, None
