@@ -32,7 +32,8 @@ from dilated_attention.distributed.sharding import piece_ranges
 from dilated_attention.integrations import transformers as hf
 from dilated_attention.integrations.transformers import (causal_lm_loss, causal_lm_parts,
                                                           register, refusals, shard_inputs)
-from dilated_attention.integrations.transformers.masks import PackedDocuments, Window, build_mask
+from dilated_attention.integrations.transformers.masks import (CAUSAL, PackedDocuments, Window,
+                                                                build_mask)
 from dist_harness import run_distributed
 
 TOL = dict(rtol=0, atol=1e-10)
@@ -90,6 +91,23 @@ def assert_grads_equal(a: dict, b: dict, float32_norms: bool = False) -> None:
         torch.testing.assert_close(a[name], b[name], **tol, msg=lambda m: f"{name}: {m}")
 
 
+def assert_equals_sdpa(make, ids: torch.Tensor, mask: torch.Tensor, **kwargs) -> torch.Tensor:
+    """make(impl) -> model: with the dense pattern, its logits at mask's real positions and
+    the gradients of a loss over them equal sdpa's; returns our logits."""
+    weight = torch.randn(*ids.shape, VOCAB, dtype=torch.float64) * mask[..., None]
+    results = []
+    for impl in ("sdpa", DENSE):
+        model = make(impl)
+        logits = model(ids, **kwargs).logits
+        (logits * weight).sum().backward()  # a loss over the real (unpadded) positions only
+        results.append((logits.detach(), grads(model)))
+    (ref, ref_grads), (ours, our_grads) = results
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], ref[real], **TOL)
+    assert_grads_equal(our_grads, ref_grads)
+    return ours
+
+
 # --------------------------------------------------------------------------
 # Dense pattern == transformers' sdpa
 
@@ -99,22 +117,12 @@ def assert_grads_equal(a: dict, b: dict, float32_norms: bool = False) -> None:
 def test_dense_pattern_equals_sdpa(pad, use_cache):
     b, n = 3, 21
     ids, mask = tokens(b, n), padding(pad, b, n)
-    real = mask.bool()
     # generate()'s positions for left padding; plain 0 .. n-1 otherwise
     pos = (mask.cumsum(-1) - 1).clamp(min=0) if pad == "left" else None
     kwargs = dict(position_ids=pos, use_cache=use_cache)
     if pad != "none":
         kwargs["attention_mask"] = mask
-    weight = torch.randn(b, n, VOCAB, dtype=torch.float64) * real[..., None]
-    results = []
-    for impl in ("sdpa", DENSE):
-        model = build(impl)
-        logits = model(ids, **kwargs).logits
-        (logits * weight).sum().backward()  # a loss over the real (unpadded) positions only
-        results.append((logits.detach(), grads(model)))
-    (ref, ref_grads), (ours, our_grads) = results
-    torch.testing.assert_close(ours[real], ref[real], **TOL)
-    assert_grads_equal(our_grads, ref_grads)
+    assert_equals_sdpa(build, ids, mask, **kwargs)
 
 
 @pytest.mark.parametrize("pad", ["none", "right"])
@@ -182,6 +190,161 @@ def test_dense_pattern_generates_like_sdpa():
 
 
 # --------------------------------------------------------------------------
+# Other model families == transformers' sdpa (dense pattern)
+
+# every family's tiny config takes the values its __init__ names (attribute_map spellings too)
+FAMILY_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+    pad_token_id=0, eos_token_id=None, sliding_window=6, num_experts=4, num_local_experts=4,
+    num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+    decoder_sparse_step=1, n_inner=64, ffn_dim=64, word_embed_proj_dim=32, rotary_dim=4,
+    n_positions=128)
+FAMILIES = {
+    "mixtral": {}, "qwen2_moe": {}, "qwen3": {}, "qwen3_moe": {}, "gemma": {},
+    "gemma2": dict(attn_logit_softcapping=None, final_logit_softcapping=None),
+    "phi": dict(partial_rotary_factor=0.5), "phi3": {}, "starcoder2": {}, "olmo": {},
+    "olmo2": {}, "cohere": {}, "granite": {}, "gpt_neox": dict(rotary_pct=0.5), "gptj": {},
+    "gpt2": {}, "opt": {}, "smollm3": dict(no_rope_layer_interval=2), "glm": {},
+    "exaone4": dict(sliding_window_pattern=2),
+}
+
+
+def family_model(model_type: str, impl: str):
+    import inspect
+
+    cls = transformers.CONFIG_MAPPING[model_type]
+    names = set(inspect.signature(cls.__init__).parameters)
+    spelled = getattr(cls, "attribute_map", {}) or {}
+    values = {**FAMILY_COMMON, **FAMILIES[model_type]}
+    config = cls(**{spelled.get(k, k): v for k, v in values.items()
+                    if spelled.get(k, k) in names})
+    torch.manual_seed(0)
+    # experts "eager": transformers' grouped_mm experts take no float64
+    return AutoModelForCausalLM.from_config(config, attn_implementation=impl,
+                                            dtype=torch.float64,
+                                            experts_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_model_families_equal_sdpa(model_type):
+    """The families docs/transformers.md names as checked: logits unpadded and left-padded
+    equal transformers' sdpa (its attention and mask functions registered under another name:
+    Gemma 2 refuses "sdpa" itself), every layer calling the registered function (Bloom and
+    MPT, whose layers do not, raise instead)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register("reference_attention", sdpa_attention_forward)
+    AttentionMaskInterface.register("reference_attention", sdpa_mask)
+    calls = []
+    dense = AttentionInterface()[DENSE]
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return dense(*args, **kwargs)
+
+    AttentionInterface.register("dilated_counted_test", counted)
+    AttentionMaskInterface.register("dilated_counted_test", AttentionMaskInterface()[DENSE])
+    ids, mask = tokens(2, 16), padding("left", 2, 16)
+    with torch.no_grad():
+        ref, ours = (family_model(model_type, impl)
+                     for impl in ("reference_attention", "dilated_counted_test"))
+        for kwargs in ({}, {"attention_mask": mask}):
+            real = kwargs.get("attention_mask", torch.ones_like(mask)).bool()
+            want, got = ref(ids, **kwargs).logits, ours(ids, **kwargs).logits
+            torch.testing.assert_close(got[real], want[real], rtol=0,
+                                       atol=1e-9 * float(want.abs().max()))
+    assert len(calls) == 2 * 2  # every layer (2) of both forwards
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpt"])
+def test_models_that_never_call_the_attention_function_raise(family):
+    """Bloom and MPT accept the registered name but compute attention in their own layers,
+    reading the mask function's result as their mask: an error saying so, where a plain
+    causal mask of None once ran Bloom's attention bidirectional, silently."""
+    config = (transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)
+              if family == "bloom" else
+              transformers.MptConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2,
+                                     expansion_ratio=2))
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=DENSE).eval()
+    with torch.no_grad(), pytest.raises((NotImplementedError, AttributeError),
+                                        match="never calls transformers' AttentionInterface"):
+        model(tokens(2, 12))
+    with pytest.raises(AttributeError, match="reached the model's own code"):
+        CAUSAL.to(torch.float64)
+
+
+# --------------------------------------------------------------------------
+# Multi-head latent attention: v's head dim differs from q's (Note [head dims])
+
+
+def latent_model(impl: str, seed: int = 0):
+    """A tiny float64 DeepSeek V3: q and k heads of 8 + 4 (rotary) columns, v heads of 8."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        max_position_embeddings=256, pad_token_id=0, eos_token_id=None)
+    torch.manual_seed(seed)
+    # experts "eager": transformers' grouped_mm experts take no float64
+    return AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.float64,
+                                            experts_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("pad", ["none", "left", "right"])
+def test_latent_attention_equals_sdpa(pad):
+    """DeepSeek V3's v heads are narrower than its q and k heads: logits, gradients and
+    generate() equal sdpa's with the dense pattern."""
+    b, n = 2, 19
+    ids, mask = tokens(b, n), padding(pad, b, n)
+    kwargs = {"attention_mask": mask} if pad != "none" else {}
+    assert_equals_sdpa(latent_model, ids, mask, **kwargs)
+    if pad != "right":  # generate continues each row at its end: left padding only
+        gen = dict(max_new_tokens=5, do_sample=False, pad_token_id=0,
+                   return_dict_in_generate=True, output_scores=True, **kwargs)
+        ref, ours = (latent_model(impl).generate(ids, **gen) for impl in ("sdpa", DENSE))
+        assert torch.equal(ours.sequences, ref.sequences)
+        torch.testing.assert_close(torch.stack(ours.scores), torch.stack(ref.scores), **TOL)
+
+
+@pytest.mark.parametrize("dv", [4, 16])  # narrower than q's 8: zero columns on v; wider: on q, k
+def test_head_dims_of_v_other_than_q_are_exact(dv):
+    """Each output column depends on its own column of v only: the attention function with
+    v's head dim != q's equals the op on q's head dim with other columns beside (random, not
+    zeros), real dilated patterns, decoding included; gradients too."""
+    ours = AttentionInterface()[DILATED]
+    module = build(DILATED).model.layers[0].self_attn
+    g = torch.Generator().manual_seed(5)
+    b, h, hk, n, d = 2, 4, 2, 30, 8
+    q = torch.randn(b, h, n, d, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(b, hk, n, d, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(b, hk, n, dv, dtype=torch.float64, generator=g, requires_grad=True)
+    extra = torch.randn(b, hk, n, abs(d - dv), dtype=torch.float64, generator=g)
+    out, _ = ours(module, q, k, v, None, scaling=0.3)
+    assert out.shape == (b, n, h, dv)
+
+    def op(vv):  # in our layout: (b, h, n, d) -> (b, n, h, d)
+        t = [x.transpose(1, 2) for x in (q, k, vv)]
+        return dilated_attention(*t, SEGMENTS, RATES, is_causal=True, scale=0.3)
+
+    if dv < d:
+        ref = op(torch.cat([v, extra], dim=-1))[..., :dv]
+    else:  # v's columns in two groups of q's head dim
+        ref = torch.cat([op(v[..., :d]), op(v[..., d:])], dim=-1)
+    torch.testing.assert_close(out, ref, **TOL)
+    dout = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, **TOL)
+    with torch.no_grad():  # one new token against the cache: the full forward's last row
+        step, _ = ours(module, q[:, :, -1:], k, v, None, scaling=0.3)
+    torch.testing.assert_close(step[:, 0], ref[:, -1].detach(), **TOL)
+
+
+# --------------------------------------------------------------------------
 # Sliding-window models == transformers' sdpa (Note [sliding-window layers])
 
 
@@ -221,17 +384,8 @@ def test_sliding_window_models_equal_sdpa(family, case):
     if case == "packed":  # documents of 9 and 14 tokens: transformers' packed-sequence mask
         kwargs = dict(position_ids=torch.cat([torch.arange(9), torch.arange(14)])[None],
                       use_cache=False)
-    weight = torch.randn(b, n, VOCAB, dtype=torch.float64) * mask[..., None]
-    results = []
-    for impl in ("sdpa", DENSE):
-        model = window_model(family, impl)
-        logits = model(ids, **kwargs).logits
-        (logits * weight).sum().backward()
-        results.append((logits.detach(), grads(model)))
-    (ref, ref_grads), (ours, our_grads) = results
+    ours = assert_equals_sdpa(lambda impl: window_model(family, impl), ids, mask, **kwargs)
     real = mask.bool()
-    torch.testing.assert_close(ours[real], ref[real], **TOL)
-    assert_grads_equal(our_grads, ref_grads)
     # the window matters: without it the logits differ
     wide = window_model(family, DENSE, sliding_window=4096)(ids, **kwargs).logits.detach()
     assert not torch.allclose(wide[real], ours[real])
@@ -245,6 +399,30 @@ def test_sliding_window_models_generate_like_sdpa(family):
     kwargs = dict(max_new_tokens=14, do_sample=False, pad_token_id=0,
                   return_dict_in_generate=True, output_scores=True)
     ref, ours = (window_model(family, impl).generate(ids, **kwargs) for impl in ("sdpa", DENSE))
+    assert torch.equal(ours.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(ours.scores), torch.stack(ref.scores), **TOL)
+
+
+@pytest.mark.parametrize("family", ["Cohere2Config", "MinistralConfig"])
+def test_models_that_build_an_unused_full_attention_mask_generate_like_sdpa(family):
+    """Every layer a sliding window: these models still build the full-attention mask at each
+    step, from the sliding-window cache's sizes (keys dropped); no layer uses it, so it is
+    refused only where used, and generate() gives sdpa's tokens and scores."""
+    config = getattr(transformers, family)(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=5, pad_token_id=0,
+        eos_token_id=None, layer_types=["sliding_attention"] * 2,
+        **({"head_dim": 8} if family == "MinistralConfig" else {}))
+    ids = tokens(2, 9)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_scores=True)
+    results = []
+    for impl in ("sdpa", DENSE):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl,
+                                                 dtype=torch.float64).eval()
+        results.append(model.generate(ids, **kwargs))
+    ref, ours = results
     assert torch.equal(ours.sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(ours.scores), torch.stack(ref.scores), **TOL)
 
@@ -741,7 +919,7 @@ def test_what_reaches_the_attention_function():
         model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
     model.train()
     model(ids, labels=ids, num_items_in_batch=torch.tensor(38)).loss.backward()
-    assert {kind for _, kind in seen} == {"NoneType", "Tensor", "PackedDocuments"}
+    assert {kind for _, kind in seen} == {"Causal", "Tensor", "PackedDocuments"}
     assert set().union(*(keys for keys, _ in seen)) <= refusals.ACCEPTED_KWARGS
     assert all({"position_ids", "use_cache"} <= keys for keys, _ in seen)
 
@@ -829,7 +1007,7 @@ def test_mask_function_reads_documents_and_refuses_other_masks():
     def call(fn, **kwargs):
         return build_mask(batch_size=1, q_length=12, kv_length=12, mask_function=fn, **kwargs)
 
-    assert call(causal) is None
+    assert call(causal) is CAUSAL
     assert call(packed) == PackedDocuments((5, 8))
     assert "first key of its document" in call(window).reason
     assert "later key" in call(blocks).reason
@@ -848,7 +1026,7 @@ def test_mask_function_reads_documents_and_refuses_other_masks():
     with pytest.raises(TypeError, match=r"\['new_flag'\]"):
         call(causal, new_flag=True)
     keep = torch.ones(1, 12, dtype=torch.bool)
-    assert call(causal, attention_mask=keep) is None
+    assert call(causal, attention_mask=keep) is CAUSAL
     keep[0, :2] = False
     assert torch.equal(call(causal, attention_mask=keep), keep)
 

@@ -71,7 +71,7 @@ from ...decoding import CachedRows, decode, origin_runs
 from ...distributed import comm
 from ...functional import dilated_attention, ring_attention
 from .documents import agreed_documents, explicit_documents, position_facts
-from .masks import Bidirectional, PackedDocuments, Window, build_mask
+from .masks import Bidirectional, Causal, PackedDocuments, Window, build_mask
 from .padding import agreed_origins, decoding_origins, first_real_tokens
 from .refusals import RESERVED_NAME_PARTS, Refused, check_kwargs, describe
 
@@ -165,10 +165,24 @@ class _Backend:
     def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
                  dropout: float = 0.0, scaling: Optional[float] = None,
                  is_causal: Optional[bool] = None, **kwargs) -> Tuple[Tensor, None]:
-        """transformers' attention-function signature: q (b, h, n, d), k, v (b, hk, n, d) ->
-        (out (b, n, h, d), no weights)."""
+        """transformers' attention-function signature: q (b, h, n, d), k (b, hk, n, d), v (b,
+        hk, n, dv) -> (out (b, n, h, dv), no weights)."""
         # (b, h, n, d) -> (b, n, h, d): views; the op takes strided q, k, v
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        # Note [head dims]: v's head dim (dv) may differ from q's and k's (d)
+        d, dv = q.shape[-1], v.shape[-1]
+        if scaling is None and dv > d:
+            scaling = d ** -0.5  # q's own head dim, not the padded one
+        q, k, v = _pad_head(q, dv), _pad_head(k, dv), _pad_head(v, d)
+        out = self._attend(module, q, k, v, attention_mask, dropout, scaling, is_causal,
+                           (query, key, value), kwargs)
+        return out[..., :dv], None
+
+    def _attend(self, module, q: Tensor, k: Tensor, v: Tensor, attention_mask, dropout: float,
+                scaling: Optional[float], is_causal: Optional[bool], tensors, kwargs) -> Tensor:
+        """`__call__` once q, k and v share one head dim: out (b, n, h, d)."""
+        if isinstance(attention_mask, Causal):
+            attention_mask = None  # plain causal (Note [what the mask function returns])
         # a sliding-window layer's mask (Note [sliding-window layers]): its window, and the
         # padding or documents it holds besides
         window_mask = attention_mask if isinstance(attention_mask, Window) else None
@@ -206,7 +220,7 @@ class _Backend:
                     f"to 0 (config.attention_dropout)")
             if decoding:
                 _check_decoding(comm.is_distributed(group) and not stepping, causal, mask, kwargs,
-                                p, (query, key, value))
+                                p, tensors)
             elif nq != nk:
                 raise NotImplementedError(
                     f"query length {nq} != key length {nk}: only one new token at a time can "
@@ -229,19 +243,20 @@ class _Backend:
             keep = attention_mask if isinstance(attention_mask, Tensor) else None
             if stepping:
                 rows, merge_over = sharded.rows(layer), self.group
+                width = q.shape[-1]
+                rows = [CachedRows(_pad_head(r.k, width), _pad_head(r.v, width), r.start, r.count)
+                        for r in rows]
             else:
                 rows, merge_over = [CachedRows(k, v, 0, nk)], None
             # the new token's position among the rows (one process: the cache's last key)
             t = kv_length - 1
             if infos[0]["window"] is not None:
-                out = _decode_window(q, rows, t, keep, infos[0]["window"], scaling, merge_over)
-                return out, None
+                return _decode_window(q, rows, t, keep, infos[0]["window"], scaling, merge_over)
             origins, keep = decoding_origins(keep, kwargs.get("position_ids"), t)
             patterns = (self.segment_lengths, self.dilation_rates)
-            out = decode(q, rows, t, patterns, scale=scaling, group=merge_over,
-                         origins=origins, keep=keep)
-            return out, None
-        return self._prompt(q, k, v, attention_mask, scaling, infos, group), None
+            return decode(q, rows, t, patterns, scale=scaling, group=merge_over, origins=origins,
+                          keep=keep)
+        return self._prompt(q, k, v, attention_mask, scaling, infos, group)
 
     def _prompt(self, q: Tensor, k: Tensor, v: Tensor, attention_mask, scale: Optional[float],
                 infos, group) -> Tensor:
@@ -288,6 +303,22 @@ class _Backend:
             first = min(max(origin - start, 0), q.shape[1])
             out[lo:hi, first:] = attend(slice(lo, hi), first)
         return out
+
+
+def _pad_head(x: Tensor, d: int) -> Tensor:
+    """x (..., dx) with zero columns appended up to head dim d (x itself when dx >= d).
+
+    Note [head dims]
+        Multi-head latent attention (DeepSeek V2/V3, MiniCPM3, Kimi) passes v
+        with a smaller head dim than q and k (128 against 192); the op takes
+        one head dim. Zero columns appended to v add zero columns to the
+        output, which are cut off again; zero columns appended to q and k
+        (when v's head dim is the larger) add nothing to any score. Both are
+        exact, gradients included (the scale is q's own, fixed before). The
+        cost is the wider tensors: (d - dv) / dv more work on the values,
+        and a padded copy of v (of the cache's values when decoding).
+    """
+    return x if x.shape[-1] >= d else torch.nn.functional.pad(x, (0, d - x.shape[-1]))
 
 
 def _layer_index(module) -> int:

@@ -1,7 +1,11 @@
 """The mask function registered with the attention function.
 
 Note [what the mask function returns]
-    None when no key is padded and the mask is plain causal; the (b, k_len)
+    ``CAUSAL`` when no key is padded and the mask is plain causal (not
+    None: a model whose layers compute attention themselves, never calling
+    the attention function (Bloom, MPT), reads None as "no mask" and would
+    run bidirectional; every object below raises when used as a tensor,
+    naming the cause); the (b, k_len)
     bool keep-mask when some key is padded (the form transformers'
     flash-attention mask takes, so model code treats it as it treats that
     one); ``Bidirectional`` holding one of these when the mask is plain
@@ -38,16 +42,42 @@ from torch import Tensor
 
 from .refusals import MASK_KWARGS, Refused, describe
 
+_NOT_CALLED = ("this model computes attention in its own layers and never calls transformers' "
+               "AttentionInterface (Bloom, MPT): the dilated_attention backend cannot run in it; "
+               "use attn_implementation='eager' (or 'sdpa') for this model")
+
+
+class _ForTheAttentionFunction:
+    """What only the attention function reads: used as a tensor (by a model's own attention
+    code) it raises, where treating it as "no mask" would be silently wrong."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # NotImplementedError: a TypeError in `tensor + mask` would become NotImplemented
+        raise NotImplementedError(_NOT_CALLED)
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"no attribute {name!r}: the mask of the dilated_attention "
+                             f"backend reached the model's own code: {_NOT_CALLED}")
+
 
 @dataclasses.dataclass(frozen=True)
-class PackedDocuments:
+class Causal(_ForTheAttentionFunction):
+    """transformers' plain causal mask, nothing padded."""
+
+
+CAUSAL = Causal()
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedDocuments(_ForTheAttentionFunction):
     """transformers' packed-sequence mask: where this rank's documents start (local rows > 0)."""
 
     starts: Tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Bidirectional:
+class Bidirectional(_ForTheAttentionFunction):
     """transformers' plain bidirectional mask: every query sees every key; `inner` is the
     (b, k_len) keep-mask, or None when nothing is padded."""
 
@@ -55,7 +85,7 @@ class Bidirectional:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Window:
+class Window(_ForTheAttentionFunction):
     """transformers' sliding-window mask, read and checked: query t sees the keys [t - left,
     t + right] of its document; `inner` is what the mask says besides (None, the (b, k_len)
     keep-mask, or PackedDocuments)."""
@@ -66,8 +96,15 @@ class Window:
 
 
 def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
-                 mask_function=None, attention_mask: Optional[Tensor] = None, **kwargs):
+               mask_function=None, attention_mask: Optional[Tensor] = None, **kwargs):
     """The mask function registered with the attention function (see the module docstring)."""
+    mask = _build_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                       attention_mask, **kwargs)
+    return CAUSAL if mask is None else mask
+
+
+def _build_mask(batch_size: int, q_length: int, kv_length: int, q_offset, kv_offset,
+                mask_function, attention_mask: Optional[Tensor], **kwargs):
     from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
 
     unknown = sorted(set(kwargs) - MASK_KWARGS)
@@ -88,11 +125,13 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
                               int(kwargs["local_size"]), device)
         if isinstance(window, Refused):
             return window
+    if kv_offset != 0 and window is None:
+        # refused in a layer that uses it: Cohere 2 and Ministral also build the full-attention
+        # mask when every layer is a sliding window, from the sliding-window cache's sizes
+        return Refused(f"a KV cache that drops old keys (kv_offset = {kv_offset}) outside a "
+                       f"sliding-window layer")
     # A cache's layout is the same on every rank, so these may raise here
     # (generate() also calls .contiguous() on what a static cache's mask returns).
-    if kv_offset != 0 and window is None:
-        raise NotImplementedError(f"a KV cache that drops old keys (kv_offset = {kv_offset}) "
-                                  f"is only supported for sliding-window layers")
     if seen != kv_offset + kv_length:
         raise NotImplementedError(
             f"a KV cache whose keys are not the {seen} tokens seen so far (kv_length = "

@@ -64,6 +64,10 @@ RESERVED_NAME_PARTS = ("flash", "sdpa", "flex_attention", "eager", "paged", "/",
 
 REFUSED_HINTS = {
     "output_attentions": "dilated attention never forms the attention weights",
+    "softcap": "logit soft-capping (Gemma 2's config.attn_logit_softcapping) bends every score "
+               "before the softmax, and the kernels compute plain softmax attention",
+    "s_aux": "attention sinks (gpt-oss) add a learned logit to every softmax's denominator, "
+             "and the kernels compute plain softmax attention",
 }
 
 
