@@ -746,6 +746,11 @@ def _sharded_generation(group):
                                     **kwargs))
         assert torch.equal(outs[1], outs[0]), (n, kwargs)
         done.append(outs[1])
+    # multi-head latent attention caches its compressed latents, not the keys and values a
+    # step would read: refused at the first step, on every rank
+    ids, _ = _generation_inputs(2, 21, {})
+    with pytest.raises(NotImplementedError, match="caches other tensors than its attention"):
+        hf.generate(latent_model(name), ids, group=group, max_new_tokens=3, pad_token_id=0)
     # traffic: each step beyond the first token sends one all-gather per layer, no agreement
     ids = tokens(2, 21, seed=21)
     counts = []

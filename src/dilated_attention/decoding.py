@@ -113,15 +113,16 @@ class CachePlan:
         """The room for this rank's new rows, like k and v (b, rows, hk, d): allocated once
         for every planned row (the allocator takes it whole), never zero-filled, as its
         rows past `count` are never read. heads_first: k, v are (b, hk, rows, d) (a
-        transformers cache) and the room is laid out so, viewed (b, rows, hk, d)."""
+        transformers cache) and the room is laid out so, viewed (b, rows, hk, d). v's head
+        dim may differ from k's (multi-head latent attention)."""
         first, end = self.block
         if heads_first:
             # (b, hk, rows, d), viewed (b, rows, hk, d)
-            shape = (k.shape[0], k.shape[1], end - first, k.shape[3])
-            return CachedRows(k.new_empty(shape).transpose(1, 2),
-                              v.new_empty(shape).transpose(1, 2), first, 0)
-        shape = (k.shape[0], end - first) + tuple(k.shape[2:])
-        return CachedRows(k.new_empty(shape), v.new_empty(shape), first, 0)
+            k, v = (x.new_empty((x.shape[0], x.shape[1], end - first, x.shape[3]))
+                    .transpose(1, 2) for x in (k, v))
+            return CachedRows(k, v, first, 0)
+        k, v = (x.new_empty((x.shape[0], end - first) + tuple(x.shape[2:])) for x in (k, v))
+        return CachedRows(k, v, first, 0)
 
     def store(self, block: CachedRows, t: int, k: Tensor, v: Tensor) -> CachedRows:
         """`block` with the row of new position t (k, v (b, hk, d)) written where t falls in

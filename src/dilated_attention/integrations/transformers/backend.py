@@ -243,6 +243,7 @@ class _Backend:
             keep = attention_mask if isinstance(attention_mask, Tensor) else None
             if stepping:
                 rows, merge_over = sharded.rows(layer), self.group
+                _check_cached_like(rows[0], tensors[1], tensors[2])
                 width = q.shape[-1]
                 rows = [CachedRows(_pad_head(r.k, width), _pad_head(r.v, width), r.start, r.count)
                         for r in rows]
@@ -303,6 +304,20 @@ class _Backend:
             first = min(max(origin - start, 0), q.shape[1])
             out[lo:hi, first:] = attend(slice(lo, hi), first)
         return out
+
+
+def _check_cached_like(cached: CachedRows, key: Tensor, value: Tensor) -> None:
+    """A sharded step reads its rows' keys and values from the cache: they must be what the
+    layer passes the attention function (key, value (b, hk, n, d)), head for head. (Every
+    rank holds the same model, so every rank raises at the same step, before any message.)"""
+    for name, rows, given in (("keys", cached.k, key), ("values", cached.v, value)):
+        if rows.shape[2:] != (given.shape[1], given.shape[3]):
+            raise NotImplementedError(
+                f"sharded generation reads the cached {name} of this rank's rows, but this "
+                f"model caches other tensors than its attention takes ((heads, head dim) "
+                f"{tuple(rows.shape[2:])} cached, {(given.shape[1], given.shape[3])} attended: "
+                f"multi-head latent attention caches its compressed latents, DeepSeek V2/V3); "
+                f"generate on one process (group=None)")
 
 
 def _pad_head(x: Tensor, d: int) -> Tensor:
