@@ -4,6 +4,7 @@
     python benchmarks/bench_training_memory.py --seq-len 2048 --repeats 1
     python benchmarks/bench_training_memory.py --modes none layers --repeats 5   # time cost
     python benchmarks/bench_training_memory.py --return-logits   # the loss from whole logits
+    python benchmarks/bench_training_memory.py --positions rotary  # RoPE in every block
     python benchmarks/bench_training_memory.py --preset base --layers 2 --seq-len 16384 \
         --modes layers --ffn-chunk-bytes 16777216          # the feed-forward over chunks
 
@@ -49,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--layers", type=int, default=0, help="override the preset's num_layers")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--positions", default="sinusoidal",
+                   choices=("sinusoidal", "learned", "rotary"))
     p.add_argument("--ffn-chunk-bytes", type=int, default=None,
                    help="LongNetConfig.ffn_chunk_bytes: the feed-forward over chunks of rows")
     p.add_argument("--return-logits", action="store_true",
@@ -67,7 +70,8 @@ def model_config(args: argparse.Namespace, mode: str) -> LongNetConfig:
     layers = {"num_layers": args.layers} if args.layers else {}
     return LongNetConfig.from_name(args.preset, vocab_size=args.vocab, checkpoint=mode,
                                    max_seq_len=max(args.seq_len, 256),
-                                   ffn_chunk_bytes=args.ffn_chunk_bytes, **layers)
+                                   ffn_chunk_bytes=args.ffn_chunk_bytes,
+                                   positions=args.positions, **layers)
 
 
 def estimated_growth(args: argparse.Namespace, mode: str) -> int:
@@ -155,7 +159,8 @@ def main(argv=None) -> int:
     ffn = "" if args.ffn_chunk_bytes is None else \
         f", feed-forward over chunks of {args.ffn_chunk_bytes / 2**20:g} MiB"
     print(f"LongNetLM {args.preset}{layers}, vocabulary {args.vocab}, {args.batch} x "
-          f"{args.seq_len} tokens, {args.dtype} on {args.device}{ffn}; loss "
+          f"{args.seq_len} tokens, {args.dtype} on {args.device}{ffn}, {args.positions} "
+          f"positions; loss "
           f"{'from whole logits' if args.return_logits else 'over chunks'}; one fp32 logits "
           f"tensor = {args.batch * args.seq_len * args.vocab * 4 / 2**20:.0f} MiB")
     print(f"{'checkpoint':>10}  {'fwd+bwd peak':>12}  {'/ logits':>8}  {'step peak':>12}  "

@@ -116,6 +116,41 @@ def test_chunked_loss_equals_token_mean_loss(dtype, bias):
     assert all(not x.any() for x in torch.autograd.grad(empty, inputs))
 
 
+@pytest.mark.parametrize("needs", ["all", "hidden", "weight"])
+def test_chunked_loss_backward_twice(needs):
+    """The forward forms the gradients and the first backward scales them; a second backward
+    of the same graph (retain_graph) recomputes them: each equals the plain path's, also
+    when only some inputs need a gradient, and a loss built without gradients forms none."""
+    g = torch.Generator().manual_seed(2)
+    b, n, e, v = 2, 13, 6, 9
+    hidden = torch.randn(b, n, e, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, e, generator=g, dtype=torch.float64)
+    bias_ = torch.randn(v, generator=g, dtype=torch.float64)
+    hidden.requires_grad_(needs in ("all", "hidden"))
+    weight.requires_grad_(needs in ("all", "weight"))
+    bias_.requires_grad_(needs == "all")
+    inputs = [x for x in (hidden, weight, bias_) if x.requires_grad]
+    targets = torch.randint(0, v, (b, n), generator=g)
+    targets[:, ::4] = IGNORE_INDEX
+    ref = token_mean_loss(F.linear(hidden, weight, bias_), targets, None)
+    want = torch.autograd.grad(ref * 3, inputs)
+    loss = chunked_token_mean_loss(hidden, weight, targets, None, bias=bias_,
+                                   chunk_bytes=4 * v * 8)
+    for _ in range(2):
+        got = torch.autograd.grad(loss * 3, inputs, retain_graph=True)
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-13)
+    with torch.no_grad():
+        torch.testing.assert_close(chunked_token_mean_loss(hidden, weight, targets, None,
+                                                           bias=bias_), ref.detach())
+    # not training (evaluation with gradients on): a backward recomputes, once or twice
+    loss = chunked_token_mean_loss(hidden, weight, targets, None, bias=bias_, training=False)
+    for _ in range(2):
+        got = torch.autograd.grad(loss * 3, inputs, retain_graph=True)
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-13)
+
+
 def test_chunked_loss_under_autocast():
     """Autocast runs the head in its dtype, as F.linear there: the same loss and gradients."""
     g = torch.Generator().manual_seed(1)

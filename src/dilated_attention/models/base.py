@@ -144,7 +144,8 @@ class LongNetBase(nn.Module):
         if targets is not None and not return_logits:
             return None, chunked_token_mean_loss(x, self.head_weight(), targets.long(),
                                                  self.process_group,
-                                                 chunk_bytes=self.config.loss_chunk_bytes)
+                                                 chunk_bytes=self.config.loss_chunk_bytes,
+                                                 training=self.training)
         logits = self.logits(x)
         if targets is None:
             return logits, None

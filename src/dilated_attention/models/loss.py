@@ -18,13 +18,22 @@ Note [chunked head loss]
     ``chunked_token_mean_loss`` computes the summed cross-entropy r rows at
     a time (r chosen so that one chunk's accumulator logits take at most
     ``chunk_bytes``): per chunk the logits, their log-sum-exp and the
-    picked target logit, then the chunk is dropped; it saves only the
-    hidden states (b n, e), which the head would have saved anyway, and
-    the per-row log-sum-exp (b n). Backward recomputes each chunk's logits,
-    forms softmax - onehot(target) scaled by the incoming gradient (zero on
-    ignored rows), and accumulates d hidden chunk by chunk and d weight
-    (and d bias) over the chunks, in the accumulator dtype. Peak extra
-    memory: about one chunk's logits plus one (v, e) accumulator, whatever n.
+    picked target logit, then the chunk is dropped; it saves the hidden
+    states (b n, e), which the head would have saved anyway, and the
+    per-row log-sum-exp (b n). The loss is the end of the graph, so its
+    gradients differ from those of the summed loss only by the incoming
+    gradient, a scalar: where a gradient is needed, the forward also forms
+    each chunk's softmax - onehot(target) (zero on ignored rows) from the
+    logits it has, and accumulates d hidden chunk by chunk and d weight
+    (and d bias) over the chunks, in the accumulator dtype; the backward
+    multiplies them by the incoming gradient, in place. Three head matmuls
+    instead of four (the plain path's three), for d hidden and d weight
+    existing from the forward on: d weight exists through the whole
+    backward either way, and the peak stays about one chunk's logits plus
+    one (v, e) accumulator and one (b n, e), whatever n. A second backward
+    of the graph (retain_graph=True) recomputes each chunk's logits from
+    the saved hidden states and lse instead (the first one used the
+    gradients up), and so does the compiled custom op pair.
     The matmuls run in the model's dtype and the softmax in the accumulator
     dtype, as the plain path (``F.linear`` then ``token_mean_loss``) does,
     so the loss and gradients equal the plain ones to rounding (fp64 tests).
@@ -88,19 +97,23 @@ def token_mean_loss(logits: Tensor, targets: Tensor, group: comm.GroupLike) -> T
 
 
 def chunked_token_mean_loss(hidden: Tensor, weight: Tensor, targets: Tensor, group, *,
-                            bias: Optional[Tensor] = None,
-                            chunk_bytes: int = LOSS_CHUNK_BYTES) -> Tensor:
+                            bias: Optional[Tensor] = None, chunk_bytes: int = LOSS_CHUNK_BYTES,
+                            training: bool = True) -> Tensor:
     """``token_mean_loss(F.linear(hidden, weight, bias), targets, group)`` without the logits.
 
     hidden (b, n, e) the final hidden states, weight (v, e) the head's (the
     token embedding when tied), bias (v,) or None, targets (b, n). The
     cross-entropy runs over chunks of rows whose accumulator-dtype logits
-    take at most `chunk_bytes`, recomputed in backward (Note [chunked head
-    loss]); value, gradients and the sequence-parallel convention are
-    ``token_mean_loss``'s. Under autocast the head runs in the autocast
-    dtype, as ``F.linear`` would.
+    take at most `chunk_bytes` (Note [chunked head loss]); value, gradients
+    and the sequence-parallel convention are ``token_mean_loss``'s. Under
+    autocast the head runs in the autocast dtype, as ``F.linear`` would.
+    training: a backward follows (the models pass their ``training``), so a
+    forward that needs gradients forms them from the logits it has; False
+    (evaluation with gradients on, which may never run a backward) keeps
+    the forward to the loss and recomputes the logits in a backward.
     """
     chunk_bytes = check.check_positive_int("chunk_bytes", chunk_bytes)
+    check.check_bool("training", training)
     # the dtype F.linear(hidden, ...) computes in here: autocast's, else hidden's
     compute = autocast_dtype(hidden.device.type, hidden.dtype) or hidden.dtype
     rows = loss_chunk_rows(weight.shape[0], compute, chunk_bytes)
@@ -111,7 +124,7 @@ def chunked_token_mean_loss(hidden: Tensor, weight: Tensor, targets: Tensor, gro
         # would fix the sequence length)
         total = _forward_op(*flat)[0]
     else:
-        total = _ChunkedHeadLoss.apply(*flat)
+        total = _ChunkedHeadLoss.apply(*flat, training)
     return _mean_over_ranks(total, targets, group)
 
 
@@ -150,6 +163,38 @@ def head_loss_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ta
     return total, lse
 
 
+def head_loss_with_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                             targets: Tensor, rows: int, needs: Tuple[bool, bool, bool]
+                             ) -> Tuple[Tensor, Tensor, Tuple[Optional[Tensor], ...]]:
+    """``head_loss_forward`` and the gradients of its total (incoming gradient 1) w.r.t.
+    (hidden, weight, bias), those `needs` asks for, from the same logits: each chunk's
+    logits are computed once, not again in backward (Note [chunked head loss]).
+
+    Returns (total, lse, (d hidden, d weight, d bias)); d hidden in hidden's dtype, d weight
+    and d bias in the accumulator dtype, as ``head_loss_backward`` returns them.
+    """
+    acc = accumulator_dtype(hidden.dtype)
+    total = torch.zeros((), dtype=acc, device=hidden.device)
+    lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+    grads = _gradient_buffers(hidden, weight, acc, needs)
+    for start in range(0, hidden.shape[0], rows):
+        stop = min(start + rows, hidden.shape[0])
+        h, t = hidden[start:stop], targets[start:stop]
+        logits = F.linear(h, weight, bias).to(acc)  # (r, v)
+        keep = t != IGNORE_INDEX
+        row_lse = torch.logsumexp(logits, dim=-1, out=lse[start:stop])
+        # (r,) -> (r, 1) indices: each row's target logit (ignored rows read column 0)
+        picked = logits.gather(1, t.clamp(min=0)[:, None])[:, 0]
+        total += torch.where(keep, row_lse - picked, 0).sum()
+        # the softmax in place, exp(logits - lse); an ignored row's lse taken as +inf makes
+        # its row 0 in the same pass
+        d = logits.sub_(torch.where(keep, row_lse, torch.inf)[:, None]).exp_()
+        # (r,) -> (r, 1): minus one at each kept row's target
+        d.scatter_add_(1, t.clamp(min=0)[:, None], -keep.to(acc)[:, None])
+        _add_chunk(d.to(hidden.dtype), h, weight, start, grads)
+    return total, lse, grads
+
+
 def head_loss_backward(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                        targets: Tensor, lse: Tensor, rows: int,
                        needs: Tuple[bool, bool, bool]) -> Tuple[Optional[Tensor], ...]:
@@ -164,10 +209,7 @@ def head_loss_backward(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optio
     if torch.is_grad_enabled():
         return _recorded_head_loss_backward(grad, hidden, weight, bias, targets, rows, needs)
     acc = lse.dtype
-    need_h, need_w, need_b = needs
-    dh = torch.empty_like(hidden) if need_h else None
-    dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-    db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+    grads = _gradient_buffers(hidden, weight, acc, needs)
     for start in range(0, hidden.shape[0], rows):
         stop = min(start + rows, hidden.shape[0])
         h, t = hidden[start:stop], targets[start:stop]
@@ -176,17 +218,35 @@ def head_loss_backward(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optio
         d = F.linear(h, weight, bias).to(acc).sub_(lse[start:stop, None]).exp_()
         # (r,) -> (r, 1): minus one at each kept row's target
         d.scatter_add_(1, t.clamp(min=0)[:, None], -keep.to(acc)[:, None])
-        d = d.mul_((grad * keep)[:, None]).to(hidden.dtype)
-        if need_h:
-            torch.mm(d, weight, out=dh[start:stop])
-        if need_w:
-            if d.dtype == acc:
-                dw.addmm_(d.t(), h)
-            else:  # half precision: each chunk's product in it, their sum in fp32
-                dw += torch.mm(d.t(), h)
-        if need_b:
-            db += d.sum(0, dtype=acc)
-    return dh, dw, db
+        _add_chunk(d.mul_((grad * keep)[:, None]).to(hidden.dtype), h, weight, start, grads)
+    return grads
+
+
+def _gradient_buffers(hidden: Tensor, weight: Tensor, acc: torch.dtype,
+                      needs: Tuple[bool, bool, bool]) -> Tuple[Optional[Tensor], ...]:
+    """(d hidden in hidden's dtype, d weight and d bias zeroed in `acc`), those `needs` asks
+    for (None for the others)."""
+    need_h, need_w, need_b = needs
+    return (torch.empty_like(hidden) if need_h else None,
+            torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None,
+            torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None)
+
+
+def _add_chunk(d: Tensor, h: Tensor, weight: Tensor, start: int,
+               grads: Tuple[Optional[Tensor], ...]) -> None:
+    """One chunk's d logits (r, v) in the model's dtype, of hidden rows h (r, e) from
+    `start`: d hidden's rows = d @ weight; d weight += d^T h and d bias += d's column sums,
+    in the buffers' accumulator dtype."""
+    dh, dw, db = grads
+    if dh is not None:
+        torch.mm(d, weight, out=dh[start:start + d.shape[0]])
+    if dw is not None:
+        if d.dtype == dw.dtype:
+            dw.addmm_(d.t(), h)
+        else:  # half precision: each chunk's product in it, their sum in fp32
+            dw += torch.mm(d.t(), h)
+    if db is not None:
+        db += d.sum(0, dtype=db.dtype)
 
 
 def _recorded_head_loss_backward(grad: Tensor, hidden: Tensor, weight: Tensor,
@@ -224,20 +284,41 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     The head runs in `compute` (the model's dtype, or autocast's) with
     autocast off inside, in forward and backward alike; gradients come back
-    in each input's own dtype. The eager twin of the custom op pair below:
-    the same functions, without the dispatcher's wrapping.
+    in each input's own dtype. The eager twin of the custom op pair below,
+    but for one step: where a gradient is needed, the forward forms the
+    gradients of the total from the logits it computes anyway
+    (``head_loss_with_gradients``), and the first backward scales them by
+    the incoming gradient, in place, instead of computing every chunk's
+    logits again (one head matmul of four). A second backward of the same
+    graph (retain_graph) or a recorded one (create_graph) takes the
+    recomputing path, from the saved inputs and lse.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, rows, compute):
+    def forward(ctx, hidden, weight, bias, targets, rows, compute, training):
         inputs = (hidden, weight, bias, targets, rows, compute)
-        total, lse = _forward_flat(*inputs)
+        needs = tuple(ctx.needs_input_grad[:2]) + (ctx.needs_input_grad[2] and bias is not None,)
+        ctx.grads = None
+        if not (training and any(needs)):
+            total, lse = _forward_flat(*inputs)
+        else:
+            with _autocast_off(hidden.device.type):
+                total, lse, grads = head_loss_with_gradients(
+                    *_cast(compute, hidden, weight, bias), targets, rows, needs)
+            ctx.grads = grads
         _setup_context(ctx, inputs, (total, lse))
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        return _op_backward(ctx, grad, None)
+        grads, ctx.grads = ctx.grads, None
+        if grads is None or torch.is_grad_enabled():
+            return _op_backward(ctx, grad, None) + (None,)
+        hidden, weight, bias = ctx.saved_tensors[:3]
+        # the gradients of the total times the incoming gradient, in place (this graph's
+        # first backward owns them), then in each input's dtype
+        return tuple(None if g is None else g.mul_(grad).to(x.dtype)
+                     for g, x in zip(grads, (hidden, weight, bias))) + (None, None, None, None)
 
 
 def _cast(dtype: torch.dtype, *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:

@@ -143,7 +143,8 @@ def causal_lm_loss(outputs: Tensor, targets: Tensor, group: comm.GroupLike, *,
     if lm_head is None:
         return token_mean_loss(outputs, targets.long(), group)
     return chunked_token_mean_loss(outputs, lm_head.weight, targets.long(), group,
-                                   bias=lm_head.bias, chunk_bytes=chunk_bytes)
+                                   bias=lm_head.bias, chunk_bytes=chunk_bytes,
+                                   training=lm_head.training)
 
 
 # Config fields with which a causal LM's forward changes the logits after lm_head.

@@ -29,8 +29,8 @@ one block at a time in backward; ``"offload"`` keeps those inputs in host
 memory: on the device two of them (the one in use and the next one fetched).
 
 The peak is the largest of a few moments (``stages``): the end of the forward
-with one chunk of the loss, the loss's backward (its d hidden, fp32 d weight
-and a chunk's gradient), a block's backward at the top of the stack (the most
+with one chunk of the loss (whose forward forms its gradients too: its d hidden
+and fp32 d weight), the loss's backward (those gradients scaled), a block's backward at the top of the stack (the most
 saved) and at the bottom (the most gradients) in its feed-forward part or
 its attention part (where the op's own working memory, from the op's
 estimate, adds), and AdamW's step. ``model_dryrun`` runs the real model on
@@ -227,12 +227,13 @@ def formula(setup: ModelSetup, mode: str, op_working: int) -> ModelEstimate:
     acc_logits = loss_dtype.itemsize
     half = s < acc_logits
     # a chunk's logits (in the dtype, then the accumulators') are made while the previous
-    # chunk's are still referenced (loss.py's loops)
+    # chunk's (its accumulator logits, and their copy in the dtype when half) are still
+    # referenced (loss.py's head_loss_with_gradients); the largest moment: logsumexp's
+    # exp(x - max) (a temporary of the logits' size) or the dtype's logits beside the
+    # accumulators'
     more = R > rows
-    # (or one chunk and logsumexp's exp(x - max), a temporary of its size)
-    chunk_forward = rows * v * max(s + (acc_logits if half else 0) + (acc_logits if more else 0),
-                                   2 * acc_logits)
-    chunk_backward = rows * v * (s + (acc_logits + s if half else 0) + (s if more else 0))
+    chunk_forward = rows * v * (max(s + acc_logits, 2 * acc_logits)
+                                + ((acc_logits + (s if half else 0)) if more else 0))
     head_grad = v * e * s
 
     # One block in backward, beyond what the stack keeps: recomputed (checkpointing) and
@@ -255,8 +256,12 @@ def formula(setup: ModelSetup, mode: str, op_working: int) -> ModelEstimate:
 
     grads_blocks = L * per_block * s
     stages = {
-        "forward end, a loss chunk": (inputs + kept + tail + chunk_forward, 0),
-        "loss backward": (inputs + kept + tail + E + v * e * acc_logits + chunk_backward, 0),
+        # the loss's forward forms its gradients too: d hidden and the accumulators' d weight
+        "forward end, a loss chunk": (inputs + kept + tail + E + v * e * acc_logits
+                                      + chunk_forward, 0),
+        # its backward scales them in place (and casts d weight to a half dtype)
+        "loss backward": (inputs + kept + tail + E + v * e * acc_logits
+                          + (v * e * s if half else 0), 0),
         "backward, top block": (inputs + kept + recompute + prefetch + flight,
                                 head_grad + per_block * s),
         "backward, bottom block": (inputs + block + flight if mode == "none" else
