@@ -83,8 +83,12 @@ def test_model_rows_are_the_largest_piece():
     (_setup(8192, vocab_size=64, ffn_dim=2048, ffn_chunk_bytes=4 << 20), "none", 0.01),
     # rotary positions: their tables, shared by the blocks (0.5% low without them)
     (_setup(16384, device="cuda", num_layers=4, positions="rotary"), "offload", 0.005),
+    # the loss over many chunks of a 32,000-id vocabulary, its forward forming its gradients
+    # one chunk's logits at a time
+    (_setup(8192, vocab_size=32000), "none", 0.005),
+    (_setup(8192, dtype="bfloat16", vocab_size=32000), "layers", 0.005),
 ], ids=["layers", "offload", "ffn-chunks-batch-4", "ffn-chunks-batch-4-layers",
-        "ffn-chunks-batch-1", "rotary"])
+        "ffn-chunks-batch-1", "rotary", "loss-chunks", "loss-chunks-bf16"])
 def test_formula_is_close_to_the_dry_run(setup, mode, rel):
     """The formula against the model's dry run, tighter than test_formula_matches_the_dry_run's
     5% where the formula is that close (0.2% to 0.5% here)."""

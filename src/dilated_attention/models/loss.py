@@ -192,6 +192,7 @@ def head_loss_with_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tens
         # (r,) -> (r, 1): minus one at each kept row's target
         d.scatter_add_(1, t.clamp(min=0)[:, None], -keep.to(acc)[:, None])
         _add_chunk(d.to(hidden.dtype), h, weight, start, grads)
+        del logits, d  # before the next chunk's logits: one chunk's at a time
     return total, lse, grads
 
 

@@ -226,14 +226,10 @@ def formula(setup: ModelSetup, mode: str, op_working: int) -> ModelEstimate:
     rows = min(R, loss_chunk_rows(v, setup.torch_dtype, c.loss_chunk_bytes))
     acc_logits = loss_dtype.itemsize
     half = s < acc_logits
-    # a chunk's logits (in the dtype, then the accumulators') are made while the previous
-    # chunk's (its accumulator logits, and their copy in the dtype when half) are still
-    # referenced (loss.py's head_loss_with_gradients); the largest moment: logsumexp's
-    # exp(x - max) (a temporary of the logits' size) or the dtype's logits beside the
-    # accumulators'
-    more = R > rows
-    chunk_forward = rows * v * (max(s + acc_logits, 2 * acc_logits)
-                                + ((acc_logits + (s if half else 0)) if more else 0))
+    # one chunk's logits at a time (loss.py's head_loss_with_gradients drops a chunk's
+    # before the next); its largest moment: logsumexp's exp(x - max) (a temporary of the
+    # logits' size) or the dtype's logits beside the accumulators'
+    chunk_forward = rows * v * max(s + acc_logits, 2 * acc_logits)
     head_grad = v * e * s
 
     # One block in backward, beyond what the stack keeps: recomputed (checkpointing) and
