@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from dilated_attention import (DilatedAttention, MultiheadDilatedAttention, dilated_attention,
-                               rotary_tables)
+from dilated_attention import (DilatedAttention, MultiheadDilatedAttention, apply_rotary,
+                               dilated_attention, rotary_tables)
 from dilated_attention.distributed import comm
 
 from dist_harness import run_distributed
@@ -152,6 +152,21 @@ def test_rotary_turns_queries_and_keys_as_llama(per_row, batch_first):
         torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-12)
 
 
+def test_apply_rotary_is_llamas_rotation():
+    """The public turn, for q or k in the ops' layout, equals transformers' Llama rotation
+    written out (positions per row; odd heads count); bad shapes are a ValueError."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 7, 3, 8, dtype=torch.float64, generator=g)
+    positions = torch.arange(7) + torch.tensor([[4], [90]])
+    tables = rotary_tables(positions, 8, theta=1e4, dtype=torch.float64)
+    torch.testing.assert_close(apply_rotary(x, *tables), _llama_rope(x, positions, 1e4),
+                               rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"^x must be a floating tensor \(batch, seq_len, heads"):
+        apply_rotary(x[0], *tables)
+    with pytest.raises(ValueError, match=r"^rotary's cos must be .* of shape \(7, 1, 4\)"):
+        apply_rotary(x, *rotary_tables(positions, 6))
+
+
 def test_rotary_attention_sees_relative_positions():
     """Shifting every position by the same amount changes nothing (up to the rounding of the
     angles): queries and keys are turned alike. The turn has second derivatives."""
@@ -163,11 +178,9 @@ def test_rotary_attention_sees_relative_positions():
             for shift in (0, 12345)]
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-9, atol=1e-9)
     assert not torch.allclose(outs[0], m(x, x, x, is_causal=True)[0])
-    from dilated_attention.rotary import rotate
-
     tables = rotary_tables(torch.arange(6), 4, dtype=torch.float64)
     y = torch.randn(2, 6, 3, 4, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradgradcheck(lambda y: rotate(y, *tables) ** 2, (y,))
+    torch.autograd.gradgradcheck(lambda y: apply_rotary(y, *tables) ** 2, (y,))
 
 
 def test_rotary_errors():

@@ -6,7 +6,7 @@ from .functional import dilated_attention, ring_attention
 from .backends import recommended_dtype
 from .models import LongNet, LongNetConfig, LongNetLM
 from .modules import DilatedAttention, MultiheadDilatedAttention
-from .rotary import rotary_tables
+from .rotary import apply_rotary, rotary_tables
 
 __all__ = [
     "dilated_attention",
@@ -14,6 +14,7 @@ __all__ = [
     "DilatedAttention",
     "MultiheadDilatedAttention",
     "rotary_tables",
+    "apply_rotary",
     "ring_attention",
     "shard_sequence",
     "unshard_sequence",

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from . import validation as check
 from .functional import GroupLike, autocast_dtype, dilated_attention, fail_on_every_rank
-from .rotary import check_tables, rotate
+from .rotary import apply_rotary, check_tables
 
 
 class DilatedAttention(nn.Module):
@@ -229,7 +229,7 @@ class MultiheadDilatedAttention(nn.Module):
         k = self.k_proj(key).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(value).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if rotary is not None:
-            q, k = rotate(q, *rotary), rotate(k, *rotary)
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         return q, k, v
 
     def project_out(self, attn: Tensor) -> Tensor:

@@ -49,8 +49,13 @@ def rotary_tables(positions: Tensor, head_dim: int, theta: float = 10000.0,
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (b, n, h, d) turned by the tables of ``rotary_tables`` (differentiable in x)."""
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (b, n, h, d) (q or k in the ops' layout) turned by the tables of ``rotary_tables``
+    for its n rows; differentiable in x, keeping only the tables for backward."""
+    if not isinstance(x, Tensor) or x.dim() != 4 or not x.is_floating_point():
+        raise ValueError(f"x must be a floating tensor (batch, seq_len, heads, head_dim), got "
+                         f"{_describe(x)}")
+    check_tables((cos, sin), x.shape[0], x.shape[1], x.shape[3], x.device)
     return _Rotation.apply(x, cos, sin)
 
 
