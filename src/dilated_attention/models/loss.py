@@ -155,12 +155,17 @@ def head_loss_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ta
     for start in range(0, hidden.shape[0], rows):
         stop = min(start + rows, hidden.shape[0])
         logits = F.linear(hidden[start:stop], weight, bias).to(acc)  # (r, v)
-        t = targets[start:stop]
-        torch.logsumexp(logits, dim=-1, out=lse[start:stop])
-        # (r,) -> (r, 1) indices: each row's target logit (ignored rows read column 0)
-        picked = logits.gather(1, t.clamp(min=0)[:, None])[:, 0]
-        total += torch.where(t != IGNORE_INDEX, lse[start:stop] - picked, 0).sum()
+        total += _chunk_loss(logits, targets[start:stop], lse[start:stop])
     return total, lse
+
+
+def _chunk_loss(logits: Tensor, t: Tensor, lse: Tensor) -> Tensor:
+    """One chunk's summed cross-entropy over its kept rows, from its accumulator logits (r, v)
+    and targets t (r,); writes the rows' log-sum-exp into `lse` (r,)."""
+    torch.logsumexp(logits, dim=-1, out=lse)
+    # (r,) -> (r, 1) indices: each row's target logit (ignored rows read column 0)
+    picked = logits.gather(1, t.clamp(min=0)[:, None])[:, 0]
+    return torch.where(t != IGNORE_INDEX, lse - picked, 0).sum()
 
 
 def head_loss_with_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
@@ -181,14 +186,11 @@ def head_loss_with_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tens
         stop = min(start + rows, hidden.shape[0])
         h, t = hidden[start:stop], targets[start:stop]
         logits = F.linear(h, weight, bias).to(acc)  # (r, v)
+        total += _chunk_loss(logits, t, lse[start:stop])
         keep = t != IGNORE_INDEX
-        row_lse = torch.logsumexp(logits, dim=-1, out=lse[start:stop])
-        # (r,) -> (r, 1) indices: each row's target logit (ignored rows read column 0)
-        picked = logits.gather(1, t.clamp(min=0)[:, None])[:, 0]
-        total += torch.where(keep, row_lse - picked, 0).sum()
         # the softmax in place, exp(logits - lse); an ignored row's lse taken as +inf makes
         # its row 0 in the same pass
-        d = logits.sub_(torch.where(keep, row_lse, torch.inf)[:, None]).exp_()
+        d = logits.sub_(torch.where(keep, lse[start:stop], torch.inf)[:, None]).exp_()
         # (r,) -> (r, 1): minus one at each kept row's target
         d.scatter_add_(1, t.clamp(min=0)[:, None], -keep.to(acc)[:, None])
         _add_chunk(d.to(hidden.dtype), h, weight, start, grads)
@@ -298,7 +300,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, rows, compute, training):
         inputs = (hidden, weight, bias, targets, rows, compute)
-        needs = tuple(ctx.needs_input_grad[:2]) + (ctx.needs_input_grad[2] and bias is not None,)
+        needs = _needs(ctx, bias)
         ctx.grads = None
         if not (training and any(needs)):
             total, lse = _forward_flat(*inputs)
@@ -363,6 +365,11 @@ def _backward_shapes(grad, hidden, weight, bias, targets, lse, rows, compute, *n
                  for x, need in zip((hidden, weight, bias), needs))
 
 
+def _needs(ctx, bias: Optional[Tensor]) -> Tuple[bool, bool, bool]:
+    """Which of (hidden, weight, bias) take a gradient (no bias, none)."""
+    return tuple(ctx.needs_input_grad[:2]) + (ctx.needs_input_grad[2] and bias is not None,)
+
+
 def _setup_context(ctx, inputs, output) -> None:
     hidden, weight, bias, targets, rows, compute = inputs
     ctx.save_for_backward(hidden, weight, bias, targets, output[1])
@@ -371,7 +378,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _op_backward(ctx, grad, _):
     hidden, weight, bias, targets, lse = ctx.saved_tensors
-    needs = tuple(ctx.needs_input_grad[:2]) + (ctx.needs_input_grad[2] and bias is not None,)
+    needs = _needs(ctx, bias)
     # the op where a compiled graph traces this backward; eager (the Function's backward, no
     # dispatcher), or create_graph=True, the Python, which autograd records (Note [chunked
     # head loss]): the op has no derivative

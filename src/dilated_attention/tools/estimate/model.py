@@ -30,8 +30,8 @@ memory: on the device two of them (the one in use and the next one fetched).
 
 The peak is the largest of a few moments (``stages``): the end of the forward
 with one chunk of the loss (whose forward forms its gradients too: its d hidden
-and fp32 d weight), the loss's backward (those gradients scaled), a block's backward at the top of the stack (the most
-saved) and at the bottom (the most gradients) in its feed-forward part or
+and fp32 d weight), the loss's backward (those gradients scaled), a block's
+backward at the top of the stack (the most saved) and at the bottom (the most gradients) in its feed-forward part or
 its attention part (where the op's own working memory, from the op's
 estimate, adds), and AdamW's step. ``model_dryrun`` runs the real model on
 meta tensors to check this arithmetic (tests: within 5%).
@@ -230,6 +230,8 @@ def formula(setup: ModelSetup, mode: str, op_working: int) -> ModelEstimate:
     # before the next); its largest moment: logsumexp's exp(x - max) (a temporary of the
     # logits' size) or the dtype's logits beside the accumulators'
     chunk_forward = rows * v * max(s + acc_logits, 2 * acc_logits)
+    # the loss's gradients, formed in its forward: d hidden and the accumulators' d weight
+    loss_grads = E + v * e * acc_logits
     head_grad = v * e * s
 
     # One block in backward, beyond what the stack keeps: recomputed (checkpointing) and
@@ -252,12 +254,9 @@ def formula(setup: ModelSetup, mode: str, op_working: int) -> ModelEstimate:
 
     grads_blocks = L * per_block * s
     stages = {
-        # the loss's forward forms its gradients too: d hidden and the accumulators' d weight
-        "forward end, a loss chunk": (inputs + kept + tail + E + v * e * acc_logits
-                                      + chunk_forward, 0),
+        "forward end, a loss chunk": (inputs + kept + tail + loss_grads + chunk_forward, 0),
         # its backward scales them in place (and casts d weight to a half dtype)
-        "loss backward": (inputs + kept + tail + E + v * e * acc_logits
-                          + (v * e * s if half else 0), 0),
+        "loss backward": (inputs + kept + tail + loss_grads + (v * e * s if half else 0), 0),
         "backward, top block": (inputs + kept + recompute + prefetch + flight,
                                 head_grad + per_block * s),
         "backward, bottom block": (inputs + block + flight if mode == "none" else
