@@ -227,9 +227,10 @@ def formula(setup: ModelSetup, mode: str, op_working: int) -> ModelEstimate:
     acc_logits = loss_dtype.itemsize
     half = s < acc_logits
     # one chunk's logits at a time (loss.py's head_loss_with_gradients drops a chunk's
-    # before the next); its largest moment: logsumexp's exp(x - max) (a temporary of the
-    # logits' size) or the dtype's logits beside the accumulators'
-    chunk_forward = rows * v * max(s + acc_logits, 2 * acc_logits)
+    # before the next), turned into the softmax in place; in a half dtype the model-dtype
+    # logits beside the accumulators' (from F.linear, and again as d logits) and the
+    # chunk's (v, e) d weight in the model's dtype before its sum in the accumulators'
+    chunk_forward = rows * v * acc_logits + ((rows * v + v * e) * s if half else 0)
     # the loss's gradients, formed in its forward: d hidden and the accumulators' d weight
     loss_grads = E + v * e * acc_logits
     head_grad = v * e * s

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from .. import launch
 from ...models.lm import LongNetLM
 from ..launch import fake_world
@@ -72,7 +70,7 @@ def dry_run(setup: ModelSetup, mode: str) -> ModelEstimate:
 class KernelBuffers(LiveBytes):
     """``LiveBytes`` with what kernels allocate inside and no tracing of tensors sees:
     while an attention kernel runs, `scratch` more bytes (as the op's estimate models them
-    for the device); while logsumexp runs, one more tensor of its input's size."""
+    for the device)."""
 
     def __init__(self, scratch: int) -> None:
         super().__init__()
@@ -82,15 +80,7 @@ class KernelBuffers(LiveBytes):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if "attention" in func._schema.name.split("::")[-1]:
             self.peak = max(self.peak, self.live + self.scratch)
-        elif func in _INPUT_SIZED_TEMPORARY:
-            # ATen's logsumexp computes exp(x - max) into a temporary of x's size, which its
-            # meta kernel does not make (the loss's chunks)
-            x = args[0]
-            self.peak = max(self.peak, self.live + x.numel() * x.element_size())
         return out
-
-
-_INPUT_SIZED_TEMPORARY = (torch.ops.aten.logsumexp.default, torch.ops.aten.logsumexp.out)
 
 
 def _with_mode(setup: ModelSetup, mode: str):
