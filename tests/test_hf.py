@@ -210,13 +210,13 @@ FAMILIES = {
 }
 
 
-def family_model(model_type: str, impl: str):
+def family_model(model_type: str, impl: str, **overrides):
     import inspect
 
     cls = transformers.CONFIG_MAPPING[model_type]
     names = set(inspect.signature(cls.__init__).parameters)
     spelled = getattr(cls, "attribute_map", {}) or {}
-    values = {**FAMILY_COMMON, **FAMILIES[model_type]}
+    values = {**FAMILY_COMMON, **FAMILIES.get(model_type, {}), **overrides}
     config = cls(**{spelled.get(k, k): v for k, v in values.items()
                     if spelled.get(k, k) in names})
     torch.manual_seed(0)
@@ -258,21 +258,67 @@ def test_model_families_equal_sdpa(model_type):
     assert len(calls) == 2 * 2  # every layer (2) of both forwards
 
 
-@pytest.mark.parametrize("family", ["bloom", "mpt"])
-def test_models_that_never_call_the_attention_function_raise(family):
-    """Bloom and MPT accept the registered name but compute attention in their own layers,
-    reading the mask function's result as their mask: an error saying so, where a plain
-    causal mask of None once ran Bloom's attention bidirectional, silently."""
+@pytest.mark.parametrize("pad", ["none", "left"])
+@pytest.mark.parametrize("family", ["bloom", "mpt", "gpt_neox_japanese"])
+def test_models_that_never_call_the_attention_function_raise(family, pad):
+    """Bloom, MPT and GPT-NeoX-Japanese accept the registered name but compute attention in
+    their own layers, reading the mask function's result as their mask: an error saying so,
+    where a plain causal mask of None once ran Bloom's attention bidirectional, silently, and
+    a padded batch's keep-mask gave a shape error inside the model."""
     config = (transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)
               if family == "bloom" else
               transformers.MptConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2,
-                                     expansion_ratio=2))
+                                     expansion_ratio=2) if family == "mpt" else
+              transformers.GPTNeoXJapaneseConfig(vocab_size=VOCAB, hidden_size=32,
+                                                 num_hidden_layers=2, num_attention_heads=4,
+                                                 intermediate_multiple_size=2))
     model = AutoModelForCausalLM.from_config(config, attn_implementation=DENSE).eval()
-    with torch.no_grad(), pytest.raises((NotImplementedError, AttributeError),
+    kwargs = {} if pad == "none" else {"attention_mask": padding(pad, 2, 12)}
+    with torch.no_grad(), pytest.raises(NotImplementedError,
                                         match="never calls transformers' AttentionInterface"):
-        model(tokens(2, 12))
+        model(tokens(2, 12), **kwargs)
     with pytest.raises(AttributeError, match="reached the model's own code"):
         CAUSAL.to(torch.float64)
+    with pytest.raises(NotImplementedError, match="uses the attention mask in its own code"):
+        CAUSAL[:, 0]  # noqa: B018 - indexing is the point
+
+
+@pytest.mark.parametrize("pad", ["none", "left"])
+def test_sparse_attention_indexers_raise(pad):
+    """DeepSeek V3.2's sparse attention (GLM-MoE-DSA, AXK2, dots3, HY V4 share it) indexes the
+    mask in its own indexer and passes the selected keys as `indices`: refused from the config,
+    naming it, where it crashed with "'Causal' object is not subscriptable" (an IndexError
+    when padded)."""
+    model = family_model("deepseek_v32", DENSE, num_key_value_heads=4, n_routed_experts=4,
+                         n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+                         q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8)
+    kwargs = {} if pad == "none" else {"attention_mask": padding(pad, 2, 12)}
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="config.index_topk"):
+        model(tokens(2, 12), **kwargs)
+
+
+def test_chunked_attention_is_refused_by_name():
+    """Llama 4's chunked attention layers (config.attention_chunk_size): refused naming it,
+    where the chunks read as packed documents and the error spoke of a packed-sequence mask and
+    position_ids the caller never gave; its other layers and a model without chunks run."""
+    common = dict(interleave_moe_layer_step=1, no_rope_layers=[1, 0], num_key_value_heads=2)
+    ids = tokens(2, 16)
+    with torch.no_grad():
+        chunked = family_model("llama4_text", DENSE, attention_chunk_size=6, **common)
+        with pytest.raises(NotImplementedError, match="attention_chunk_size = 6"):
+            chunked(ids)
+        # no chunks: every layer is plain causal attention, equal to sdpa
+        got, want = (family_model("llama4_text", impl, attention_chunk_size=None, **common)(ids)
+                     .logits for impl in (DENSE, "sdpa"))
+    torch.testing.assert_close(got, want, **TOL)
+    config = transformers.Llama4TextConfig(attention_chunk_size=4)
+
+    def chunks(b, h, q, kv):
+        return (kv <= q) & (q // 4 == kv // 4)
+
+    read = build_mask(batch_size=1, q_length=12, kv_length=12, mask_function=chunks,
+                      local_size=4, config=config)
+    assert "chunked attention" in read.reason
 
 
 # --------------------------------------------------------------------------
@@ -879,7 +925,8 @@ def test_accepted_keywords():
     assert refusals.IGNORED_KWARGS == {"use_cache", "max_length_q", "max_length_k",
                                  "num_items_in_batch", "output_hidden_states",
                                  "output_router_logits"}
-    assert set(refusals.OFF_KWARGS) == {"output_attentions", "softcap", "s_aux", "seq_idx"}
+    assert set(refusals.OFF_KWARGS) == {"output_attentions", "softcap", "s_aux", "seq_idx", "sinks",
+                                        "position_bias"}
     assert refusals.ACCEPTED_KWARGS == refusals.USED_KWARGS | refusals.IGNORED_KWARGS | set(refusals.OFF_KWARGS)
     assert refusals.MASK_KWARGS == {"allow_is_causal_skip", "allow_is_bidirectional_skip", "dtype",
                               "config", "use_vmap", "device", "local_size"}
@@ -981,7 +1028,9 @@ def test_refuses_other_arguments_of_the_attention_function():
     module = build(DILATED).model.layers[0].self_attn
     q, kv = torch.randn(1, 4, 6, 8, dtype=torch.float64), torch.randn(1, 2, 6, 8,
                                                                       dtype=torch.float64)
-    for name, value in (("softcap", 30.0), ("s_aux", torch.zeros(4)), ("sliding_window", 4)):
+    # sinks (Inkling 2) and position_bias (Inkling): refused with a reason, not as unknown
+    for name, value in (("softcap", 30.0), ("s_aux", torch.zeros(4)), ("sliding_window", 4),
+                        ("sinks", torch.zeros(1, 4, 6, 1)), ("position_bias", torch.zeros(6, 6))):
         with pytest.raises(NotImplementedError, match=name):
             ours(module, q, kv, kv, None, **{name: value})
     with pytest.raises(ValueError, match="2-D torch.float64"):

@@ -4,8 +4,11 @@ Note [what the mask function returns]
     ``CAUSAL`` when no key is padded and the mask is plain causal (not
     None: a model whose layers compute attention themselves, never calling
     the attention function (Bloom, MPT), reads None as "no mask" and would
-    run bidirectional; every object below raises when used as a tensor,
-    naming the cause); the (b, k_len)
+    run bidirectional; every object below raises when used as a tensor or
+    indexed, naming the cause; the model types known to read the mask
+    themselves (Bloom, MPT, GPT-NeoX-Japanese, XGLM, and sparse-attention
+    indexers: config.index_topk or indexer_budget) are refused from their
+    config, padded or not); the (b, k_len)
     bool keep-mask when some key is padded (the form transformers'
     flash-attention mask takes, so model code treats it as it treats that
     one); ``Bidirectional`` holding one of these when the mask is plain
@@ -42,9 +45,33 @@ from torch import Tensor
 
 from .refusals import MASK_KWARGS, Refused, describe
 
-_NOT_CALLED = ("this model computes attention in its own layers and never calls transformers' "
-               "AttentionInterface (Bloom, MPT): the dilated_attention backend cannot run in it; "
-               "use attn_implementation='eager' (or 'sdpa') for this model")
+_NOT_CALLED = ("this model uses the attention mask in its own code: it computes attention in its "
+               "own layers and never calls transformers' AttentionInterface (Bloom, MPT, "
+               "GPT-NeoX-Japanese, XGLM), or selects keys with it (the sparse-attention indexers "
+               "of DeepSeek V3.2, GLM-MoE-DSA, AXK2, dots3, HY V4, Qwen4-Exp): the "
+               "dilated_attention backend cannot run in it; use attn_implementation='eager' (or "
+               "'sdpa') for this model")
+
+# model types whose layers compute attention themselves from the mask (never calling the
+# attention function): refused from their config, padded or not (a padded batch's keep-mask
+# is a tensor, which their code would misread as a 4-D mask with a shape error)
+_OWN_ATTENTION_MODELS = frozenset({"bloom", "mpt", "gpt_neox_japanese", "xglm"})
+
+
+def _check_config(config) -> None:
+    """Raise for a model that reads the mask itself (Note [what the mask function returns]).
+    A config is the same on every rank, so raising here cannot leave a rank waiting."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in _OWN_ATTENTION_MODELS:
+        raise NotImplementedError(f"{model_type}: {_NOT_CALLED}")
+    for key in ("index_topk", "indexer_budget"):
+        if getattr(config, key, None) is not None:
+            raise NotImplementedError(
+                f"{model_type} (config.{key} = {getattr(config, key)}): sparse attention that "
+                f"selects each query's keys from the mask in its own indexer (DeepSeek V3.2's "
+                f"and its relatives', Qwen4-Exp's) and attends only those, which dilated "
+                f"attention cannot honour; use attn_implementation='eager' (or 'sdpa') for this "
+                f"model")
 
 
 class _ForTheAttentionFunction:
@@ -54,6 +81,10 @@ class _ForTheAttentionFunction:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # NotImplementedError: a TypeError in `tensor + mask` would become NotImplemented
+        raise NotImplementedError(_NOT_CALLED)
+
+    def __getitem__(self, index):
+        # a model indexing its 4-D mask (DeepSeek V3.2's indexer: attention_mask[:, 0])
         raise NotImplementedError(_NOT_CALLED)
 
     def __getattr__(self, name: str):
@@ -111,11 +142,23 @@ def _build_mask(batch_size: int, q_length: int, kv_length: int, q_offset, kv_off
     if unknown:
         raise TypeError(f"the dilated_attention mask function got unexpected keyword arguments "
                         f"{unknown} from transformers; update the integration before using them")
+    _check_config(kwargs.get("config"))
     if kwargs.get("use_vmap"):
         # transformers sets use_vmap when a model overlays its own mask function
         # (or_mask_function / and_mask_function), which need not accept index tensors
         return Refused("the model combines the causal mask with its own mask function "
                         "(or_mask_function / and_mask_function, e.g. for image tokens)")
+    chunk = getattr(kwargs.get("config"), "attention_chunk_size", None)
+    if kwargs.get("local_size") is not None and chunk is not None \
+            and int(kwargs["local_size"]) == int(chunk):
+        # transformers' chunked mask (create_chunked_causal_mask passes the chunk as local_size);
+        # its chunks read as documents that position_ids do not restart, and decoding sees no
+        # window: refused by name, in the layers that use it
+        return Refused(f"chunked attention (Llama 4's config.attention_chunk_size = {chunk}): "
+                       f"each query sees only the keys of its own chunk of {chunk} positions "
+                       f"(counted from a row's first real token), which neither the dilated "
+                       f"patterns nor a sliding window express; use attn_implementation='eager' "
+                       f"or 'sdpa' for this model")
     device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
     # q_offset is a 0-d tensor for a static cache
     q_offset, kv_offset, seen = int(q_offset), int(kv_offset), int(q_offset) + q_length
@@ -208,7 +251,8 @@ def _read_window(mask_function, batch: int, q_length: int, q_offset: int, size: 
     (query, key) pairs per batch row: its own key, both ends of its window,
     their midpoints and the key past each end, so chunked attention and
     other masks that pass `size` are told apart (chunks of `size` keys read as
-    windows within documents of one chunk each, which they are).
+    windows within documents of one chunk each; transformers' own chunked mask,
+    Llama 4's, is refused before, from the config).
     """
     allowed = _reader(mask_function, batch, device)
     t = torch.arange(q_offset, q_offset + q_length, device=device)

@@ -15,7 +15,7 @@ argument, never silently dropped:
 | ``sliding_window`` and the model's sliding-window mask (Mistral, Qwen2, Gemma 3's local layers) | exact windowed attention through ``ring_attention(window_size=...)``, one process or sequence-parallel (the halo exchange); the layers without a window keep the dilated patterns (Note [sliding-window layers] in backend.py) |
 | one new token against a KV cache | exact decoding, left-padded batches and ``generate(..., group=)`` included (Note [generation] in backend.py); a sliding-window layer attends the window's keys, whatever the cache kept besides (transformers' sliding-window cache, and ``generate(..., group=)``'s sharded cache, whose ranks merge their keys of the window) |
 | ``use_cache``, ``max_length_q/k``, ``num_items_in_batch``, ``output_hidden_states``, ``output_router_logits`` | no effect on attention |
-| a 4-D mask, a float mask, a mask function other than causal within documents or a sliding window (image-token blocks), ``softcap``, ``s_aux`` (sinks), ``seq_idx``, ``output_attentions=True``, any other keyword; attention dropout on a sliding-window layer | refused |
+| a 4-D mask, a float mask, a mask function other than causal within documents or a sliding window (image-token blocks, Llama 4's chunked attention), ``softcap``, ``s_aux`` and ``sinks`` (sinks), ``position_bias``, ``seq_idx``, ``output_attentions=True``, any other keyword; attention dropout on a sliding-window layer | refused |
 | q_len != k_len other than decoding one token (chunked prefill, cross-attention), a static cache, a sliding-window cache that keeps fewer keys than the window, decoding with padding after a row's first real token | refused |
 """
 
@@ -46,7 +46,7 @@ IGNORED_KWARGS = frozenset({
 
 # Accepted only with these values (what a model passes when the feature is off).
 OFF_KWARGS = {"output_attentions": (None, False), "softcap": (None,), "s_aux": (None,),
-              "seq_idx": (None,)}
+              "seq_idx": (None,), "sinks": (None,), "position_bias": (None,)}
 
 
 ACCEPTED_KWARGS = USED_KWARGS | IGNORED_KWARGS | frozenset(OFF_KWARGS)
@@ -66,8 +66,13 @@ REFUSED_HINTS = {
     "output_attentions": "dilated attention never forms the attention weights",
     "softcap": "logit soft-capping (Gemma 2's config.attn_logit_softcapping) bends every score "
                "before the softmax, and the kernels compute plain softmax attention",
-    "s_aux": "attention sinks (gpt-oss) add a learned logit to every softmax's denominator, "
-             "and the kernels compute plain softmax attention",
+    "s_aux": "attention sinks (gpt-oss, DeepSeek V4, MiMo-V2-Flash, Granite SWA; zeros too) "
+             "add a learned logit to every softmax's denominator, and the kernels compute plain "
+             "softmax attention",
+    "sinks": "attention sinks computed per token (Inkling 2) add a logit to every softmax's "
+             "denominator, and the kernels compute plain softmax attention",
+    "position_bias": "a learned bias added to every score (Inkling's relative positions) "
+                     "changes each query's weights, and the kernels add no bias to the scores",
 }
 
 
