@@ -167,6 +167,53 @@ def test_chunked_loss_under_autocast():
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
 
 
+def test_chunked_loss_forms_gradients_only_where_a_backward_follows(monkeypatch):
+    """A training model's loss under torch.no_grad() or inference_mode (a validation loop
+    without model.eval(); a reentrant checkpoint's first forward) runs no backward: its
+    forward forms no gradients (it did: two more head matmuls, a (v, e) and a (b n, e)
+    buffer), and gives the same loss."""
+    from dilated_attention.models import loss as loss_module
+    formed = []
+    real = loss_module.head_loss_with_gradients
+    monkeypatch.setattr(loss_module, "head_loss_with_gradients",
+                        lambda *a, **k: formed.append(1) or real(*a, **k))
+    model = _build(LongNetLM, small_config(num_layers=1))
+    tokens, targets = _data(2, 11, SMALL["vocab_size"])
+    _, want = model(tokens, targets)
+    assert formed == [1]  # training with gradients: formed in the forward
+    for context in (torch.no_grad, torch.inference_mode):
+        formed.clear()
+        with context():
+            _, loss = model(tokens, targets)
+        assert formed == []
+        torch.testing.assert_close(loss, want.detach(), rtol=0, atol=0)
+    formed.clear()
+    dummy = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    loss = checkpoint(lambda d: model(tokens, targets)[1] + d, dummy, use_reentrant=True)
+    assert formed == []  # the first forward runs without gradients
+    loss.backward()
+    assert formed == [1]  # the recomputation, which a backward follows
+
+
+def test_chunked_loss_float16_weight_gradient_stays_finite():
+    """A float16 head: one chunk's d weight of the summed loss (incoming gradient 1) passes
+    float16's 65504 (40,000 rows, all the same target, hidden 4), where the mean's does not:
+    the forward scales that chunk's product by a power of two, and the gradients equal the
+    float64 ones to float16 rounding, as the plain path's (d weight was -inf)."""
+    g = torch.Generator().manual_seed(0)
+    n, e, v = 40000, 8, 4
+    hidden = (4 + 0.1 * torch.randn(1, n, e, generator=g)).half().requires_grad_()
+    weight = (0.01 * torch.randn(v, e, generator=g)).half().requires_grad_()
+    targets = torch.zeros(1, n, dtype=torch.long)
+    ref = token_mean_loss(F.linear(hidden.double(), weight.double()), targets, None)
+    want = torch.autograd.grad(ref, (hidden, weight))
+    loss = chunked_token_mean_loss(hidden, weight, targets, None)
+    got = torch.autograd.grad(loss, (hidden, weight))
+    for x, y in zip(got, want):
+        assert x.dtype == torch.float16 and bool(x.isfinite().all())
+        torch.testing.assert_close(x.double(), y.double(), rtol=2e-2, atol=1e-6)
+
+
 @pytest.mark.parametrize("frozen_hidden", [False, True])
 def test_chunked_loss_second_derivatives(frozen_hidden):
     """create_graph=True (a gradient penalty, a Hessian-vector product): the recorded backward

@@ -183,6 +183,28 @@ def test_rotary_attention_sees_relative_positions():
     torch.autograd.gradgradcheck(lambda y: apply_rotary(y, *tables) ** 2, (y,))
 
 
+@pytest.mark.parametrize("per_row", [False, True])
+def test_apply_rotary_differentiates_tables_that_need_it(per_row):
+    """Tables computed from a learned quantity (here a scale of the angles' cos and sin)
+    get their gradient (it was None, silently), first and second derivatives; tables that
+    take none keep no activation (x is not saved)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    positions = torch.stack([torch.arange(5), torch.arange(5) + 3]) if per_row else \
+        torch.arange(5)
+    cos, sin = (t.requires_grad_() for t in rotary_tables(positions, 4, dtype=torch.float64))
+    torch.autograd.gradcheck(apply_rotary, (x, cos, sin))
+    torch.autograd.gradgradcheck(apply_rotary, (x, cos, sin))
+    scale = torch.tensor(1.3, dtype=torch.float64, requires_grad=True)
+    got = torch.autograd.grad(apply_rotary(x, cos * scale, sin * scale).square().sum(), scale)
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos * scale, sin * scale
+    written = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    torch.testing.assert_close(got[0], torch.autograd.grad(written.square().sum(), scale)[0])
+    y = apply_rotary(x, cos.detach(), sin.detach())
+    assert y.grad_fn.saved_tensors[2] is None
+
+
 def test_rotary_errors():
     m = _mhda()
     x = torch.randn(2, 8, 16)

@@ -13,7 +13,8 @@ dilated attention with rotary positions sees relative positions as dense attenti
 does. The angles are computed in float64 (positions exact far beyond 2^24, where
 float32 would round them), then the tables are cast to the rotated tensors' dtype.
 The rotation holds no activation for backward (its gradient is the turn by the
-opposite angles), only the tables, which take no gradient.
+opposite angles), only the tables; tables that take a gradient themselves (computed
+from a learned quantity) get it, and then x is kept for backward.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def rotary_tables(positions: Tensor, head_dim: int, theta: float = 10000.0,
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (b, n, h, d) (q or k in the ops' layout) turned by the tables of ``rotary_tables``
-    for its n rows; differentiable in x, keeping only the tables for backward."""
+    for its n rows; differentiable in x, keeping only the tables for backward (and in the
+    tables, keeping x, where they take a gradient)."""
     if not isinstance(x, Tensor) or x.dim() != 4 or not x.is_floating_point():
         raise ValueError(f"x must be a floating tensor (batch, seq_len, heads, head_dim), got "
                          f"{_describe(x)}")
@@ -100,15 +102,36 @@ def _turn(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class _Rotation(torch.autograd.Function):
-    """The turn; its gradient is the turn of the output's gradient by the opposite angles."""
+    """The turn; its gradient is the turn of the output's gradient by the opposite angles.
+    Tables that take a gradient (computed from a learned quantity) get theirs too, from x,
+    which is kept for backward only then."""
 
     @staticmethod
     def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        ctx.save_for_backward(cos, sin)
+        tables_need = any(ctx.needs_input_grad[1:])
+        ctx.save_for_backward(cos, sin, x if tables_need else None)
         return _turn(x, cos, sin)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        cos, sin = ctx.saved_tensors
+        cos, sin, x = ctx.saved_tensors
         # through the Function again, so that a double backward differentiates it
-        return _Rotation.apply(grad, cos, -sin), None, None
+        dx = _Rotation.apply(grad, cos, -sin) if ctx.needs_input_grad[0] else None
+        dcos = dsin = None
+        if x is not None:
+            # (b, n, h, d) -> halves (b, n, h, d/2): out1 = x1 cos - x2 sin,
+            # out2 = x2 cos + x1 sin; summed over the heads (and the batch for (n, 1, d/2)
+            # tables) down to the table's shape, in its dtype
+            x1, x2 = x.chunk(2, dim=-1)
+            g1, g2 = grad.chunk(2, dim=-1)
+            dcos = _to_table(g1 * x1 + g2 * x2, cos) if ctx.needs_input_grad[1] else None
+            dsin = _to_table(g2 * x1 - g1 * x2, sin) if ctx.needs_input_grad[2] else None
+        return dx, dcos, dsin
+
+
+def _to_table(g: Tensor, table: Tensor) -> Tensor:
+    """(b, n, h, d/2) -> table's (n, 1, d/2) or (b, n, 1, d/2): summed over what it broadcast."""
+    g = g.sum(dim=2, keepdim=True)
+    if table.dim() == 3:
+        g = g.sum(dim=0)
+    return g.to(table.dtype)

@@ -34,6 +34,12 @@ Note [chunked head loss]
     of the graph (retain_graph=True) recomputes each chunk's logits from
     the saved hidden states and lse instead (the first one used the
     gradients up), and so does the compiled custom op pair.
+    Only a forward that a backward can follow forms them (gradients enabled,
+    the model training). In float16 one chunk's unscaled d weight (the
+    summed loss's: up to r rows of |d logits| |hidden|, where the plain path
+    has them times 1 / count) can pass 65504: where r max|hidden| could,
+    the chunk's hidden rows enter that matmul scaled by a power of two (exact)
+    and its product is scaled back in the fp32 accumulator.
     The matmuls run in the model's dtype and the softmax in the accumulator
     dtype, as the plain path (``F.linear`` then ``token_mean_loss``) does,
     so the loss and gradients equal the plain ones to rounding (fp64 tests).
@@ -110,7 +116,10 @@ def chunked_token_mean_loss(hidden: Tensor, weight: Tensor, targets: Tensor, gro
     training: a backward follows (the models pass their ``training``), so a
     forward that needs gradients forms them from the logits it has; False
     (evaluation with gradients on, which may never run a backward) keeps
-    the forward to the loss and recomputes the logits in a backward.
+    the forward to the loss and recomputes the logits in a backward. Forming
+    them also needs gradients enabled (a training model's forward under
+    ``torch.no_grad()`` or ``inference_mode``, a validation loop without
+    ``model.eval()``, runs no backward).
     """
     chunk_bytes = check.check_positive_int("chunk_bytes", chunk_bytes)
     check.check_bool("training", training)
@@ -124,7 +133,9 @@ def chunked_token_mean_loss(hidden: Tensor, weight: Tensor, targets: Tensor, gro
         # would fix the sequence length)
         total = _forward_op(*flat)[0]
     else:
-        total = _ChunkedHeadLoss.apply(*flat, training)
+        # Function.forward runs with gradients off: whether a backward can follow is decided here
+        form = training and torch.is_grad_enabled()
+        total = _ChunkedHeadLoss.apply(*flat, form)
     return _mean_over_ranks(total, targets, group)
 
 
@@ -198,7 +209,7 @@ def head_loss_with_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tens
         d = logits.mul_(torch.where(keep, sums.reciprocal(), 0)[:, None])
         # (r,) -> (r, 1): minus one at each kept row's target
         d.scatter_add_(1, t.clamp(min=0)[:, None], -keep.to(acc)[:, None])
-        _add_chunk(d.to(hidden.dtype), h, weight, start, grads)
+        _add_chunk(d.to(hidden.dtype), h, weight, start, grads, unscaled=True)
         del logits, d  # before the next chunk's logits: one chunk's at a time
     return total, lse, grads
 
@@ -241,16 +252,23 @@ def _gradient_buffers(hidden: Tensor, weight: Tensor, acc: torch.dtype,
 
 
 def _add_chunk(d: Tensor, h: Tensor, weight: Tensor, start: int,
-               grads: Tuple[Optional[Tensor], ...]) -> None:
+               grads: Tuple[Optional[Tensor], ...], unscaled: bool = False) -> None:
     """One chunk's d logits (r, v) in the model's dtype, of hidden rows h (r, e) from
     `start`: d hidden's rows = d @ weight; d weight += d^T h and d bias += d's column sums,
-    in the buffers' accumulator dtype."""
+    in the buffers' accumulator dtype. unscaled: d is the summed loss's (|d| <= 1, no
+    incoming gradient applied), whose float16 d^T h may pass float16's range."""
     dh, dw, db = grads
     if dh is not None:
         torch.mm(d, weight, out=dh[start:start + d.shape[0]])
     if dw is not None:
         if d.dtype == dw.dtype:
             dw.addmm_(d.t(), h)
+        elif unscaled and d.dtype == torch.float16:
+            # |d^T h| <= r max|h| (each |d| <= 1): h enters scaled by 2^-k, k the least that
+            # brings that bound under 2^15 (0 almost always: the same bits), and the product
+            # is scaled back as the fp32 sum takes it; no host sync (the scale is a tensor)
+            k = torch.log2(h.abs().amax().float() * d.shape[0] / 2**15).ceil().clamp(min=0)
+            dw.addcmul_(torch.mm(d.t(), h * torch.exp2(-k).to(h.dtype)), torch.exp2(k))
         else:  # half precision: each chunk's product in it, their sum in fp32
             dw += torch.mm(d.t(), h)
     if db is not None:
