@@ -163,7 +163,7 @@ def test_apply_rotary_is_llamas_rotation():
                                rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match=r"^x must be a floating tensor \(batch, seq_len, heads"):
         apply_rotary(x[0], *tables)
-    with pytest.raises(ValueError, match=r"^rotary's cos must be .* of shape \(7, 1, 4\)"):
+    with pytest.raises(ValueError, match=r"^rotary's cos must be of shape \(7, 1, 4\)"):
         apply_rotary(x, *rotary_tables(positions, 6))
 
 
@@ -216,6 +216,9 @@ def test_rotary_errors():
         m(x, x, x, rotary=rotary_tables(torch.arange(9), 4))
     with pytest.raises(ValueError, match=r"^rotary's sin must be on cpu, got meta"):
         m(x, x, x, rotary=(cos, sin.to("meta")))
+    with pytest.raises(TypeError, match=r"^rotary's sin must be a floating tensor, got "
+                                        r"torch.int64 of shape \(8, 1, 2\)"):
+        m(x, x, x, rotary=(cos, sin.long()))
     with pytest.raises(TypeError, match=r"^positions must be an integer tensor"):
         rotary_tables(torch.arange(8.0), 4)
     with pytest.raises(ValueError, match=r"^head_dim must be even.*got 5"):

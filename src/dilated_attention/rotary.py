@@ -70,10 +70,12 @@ def check_tables(tables, batch: int, rows: int, head_dim: int, device: torch.dev
                         f"{type(tables).__name__}")
     shapes = {(rows, 1, head_dim // 2), (batch, rows, 1, head_dim // 2)}
     for name, t in zip(("cos", "sin"), tables):
-        if tuple(t.shape) not in shapes or not t.is_floating_point():
-            raise ValueError(f"rotary's {name} must be floating, of shape ({rows}, 1, "
-                             f"{head_dim // 2}) or ({batch}, {rows}, 1, {head_dim // 2}) for "
-                             f"{rows} rows of head_dim {head_dim}, got {_describe(t)}")
+        if not t.is_floating_point():
+            raise TypeError(f"rotary's {name} must be a floating tensor, got {_describe(t)}")
+        if tuple(t.shape) not in shapes:
+            raise ValueError(f"rotary's {name} must be of shape ({rows}, 1, {head_dim // 2}) "
+                             f"or ({batch}, {rows}, 1, {head_dim // 2}) for {rows} rows of "
+                             f"head_dim {head_dim}, got {_describe(t)}")
         if t.device != device:
             raise ValueError(f"rotary's {name} must be on {device}, got {t.device}")
 
