@@ -131,18 +131,20 @@ def test_module_with_dynamic_length_compiles_once() -> None:
         torch.testing.assert_close(out, attn(x, x, x, is_causal=True)[0])
 
 
-def test_model_with_dynamic_length_compiles_once() -> None:
+@pytest.mark.parametrize("positions", ["sinusoidal", "rotary"])
+def test_model_with_dynamic_length_compiles_once(positions) -> None:
     """LongNetLM's training forward (the chunked loss, a custom op pair like the attention)
     compiles into ONE graph (fullgraph: the id checks, which read the ids, are skipped while
     tracing) that serves every length marked dynamic (the loss's chunk loop, traced, fixed
     the length: ConstraintViolationError; the id checks' graph break made the agreed piece
-    lengths constants: a recompile per length) and equals eager, loss and gradients."""
+    lengths constants: a recompile per length) and equals eager, loss and gradients (rotary:
+    the turn's compiled branch, torch.cat of the halves, too)."""
     from dilated_attention import LongNetConfig, LongNetLM
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     config = LongNetConfig(vocab_size=19, embed_dim=16, num_heads=4, ffn_dim=24, num_layers=1,
-                           segment_lengths=(4, 8), dilation_rates=(1, 2),
+                           segment_lengths=(4, 8), dilation_rates=(1, 2), positions=positions,
                            loss_chunk_bytes=5 * 19 * 8)  # chunks of 5 rows: several per call
     model = LongNetLM(config, dtype=torch.float64)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
@@ -208,4 +210,16 @@ def test_the_custom_ops_fakes_match_the_real_ops(dtype):
     call = dilated.LocalCall(((8, 16), (1, 2)), KernelOptions(True, 8 ** -0.5, "cpu_flash"),
                              Heads.of(2, 2), None, False)
     torch.library.opcheck(dilated._forward_op, (q, k, v, *call.flat(), None, False),
+                          test_utils=("test_faketensor",))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_the_loss_ops_fake_matches_the_real_op(dtype):
+    """The chunked loss's forward op: its lse in the accumulator dtype (fp32 for a half
+    dtype, fp64 for fp64) in the fake as in the real op."""
+    from dilated_attention.models import loss
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = (torch.randn(*shape, generator=g).to(dtype) for shape in ((7, 4), (5, 4)))
+    targets = torch.randint(0, 5, (7,), generator=g)
+    torch.library.opcheck(loss._forward_op, (hidden, weight, None, targets, 3, dtype),
                           test_utils=("test_faketensor",))

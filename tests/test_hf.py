@@ -371,14 +371,17 @@ def test_head_dims_of_v_other_than_q_are_exact(dv):
     out, _ = ours(module, q, k, v, None, scaling=0.3)
     assert out.shape == (b, n, h, dv)
 
-    def op(vv):  # in our layout: (b, h, n, d) -> (b, n, h, d)
+    def op(vv, scale=0.3):  # in our layout: (b, h, n, d) -> (b, n, h, d)
         t = [x.transpose(1, 2) for x in (q, k, vv)]
-        return dilated_attention(*t, SEGMENTS, RATES, is_causal=True, scale=0.3)
+        return dilated_attention(*t, SEGMENTS, RATES, is_causal=True, scale=scale)
 
-    if dv < d:
-        ref = op(torch.cat([v, extra], dim=-1))[..., :dv]
-    else:  # v's columns in two groups of q's head dim
-        ref = torch.cat([op(v[..., :d]), op(v[..., d:])], dim=-1)
+    def reference(scale=0.3):
+        if dv < d:
+            return op(torch.cat([v, extra], dim=-1), scale)[..., :dv]
+        # v's columns in two groups of q's head dim
+        return torch.cat([op(v[..., :d], scale), op(v[..., d:], scale)], dim=-1)
+
+    ref = reference()
     torch.testing.assert_close(out, ref, **TOL)
     dout = torch.randn(out.shape, dtype=torch.float64, generator=g)
     got = torch.autograd.grad(out, (q, k, v), dout)
@@ -388,6 +391,46 @@ def test_head_dims_of_v_other_than_q_are_exact(dv):
     with torch.no_grad():  # one new token against the cache: the full forward's last row
         step, _ = ours(module, q[:, :, -1:], k, v, None, scaling=0.3)
     torch.testing.assert_close(step[:, 0], ref[:, -1].detach(), **TOL)
+    # no scaling given: q's own head dim's scale, not that of q padded to v's head dim
+    with torch.no_grad():
+        unscaled, _ = ours(torch.nn.Module().eval(), q, k, v, None)
+        torch.testing.assert_close(unscaled, reference(d ** -0.5), **TOL)
+
+
+def _serving_step(ours, module, q, k, v, cached_k, cached_v):
+    """One new token (q, k, v's last rows) through the attention function as a step of
+    sharded generation reads it: from the serving cache (one process, a stand-in cache
+    holding cached_k, cached_v (b, n, hk, d) as its rows)."""
+    import types
+
+    from dilated_attention.decoding import CachedRows
+    from dilated_attention.integrations.transformers.backend import serving
+    n = cached_k.shape[1]
+    cache = types.SimpleNamespace(group=None, prefill_group=None, decoding=True,
+                                  position=lambda layer: n - 1,
+                                  rows=lambda layer: [CachedRows(cached_k, cached_v, 0, n)])
+    with serving(cache), torch.no_grad():
+        return ours(module, q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], None, scaling=0.3)[0]
+
+
+def test_sharded_step_with_other_head_dims():
+    """A step of sharded generation pads the cached rows as the new token's (v's head dim
+    other than q's) and equals the full forward's last row; cached keys of another head dim
+    than the layer's (a cache of other tensors, heads alike) are refused."""
+    ours = AttentionInterface()[DILATED]
+    module = torch.nn.Module().eval()
+    module.layer_idx = 0
+    g = torch.Generator().manual_seed(5)
+    b, h, hk, n, d = 1, 4, 2, 30, 8
+    for dv in (4, 16):
+        q = torch.randn(b, h, n, d, dtype=torch.float64, generator=g)
+        k = torch.randn(b, hk, n, d, dtype=torch.float64, generator=g)
+        v = torch.randn(b, hk, n, dv, dtype=torch.float64, generator=g)
+        full, _ = ours(module, q, k, v, None, scaling=0.3)
+        step = _serving_step(ours, module, q, k, v, k.transpose(1, 2), v.transpose(1, 2))
+        torch.testing.assert_close(step[:, 0], full[:, -1], **TOL)
+    with pytest.raises(NotImplementedError, match="caches other tensors than its attention"):
+        _serving_step(ours, module, q, k, v, k.transpose(1, 2)[..., :6], v.transpose(1, 2))
 
 
 # --------------------------------------------------------------------------
@@ -1041,6 +1084,28 @@ def test_refuses_other_arguments_of_the_attention_function():
     assert weights is None and out.shape == (1, 6, 4, 8)
 
 
+def test_cu_seq_lens_q_and_k_only_together():
+    """cu_seq_lens_q without cu_seq_lens_k (or the reverse) is an error, not documents
+    dropped silently."""
+    ours = AttentionInterface()[DILATED]
+    module = torch.nn.Module().eval()
+    q, kv = torch.randn(1, 4, 6, 8, dtype=torch.float64), torch.randn(1, 2, 6, 8,
+                                                                      dtype=torch.float64)
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+    for kwargs in ({"cu_seq_lens_k": cu}, {"cu_seq_lens_q": cu}):
+        with pytest.raises(ValueError, match="must be given together"):
+            ours(module, q, kv, kv, None, scaling=0.3, **kwargs)
+
+
+def test_sharded_generate_refuses_a_model_without_position_ids():
+    """generate(..., group=) refuses a model whose forward takes no position_ids (Bloom)
+    before the prefill, with the reason (one process: the check runs there too)."""
+    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=DENSE).eval()
+    with pytest.raises(NotImplementedError, match="takes no position_ids"):
+        hf.generate(model, tokens(1, 8), group=None, max_new_tokens=2, pad_token_id=0)
+
+
 def test_mask_function_reads_documents_and_refuses_other_masks():
     """Mask functions written here, in transformers' (batch, head, q, kv) index form."""
 
@@ -1083,6 +1148,13 @@ def test_mask_function_reads_documents_and_refuses_other_masks():
     assert call(causal, attention_mask=keep) is CAUSAL
     keep[0, :2] = False
     assert torch.equal(call(causal, attention_mask=keep), keep)
+    # padding together with the packed-sequence mask (the documents would drop the padding)
+    assert "padding together with transformers' packed-sequence mask" in \
+        call(packed, attention_mask=keep).reason
+    # decoding position 5 against a cache that kept keys 2..5 only, outside a window layer
+    dropped = build_mask(batch_size=1, q_length=1, kv_length=4, q_offset=5, kv_offset=2,
+                         mask_function=causal)
+    assert "drops old keys (kv_offset = 2)" in dropped.reason
 
 
 # --------------------------------------------------------------------------

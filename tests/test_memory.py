@@ -64,16 +64,19 @@ def _assert_same(got, want, tol=dict(rtol=1e-10, atol=1e-12)):
 
 
 class LargestTensor(TorchDispatchMode):
-    """The bytes of the largest tensor any op creates while active."""
+    """The bytes of the largest tensor any op creates while active (views of `existing`
+    tensors' storage not counted)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *existing: torch.Tensor) -> None:
         super().__init__()
         self.bytes = 0
+        self.existing = {x.untyped_storage().data_ptr() for x in existing}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and \
+                    t.untyped_storage().data_ptr() not in self.existing:
                 self.bytes = max(self.bytes, t.numel() * t.element_size())
         return out
 
@@ -212,6 +215,76 @@ def test_chunked_loss_float16_weight_gradient_stays_finite():
     for x, y in zip(got, want):
         assert x.dtype == torch.float16 and bool(x.isfinite().all())
         torch.testing.assert_close(x.double(), y.double(), rtol=2e-2, atol=1e-6)
+
+
+def test_chunked_loss_of_large_logits_is_finite():
+    """Each row's max is subtracted before the exp: logits far past exp's float32 range (~88)
+    give the plain path's finite loss and gradients, training or not."""
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(1, 6, 8, generator=g) * 30).requires_grad_()
+    weight = (torch.randn(5, 8, generator=g) * 10).requires_grad_()
+    targets = torch.randint(0, 5, (1, 6), generator=g)
+    ref = token_mean_loss(F.linear(hidden, weight), targets, None)
+    assert ref.item() > 100  # logits in the thousands
+    want = torch.autograd.grad(ref, (hidden, weight))
+    for training in (True, False):
+        loss = chunked_token_mean_loss(hidden, weight, targets, None, chunk_bytes=2 * 5 * 4,
+                                       training=training)
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
+        for got, ref_grad in zip(torch.autograd.grad(loss, (hidden, weight)), want):
+            torch.testing.assert_close(got, ref_grad, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_loss_forward_forms_only_the_gradients_it_needs():
+    """The forward forms gradients only when training, and only those needed: an evaluation
+    forward (training=False) or a frozen head allocates no (v, e) d weight, a frozen hidden
+    no (N, e) d hidden."""
+    g = torch.Generator().manual_seed(0)
+    b, n, e, v = 1, 8, 64, 50  # d weight 25.6 KB, d hidden 4 KB, a chunk's logits 800 B
+    chunk = 2 * v * 8
+    hidden = torch.randn(b, n, e, dtype=torch.float64, generator=g)
+    weight = torch.randn(v, e, dtype=torch.float64, generator=g)
+    targets = torch.randint(0, v, (b, n), generator=g)
+
+    def largest(needs_hidden: bool, needs_weight: bool, training: bool) -> int:
+        h = hidden.clone().requires_grad_(needs_hidden)
+        w = weight.clone().requires_grad_(needs_weight)
+        with LargestTensor(h, w, targets) as made:
+            chunked_token_mean_loss(h, w, targets, None, chunk_bytes=chunk, training=training)
+        return made.bytes
+
+    assert largest(True, True, True) == v * e * 8  # training: d weight formed in the forward
+    assert largest(True, True, False) <= chunk  # evaluation: the loss alone
+    assert largest(True, False, True) == b * n * e * 8  # frozen head: d hidden only
+    assert largest(False, True, True) == v * e * 8
+    assert largest(False, False, True) <= chunk
+
+
+def test_chunk_budget_below_one_row():
+    """A chunk budget smaller than one row of logits runs one row a chunk."""
+    assert loss_chunk_rows(100, torch.float32, 1) == 1
+    assert loss_chunk_rows(100, torch.float32, 399) == 1
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 5, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(7, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, 7, (1, 5), generator=g)
+    ref = token_mean_loss(F.linear(hidden, weight), targets, None)
+    loss = chunked_token_mean_loss(hidden, weight, targets, None, chunk_bytes=1)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-13)
+
+
+def test_chunked_loss_second_derivatives_of_an_empty_piece():
+    """create_graph=True on a rank without rows (an empty piece): zero first derivatives,
+    and a second derivative through them, as the plain path gives."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.zeros(1, 0, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.zeros(1, 0, dtype=torch.long)
+    loss = chunked_token_mean_loss(hidden, weight, targets, None)
+    dh, dw = torch.autograd.grad(loss, (hidden, weight), create_graph=True)
+    assert dh.shape == hidden.shape and dw.shape == weight.shape and not dw.any()
+    (second,) = torch.autograd.grad((dw ** 2).sum() + loss, weight, allow_unused=True)
+    assert second is None or not second.any()
 
 
 @pytest.mark.parametrize("frozen_hidden", [False, True])

@@ -439,10 +439,14 @@ def test_cached_attention_equals_last_row_of_dilated_attention(hk):
         torch.testing.assert_close(step[:, 0], full[:, t], msg=f"t={t}")
 
 
-def test_generate_with_cache_equals_without():
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_generate_with_cache_equals_without(positions):
+    """Cached generation equals rerunning the sequence, greedy and sampled, and its per-step
+    logits a full forward's (rotary: each step turns its query and key, and the cache keeps
+    turned keys)."""
     torch.manual_seed(0)
-    model = LongNetLM(small_config(num_kv_heads=2, positions="learned", max_seq_len=64),
-                      dtype=torch.float64)
+    model = LongNetLM(small_config(num_kv_heads=2, positions=positions, max_seq_len=64,
+                                   rope_theta=300.0), dtype=torch.float64)
     _perturb(model)
     prompt, _ = _data(2, 6, 23)
     greedy = model.generate(prompt, 30)

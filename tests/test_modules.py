@@ -205,6 +205,20 @@ def test_apply_rotary_differentiates_tables_that_need_it(per_row):
     assert y.grad_fn.saved_tensors[2] is None
 
 
+def test_rotary_tables_are_exact_past_two_to_the_24():
+    """The angles are float64: positions past 2^24, which float32 rounds, are exact."""
+    import math
+
+    d, theta = 8, 500.0
+    positions = torch.tensor([2**24 + 1, 2**24 + 3, 2**30 + 7])
+    cos, sin = rotary_tables(positions, d, theta=theta, dtype=torch.float64)
+    for row, p in enumerate(positions.tolist()):
+        for i in range(d // 2):
+            angle = p * theta ** (-2 * i / d)
+            assert cos[row, 0, i].item() == pytest.approx(math.cos(angle), abs=1e-6), (p, i)
+            assert sin[row, 0, i].item() == pytest.approx(math.sin(angle), abs=1e-6), (p, i)
+
+
 def test_rotary_errors():
     m = _mhda()
     x = torch.randn(2, 8, 16)
@@ -221,6 +235,14 @@ def test_rotary_errors():
         m(x, x, x, rotary=(cos, sin.long()))
     with pytest.raises(TypeError, match=r"^positions must be an integer tensor"):
         rotary_tables(torch.arange(8.0), 4)
+    with pytest.raises(TypeError, match=r"^positions must be an integer tensor .* got "
+                                        r"torch.bool of shape \(2,\)"):
+        rotary_tables(torch.tensor([True, False]), 4)
+    with pytest.raises(TypeError, match=r"^positions must be an integer tensor .* of shape "
+                                        r"\(2, 3, 5\)"):
+        rotary_tables(torch.zeros(2, 3, 5, dtype=torch.long), 4)
+    with pytest.raises(TypeError, match=r"^rotary must be a pair of tensors \(cos, sin\)"):
+        m(x, x, x, rotary=(cos, sin, cos))
     with pytest.raises(ValueError, match=r"^head_dim must be even.*got 5"):
         rotary_tables(torch.arange(8), 5)
     with pytest.raises(ValueError, match=r"^theta must be a positive finite float, got -1"):

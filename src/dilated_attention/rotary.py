@@ -68,7 +68,9 @@ def check_tables(tables, batch: int, rows: int, head_dim: int, device: torch.dev
             and all(isinstance(t, Tensor) for t in tables)):
         raise TypeError(f"rotary must be a pair of tensors (cos, sin) from rotary_tables, got "
                         f"{type(tables).__name__}")
-    shapes = {(rows, 1, head_dim // 2), (batch, rows, 1, head_dim // 2)}
+    # a tuple, not a set: hashing a traced (symbolic) length would fix it to its value under
+    # torch.compile, one graph per length
+    shapes = ((rows, 1, head_dim // 2), (batch, rows, 1, head_dim // 2))
     for name, t in zip(("cos", "sin"), tables):
         if not t.is_floating_point():
             raise TypeError(f"rotary's {name} must be a floating tensor, got {_describe(t)}")

@@ -31,9 +31,11 @@ memory: on the device two of them (the one in use and the next one fetched).
 The peak is the largest of a few moments (``stages``): the end of the forward
 with one chunk of the loss (whose forward forms its gradients too: its d hidden
 and fp32 d weight), the loss's backward (those gradients scaled), a block's
-backward at the top of the stack (the most saved) and at the bottom (the most gradients) in its feed-forward part or
-its attention part (where the op's own working memory, from the op's
-estimate, adds), and AdamW's step. ``model_dryrun`` runs the real model on
+backward at the top of the stack (the most saved) and at the bottom (the most
+gradients) in its feed-forward part or its attention part (where the op's own
+working memory, from the op's estimate, adds), under checkpointing with
+feed-forward chunks the top block's recomputed forward (the chunks' outputs
+beside their join), and AdamW's step. ``model_dryrun`` runs the real model on
 meta tensors to check this arithmetic (tests: within 5%).
 """
 
@@ -181,8 +183,19 @@ def block_saved(setup: ModelSetup) -> Tuple[int, int]:
     e, f, h = c.embed_dim, c.ffn_dim, c.num_heads
     kv = (c.num_kv_heads or h) * (e // h)
     attention = (5 * e + 2 * kv) * s + (h + 4) * a
-    feed_forward = e * s if c.ffn_chunk_bytes is not None else (2 * e + 3 * f) * s + 4 * a
+    feed_forward = e * s if ffn_chunk_rows(setup) is not None else (2 * e + 3 * f) * s + 4 * a
     return attention, feed_forward
+
+
+def ffn_chunk_rows(setup: ModelSetup) -> Optional[int]:
+    """Rows per feed-forward chunk, as the blocks cut them (models/layers.py), or None where
+    the feed-forward runs unchunked: no ffn_chunk_bytes, or one chunk covers the piece
+    (checkpointing.run_in_chunks then runs it whole, keeping all its activations)."""
+    c = setup.config
+    if c.ffn_chunk_bytes is None:
+        return None
+    rows = max(1, c.ffn_chunk_bytes // (setup.batch * c.ffn_dim * setup.torch_dtype.itemsize))
+    return rows if setup.rows > rows else None
 
 
 @dataclasses.dataclass
@@ -241,11 +254,11 @@ def formula(setup: ModelSetup, mode: str, op_working: int) -> ModelEstimate:
     # gradients of the residual and of the op's output, dq, dk, dv, the op's working memory:
     # 3 E + the kv gradients + working).
     recompute = 0 if mode == "none" else block - (E if mode == "layers" else 0)
-    if c.ffn_chunk_bytes is not None:
-        chunk_rows = max(1, c.ffn_chunk_bytes // (setup.batch * f * s))
+    chunk_rows = ffn_chunk_rows(setup)
+    if chunk_rows is not None:
         # the chunks' input gradients wait in autograd's buffer until the last chunk's
         # backward is done, then are joined into one more E
-        chunk = min(chunk_rows, setup.rows) * setup.batch
+        chunk = chunk_rows * setup.batch
         ffn_flight = E + max(2 * E, (R - chunk) * e * s + chunk * (2 * e + 4 * f) * s)
     else:
         ffn_flight = E + R * f * s
@@ -260,6 +273,13 @@ def formula(setup: ModelSetup, mode: str, op_working: int) -> ModelEstimate:
         "loss backward": (inputs + kept + tail + loss_grads + (v * e * s if half else 0), 0),
         "backward, top block": (inputs + kept + recompute + prefetch + flight,
                                 head_grad + per_block * s),
+        # checkpointed feed-forward chunks: while the top block's forward is recomputed, the
+        # chunks' outputs (E) and their join (E) meet the whole block's recomputed activations
+        # and the gradient of its output (E)
+        "backward, top block's chunks recomputed": (
+            inputs + kept + block + prefetch + 3 * E
+            if mode != "none" and chunk_rows is not None else 0,
+            head_grad),
         "backward, bottom block": (inputs + block + flight if mode == "none" else
                                    inputs + (E if mode == "layers" else 0) + recompute + flight,
                                    head_grad + grads_blocks),
