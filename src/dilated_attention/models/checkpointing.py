@@ -74,11 +74,19 @@ def run_blocks(layers: nn.ModuleList, x: Tensor, mode: str, **kwargs) -> Tensor:
     return x
 
 
-def run_in_chunks(fn, x: Tensor, rows: int) -> Tensor:
-    """``fn(x)`` for a row-wise fn, x (b, n, ...): with gradients, over chunks of `rows` rows
-    along dim 1, each checkpointed (recomputed in backward), so only one chunk's
-    intermediates exist at a time."""
-    if not torch.is_grad_enabled() or x.shape[1] <= rows:
+def chunk_rows(rows: int, chunk_bytes: int, row_bytes: int) -> Optional[int]:
+    """Rows per chunk of `rows` rows whose intermediates take `row_bytes` each: at most
+    `chunk_bytes` a chunk (one row at least); None where one chunk holds them all."""
+    per_chunk = max(1, chunk_bytes // row_bytes)
+    return per_chunk if rows > per_chunk else None
+
+
+def run_in_chunks(fn, x: Tensor, chunk_bytes: int, row_bytes: int) -> Tensor:
+    """``fn(x)`` for a row-wise fn, x (b, n, ...): with gradients, over chunks of rows along
+    dim 1 (``chunk_rows``), each checkpointed (recomputed in backward), so only one chunk's
+    intermediates exist at a time; whole where one chunk holds every row."""
+    rows = chunk_rows(x.shape[1], chunk_bytes, row_bytes)
+    if not torch.is_grad_enabled() or rows is None:
         return fn(x)
     # (b, n, ...) -> chunks (b, rows, ...) along the sequence, their outputs joined back
     return torch.cat([checkpoint(fn, chunk, use_reentrant=False, early_stop=False)

@@ -175,7 +175,7 @@ class Block(nn.Module):
         if self.ffn_chunk_bytes is None:
             return self._ffn_rows(x)
         row_bytes = x.shape[0] * self.ffn.fc1.out_features * x.element_size()
-        return run_in_chunks(self._ffn_rows, x, max(1, self.ffn_chunk_bytes // row_bytes))
+        return run_in_chunks(self._ffn_rows, x, self.ffn_chunk_bytes, row_bytes)
 
     def _ffn_rows(self, x: Tensor) -> Tensor:
         return self.ffn(self.ffn_norm(x))

@@ -49,7 +49,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ...models.checkpointing import CHECKPOINT_MODES
+from ...models.checkpointing import CHECKPOINT_MODES, chunk_rows
 from ...models.config import LongNetConfig
 from ...models.loss import accumulator_dtype, loss_chunk_rows
 from .config import EstimateConfig, make_config
@@ -188,14 +188,14 @@ def block_saved(setup: ModelSetup) -> Tuple[int, int]:
 
 
 def ffn_chunk_rows(setup: ModelSetup) -> Optional[int]:
-    """Rows per feed-forward chunk, as the blocks cut them (models/layers.py), or None where
-    the feed-forward runs unchunked: no ffn_chunk_bytes, or one chunk covers the piece
-    (checkpointing.run_in_chunks then runs it whole, keeping all its activations)."""
+    """Rows per feed-forward chunk, as the blocks cut them, or None where the feed-forward
+    runs whole (keeping all its activations): no ffn_chunk_bytes, or one chunk holds the
+    piece."""
     c = setup.config
     if c.ffn_chunk_bytes is None:
         return None
-    rows = max(1, c.ffn_chunk_bytes // (setup.batch * c.ffn_dim * setup.torch_dtype.itemsize))
-    return rows if setup.rows > rows else None
+    return chunk_rows(setup.rows, c.ffn_chunk_bytes,
+                      setup.batch * c.ffn_dim * setup.torch_dtype.itemsize)
 
 
 @dataclasses.dataclass
