@@ -134,8 +134,7 @@ def chunked_token_mean_loss(hidden: Tensor, weight: Tensor, targets: Tensor, gro
         total = _forward_op(*flat)[0]
     else:
         # Function.forward runs with gradients off: whether a backward can follow is decided here
-        form = training and torch.is_grad_enabled()
-        total = _ChunkedHeadLoss.apply(*flat, form)
+        total = _ChunkedHeadLoss.apply(*flat, training and torch.is_grad_enabled())
     return _mean_over_ranks(total, targets, group)
 
 
@@ -321,11 +320,11 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, rows, compute, training):
+    def forward(ctx, hidden, weight, bias, targets, rows, compute, backward_follows):
         inputs = (hidden, weight, bias, targets, rows, compute)
         needs = _needs(ctx, bias)
         ctx.grads = None
-        if not (training and any(needs)):
+        if not (backward_follows and any(needs)):
             total, lse = _forward_flat(*inputs)
         else:
             with _autocast_off(hidden.device.type):

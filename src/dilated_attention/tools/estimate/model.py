@@ -254,11 +254,11 @@ def formula(setup: ModelSetup, mode: str, op_working: int) -> ModelEstimate:
     # gradients of the residual and of the op's output, dq, dk, dv, the op's working memory:
     # 3 E + the kv gradients + working).
     recompute = 0 if mode == "none" else block - (E if mode == "layers" else 0)
-    chunk_rows = ffn_chunk_rows(setup)
-    if chunk_rows is not None:
+    ffn_rows = ffn_chunk_rows(setup)
+    if ffn_rows is not None:
         # the chunks' input gradients wait in autograd's buffer until the last chunk's
         # backward is done, then are joined into one more E
-        chunk = chunk_rows * setup.batch
+        chunk = ffn_rows * setup.batch
         ffn_flight = E + max(2 * E, (R - chunk) * e * s + chunk * (2 * e + 4 * f) * s)
     else:
         ffn_flight = E + R * f * s
@@ -278,7 +278,7 @@ def formula(setup: ModelSetup, mode: str, op_working: int) -> ModelEstimate:
         # and the gradient of its output (E)
         "backward, top block's chunks recomputed": (
             inputs + kept + block + prefetch + 3 * E
-            if mode != "none" and chunk_rows is not None else 0,
+            if mode != "none" and ffn_rows is not None else 0,
             head_grad),
         "backward, bottom block": (inputs + block + flight if mode == "none" else
                                    inputs + (E if mode == "layers" else 0) + recompute + flight,
