@@ -229,6 +229,12 @@ def test_model_command(tmp_path, capsys):
     for line in ("parameters", "AdamW moments", "gradients", "peak on the device",
                  "host memory", "dry run: peak on the device", "formula vs dry run"):
         assert line in out, line
+    # each stage's short name fits its 16-wide column, a space before it
+    from dilated_attention.tools.estimate import model_report
+    for stage in ("forward end, a loss chunk", "loss backward", "backward, top block",
+                  "backward, top block's chunks recomputed", "backward, bottom block",
+                  "backward, embedding", "optimizer step"):
+        assert len(model_report._short(stage)) <= 15, stage
     assert cli.main(["estimate", "--model", "tiny", "--fit-memory", "300MB", "--world-size", "2",
                      "--device", "cuda", "--json"]) == 0
     fits = json.loads(capsys.readouterr().out)["fits"]

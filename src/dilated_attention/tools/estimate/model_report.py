@@ -102,7 +102,9 @@ def _row(label: str, values: List[int]) -> None:
 
 
 def _short(stage: str) -> str:
-    return stage.replace("backward, ", "bwd ").replace("forward end, a loss chunk", "fwd end")
+    """A stage's name in at most 15 characters: the columns are 16 wide."""
+    return (stage.replace("forward end, a loss chunk", "fwd end").replace("backward, ", "bwd ")
+            .replace(" block's chunks recomputed", " recomp").replace(" block", ""))
 
 
 def _tokens(n: int) -> str:
