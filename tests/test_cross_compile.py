@@ -49,6 +49,8 @@ def test_the_shipped_half_precision_tiles_compile_for_four_architectures(tmp_pat
         tmp_path, "--archs", *ARCHS, "--dtypes", "bfloat16", "--head-dims", "64", "128",
         "--flags", "full", "causal+mask", "--patterns", "geometric")
     assert code == 0, log
+    # the merge kernel too names its compile options (test_triton_launch.py: the fused ones)
+    assert "FP_FUSION" not in log, log
     # the table of every kernel (after the summary)
     detail = report.split("| arch | kernel | case |")[1]
     rows = [line for line in detail.splitlines() if line.startswith("| sm_")]

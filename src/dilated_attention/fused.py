@@ -35,7 +35,7 @@ from torch import Tensor
 from .fused_plan import TilePlan, dense_plan, tile_plan
 from .patterns import Heads, Patterns
 from .layout import Documents
-from .triton_launch import launcher
+from .triton_launch import COMPILE_OPTIONS, launcher
 
 
 class KernelTiles(NamedTuple):
@@ -367,6 +367,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
                 SPAN_COUNTS=sizes.forward.counts_per_span(plan), NONFINITE=rule, REPORT=report,
                 BLOCK_M=block_m, BLOCK_N=sizes.forward.chunk, BLOCK_D=_head_block(d),
                 num_warps=sizes.forward.warps(block_m), num_stages=sizes.num_stages,
+                **COMPILE_OPTIONS,
             )
     return out, lse
 
@@ -396,7 +397,7 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     has_mask = mask is not None
     mask, mask_strides = _mask_arg(mask, lse)
     flags = dict(CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
-                 BLOCK_D=_head_block(d), num_stages=sizes.num_stages)
+                 BLOCK_D=_head_block(d), num_stages=sizes.num_stages, **COMPILE_OPTIONS)
     # each kernel, then its variant for the non-finite rule (module docstring of
     # triton_kernels): dq's writes delta again, the same numbers, before dK/dV's reads it
     for rule in _variants(nonfinite):

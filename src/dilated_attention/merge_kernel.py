@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .triton_launch import COMPILE_OPTIONS
+
 # Leading dims the kernel indexes through their strides: every caller's shape fits
 # ((b, segments, rows, heads, d) at most); views need no copy whatever their strides.
 MAX_DIMS = 4
@@ -153,4 +155,4 @@ def merge_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
     _merge_kernel[(triton.cdiv(rows, block),)](
         acc_out, acc_lse, out, lse, rows, d, *sizes[1:], *strides, BLOCK_R=block,
         BLOCK_D=block_d, BF16=acc_out.dtype == torch.bfloat16,
-        WIDE_ROWS=rows + block >= 2**31)
+        WIDE_ROWS=rows + block >= 2**31, **COMPILE_OPTIONS)
