@@ -86,8 +86,10 @@ def reference_launch(fused, cc):
     role = cc.ROLES[fused.kernel.fn.__name__]
     tensors = {"forward": (dense,) * 4, "dq": (dense,) * 4 + (rows, rows, dense),
                "dkdv": (dense,) * 4 + (rows, rows, dense, dense)}[role]
+    # its tile and compile options (FP fusion: triton_launch.COMPILE_OPTIONS)
     tile = {name: fused.kwargs[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_D",
-                                                  "num_warps", "num_stages")}
+                                                  "num_warps", "num_stages",
+                                                  "enable_fp_fusion")}
     return cc.Launch(getattr(plain_flash, f"plain_flash_{role}"), tensors + (h * d, d, n, 0.18),
                      tile)
 
