@@ -29,6 +29,23 @@ def test_bench_under_torchrun_runs_up_to_the_launched_size():
         bench.make_config(seq_lens=[64], world_sizes=[8], launched_world_size=4)
 
 
+def test_bench_on_cuda_defaults_to_the_ranks_its_gpus_hold(monkeypatch):
+    """Spawned on CUDA (one process per GPU) the default world sizes stop at the GPUs here:
+    the README's demo command on a machine with one GPU runs P = 1, not a usage error; asked
+    for more ranks than GPUs, it is one."""
+    import torch
+
+    for gpus, sizes in ((1, (1,)), (2, (1, 2)), (3, (1, 2)), (8, (1, 2, 4))):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        assert bench.make_config(seq_lens=[64], dtype="bfloat16",
+                                 device="cuda").world_sizes == sizes
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="--world-sizes 2 needs that many CUDA devices, this "
+                                         "machine has 1"):
+        bench.make_config(seq_lens=[64], world_sizes=[2], dtype="bfloat16", device="cuda")
+    assert bench.make_config(seq_lens=[64]).world_sizes == (1, 2, 4)  # CPU: gloo ranks
+
+
 def test_bench_allows_one_row_per_rank():
     """BE3: N equal to the ranks is a row each (only N < P is refused)."""
     assert bench.make_config(seq_lens=[4], world_sizes=[4]).world_sizes == (4,)

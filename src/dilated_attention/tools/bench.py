@@ -160,7 +160,9 @@ def make_config(
         world_sizes = []  # only the meshes' sizes
     elif world_sizes is None:
         if launched_world_size is None:
-            world_sizes = DEFAULT_WORLD_SIZES
+            # spawned: one process per GPU on CUDA, so the defaults this machine holds
+            most = torch.cuda.device_count() if device == "cuda" else DEFAULT_WORLD_SIZES[-1]
+            world_sizes = [p for p in DEFAULT_WORLD_SIZES if p <= most] or [1]
         else:  # 1, 2, 4, ... and the launched size itself
             world_sizes = [p for p in (2**i for i in range(31)) if p < launched_world_size]
             world_sizes.append(launched_world_size)

@@ -130,8 +130,8 @@ def _add_model_options(p: argparse.ArgumentParser, *, many_lengths: bool) -> Non
         p.add_argument("--seq-lens", type=int_list, nargs="+", metavar="N",
                        help="total sequence lengths (default 8192 16384 32768)")
         p.add_argument("--world-sizes", type=int_list, nargs="+", metavar="P",
-                       help="numbers of ranks (default 1 2 4; under torchrun: 1, 2, 4, ... up "
-                            "to the launched world size)")
+                       help="numbers of ranks (default 1 2 4, on CUDA those the GPUs here "
+                            "hold; under torchrun: 1, 2, 4, ... up to the launched world size)")
     p.add_argument("--segment-lengths", type=int_list, nargs="+", default=None, metavar="W",
                    help="segment length of each pattern (default 2048 4096, LongNet)")
     p.add_argument("--dilation-rates", type=int_list, nargs="+", default=None, metavar="R",
@@ -223,7 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(estimate, many_lengths=False)
     estimate.add_argument("--impl", choices=("dilated", "ring"), default="dilated",
                           help="dilated attention or dense ring attention (dilated)")
-    estimate.add_argument("--dtype", choices=DTYPES, default="float32")
+    estimate.add_argument("--dtype", choices=DTYPES, default="float32",
+                          help="the inputs' (with --model: the parameters') dtype (default "
+                               "float32; --device cuda models the fused Triton kernel only in "
+                               "bfloat16 and float16, what bench picks on a GPU)")
     estimate.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                           help="the device modelled: its row blocks, launch sizes and kernels "
                                "(default cpu; no GPU is needed)")
