@@ -27,11 +27,13 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.utils import TransformersKwargs
 
 from dilated_attention import all_reduce_gradients, dilated_attention
+from dilated_attention.backends import installed_release
 from dilated_attention.distributed import comm
 from dilated_attention.distributed.sharding import piece_ranges
 from dilated_attention.integrations import transformers as hf
 from dilated_attention.integrations.transformers import (causal_lm_loss, causal_lm_parts,
                                                           register, refusals, shard_inputs)
+from dilated_attention.integrations.transformers.generation import cache_keyword
 from dilated_attention.integrations.transformers.masks import (CAUSAL, PackedDocuments, Window,
                                                                 build_mask)
 from dist_harness import run_distributed
@@ -246,6 +248,8 @@ def test_model_families_equal_sdpa(model_type):
 
     AttentionInterface.register("dilated_counted_test", counted)
     AttentionMaskInterface.register("dilated_counted_test", AttentionMaskInterface()[DENSE])
+    if model_type == "gptj" and installed_release("transformers") < (5, 24):
+        pytest.skip("GPT-J's layers call the attention interface from transformers 5.24 on")
     ids, mask = tokens(2, 16), padding("left", 2, 16)
     with torch.no_grad():
         ref, ours = (family_model(model_type, impl)
@@ -307,6 +311,9 @@ def test_chunked_attention_is_refused_by_name():
         chunked = family_model("llama4_text", DENSE, attention_chunk_size=6, **common)
         with pytest.raises(NotImplementedError, match="attention_chunk_size = 6"):
             chunked(ids)
+        if installed_release("transformers") < (5, 24):
+            pytest.skip("before 5.24 transformers' own cache of a Llama 4 without chunks "
+                        "fails (a sliding-window layer of size None)")
         # no chunks: every layer is plain causal attention, equal to sdpa
         got, want = (family_model("llama4_text", impl, attention_chunk_size=None, **common)(ids)
                      .logits for impl in (DENSE, "sdpa"))
@@ -610,11 +617,11 @@ def test_dilated_decoding_equals_full_forward():
     cache = DynamicCache(config=model.config)
     steps = []
     with torch.no_grad():
-        logits = model(seq, past_key_values=cache).logits[:, -1]
+        logits = model(seq, **{cache_keyword(model): cache}).logits[:, -1]
         for _ in range(8):
             steps.append(logits)
             seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
-            logits = model(seq[:, -1:], past_key_values=cache).logits[:, -1]
+            logits = model(seq[:, -1:], **{cache_keyword(model): cache}).logits[:, -1]
         full = model(seq, use_cache=False).logits
     for i, step in enumerate(steps):
         torch.testing.assert_close(step, full[:, 12 + i], **TOL)
@@ -835,11 +842,17 @@ def _sharded_generation(group):
                                     **kwargs))
         assert torch.equal(outs[1], outs[0]), (n, kwargs)
         done.append(outs[1])
-    # multi-head latent attention caches its compressed latents, not the keys and values a
-    # step would read: refused at the first step, on every rank
+    # multi-head latent attention caches its compressed latents (from transformers 5.15; its
+    # keys and values before), not the keys and values a step would read: refused at the
+    # first step, on every rank
     ids, _ = _generation_inputs(2, 21, {})
-    with pytest.raises(NotImplementedError, match="caches other tensors than its attention"):
-        hf.generate(latent_model(name), ids, group=group, max_new_tokens=3, pad_token_id=0)
+    if installed_release("transformers") >= (5, 15):
+        with pytest.raises(NotImplementedError, match="caches other tensors than its attention"):
+            hf.generate(latent_model(name), ids, group=group, max_new_tokens=3, pad_token_id=0)
+    else:
+        outs = [hf.generate(latent_model(impl), ids, group=g, max_new_tokens=3, pad_token_id=0)
+                for impl, g in ((DILATED, None), (name, group))]
+        assert torch.equal(outs[1], outs[0])
     # traffic: each step beyond the first token sends one all-gather per layer, no agreement
     ids = tokens(2, 21, seed=21)
     counts = []
@@ -869,8 +882,8 @@ def _sharded_generation(group):
     inputs, _ = shard_inputs(ids, group)
     cache = DynamicCache(config=sharded.config)
     with torch.no_grad(), pytest.raises(NotImplementedError, match="outside dilated_attention"):
-        sharded(**{**inputs, "use_cache": True}, cache=cache)
-        sharded(ids[:, -1:], position_ids=torch.tensor([[21]]), cache=cache)
+        sharded(**{**inputs, "use_cache": True}, **{cache_keyword(sharded): cache})
+        sharded(ids[:, -1:], position_ids=torch.tensor([[21]]), **{cache_keyword(sharded): cache})
     return done
 
 
@@ -1041,9 +1054,9 @@ def test_refuses_what_it_cannot_honour():
             model(ids, position_ids=torch.stack([pos[0], torch.arange(20)]))
         # a KV cache: more than one new token, padding while decoding, a static cache
         cache = DynamicCache(config=model.config)
-        model(ids[:, :14], past_key_values=cache)
+        model(ids[:, :14], **{cache_keyword(model): cache})
         with pytest.raises(NotImplementedError, match="query length 6 != key length 20"):
-            model(ids[:, 14:], past_key_values=cache)
+            model(ids[:, 14:], **{cache_keyword(model): cache})
         mask = padding("right", 2, 10)  # generate continues after the padding: a hole
         with pytest.raises(NotImplementedError, match="padding after a row's first real token"):
             model.generate(ids[:, :10], attention_mask=mask, max_new_tokens=2, do_sample=False,
@@ -1054,9 +1067,9 @@ def test_refuses_what_it_cannot_honour():
     # decoding is inference only
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids[:, :10], past_key_values=cache)
+        model(ids[:, :10], **{cache_keyword(model): cache})
     with pytest.raises(NotImplementedError, match="gradients"):
-        model(ids[:, 10:11], past_key_values=cache)
+        model(ids[:, 10:11], **{cache_keyword(model): cache})
 
 
 def test_sliding_window_layers_refuse_dropout():
@@ -1216,8 +1229,18 @@ def test_package_imports_without_transformers():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "ImportError: dilated_attention.integrations.transformers needs transformers>=5" \
+    assert "ImportError: dilated_attention.integrations.transformers needs transformers>=5.12" \
         in done.stdout
+
+
+def test_a_transformers_release_before_5_12_is_refused(monkeypatch):
+    """The integration is tested from 5.12 (5.0-5.3's mask functions take cache_position, not
+    (q_length, q_offset))."""
+    # the module `import transformers` gives now: building a model replaces transformers'
+    # entry in sys.modules, so the one this file imported may be another object
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.11.0")
+    with pytest.raises(ImportError, match=r"needs transformers>=5\.12, found "):
+        register("dilated_too_old_test", segment_lengths=[8], dilation_rates=[1])
 
 
 def test_agreed_origins_read_each_rows_own_first_position():

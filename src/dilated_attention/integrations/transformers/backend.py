@@ -1,7 +1,7 @@
 """The attention function, and ``register`` which installs it with its mask function.
 
 ``register`` puts two functions under one name into transformers' registries
-(transformers >= 5, the ``[hf]`` extra; nothing here imports transformers
+(transformers >= 5.12, the ``[hf]`` extra; nothing here imports transformers
 before ``register`` is called):
 
 - the attention function (``transformers.AttentionInterface``), which each
@@ -76,18 +76,25 @@ from .padding import agreed_origins, decoding_origins, first_real_tokens
 from .refusals import RESERVED_NAME_PARTS, Refused, check_kwargs, describe
 
 
+# The oldest transformers release tests/test_hf.py passes with (also 5.23 and 5.24, CI's);
+# 5.0-5.3's mask functions take cache_position, not (q_length, q_offset), and 5.4 fails
+# elsewhere (docs/transformers.md)
+MIN_TRANSFORMERS = (5, 12)
+
+
 def _transformers():
+    wanted = ".".join(map(str, MIN_TRANSFORMERS))
     try:
         import transformers
     except ImportError as exc:
         raise ImportError(
-            "dilated_attention.integrations.transformers needs transformers>=5: "
+            f"dilated_attention.integrations.transformers needs transformers>={wanted}: "
             "pip install 'dilated-attention[hf]'"
         ) from exc
-    major = int(transformers.__version__.split(".")[0])
-    if major < 5:
+    release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+    if release < MIN_TRANSFORMERS:
         raise ImportError(
-            f"dilated_attention.integrations.transformers needs transformers>=5, found "
+            f"dilated_attention.integrations.transformers needs transformers>={wanted}, found "
             f"{transformers.__version__}"
         )
     return transformers

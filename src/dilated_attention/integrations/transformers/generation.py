@@ -150,10 +150,17 @@ def _sharded(model, backend, input_ids: Tensor, attention_mask: Optional[Tensor]
     try:
         with serving(cache):
             return model.generate(input_ids, attention_mask=attention_mask,
-                                  max_new_tokens=max_new_tokens, cache=cache, **generate_kwargs)
+                                  max_new_tokens=max_new_tokens, **{cache_keyword(model): cache},
+                                  **generate_kwargs)
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def cache_keyword(model) -> str:
+    """The keyword a model's forward takes its cache by: ``cache`` from transformers 5.24,
+    ``past_key_values`` before (5.24 still takes it, with a FutureWarning)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _prefill_piece(cache, piece: Tuple[int, int], whole: bool, module, args,
