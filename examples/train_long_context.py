@@ -15,15 +15,20 @@ information across the whole sequence.
     python examples/train_long_context.py --world-size 2 --compare  # and diff against 1 process
     python examples/train_long_context.py --mesh 2x2 --compare  # data x sequence on 4 ranks
     python examples/train_long_context.py --packed 4 --check-unpacked  # 4 documents a sequence
-    python examples/train_long_context.py --seq-len 65536 --batch-size 1 --checkpoint layers
+    python examples/train_long_context.py --seq-len 65536 --batch-size 1 --checkpoint layers --steps 2
+
+The last line shows memory, not learning: the longest segment is 2048, so at
+65,536 tokens no pattern reaches the key and the task cannot be learned.
 
 With --world-size P every rank holds a contiguous piece of every sequence;
 only the dilated attention communicates, the loss is the token-weighted mean
 over the whole sequence and gradients are all-reduced, so the loss curve is
 the single-process one up to floating-point rounding: in float32 the losses
-first agree to ~1e-7 and then drift apart as training amplifies rounding
-differences (by up to ~0.1 around the loss's sharp drop); with --dtype
-float64 they agreed to 1e-14 over 120 steps.
+first agree closely and then drift apart as training amplifies rounding
+differences (how closely depends on the machine and its threads; BENCHMARKS.md,
+"Training examples", measured 4.8e-7 over the first 10 steps of
+--world-size 2 --compare and up to 0.13 over 200, largest around the loss's
+sharp drop); with --dtype float64 they agreed to 1e-14 over 120 steps.
 
 With --mesh DPxSP the DP * SP ranks form a device mesh ("dp", "sp"): the
 model is sequence-parallel over mesh["sp"] (its process_group) and
