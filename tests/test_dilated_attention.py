@@ -636,3 +636,37 @@ def test_a_forward_without_grad_equals_one_with(grad_off) -> None:
     for got, want in zip(without, with_grad):
         assert not got.requires_grad
         assert torch.equal(got, want.detach())
+
+
+# --------------------------------------------------------------------------
+# decoding.py
+
+
+def test_decoding_with_the_largest_rate():
+    """A rate of 2**63 - 1 (the largest int64) as one row's step: each decoding step is
+    row t of the causal op (a slice step that large overflows a view's stride)."""
+    from dilated_attention import dilated_attention
+    from dilated_attention.decoding import cached_dilated_attention
+
+    g = torch.Generator().manual_seed(0)
+    segs, rates = (2**63 - 1, 3), (2**63 - 1, 1)
+    q, k, v = (torch.randn(1, 7, 2, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    full = dilated_attention(q, k, v, list(segs), list(rates), is_causal=True)
+    for t in range(7):
+        step = cached_dilated_attention(q[:, t:t + 1], k[:, :t + 1], v[:, :t + 1], segs, rates)
+        torch.testing.assert_close(step[:, 0], full[:, t], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_decoding_returns_the_query_dtype(dtype):
+    """decode accumulates in fp32 and returns q's dtype, as the op does; the value is the
+    fp64 step's to the dtype's rounding."""
+    from dilated_attention.decoding import cached_dilated_attention
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 9, 4, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    want = cached_dilated_attention(q[:, -1:], k, v, (4, 8), (1, 2))
+    got = cached_dilated_attention(q[:, -1:].to(dtype), k.to(dtype), v.to(dtype), (4, 8), (1, 2))
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)

@@ -1295,3 +1295,273 @@ def test_causal_lm_parts_refuses_any_logit_transform(field, value):
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match=rf"transforms its logits after lm_head \({field}="):
         causal_lm_parts(model)
+
+
+# --------------------------------------------------------------------------
+# Mutation audit (stop 52): padding, documents, the sharded cache and generate,
+# training helpers, the window mask's reading
+
+
+def test_right_padding_with_cu_seq_lens_equals_direct_calls():
+    """Right padding together with cu_seq_lens (positions counted, every row starting at
+    0): key padding inside declared documents, as a direct dilated_attention call does."""
+    b, n = 2, 30
+    ids, mask = tokens(b, n, seed=3), padding("right", b, n)
+    cu = torch.tensor([0, 11, n], dtype=torch.int32)
+    model = build(DILATED)
+    with torch.no_grad():
+        ours = model(ids, attention_mask=mask, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                     max_length_q=19, max_length_k=19).logits
+        ref = reference_logits(model, ids, key_padding_mask=~mask.bool(), cu_seqlens=[0, 11, n])
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], ref[real], **TOL)
+
+
+def test_decoding_with_positions_that_count_the_padding_equals_the_full_forward():
+    """Left padding and no position_ids (positions count the padding, so each row's
+    segments keep it, masked): each decoding step's logits are the full forward's, padding
+    still masked in the steps."""
+    b, n = 3, 13
+    ids, mask = tokens(b, n, seed=4), padding("left", b, n)
+    ids[mask == 0] = 0
+    model = build(DILATED)
+    cached = {cache_keyword(model): DynamicCache(config=model.config)}
+    seq, steps = ids, []
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, **cached).logits[:, -1]
+        for _ in range(6):
+            steps.append(logits)
+            seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
+            mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype)], dim=1)
+            logits = model(seq[:, -1:], attention_mask=mask, **cached).logits[:, -1]
+        full = model(seq, attention_mask=mask, use_cache=False).logits
+    for i, step in enumerate(steps):
+        torch.testing.assert_close(step, full[:, n - 1 + i], **TOL)
+
+
+def test_packed_documents_restarting_at_any_position_equal_documents_alone():
+    """transformers' rule: a document starts wherever a position is not its
+    predecessor's + 1, also where it does not restart at 0 (shard_inputs reads the same)."""
+    lengths, firsts = [11, 5, 14], [0, 4, 2]
+    n = sum(lengths)
+    ids = tokens(1, n, seed=5)
+    pos = torch.cat([torch.arange(f, f + m) for f, m in zip(firsts, lengths)])[None]
+    model = build(DILATED)
+    with torch.no_grad():
+        packed = model(ids, position_ids=pos).logits
+        alone = torch.cat([model(doc, position_ids=p).logits
+                           for doc, p in zip(ids.split(lengths, 1), pos.split(lengths, 1))], 1)
+    torch.testing.assert_close(packed, alone, **TOL)
+    inputs, _ = shard_inputs(ids, None, position_ids=pos)
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 11, 16, n]
+
+
+def test_bool_position_ids_are_refused():
+    """position_ids must be integers: a bool tensor is a TypeError, not positions 0/1."""
+    model = build(DILATED)
+    ids = tokens(1, 12)
+    with torch.no_grad(), pytest.raises(TypeError, match="position_ids must be an integer"):
+        model(ids, position_ids=torch.ones(1, 12, dtype=torch.bool))
+
+
+# --------------------------------------------------------------------------
+# cache.py, generation.py
+
+
+def test_sharded_cache_layer_keeps_a_copy_of_its_piece_and_refuses_the_rest():
+    """A rank's layer keeps its own piece of a prompt that ran whole (a copy:
+    not a view that keeps the whole prompt's keys alive), one new row per step, and refuses
+    what would move rows."""
+    from dilated_attention.decoding import CachePlan
+    from dilated_attention.integrations.transformers.cache import ShardedCache
+
+    plan = CachePlan.of(10, 4, 2, 1)  # rank 1 of 2: prompt rows [5, 10)
+    # prefill_group None: the prompt ran whole on every rank (shorter than the ranks)
+    cache = ShardedCache(1, plan, 10, group=None, prefill_group=None)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, 2, 10, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    out = layer.update(k, v)
+    assert out[0] is k and out[1] is v
+    assert (layer.prompt.start, layer.prompt.count, layer.get_seq_length()) == (5, 5, 10)
+    assert cache.rows(0)[0] is layer.prompt and cache.position(0) == 9
+    assert torch.equal(layer.prompt.k, k[:, :, 5:].transpose(1, 2))
+    assert torch.equal(layer.prompt.v, v[:, :, 5:].transpose(1, 2))
+    for x in (layer.prompt.k, layer.prompt.v):
+        assert x.untyped_storage().nbytes() == 2 * 2 * 5 * 8 * 8
+    with pytest.raises(NotImplementedError, match="one new token at a time, got 2"):
+        layer.update(k[:, :, :2], v[:, :, :2])
+    for call in (lambda: layer.reorder_cache(torch.tensor([1, 0])), lambda: layer.crop(1),
+                 lambda: layer.batch_repeat_interleave(2),
+                 lambda: layer.batch_select_indices(torch.tensor([0]))):
+        with pytest.raises(NotImplementedError, match="not supported"):
+            call()
+
+
+def test_generate_checks_its_arguments_on_one_process():
+    """generate(..., group=None) checks what it checks under a group."""
+    model = build(DILATED)
+    ids = tokens(2, 8)
+    for args, kwargs, match in [
+        ((ids.bool(),), {}, "input_ids must be a 2-D integer tensor"),
+        ((ids,), dict(attention_mask=torch.ones(2, 7, dtype=torch.long)),
+         r"attention_mask must be None or input_ids' shape \(2, 8\)"),
+        ((ids,), dict(use_cache=False), "use_cache must be True"),
+        ((ids,), dict(position_ids=torch.arange(8)[None]), "does not take position_ids="),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            hf.generate(model, *args, group=None, max_new_tokens=2, pad_token_id=0, **kwargs)
+
+
+def test_generate_arguments_compare_tensors_by_value():
+    """Tensor arguments of generate are compared over the ranks by their values."""
+    from dilated_attention.integrations.transformers.generation import _plain
+
+    a, b = torch.tensor([1, 2]), torch.tensor([1, 3])
+    assert _plain({"x": a}) == _plain({"x": a.clone()})
+    assert _plain({"x": a}) != _plain({"x": b})
+    assert _plain({"x": [a]}) != _plain({"x": [b]})
+
+
+def _sampling_seeded_differently(group):
+    from dilated_attention.distributed import comm
+
+    name = register("dilated_seed_test", segment_lengths=SEGMENTS, dilation_rates=RATES,
+                       group=group)
+    model = build(name)
+    torch.manual_seed(comm.group_rank(group))
+    with pytest.raises(ValueError, match="random state"):
+        hf.generate(model, tokens(1, 9), group=group, max_new_tokens=3, pad_token_id=0,
+                    do_sample=True, top_k=5)
+    return True
+
+
+@pytest.mark.distributed
+def test_sharded_sampling_refuses_ranks_seeded_differently():
+    """Sampling draws from torch's random state on every rank: ranks seeded differently
+    raise on every rank instead of generating different text."""
+    assert run_distributed(_sampling_seeded_differently, 2, timeout=200) == [True, True]
+
+
+# --------------------------------------------------------------------------
+# training.py
+
+
+def test_shard_inputs_refuses_another_batch_and_rows_that_restart_differently():
+    """Labels of another shape, and packed rows whose documents restart at different
+    positions in different batch rows, are refused."""
+    ids = tokens(2, 8)
+    with pytest.raises(ValueError, match=r"^labels must be \(2, 8\) like input_ids"):
+        shard_inputs(ids, None, labels=tokens(3, 8))
+    pos = torch.stack([torch.tensor([0, 1, 2, 0, 1, 2, 3, 4]),
+                       torch.tensor([0, 1, 0, 1, 2, 3, 4, 5])])
+    with pytest.raises(ValueError, match="restart .* differently in different batch rows"):
+        shard_inputs(ids, None, position_ids=pos)
+
+
+def test_shard_inputs_masks_each_rows_own_restarts():
+    """Per-row position_ids (left padding, generate's numbering): a row's target before
+    its first real token (where its positions restart) is ignored, whatever row 0 does."""
+    ids = tokens(2, 8)
+    mask = padding("left", 2, 8)  # row 1: 3 padded tokens
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    labels = ids.masked_fill(mask == 0, -100)
+    _, targets = shard_inputs(ids, None, labels=labels, position_ids=pos, attention_mask=mask)
+    assert targets[1, :3].tolist() == [-100, -100, -100]
+    assert targets[1, 3:7].tolist() == ids[1, 4:].tolist()
+    assert targets[0, :7].tolist() == ids[0, 1:].tolist()
+
+
+def test_causal_lm_loss_forms_gradients_only_in_training(monkeypatch):
+    """lm_head in eval mode: the chunked loss is told not to form gradients ahead."""
+    from dilated_attention.integrations.transformers import training
+
+    seen = []
+    real = training.chunked_token_mean_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["training"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(training, "chunked_token_mean_loss", spy)
+    head = torch.nn.Linear(4, 7, dtype=torch.float64)
+    hidden = torch.randn(1, 5, 4, dtype=torch.float64)
+    targets = torch.randint(0, 7, (1, 5))
+    for mode in (True, False):
+        head.train(mode)
+        training.causal_lm_loss(hidden, targets, None, lm_head=head)
+    assert seen == [True, False]
+
+
+def test_causal_lm_parts_refuses_a_model_that_is_its_own_body():
+    """A model with a linear head but no separate base_model has no body to run."""
+
+    class Bare(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(4, 7)
+
+        def get_output_embeddings(self):
+            return self.head
+
+    with pytest.raises(ValueError, match="no nn.Linear output head"):
+        hf.causal_lm_parts(Bare())
+
+
+# --------------------------------------------------------------------------
+# masks.py: _read_window
+
+
+def _window_mask(fn, size, batch=1, n=12, **kwargs):
+    return build_mask(batch_size=batch, q_length=n, kv_length=n, mask_function=fn,
+                      local_size=size, **kwargs)
+
+
+def test_window_reading_refuses_what_is_not_a_sliding_window():
+    """Documents that differ between rows, a window with a hole inside (found at its
+    lower end), a bidirectional window that reaches further ahead than back: refused, not read as a
+    window."""
+    docs = torch.tensor([[0] * 5 + [1] * 7, [0] * 7 + [1] * 5])
+
+    def causal_window(b, h, q, kv):
+        return (kv <= q) & (q - kv < 5)
+
+    read = _window_mask(lambda b, h, q, kv: causal_window(b, h, q, kv)
+                        & (docs[b, q] == docs[b, kv]), 5, batch=2)
+    assert "differ between batch rows" in read.reason
+    holed = _window_mask(lambda b, h, q, kv: causal_window(b, h, q, kv) & (q - kv != 2), 5)
+    assert "not transformers' sliding window" in holed.reason
+    lopsided = _window_mask(lambda b, h, q, kv: (kv - q <= 5) & (q - kv <= 3), 3)
+    assert "not transformers' sliding window" in lopsided.reason
+    # the plain ones still read
+    assert (_window_mask(causal_window, 5).left, _window_mask(causal_window, 5).right) == (4, 0)
+    both = _window_mask(lambda b, h, q, kv: (q - kv).abs() <= 3, 3)
+    assert isinstance(both, Window) and (both.left, both.right) == (3, 3)
+
+
+def test_window_layer_refuses_a_cache_that_kept_fewer_keys_than_the_window():
+    """Decoding position 9 of a window of 5 keys (left reach 4) needs keys 5..9: a
+    cache that kept only 7..9 is refused."""
+
+    def causal_window(b, h, q, kv):
+        return (kv <= q) & (q - kv < 5)
+
+    fine = build_mask(batch_size=1, q_length=1, kv_length=5, q_offset=9, kv_offset=5,
+                      mask_function=causal_window, local_size=5)
+    assert isinstance(fine, Window) and fine.left == 4
+    with pytest.raises(NotImplementedError, match="keeps fewer keys than the window of 5"):
+        build_mask(batch_size=1, q_length=1, kv_length=3, q_offset=9, kv_offset=7,
+                   mask_function=causal_window, local_size=5)
+
+
+def test_sliding_window_model_generates_left_padded_rows_like_sdpa():
+    """generate() with left padding and transformers' sliding-window cache, which drops
+    keys older than the window: the 2-D padding mask covers every token seen, the cache's
+    keys only the last ones (the mask function cuts the mask to them)."""
+    ids, mask = tokens(2, 9), padding("left", 2, 9)
+    ids[mask == 0] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_scores=True)
+    ref, ours = (window_model("mistral", impl).generate(ids, **kwargs) for impl in ("sdpa", DENSE))
+    assert torch.equal(ours.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(ours.scores), torch.stack(ref.scores), **TOL)

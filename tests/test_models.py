@@ -917,3 +917,46 @@ def test_decode_reads_each_origin_runs_own_mask_rows():
         want = dilated_attention(qs, k[i:i + 1, rows], v[i:i + 1, rows], *map(list, patterns),
                                  is_causal=True, key_padding_mask=~keep[i:i + 1, rows])
         torch.testing.assert_close(alone[0, 0], want[0, -1], rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------
+# models: inputs.py, checkpointing.py, encoder_decoder.py
+
+def test_lm_position_ids_must_agree_over_the_batch_and_be_non_negative():
+    """Packed positions must be the same in every batch row, and never negative."""
+    model = LongNetLM(LongNetConfig(**SMALL))
+    tokens_ = torch.zeros(2, 6, dtype=torch.long)
+    rows = torch.stack([torch.tensor([0, 1, 2, 0, 1, 2]), torch.arange(6)])
+    with pytest.raises(ValueError, match="same in every batch row"):
+        model(tokens_, position_ids=rows)
+    with pytest.raises(ValueError, match=r"position_ids must be >= 0, got -1"):
+        model(tokens_, position_ids=torch.tensor([0, 1, 2, -1, 0, 1]))
+
+
+def test_digest_tells_dtype_and_shape_apart():
+    """The same bytes in another dtype or shape are other inputs."""
+    from dilated_attention.models.inputs import digest
+
+    x = torch.arange(6, dtype=torch.int32)
+    assert digest(x) == digest(x.clone())
+    assert digest(x) != digest(x.view(2, 3))
+    assert digest(x) != digest(x.view(torch.float32))
+
+
+def test_run_in_chunks_with_a_budget_below_one_row():
+    """A chunk budget smaller than one row's intermediates runs one row at a time."""
+    from dilated_attention.models.checkpointing import run_in_chunks
+
+    x = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    out = run_in_chunks(torch.sin, x, chunk_bytes=1, row_bytes=100)
+    torch.testing.assert_close(out, torch.sin(x), rtol=0, atol=0)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.cos(x), rtol=0, atol=0)
+
+
+def test_encoder_decoder_checks_the_source_against_learned_positions():
+    """A source longer than the learned position table is the models' ValueError."""
+    model = LongNet(LongNetConfig(**SMALL, positions="learned", max_seq_len=16))
+    src, tgt = torch.zeros(1, 20, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="positions up to 19 exceed max_seq_len=16"):
+        model(src, tgt)
