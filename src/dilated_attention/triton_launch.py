@@ -34,10 +34,11 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import torch
 
 # Every launch of the library's kernels passes these compile options. Fused multiply-adds
-# (FP fusion) are how the kernels were written and timed: the online softmax's exponent
-# s * scale - max is one FMA, and one rounding instead of two. Triton 3.9 warns where a
-# launch leaves it unset and 3.10 turns it off by default; an explicit option holds in 3.6
-# to 3.10, and from 3.9 TRITON_FORCE_DISABLE_FP_FUSION=1 still turns it off.
+# (FP fusion) are how the kernels were written and timed: each pair's exp2 argument
+# s * scale_log2 - shift is one FMA (triton_kernels' module docstring), one rounding
+# instead of two. Triton 3.9 warns where a launch leaves it unset and says 3.10 turns the
+# default off; 3.6 and 3.9 keep an explicit option, and from 3.9
+# TRITON_FORCE_DISABLE_FP_FUSION=1 still turns it off.
 COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 # Call keys kept per kernel: a key holds shapes and strides, not addresses, so a training
