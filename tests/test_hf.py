@@ -1518,9 +1518,9 @@ def _window_mask(fn, size, batch=1, n=12, **kwargs):
 
 
 def test_window_reading_refuses_what_is_not_a_sliding_window():
-    """Documents that differ between rows, a window with a hole inside (found at its
-    lower end), a bidirectional window that reaches further ahead than back: refused, not read as a
-    window."""
+    """Documents that differ between rows, windows with holes inside (read at a window's
+    lower end, or at one query's midpoint), a bidirectional window that reaches further ahead
+    than back: refused, not read as a window."""
     docs = torch.tensor([[0] * 5 + [1] * 7, [0] * 7 + [1] * 5])
 
     def causal_window(b, h, q, kv):
@@ -1531,6 +1531,10 @@ def test_window_reading_refuses_what_is_not_a_sliding_window():
     assert "differ between batch rows" in read.reason
     holed = _window_mask(lambda b, h, q, kv: causal_window(b, h, q, kv) & (q - kv != 2), 5)
     assert "not transformers' sliding window" in holed.reason
+    # one query's hole, inside its window (query 11 reads keys 7..11): the midpoint probe
+    one_hole = _window_mask(lambda b, h, q, kv: causal_window(b, h, q, kv)
+                            & ~((q == 11) & (kv == 9)), 5)
+    assert "not transformers' sliding window" in one_hole.reason
     lopsided = _window_mask(lambda b, h, q, kv: (kv - q <= 5) & (q - kv <= 3), 3)
     assert "not transformers' sliding window" in lopsided.reason
     # the plain ones still read
