@@ -477,3 +477,26 @@ def test_block_rows_double_only_for_at_most_two_patterns():
     with mock.patch.dict(policy.ROWS_PER_BLOCK, {"cpu": 16}):
         assert policy.block_rows(64, [4, 8, 32], "cpu") == 16
         assert policy.block_rows(64, [8, 32], "cpu") == 32
+
+
+def test_a_selection_of_many_runs_is_one_gathered_group():
+    """At most MAX_STRIDED_RUNS strided views per (rows, key rows, heads per pair)
+    bucket: h 12, hk 4 at rate 5 cuts into 5 arithmetic runs, so it is gathered instead (the
+    same rows either way)."""
+    import collections
+
+    from dilated_attention.patterns import MAX_STRIDED_RUNS, Heads, cross_head_groups
+
+    heads = Heads.of(12, 4)
+    strided = cross_head_groups(0, 11, 0, 11, 5, heads)
+    per = collections.Counter((g.rows, g.kv_index.shape[0], len(g.q_heads) // len(g.kv_heads))
+                              for g in strided if g.strided)
+    assert max(per.values()) <= MAX_STRIDED_RUNS, per
+    assert any(not g.strided for g in strided)
+    gathered = cross_head_groups(0, 11, 0, 11, 5, heads, strided=False)
+
+    def pairs(groups):
+        return sorted((j, tuple(g.q_index[:, i].tolist())) for g in groups
+                      for i, j in enumerate(g.q_heads.tolist()))
+
+    assert pairs(strided) == pairs(gathered)

@@ -9,6 +9,8 @@ counted exactly.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -383,3 +385,116 @@ def test_a_mesh_dimension_of_one_rank_is_dropped():
             assert agreements == 1, (shape, agreements)
             rows = slice(piece * GR4_N // 2, (piece + 1) * GR4_N // 2)
             torch.testing.assert_close(out, want[:, rows], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("grid", [(2, 3), (3, 2)])
+def test_grid_traffic_is_each_ranks_heads_and_sequence_share(grid):
+    """A U x S mesh (global rank t * U + u holds head share u of sequence block t):
+    its forward bytes are its Ulysses all-to-all within block t plus the exchange its heads
+    u send between blocks. Unequal blocks make every rank's share differ."""
+    from dilated_attention.distributed import strategy as strategies
+    from dilated_attention.distributed.ulysses import HeadSplit
+    from dilated_attention.layout import Layout
+
+    u_size, s_size = grid
+    lengths = tuple(range(8, 8 + 4 * u_size * s_size, 4))  # every rank's rows differ
+    shape = strategies.Shape(lengths, ((16, 64), (1, 2)), False, 6, 6, 8, 1, 2, 4, None)
+    got = strategies.traffic("ulysses", shape, grid)
+    blocks = [lengths[t * u_size:(t + 1) * u_size] for t in range(s_size)]
+    layout = Layout.contiguous([sum(b) for b in blocks])
+    split = HeadSplit.of(u_size, 6, 6)
+    for t in range(s_size):
+        for u in range(u_size):
+            heads = strategies.ulysses_bytes(shape, blocks[t])[u]
+            sequence = strategies.exchange_bytes(shape, layout, split.local_heads(u))[t]
+            assert got[t * u_size + u] == heads + sequence, (t, u)
+
+
+@pytest.mark.parametrize("h,hk", [(3, 3), (5, 1)])
+def test_auto_keeps_the_exchange_when_the_heads_do_not_split(h, hk):
+    """"auto" over 2 ranks with an odd head count: Ulysses cannot split the heads, so
+    the exchange, even where Ulysses' traffic would be smaller (dense attention), no error."""
+    from dilated_attention.distributed import strategy as strategies
+
+    shape = strategies.Shape((64, 64), ((128,), (1,)), False, h, hk, 8, 1, 2, 4, None)
+    assert strategies.auto_choice(shape) == "exchange"
+
+
+# sum_across_ranks, all_reduce_gradients' agreement and a 2-D mesh's refusal of the
+# exchange: one spawn of 4 gloo ranks for the three tests below
+
+
+def _contracts_rank(group):
+    from dilated_attention import all_reduce_gradients
+    from dilated_attention.distributed import comm
+    from dilated_attention.distributed.gradients import sum_across_ranks
+    from dilated_attention.tools import launch
+
+    rank = comm.group_rank(group)
+    out = {}
+    # the sum leaves its input alone (a caller's partial loss, still used afterwards)
+    leaf = (torch.tensor([1.0, 2.0], dtype=torch.float64) * (rank + 1)).requires_grad_()
+    partial = leaf * 1.0
+    total = sum_across_ranks(partial, group)
+    out["partial_after"] = partial.detach().clone()
+    out["summed"] = total.detach().clone()
+    # its backward: P times the incoming gradient (Note [gradients across ranks])
+    (total * torch.tensor([1.0, 3.0], dtype=torch.float64)).sum().backward()
+    out["grad"] = leaf.grad.clone()
+    # the ranks' parameters differ in dtype only: an error on every rank, not an
+    # all-reduce of a float32 buffer against a float64 one
+    model = torch.nn.Linear(2, 2, bias=False)
+    if rank == 1:
+        model = model.double()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    try:
+        all_reduce_gradients(model, group)
+        out["dtype"] = "ok"
+    except ValueError as exc:
+        out["dtype"] = f"ValueError: {exc}"
+    # strategy="exchange" on a 2-D mesh: refused, not run as Ulysses
+    mesh = launch.init_device_mesh((2, 2))
+    x = torch.randn(1, 4, 4, 8, dtype=torch.float64)
+    try:
+        dilated_attention(x, x, x, [16], [1], group=mesh, strategy="exchange")
+        out["mesh_exchange"] = "ok"
+    except ValueError as exc:
+        out["mesh_exchange"] = f"ValueError: {exc}"
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _contracts():
+    from dist_harness import run_distributed
+
+    return run_distributed(_contracts_rank, 4, timeout=180)
+
+
+@pytest.mark.distributed
+def test_sum_across_ranks_leaves_its_input_and_scales_the_gradient():
+    """sum_across_ranks: the sum on every rank, the input unchanged, gradient P x."""
+    for rank, result in enumerate(_contracts()):
+        mine = torch.tensor([1.0, 2.0], dtype=torch.float64) * (rank + 1)
+        torch.testing.assert_close(result["partial_after"], mine, rtol=0, atol=0)
+        torch.testing.assert_close(result["summed"], torch.tensor([10.0, 20.0],
+                                   dtype=torch.float64), rtol=0, atol=0)
+        torch.testing.assert_close(result["grad"], torch.tensor([4.0, 12.0],
+                                   dtype=torch.float64), rtol=0, atol=0)
+
+
+@pytest.mark.distributed
+def test_all_reduce_gradients_refuses_parameters_of_another_dtype():
+    """Same names and shapes, rank 1's in float64: every rank raises, naming both."""
+    for result in _contracts():
+        message = result["dtype"]
+        assert message.startswith("ValueError") and "different parameters" in message, message
+        assert "float32" in message and "float64" in message, message
+
+
+@pytest.mark.distributed
+def test_exchange_on_a_two_dimensional_mesh_is_refused():
+    """strategy='exchange' names a 1-D strategy; a 2-D mesh is refused on every rank."""
+    for result in _contracts():
+        message = result["mesh_exchange"]
+        assert message.startswith("ValueError") and "one-dimensional group" in message, message

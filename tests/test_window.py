@@ -506,3 +506,29 @@ def test_window_runs_do_not_overlap(backward):
             for t in stripe_plan.tiles:
                 if t.count > 1:
                     assert t.rows <= t.step and t.keys <= t.step, (left, right, t)
+
+
+@pytest.mark.parametrize("window", [(3, -1), (0, -1), (-1, -1)])
+def test_causal_window_unbounded_on_the_right_attends_no_later_key(window):
+    """is_causal=True with right = -1 (unbounded) is right = 0: the reference with the
+    window and causal mask, fp64."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 16, 2, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    out = ring_attention(q, k, v, is_causal=True, window_size=window)
+    ref, _ = reference_window_attention(q, k, v, (window[0], 0), causal=True)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("lengths", [[8, 0, 8], [8, 8, 0], [0, 8, 8]])
+def test_a_rank_without_rows_holds_no_chunk_and_gets_no_halo(lengths):
+    """Layout.contiguous holds non-empty chunks only: a rank with no rows has none, and
+    a sliding window's halo exchange (3 back, 1 ahead) neither sends to it nor from it."""
+    from dilated_attention.distributed.halo import halo_schedule
+    from dilated_attention.layout import Layout
+
+    layout = Layout.contiguous(lengths)
+    empty = lengths.index(0)
+    assert all(c.stop > c.start for c in layout.chunks)
+    assert layout.of_rank(empty) == []
+    halos = halo_schedule(layout, 3, 1, None)
+    assert len(halos) == 2 and all(empty not in (h.src, h.dst) for h in halos), halos
