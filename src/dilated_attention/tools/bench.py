@@ -692,7 +692,8 @@ def plot(rows: List[Dict[str, object]], config: BenchConfig, path: str) -> bool:
         ax.set_xlabel(_AXES[axis][0])
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # no rows (nothing ran): no legend to draw
+            ax.legend(fontsize=8)
     mode = "forward + backward" if config.backward else "forward"
     fig.suptitle(f"dilated-attention bench: {config.device}, {config.dtype}, {mode}, "
                  f"{config.heads}x{config.head_dim} heads (measured)")
