@@ -522,6 +522,8 @@ def test_the_rules_variants_alone_compute_every_tile(name, monkeypatch) -> None:
         close(got.cpu(), wanted, case.dtype, what)
 
 
+# the interpreter computes the overflowing logits in numpy, which warns about them
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_a_query_whose_logits_all_overflow_adds_nothing_to_the_keys() -> None:
     """Finite fp32 inputs whose products overflow: every logit of query 3 is -inf, so it
     attends nothing (out 0, lse -inf) and gives its keys no gradient: dK/dV stay those of the
