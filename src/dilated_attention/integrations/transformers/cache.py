@@ -82,9 +82,8 @@ class ShardedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def get_max_cache_shape(self) -> int:
-        # get_max_length's name before transformers 5.13 (abstract there)
-        return -1
+    # its name before transformers 5.13 (abstract there)
+    get_max_cache_shape = get_max_length
 
     def _unsupported(self, what: str):
         raise NotImplementedError(f"sharded generation keeps each rank's rows in place: {what} "
