@@ -585,15 +585,10 @@ def test_all_reduce_gradients_matches_a_compiled_model_with_a_plain_one():
     assert run_distributed(_compiled_names, 2, timeout=90) == [[1.5], [1.5]]
 
 
-def _small_qkv(b=2, n=8, h=4, hk=2, d=16, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(b, n, heads, d, dtype=dtype, generator=g) for heads in (h, hk, hk))
-
-
 def test_no_layout_hint_when_the_mask_fits_neither_layout():
     """(b, h, n, d) tensors with a key padding mask that fits neither (b, n) nor the
     swapped layout's: the error names the mask's shape and gives no transpose hint."""
-    q = _small_qkv(h=4, hk=4)[0].transpose(1, 2)  # read as (b=2, n=4, h=8, d)
+    q = qkv(h=4, hk=4)[0].transpose(1, 2)  # read as (b=2, n=4, h=8, d)
     with pytest.raises(ValueError, match=r"key_padding_mask must have shape") as error:
         dilated_attention(q, q, q, [4], [1], key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))
     assert "transpose" not in str(error.value)
@@ -601,14 +596,14 @@ def test_no_layout_hint_when_the_mask_fits_neither_layout():
 
 def test_bool_cu_seqlens_tensor_is_a_type_error():
     """A bool tensor is no list of boundaries (True would read as 1)."""
-    q, k, v = _small_qkv(b=1, n=10)
+    q, k, v = qkv(b=1, n=10)
     with pytest.raises(TypeError, match="cu_seqlens must hold integers"):
         dilated_attention(q, k, v, [4], [1], cu_seqlens=torch.tensor([0, 10]).bool())
 
 
 def test_key_padding_mask_on_another_device_names_the_device():
     """A mask on another device than q (meta here, so that it runs without a GPU)."""
-    q, k, v = _small_qkv()
+    q, k, v = qkv()
     mask = torch.zeros(2, 8, dtype=torch.bool, device="meta")
     with pytest.raises(ValueError, match="key_padding_mask must be on q's device"):
         dilated_attention(q, k, v, [4], [1], key_padding_mask=mask)
