@@ -282,12 +282,15 @@ def attention_backward(
     if backend == "flash_attn":
         from flash_attn.flash_attn_interface import _flash_attn_backward
 
-        # flash-attn broadcasts K/V heads itself (GQA): dk/dv come back per kv head
+        # flash-attn broadcasts K/V heads itself (GQA): dk/dv come back per kv head. Its
+        # default backward adds dq up with atomics (bits vary run to run); a caller who
+        # asked torch for deterministic algorithms gets its deterministic one.
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _flash_attn_backward(
             dout.contiguous(), q, k, v, out, lse.transpose(1, 2).float().contiguous(), dq, dk, dv,
             dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1,
-            window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
+            window_size_right=-1, softcap=0.0, alibi_slopes=None,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
         )
         return dq, dk, dv
     # The aten CUDA ops are called with equal head counts (their GQA support is
