@@ -186,6 +186,50 @@ def test_encoder_decoder_compiles_once() -> None:
         torch.testing.assert_close(loss, model(source, target, target)[1], rtol=1e-12, atol=0)
 
 
+
+class _SelfAttention(torch.nn.Module):
+    def __init__(self, attn: torch.nn.Module) -> None:
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x):
+        return self.attn(x, x, x, is_causal=True)[0]
+
+
+def test_export_serves_every_length() -> None:
+    """torch.export with the sequence length dynamic: the program the module and the model
+    export into (the custom ops, not their launches) gives eager's output at lengths it was
+    not exported at, and the model's exported training graph eager's loss and gradients."""
+    from dilated_attention import LongNetConfig, LongNetLM
+
+    torch.manual_seed(0)
+    length = torch.export.Dim("length", min=2, max=4096)
+    attn = _SelfAttention(MultiheadDilatedAttention(32, 4, [64, 128], [1, 2], num_kv_heads=2))
+    program = torch.export.export(attn, (torch.randn(1, 200, 32),),
+                                  dynamic_shapes=({1: length},)).module()
+    for n in (77, 333):
+        x = torch.randn(1, n, 32)
+        torch.testing.assert_close(program(x), attn(x))
+
+    config = LongNetConfig(vocab_size=19, embed_dim=16, num_heads=4, ffn_dim=24, num_layers=1,
+                           segment_lengths=(4, 8), dilation_rates=(1, 2), positions="rotary")
+    model = LongNetLM(config, dtype=torch.float64)
+    # two tensors: export reads one tensor passed twice as the same input, for every call
+    example = torch.randint(0, 19, (2, 18)), torch.randint(0, 19, (2, 18))
+    program = torch.export.export(model, example,
+                                  dynamic_shapes=({1: length}, {1: length})).module()
+    for n in (23, 31):
+        tokens, targets = torch.randint(0, 19, (2, n)), torch.randint(0, 19, (2, n))
+        results = []
+        for fn, parameters in ((program, list(program.parameters())),
+                               (model, list(model.parameters()))):
+            loss = fn(tokens, targets)[1]
+            results.append((loss.detach(), torch.autograd.grad(loss, parameters)))
+        (loss_x, grads_x), (loss_e, grads_e) = results
+        torch.testing.assert_close(loss_x, loss_e, rtol=1e-12, atol=1e-12)
+        for got, want in zip(grads_x, grads_e):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
 # recommended_dtype follows the compute capability on every side of its thresholds; the GPU
 # is faked, so this runs without one (test_cuda's version needs the GPU it asks about).
 
