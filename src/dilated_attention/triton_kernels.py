@@ -159,7 +159,10 @@ def _share_sum(ptr, b, rows, heads, sb, sn, sh, sd, head_dim, BLOCK_D: tl.conste
     """The sum of this program's share of x[b] (rows, heads, head_dim): the (row, head)
     pairs cut into equal runs, one per program of the launch's first grid dimension, so
     that its programs together read every element once (rows 0: none). Not pipelined: it
-    runs once per program (no buffers beside the key loop's)."""
+    runs once per program (no buffers beside the key loop's), so each chunk is a round trip
+    to memory at the program's end; in chunks of a q tile's shape (CHUNK = BLOCK_M) a share
+    is mostly one. (In chunks of 16 pairs, 8 round trips a share, the H200's 1M-token
+    forward took 1.1 ms longer than with none, against 0.38 ms for torch's sum of k.)"""
     pairs = rows * heads
     share = tl.cdiv(pairs, tl.num_programs(0))
     lo = tl.program_id(0) * share
@@ -440,7 +443,7 @@ def _forward_tile(
         # the loop's spills (sm_90, LongNet's d 128 tile: 76 bytes instead of 64), and
         # with the out live sm_100's d 256 tile spilled
         checked += _share_sum(K, b, check_rows, kv_heads, skb, skn, skh, skd, head_dim,
-                              BLOCK_D, 16)
+                              BLOCK_D, BLOCK_M)
         # all programs store the same NaN: no atomics needed
         if not _finite(checked):
             tl.store(AnyBad, float("nan"))
