@@ -691,6 +691,38 @@ def test_sharded_generation_equals_one_process(world_size):
     assert all(len(errors) == 6 for _, errors in results)
 
 
+def _fsdp_generation(group):
+    """generate() on a model whose parameters FSDP2 sharded (here over the sequence ranks):
+    generation runs the blocks outside their forward, so fully_shard's hooks never gather
+    them; a clear error on every rank (not torch's mixed Tensor/DTensor error from inside a
+    layer), and, once every unit is unsharded, the one-process ids."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dilated_attention.distributed import comm
+
+    one, model = _generation_models(group, {})
+    mesh = init_device_mesh("cpu", (comm.group_size(group),))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    prompt, _ = _data(2, 9, 23)
+    with pytest.raises(ValueError, match=r"generate needs every parameter whole.*unshard\(\)"):
+        model.generate(prompt, 3)
+    units = [*model.layers, model]
+    for unit in units:
+        unit.unshard()
+    ids = model.generate(prompt, 3)
+    for unit in units:
+        unit.reshard()
+    return torch.equal(ids, one.generate(prompt, 3))
+
+
+@pytest.mark.distributed
+def test_generate_refuses_fsdp2_sharded_parameters():
+    assert run_distributed(_fsdp_generation, 2, timeout=120) == [True, True]
+
+
 # ---------------------------------------------------------------------------
 # Sequence parallel: P spawned gloo ranks == one process
 

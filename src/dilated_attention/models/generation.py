@@ -107,6 +107,22 @@ def _check_top_p(top_p) -> Optional[float]:
     return float(top_p)
 
 
+def _check_whole_parameters(model: nn.Module) -> None:
+    """Generation runs the blocks' parts itself, outside their forward, so FSDP2's hooks never
+    gather a fully_shard-ed module's parameters: a DTensor parameter would meet plain tensors
+    inside a layer (torch's "mixed torch.Tensor and DTensor" error). Say so, and what to do."""
+    name = next((n for n, p in model.named_parameters() if hasattr(p, "device_mesh")), None)
+    if name is not None:
+        raise ValueError(
+            f"generate needs every parameter whole on this rank, but {name!r} is a DTensor "
+            f"(sharded by FSDP2's fully_shard, or by tensor parallelism): generation runs the "
+            f"layers outside their forward, where fully_shard gathers them. Call unshard() on "
+            f"every fully_shard-ed module first (e.g. `for m in [*model.layers, model]: "
+            f"m.unshard()`, then reshard() after), or generate from a model that holds the "
+            f"full state dict"
+        )
+
+
 def _agree(model: nn.Module, tokens: Tensor, attention_mask, max_new_tokens, temperature, top_k,
            top_p, eos_token_id, pad_token_id, use_cache,
            generator) -> Tuple[Optional[Tuple[int, ...]], Sampling]:
@@ -116,6 +132,7 @@ def _agree(model: nn.Module, tokens: Tensor, attention_mask, max_new_tokens, tem
     vocab = model.config.vocab_size
 
     def config() -> dict:
+        _check_whole_parameters(model)
         check_tokens("tokens", tokens, vocab)
         if tokens.shape[1] == 0:
             raise ValueError(
