@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dilated_attention import (MultiheadDilatedAttention, dilated_attention, recommended_dtype,
-                               ring_attention)
+                               ring_attention, rotary_tables)
 from dilated_attention.kernels import KernelOptions
 
 
@@ -129,6 +129,30 @@ def test_module_with_dynamic_length_compiles_once() -> None:
     assert seen == []
     for x, ((out, _), _) in zip(xs, results):
         torch.testing.assert_close(out, attn(x, x, x, is_causal=True)[0])
+
+
+def test_static_rotary_tables_beside_a_dynamic_length_raise_torchs_error() -> None:
+    """rotary tables of a fixed length beside a length marked dynamic: the tables' check
+    specialises the length, which torch reports as a ConstraintViolationError (as for a
+    static key_padding_mask). It once raised the check's own ValueError naming two equal
+    shapes ("must be of shape (40, 1, 4) ..., got ... (40, 1, 4)"): `in` compared them."""
+    torch._dynamo.reset()
+    attn = MultiheadDilatedAttention(32, 4, [8, 16], [1, 2], num_kv_heads=2)
+    compiled = torch.compile(attn, backend="eager", fullgraph=True)
+    x = torch.randn(1, 40, 32)
+    torch._dynamo.mark_dynamic(x, 1)
+    rotary = rotary_tables(torch.arange(40), head_dim=8)
+    with pytest.raises(Exception, match="marked .* as dynamic") as error:
+        compiled(x, x, x, is_causal=True, rotary=rotary)
+    assert "rotary's cos must be of shape" not in str(error.value)
+    # the tables marked dynamic too: one graph, equal to eager
+    for n in (40, 57):
+        x = torch.randn(1, n, 32)
+        rotary = rotary_tables(torch.arange(n), head_dim=8)
+        for t in (x, *rotary):
+            torch._dynamo.mark_dynamic(t, 1 if t is x else 0)
+        torch.testing.assert_close(compiled(x, x, x, is_causal=True, rotary=rotary)[0],
+                                   attn(x, x, x, is_causal=True, rotary=rotary)[0])
 
 
 @pytest.mark.parametrize("positions", ["sinusoidal", "rotary"])

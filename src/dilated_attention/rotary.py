@@ -74,7 +74,9 @@ def check_tables(tables, batch: int, rows: int, head_dim: int, device: torch.dev
     for name, t in zip(("cos", "sin"), tables):
         if not t.is_floating_point():
             raise TypeError(f"rotary's {name} must be a floating tensor, got {_describe(t)}")
-        if tuple(t.shape) not in shapes:
+        # each shape compared with ==, not `in`: under torch.compile `in` answered False for
+        # a static table beside a length marked dynamic, an error naming equal shapes
+        if not any(tuple(t.shape) == shape for shape in shapes):
             raise ValueError(f"rotary's {name} must be of shape ({rows}, 1, {head_dim // 2}) "
                              f"or ({batch}, {rows}, 1, {head_dim // 2}) for {rows} rows of "
                              f"head_dim {head_dim}, got {_describe(t)}")
