@@ -452,3 +452,34 @@ def test_bad_input_on_one_rank_raises_on_every_rank():
     # the group timeout is a minute: an error within 10 s is the agreement, not a timeout
     results = run_distributed(_bad_input_on_one_rank, 2, timeout=120, pg_timeout=60.0)
     assert all(t < 10.0 for elapsed in results for t in elapsed), results
+
+
+def _deepcopy_shares_the_group(group):
+    """copy.deepcopy of a sequence-parallel module and model (an EMA copy, AveragedModel):
+    the copy shares the process group and computes what the original does; its parameters
+    are its own. It once raised "cannot pickle 'ProcessGroup' object"."""
+    import copy
+
+    from dilated_attention import LongNetConfig, LongNetLM
+    from dilated_attention.distributed.sharding import shard_sequence
+    from torch.optim.swa_utils import AveragedModel
+
+    torch.manual_seed(0)
+    m = _mhda(process_group=group)
+    x = shard_sequence(torch.randn(1, 21, 16), group)
+    twin = copy.deepcopy(m)
+    assert twin.attention.process_group is group
+    assert twin.q_proj.weight is not m.q_proj.weight
+    torch.testing.assert_close(twin(x, x, x, is_causal=True)[0], m(x, x, x, is_causal=True)[0],
+                               rtol=0, atol=0)
+    model = LongNetLM(LongNetConfig.from_name("tiny"), process_group=group)
+    tokens = shard_sequence(torch.randint(0, 64, (1, 30)), group)
+    average = AveragedModel(model)  # deep-copies the model
+    assert average.module.process_group is group
+    torch.testing.assert_close(average(tokens), model(tokens), rtol=0, atol=0)
+    return True
+
+
+@pytest.mark.distributed
+def test_deepcopy_shares_the_process_group():
+    assert run_distributed(_deepcopy_shares_the_group, 2, timeout=120) == [True, True]

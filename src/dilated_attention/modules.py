@@ -12,6 +12,7 @@ do), output projection.
 
 from __future__ import annotations
 
+import copy
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -63,6 +64,17 @@ class DilatedAttention(nn.Module):
         self.process_group = process_group
         self.strategy = check.check_strategy(strategy)
         self.backend = check.check_backend(backend)
+
+    def __deepcopy__(self, memo: dict) -> "DilatedAttention":
+        """copy.deepcopy (EMA copies, torch.optim.swa_utils.AveragedModel) as nn.Module's,
+        except that the copy shares process_group: a ProcessGroup cannot be copied, and the
+        copy runs over the same ranks (as a deep-copied DDP module does)."""
+        if self.process_group is not None:
+            memo.setdefault(id(self.process_group), self.process_group)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, *,
                 key_padding_mask: Optional[Tensor] = None, cu_seqlens=None) -> Tensor:

@@ -6,6 +6,7 @@ e embed dim, v vocabulary.
 
 from __future__ import annotations
 
+import copy
 from typing import Optional, Tuple
 
 import torch
@@ -45,6 +46,17 @@ class LongNetBase(nn.Module):
         if not config.tie_embeddings:
             self.head = nn.Linear(e, config.vocab_size, bias=False, **self._factory)
             nn.init.normal_(self.head.weight, std=e**-0.5)
+
+    def __deepcopy__(self, memo: dict) -> "LongNetBase":
+        """copy.deepcopy (EMA copies, torch.optim.swa_utils.AveragedModel) as nn.Module's,
+        except that the copy shares process_group: a ProcessGroup cannot be copied, and the
+        copy runs over the same ranks (as a deep-copied DDP module does)."""
+        if self.process_group is not None:
+            memo.setdefault(id(self.process_group), self.process_group)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     def reset_parameters(self) -> None:
         """Draw every parameter again, from the distributions construction draws it from.
