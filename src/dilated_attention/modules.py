@@ -24,6 +24,19 @@ from .functional import GroupLike, autocast_dtype, dilated_attention, fail_on_ev
 from .rotary import apply_rotary, check_tables
 
 
+def deepcopy_sharing_group(module: nn.Module, memo: dict) -> nn.Module:
+    """`copy.deepcopy(module)` as nn.Module's (EMA copies, torch.optim.swa_utils.AveragedModel),
+    except that the copy shares ``module.process_group``: a ProcessGroup cannot be copied,
+    and the copy runs over the same ranks (as a deep-copied DDP module does). For the
+    ``__deepcopy__`` of modules that hold a group."""
+    if module.process_group is not None:
+        memo.setdefault(id(module.process_group), module.process_group)
+    copied = type(module).__new__(type(module))
+    memo[id(module)] = copied
+    copied.__setstate__(copy.deepcopy(module.__dict__, memo))
+    return copied
+
+
 class DilatedAttention(nn.Module):
     """Exact LongNet dilated attention over (b, n, h, d) inputs.
 
@@ -66,15 +79,7 @@ class DilatedAttention(nn.Module):
         self.backend = check.check_backend(backend)
 
     def __deepcopy__(self, memo: dict) -> "DilatedAttention":
-        """copy.deepcopy (EMA copies, torch.optim.swa_utils.AveragedModel) as nn.Module's,
-        except that the copy shares process_group: a ProcessGroup cannot be copied, and the
-        copy runs over the same ranks (as a deep-copied DDP module does)."""
-        if self.process_group is not None:
-            memo.setdefault(id(self.process_group), self.process_group)
-        copied = type(self).__new__(type(self))
-        memo[id(self)] = copied
-        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
-        return copied
+        return deepcopy_sharing_group(self, memo)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, *,
                 key_padding_mask: Optional[Tensor] = None, cu_seqlens=None) -> Tensor:

@@ -6,7 +6,6 @@ e embed dim, v vocabulary.
 
 from __future__ import annotations
 
-import copy
 from typing import Optional, Tuple
 
 import torch
@@ -15,6 +14,7 @@ from torch import Tensor, nn
 
 from .. import validation as check
 from ..distributed import comm
+from ..modules import deepcopy_sharing_group
 from .checkpointing import run_blocks
 from .config import LongNetConfig
 from .layers import Block, Positions
@@ -48,15 +48,7 @@ class LongNetBase(nn.Module):
             nn.init.normal_(self.head.weight, std=e**-0.5)
 
     def __deepcopy__(self, memo: dict) -> "LongNetBase":
-        """copy.deepcopy (EMA copies, torch.optim.swa_utils.AveragedModel) as nn.Module's,
-        except that the copy shares process_group: a ProcessGroup cannot be copied, and the
-        copy runs over the same ranks (as a deep-copied DDP module does)."""
-        if self.process_group is not None:
-            memo.setdefault(id(self.process_group), self.process_group)
-        copied = type(self).__new__(type(self))
-        memo[id(self)] = copied
-        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
-        return copied
+        return deepcopy_sharing_group(self, memo)
 
     def reset_parameters(self) -> None:
         """Draw every parameter again, from the distributions construction draws it from.
