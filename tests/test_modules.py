@@ -406,7 +406,7 @@ def test_forward_errors():
 
 
 def test_forward_follows_multihead_attention_argument_order():
-    """A drop-in for nn.MultiheadAttention: (query, key, value, key_padding_mask, need_weights,
+    """nn.MultiheadAttention's argument order: (query, key, value, key_padding_mask, need_weights,
     attn_mask, average_attn_weights, is_causal); a positional mask is a key padding mask."""
     m = _mhda()
     x = torch.randn(2, 8, 16)

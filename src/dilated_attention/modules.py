@@ -4,10 +4,11 @@ Notation: b batch, n sequence, e embed dim, h query heads, hk key/value
 heads, d = e // h head dim.
 
 ``DilatedAttention`` is the op as a module (q, k, v already split into
-heads). ``MultiheadDilatedAttention`` is a batch-first drop-in for
-``nn.MultiheadAttention``: input projections, dilated attention, the MAGNETO
-"sub-LN" LayerNorm before the output projection (as LongNet / torchscale
-do), output projection.
+heads). ``MultiheadDilatedAttention`` takes ``nn.MultiheadAttention``'s forward
+arguments (batch-first by default) for self-attention with a bool key padding
+mask (its docstring lists the differences): input projections, dilated
+attention, the MAGNETO "sub-LN" LayerNorm before the output projection (as
+LongNet / torchscale do), output projection.
 """
 
 from __future__ import annotations
@@ -123,13 +124,33 @@ class DilatedAttention(nn.Module):
 
 
 class MultiheadDilatedAttention(nn.Module):
-    """Batch-first multi-head dilated attention, a drop-in for nn.MultiheadAttention.
+    """Batch-first multi-head dilated attention, called as nn.MultiheadAttention is.
 
     ``forward(query, key, value)`` with (b, n, e) inputs returns ``(out, None)``
     like ``nn.MultiheadAttention(batch_first=True)`` with ``need_weights=False``;
     ``batch_first=False`` takes and returns (n, b, e), as torch's default.
     Keys and values project to ``num_kv_heads`` heads (GQA/MQA when fewer than
     ``num_heads``); the op broadcasts them without copies.
+
+    The forward takes ``nn.MultiheadAttention``'s arguments in its order
+    (``key_padding_mask``, ``need_weights``, ``attn_mask``, ``is_causal``), but
+    it is not a replacement for it everywhere:
+
+    - self-attention only: query, key and value of one shape, batched (3-D);
+      no kdim/vdim, no unbatched (n, e) inputs;
+    - ``key_padding_mask`` must be bool (True = ignore that key): float
+      (additive) and integer masks are a TypeError;
+    - ``attn_mask`` is refused (the dilation patterns are the mask: use
+      ``is_causal``, ``key_padding_mask`` or ``cu_seqlens``), and
+      ``need_weights`` must be False (the default here);
+    - separate q/k/v projections and the sub-LN: no ``in_proj_weight`` /
+      ``in_proj_bias``, so an ``nn.MultiheadAttention`` state_dict does not
+      load;
+    - it is not a ``self_attn`` for torch's transformer layers:
+      ``nn.TransformerEncoderLayer`` reads ``in_proj_bias`` on its evaluation
+      fast path and passes ``src_key_padding_mask`` on as a float mask,
+      ``nn.TransformerEncoder`` reads ``_qkv_same_embed_dim``, and both layer
+      classes pass a causal mask as ``attn_mask``, each an error here.
 
     NOTE: MAGNETO (Wang et al., 2022, arXiv 2210.06423) as used by LongNet:
     a LayerNorm ("sub-LN") on the attention output before ``out_proj``, and
