@@ -155,8 +155,10 @@ class LongNetLM(LongNetBase):
         ended (steps < max_new_tokens then); each row's ids are those it
         generates alone.
         With use_cache (default) each new token runs one position through
-        the layers against cached keys/values (exact: the same result as
-        rerunning the whole sequence, which use_cache=False does).
+        the layers against cached keys/values: the same computation as
+        rerunning the whole sequence (use_cache=False) in another order, so
+        equal to rounding; in bf16/fp16 greedy ids can differ where two
+        logits lie within a rounding step (docs/generation.md).
         Dropout is off during generation.
 
         attention_mask (b, n), 1 for real tokens and 0 for padding on the
