@@ -206,6 +206,23 @@ def _effective_window(window: Tuple[int, int], total: int) -> Tuple[int, int]:
     return tuple(-1 if side >= total - 1 else side for side in window)
 
 
+def _eager_across_ranks(op):
+    """Under torch.compile, a call with a group runs eagerly: a graph break between the
+    compiled code around it. The sequence-parallel paths agree across ranks on pickled values
+    and size their messages and launches from the agreed data, which Dynamo cannot trace;
+    eagerly they run as they do outside compile (the single-device op is one custom op, and
+    compiles)."""
+    eager = torch.compiler.disable(op)
+
+    @functools.wraps(op)
+    def call(q, k, v, *args, **kwargs):
+        if kwargs.get("group") is not None and torch.compiler.is_compiling():
+            return eager(q, k, v, *args, **kwargs)
+        return op(q, k, v, *args, **kwargs)
+
+    return call
+
+
 def _follows_autocast(op):
     """Under torch.autocast for the inputs' device, the op takes q, k, v in autocast's dtype,
     as ``F.scaled_dot_product_attention`` does, and runs with autocast off: its kernels and
@@ -225,6 +242,7 @@ def _follows_autocast(op):
     return call
 
 
+@_eager_across_ranks
 @_follows_autocast
 def dilated_attention(
     q: Tensor,
@@ -450,6 +468,7 @@ def _warn_unread(n: int, patterns: Patterns, heads: int, documents: Documents) -
         )
 
 
+@_eager_across_ranks
 @_follows_autocast
 def ring_attention(
     q: Tensor,
