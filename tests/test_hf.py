@@ -93,14 +93,16 @@ def assert_grads_equal(a: dict, b: dict, float32_norms: bool = False) -> None:
         torch.testing.assert_close(a[name], b[name], **tol, msg=lambda m: f"{name}: {m}")
 
 
-def assert_equals_sdpa(make, ids: torch.Tensor, mask: torch.Tensor, **kwargs) -> torch.Tensor:
-    """make(impl) -> model: with the dense pattern, its logits at mask's real positions and
-    the gradients of a loss over them equal sdpa's; returns our logits."""
-    weight = torch.randn(*ids.shape, VOCAB, dtype=torch.float64) * mask[..., None]
+def assert_equals_sdpa(make, ids: torch.Tensor, mask: torch.Tensor, output: str = "logits",
+                      **kwargs) -> torch.Tensor:
+    """make(impl) -> model: with the dense pattern, its `output` (logits) at mask's real
+    positions and the gradients of a loss over them equal sdpa's; returns ours."""
     results = []
     for impl in ("sdpa", DENSE):
         model = make(impl)
-        logits = model(ids, **kwargs).logits
+        logits = getattr(model(ids, **kwargs), output)
+        if not results:
+            weight = torch.randn(logits.shape, dtype=torch.float64) * mask[..., None]
         (logits * weight).sum().backward()  # a loss over the real (unpadded) positions only
         results.append((logits.detach(), grads(model)))
     (ref, ref_grads), (ours, our_grads) = results
@@ -982,7 +984,7 @@ def test_accepted_keywords():
                                  "num_items_in_batch", "output_hidden_states",
                                  "output_router_logits"}
     assert set(refusals.OFF_KWARGS) == {"output_attentions", "softcap", "s_aux", "seq_idx", "sinks",
-                                        "position_bias"}
+                                        "position_bias", "encoder_hidden_states", "deterministic"}
     assert refusals.ACCEPTED_KWARGS == refusals.USED_KWARGS | refusals.IGNORED_KWARGS | set(refusals.OFF_KWARGS)
     assert refusals.MASK_KWARGS == {"allow_is_causal_skip", "allow_is_bidirectional_skip", "dtype",
                               "config", "use_vmap", "device", "local_size"}
@@ -1084,10 +1086,17 @@ def test_refuses_other_arguments_of_the_attention_function():
     module = build(DILATED).model.layers[0].self_attn
     q, kv = torch.randn(1, 4, 6, 8, dtype=torch.float64), torch.randn(1, 2, 6, 8,
                                                                       dtype=torch.float64)
-    # sinks (Inkling 2) and position_bias (Inkling): refused with a reason, not as unknown
-    for name, value in (("softcap", 30.0), ("s_aux", torch.zeros(4)), ("sliding_window", 4),
-                        ("sinks", torch.zeros(1, 4, 6, 1)), ("position_bias", torch.zeros(6, 6))):
-        with pytest.raises(NotImplementedError, match=name):
+    # sinks (Inkling 2) and position_bias (Inkling): refused with a reason, not as unknown;
+    # encoder_hidden_states (None from BERT's self-attention) and ModernBERT's deterministic
+    # (flash-attn's backward, False unless asked) too
+    for name, value, reason in (
+            ("softcap", 30.0, "soft-capping"), ("s_aux", torch.zeros(4), "sinks"),
+            ("sliding_window", 4, "sliding-window mask"),
+            ("sinks", torch.zeros(1, 4, 6, 1), "sinks"),
+            ("position_bias", torch.zeros(6, 6), "bias"),
+            ("encoder_hidden_states", torch.zeros(1, 6, 32), "cross-attention"),
+            ("deterministic", True, "use_deterministic_algorithms")):
+        with pytest.raises(NotImplementedError, match=f"{name}(?s:.*){reason}"):
             ours(module, q, kv, kv, None, **{name: value})
     with pytest.raises(ValueError, match="2-D torch.float64"):
         ours(module, q, kv, kv, torch.zeros(1, 6, dtype=torch.float64))
@@ -1569,3 +1578,194 @@ def test_sliding_window_model_generates_left_padded_rows_like_sdpa():
     ref, ours = (window_model("mistral", impl).generate(ids, **kwargs) for impl in ("sdpa", DENSE))
     assert torch.equal(ours.sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(ours.scores), torch.stack(ref.scores), **TOL)
+
+
+# --------------------------------------------------------------------------
+# Encoder models: BERT, RoBERTa, ModernBERT (bidirectional; ModernBERT's local layers a
+# two-sided window); cross-attention refused
+
+ENCODER_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, pad_token_id=0)
+ENCODERS = {
+    "bert": lambda: transformers.BertConfig(**ENCODER_COMMON),
+    "roberta": lambda: transformers.RobertaConfig(**ENCODER_COMMON),
+    # layers: global, local (a window of 3 keys on each side: local_attention 6), global
+    "modernbert": lambda: transformers.ModernBertConfig(
+        **{**ENCODER_COMMON, "num_hidden_layers": 3}, local_attention=6,
+        global_attn_every_n_layers=2, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+        sep_token_id=2),
+}
+
+
+def encoder(kind: str, impl: str, seed: int = 0, **overrides):
+    """A tiny random encoder (AutoModel: last_hidden_state), float64, in eval mode."""
+    config = ENCODERS[kind]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    return transformers.AutoModel.from_config(config, attn_implementation=impl,
+                                              dtype=torch.float64).eval()
+
+
+@pytest.mark.parametrize("pad", ["none", "left", "right"])
+@pytest.mark.parametrize("kind", sorted(ENCODERS))
+def test_encoders_equal_sdpa(kind, pad):
+    """Hidden states and gradients with the dense pattern: the bidirectional mask, padding on
+    either side, ModernBERT's local layers (a window of 3 keys on each side, n = 19)."""
+    ids, mask = tokens(2, 19), padding(pad, 2, 19)
+    kwargs = {"attention_mask": mask} if pad != "none" else {}
+    assert_equals_sdpa(lambda impl: encoder(kind, impl), ids, mask, output="last_hidden_state",
+                       **kwargs)
+
+
+def test_modernbert_local_layers_get_a_two_sided_window():
+    """What reaches the attention function from ModernBERT: its local layers' mask is read as
+    the window of 3 keys on each side (its mask's reach; the layer passes flash-attn's 3 + 1),
+    its global layers' as bidirectional, padded or not."""
+    seen = []
+    ours = AttentionInterface()[DENSE]
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        window = (attention_mask.left, attention_mask.right, kwargs["sliding_window"]) \
+            if isinstance(attention_mask, Window) else kwargs.get("sliding_window")
+        seen.append((type(attention_mask).__name__, window))
+        assert set(kwargs) - {"dropout", "scaling", "is_causal"} <= refusals.ACCEPTED_KWARGS
+        return ours(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("dilated_encoder_spy_test", spy)
+    AttentionMaskInterface.register("dilated_encoder_spy_test", build_mask)
+    model = encoder("modernbert", "dilated_encoder_spy_test")
+    with torch.no_grad():
+        model(tokens(2, 19))
+        model(tokens(2, 19), attention_mask=padding("left", 2, 19))
+    assert seen == [("Bidirectional", None), ("Window", (3, 3, 4)), ("Bidirectional", None)] * 2
+
+
+def bert_reference(model, ids, key_padding_mask=None):
+    """BertModel.forward written out, its attention a direct dilated_attention call."""
+    x = model.embeddings(input_ids=ids)
+    b, n, _ = x.shape
+    for layer in model.encoder.layer:
+        attn = layer.attention.self
+        q, k, v = (proj(x).view(b, n, -1, attn.attention_head_size)
+                   for proj in (attn.query, attn.key, attn.value))
+        out = dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=False, scale=attn.scaling,
+                                key_padding_mask=key_padding_mask)
+        h = layer.attention.output(out.reshape(b, n, -1), x)
+        x = layer.output(layer.intermediate(h), h)
+    return x
+
+
+@pytest.mark.parametrize("pad", ["none", "left", "right"])
+def test_bert_dilated_pattern_equals_direct_calls(pad):
+    """Real dilated patterns (n = 30 crosses every segment): BERT's hidden states and
+    gradients equal its forward around dilated_attention; the padding stays in place, masked
+    (BERT passes no position_ids to its layers)."""
+    ids, mask = tokens(2, 30, seed=3), padding(pad, 2, 30)
+    model = encoder("bert", DILATED)
+    results = []
+    for run in (lambda: bert_reference(model, ids, key_padding_mask=~mask.bool()),
+                lambda: model(ids, attention_mask=mask).last_hidden_state):
+        model.zero_grad(set_to_none=True)
+        hidden = run()
+        (hidden * mask[..., None]).square().mean().backward()
+        results.append((hidden.detach(), grads(model)))
+    (ref, ref_grads), (ours, our_grads) = results
+    torch.testing.assert_close(ours[mask.bool()], ref[mask.bool()], **TOL)
+    assert_grads_equal(our_grads, ref_grads)
+
+
+@pytest.mark.parametrize("kind", ["roberta", "modernbert"])
+def test_encoders_with_dilated_patterns_are_finite(kind):
+    ids, mask = tokens(2, 30, seed=3), padding("left", 2, 30)
+    model = encoder(kind, DILATED)
+    hidden = model(ids, attention_mask=mask).last_hidden_state
+    hidden.square().mean().backward()
+    assert torch.isfinite(hidden).all() and all(g.isfinite().all() for g in grads(model).values())
+
+
+def test_cross_attention_is_refused():
+    """BERT as a decoder with cross-attention layers, an encoder-decoder (Bart), and a
+    cross-attention layer of a model whose config does not say so: refused, never run as
+    self-attention (the lengths here are equal, which the shapes alone would let through)."""
+    ids = tokens(2, 12)
+    enc = torch.randn(2, 12, 32, dtype=torch.float64)
+    model = encoder("bert", DENSE, is_decoder=True, add_cross_attention=True)
+    with pytest.raises(NotImplementedError, match="add_cross_attention = True: cross-attention"):
+        model(ids, encoder_hidden_states=enc)
+    bart = transformers.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=1,
+                                   decoder_layers=1, encoder_attention_heads=4,
+                                   decoder_attention_heads=4, encoder_ffn_dim=64,
+                                   decoder_ffn_dim=64, max_position_embeddings=64)
+    model = transformers.AutoModel.from_config(bart, attn_implementation=DENSE,
+                                               dtype=torch.float64).eval()
+    with pytest.raises(NotImplementedError, match="is_encoder_decoder = True: cross-attention"):
+        model(ids, decoder_input_ids=ids)
+    layer = transformers.models.bert.modeling_bert.BertCrossAttention(ENCODERS["bert"]())
+    q = torch.randn(1, 4, 6, 8, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="BertCrossAttention: cross-attention"):
+        AttentionInterface()[DENSE](layer, q, q, q, None)
+
+
+def _encoder_rank(group):
+    """BERT (real dilated patterns) and ModernBERT (dense pattern: its window layers' halo
+    exchange) on this rank's rows at their global positions against one process: hidden
+    states and gradients, plain and padded."""
+    world, rank = comm.group_size(group), comm.group_rank(group)
+    patterns = {"bert": (SEGMENTS, RATES), "modernbert": ([4096], [1])}
+    n = 29
+    (start, stop), = piece_ranges(n, world, rank)
+    out = []
+    for kind, (segs, rates) in patterns.items():
+        one = register(f"dilated_encoder_one_{kind}_test", segment_lengths=segs,
+                       dilation_rates=rates)
+        sp = register(f"dilated_encoder_sp_{kind}_test", segment_lengths=segs,
+                      dilation_rates=rates, group=group)
+        for pad in ("none", "left", "right"):
+            ids, mask = tokens(2, n, seed=5), padding(pad, 2, n)
+            weight = torch.randn(2, n, 32, dtype=torch.float64,
+                                 generator=torch.Generator().manual_seed(6)) * mask[..., None]
+            result = []
+            for impl, g, rows in ((one, None, slice(0, n)), (sp, group, slice(start, stop))):
+                model = encoder(kind, impl)
+                hidden = model(ids[:, rows], attention_mask=mask[:, rows],
+                               position_ids=torch.arange(n)[None, rows]).last_hidden_state
+                # world times this rank's share: the averaged gradients are the sum (training.md)
+                (comm.group_size(g) * (hidden * weight[:, rows]).sum()).backward()
+                all_reduce_gradients(model, g)
+                result.append((hidden.detach(), grads(model)))
+            (ref, ref_grads), (ours, our_grads) = result
+            out.append((f"{kind} {pad}", ours, ref[:, start:stop], mask[:, start:stop],
+                        our_grads, ref_grads))
+    return out
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_encoders_equal_one_process():
+    for rank_results in run_distributed(_encoder_rank, 2, timeout=300.0):
+        for case, ours, ref, mask, our_grads, ref_grads in rank_results:
+            real = mask.bool()
+            torch.testing.assert_close(ours[real], ref[real], **TOL, msg=lambda m: f"{case}: {m}")
+            assert_grads_equal(our_grads, ref_grads)
+
+
+BERT_LIKE = {"xlm-roberta": {}, "camembert": {}, "electra": {"embedding_size": 32},
+             "ernie": {}, "data2vec-text": {}, "roberta-prelayernorm": {}, "albert": {},
+             "xlm-roberta-xl": {}, "nomic_bert": {}, "jina_embeddings_v3": {},
+             "distilbert": {"hidden_dim": 64}}
+
+
+@pytest.mark.parametrize("model_type", sorted(BERT_LIKE))
+def test_bert_like_families_equal_sdpa(model_type):
+    """Encoders whose attention layers are BERT's or close to it: left-padded hidden states."""
+    config = transformers.AutoConfig.for_model(model_type, **ENCODER_COMMON,
+                                               **BERT_LIKE[model_type])
+    ids, mask = tokens(2, 19), padding("left", 2, 19)
+    results = []
+    for impl in ("sdpa", DENSE):
+        torch.manual_seed(0)
+        model = transformers.AutoModel.from_config(copy.deepcopy(config), attn_implementation=impl,
+                                                   dtype=torch.float64).eval()
+        with torch.no_grad():
+            results.append(model(ids, attention_mask=mask).last_hidden_state)
+    torch.testing.assert_close(results[1][mask.bool()], results[0][mask.bool()], **TOL)

@@ -33,10 +33,11 @@ Note [generation]
 Note [sliding-window layers]
     A layer whose mask the model builds as a sliding window (transformers
     passes the mask function ``local_size``: Mistral, Qwen2 with
-    use_sliding_window, Gemma 3's local layers) gets a ``Window`` from the
-    mask function (masks.py), which reads the window's reaches off the mask
-    (transformers' causal window of size w: the query and the w - 1 keys
-    before it). Such a layer runs ``ring_attention(window_size=...)``:
+    use_sliding_window, Gemma 3's local layers, ModernBERT's local layers)
+    gets a ``Window`` from the mask function (masks.py), which reads the
+    window's reaches off the mask (transformers' causal window of size w:
+    the query and the w - 1 keys before it; its bidirectional one of size w:
+    w keys on each side, which ModernBERT's layers pass as w + 1). Such a layer runs ``ring_attention(window_size=...)``:
     exact windowed attention with the same padding and documents, on one
     process or sequence-parallel (the halo exchange); the layer's
     ``sliding_window`` keyword must agree with its mask. Layers without a
@@ -73,7 +74,8 @@ from ...functional import dilated_attention, ring_attention
 from .documents import agreed_documents, explicit_documents, position_facts
 from .masks import Bidirectional, Causal, PackedDocuments, Window, build_mask
 from .padding import agreed_origins, decoding_origins, first_real_tokens
-from .refusals import RESERVED_NAME_PARTS, Refused, check_kwargs, describe
+from .refusals import (RESERVED_NAME_PARTS, Refused, check_kwargs, check_layer,
+                       describe)
 
 
 # The oldest transformers release tests/test_hf.py passes with (also 5.23 and 5.24, CI's);
@@ -188,6 +190,7 @@ class _Backend:
     def _attend(self, module, q: Tensor, k: Tensor, v: Tensor, attention_mask, dropout: float,
                 scaling: Optional[float], is_causal: Optional[bool], tensors, kwargs) -> Tensor:
         """`__call__` once q, k and v share one head dim: out (b, n, h, d)."""
+        check_layer(module)  # a cross-attention layer: the same on every rank
         if isinstance(attention_mask, Causal):
             attention_mask = None  # plain causal (Note [what the mask function returns])
         # a sliding-window layer's mask (Note [sliding-window layers]): its window, and the
@@ -404,8 +407,10 @@ def _window(mask: Optional[Window], sliding_window) -> Optional[Tuple[int, int]]
             f"sliding-window mask (a model built with this backend's name builds one with its "
             f"mask function); cannot tell which keys the window holds")
     # transformers' causal window holds the query and size - 1 keys before it; its
-    # bidirectional one size keys on each side
-    if size != (mask.left + 1 if mask.right == 0 else mask.left):
+    # bidirectional one (reach = local_size) is passed as the reach (Muse Glimmer's layers)
+    # or, in flash-attn's convention (window_size = (size - 1, size - 1)), as the reach + 1
+    # (ModernBERT's, NeoMME's): the mask, which sdpa and eager run, decides
+    if size not in ((mask.left + 1,) if mask.right == 0 else (mask.left, mask.left + 1)):
         raise ValueError(f"sliding_window={size} does not match the layer's mask, a window "
                          f"of {mask.left} keys back and {mask.right} ahead")
     return mask.left, mask.right

@@ -12,7 +12,8 @@ Note [what the mask function returns]
     bool keep-mask when some key is padded (the form transformers'
     flash-attention mask takes, so model code treats it as it treats that
     one); ``Bidirectional`` holding one of these when the mask is plain
-    bidirectional (a decoder with ``config.is_causal = False``: some layers,
+    bidirectional (an encoder: BERT, RoBERTa, ModernBERT's global layers; a
+    decoder with ``config.is_causal = False``: some layers,
     StableLM's, keep ``is_causal = True`` and pass no flag, so the mask is
     what says it, as it is for eager attention); ``PackedDocuments`` when transformers'
     packed-sequence detection (use_cache=False, restarting position_ids)

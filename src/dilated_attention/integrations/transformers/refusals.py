@@ -8,14 +8,16 @@ argument, never silently dropped:
 | q, k, v (b, h, n, d) | transposed views (b, n, h, d), no copy; hk < h is GQA, K/V never repeated |
 | ``scaling`` | the softmax scale |
 | ``dropout`` | attention dropout while ``module.training``; 0 in evaluation |
-| ``is_causal`` (or ``module.is_causal``) | causal or not |
+| ``is_causal`` (or ``module.is_causal``) | causal or not (the mask says bidirectional too: encoders, ``config.is_causal = False``) |
 | 2-D padding ``attention_mask`` | ``key_padding_mask`` (left or right padding); a left-padded row whose first real token has position 0 (``generate``'s numbering) is computed as the row alone (padding.py) |
 | ``position_ids`` that restart (no padding; one process) | packed documents -> ``cu_seqlens`` |
 | ``cu_seq_lens_q`` = ``cu_seq_lens_k`` | packed documents -> ``cu_seqlens`` (global ones under sequence parallelism) |
-| ``sliding_window`` and the model's sliding-window mask (Mistral, Qwen2, Gemma 3's local layers) | exact windowed attention through ``ring_attention(window_size=...)``, one process or sequence-parallel (the halo exchange); the layers without a window keep the dilated patterns (Note [sliding-window layers] in backend.py) |
+| ``sliding_window`` and the model's sliding-window mask (Mistral, Qwen2, Gemma 3's local layers; ModernBERT's two-sided one, whose layers pass its reach + 1, flash-attn's convention) | exact windowed attention through ``ring_attention(window_size=...)``, one process or sequence-parallel (the halo exchange); the layers without a window keep the dilated patterns (Note [sliding-window layers] in backend.py) |
 | one new token against a KV cache | exact decoding, left-padded batches and ``generate(..., group=)`` included (Note [generation] in backend.py); a sliding-window layer attends the window's keys, whatever the cache kept besides (transformers' sliding-window cache, and ``generate(..., group=)``'s sharded cache, whose ranks merge their keys of the window) |
 | ``use_cache``, ``max_length_q/k``, ``num_items_in_batch``, ``output_hidden_states``, ``output_router_logits`` | no effect on attention |
-| a 4-D mask, a float mask, a mask function other than causal within documents or a sliding window (image-token blocks, Llama 4's chunked attention), ``softcap``, ``s_aux`` and ``sinks`` (sinks), ``position_bias``, ``seq_idx``, ``output_attentions=True``, any other keyword; attention dropout on a sliding-window layer | refused |
+| ``encoder_hidden_states=None`` (BERT's, RoBERTa's self-attention), ``deterministic=False`` (ModernBERT: flash-attn's deterministic backward not asked for) | nothing asked |
+| a 4-D mask, a float mask, a mask function other than causal within documents or a sliding window (image-token blocks, Llama 4's chunked attention), ``softcap``, ``s_aux`` and ``sinks`` (sinks), ``position_bias``, ``seq_idx``, ``output_attentions=True``, ``encoder_hidden_states`` given, ``deterministic=True`` (use ``torch.use_deterministic_algorithms``), any other keyword; attention dropout on a sliding-window layer | refused |
+| cross-attention: a layer class named ``...CrossAttention`` or flagged ``is_cross_attention``, every layer of a model whose config has ``is_encoder_decoder`` or ``add_cross_attention`` (Bart's one class serves both kinds) | refused (``check_layer``) |
 | q_len != k_len other than decoding one token (chunked prefill, cross-attention), a static cache, a sliding-window cache that keeps fewer keys than the window, decoding with padding after a row's first real token | refused |
 """
 
@@ -45,8 +47,14 @@ IGNORED_KWARGS = frozenset({
 
 
 # Accepted only with these values (what a model passes when the feature is off).
+# encoder_hidden_states: BERT's and RoBERTa's self-attention pass None (their cross-attention
+# layers take it as an argument and pass keys of the other sequence instead: refused by
+# check_layer). deterministic: ModernBERT passes config.deterministic_flash_attn, flash-attn's
+# switch for a backward without atomic adds; it changes no value, only run-to-run
+# reproducibility, which our kernels take from torch.use_deterministic_algorithms instead.
 OFF_KWARGS = {"output_attentions": (None, False), "softcap": (None,), "s_aux": (None,),
-              "seq_idx": (None,), "sinks": (None,), "position_bias": (None,)}
+              "seq_idx": (None,), "sinks": (None,), "position_bias": (None,),
+              "encoder_hidden_states": (None,), "deterministic": (None, False)}
 
 
 ACCEPTED_KWARGS = USED_KWARGS | IGNORED_KWARGS | frozenset(OFF_KWARGS)
@@ -62,6 +70,12 @@ MASK_KWARGS = frozenset({"allow_is_causal_skip", "allow_is_bidirectional_skip", 
 RESERVED_NAME_PARTS = ("flash", "sdpa", "flex_attention", "eager", "paged", "/", "|")
 
 
+CROSS_ATTENTION = ("cross-attention (queries of one sequence, keys and values of another: an "
+                   "encoder-decoder's decoder, BERT with config.add_cross_attention) has no "
+                   "dilated pattern: segments and dilation are positions of one sequence; use "
+                   "attn_implementation='eager' or 'sdpa' for this model")
+
+
 REFUSED_HINTS = {
     "output_attentions": "dilated attention never forms the attention weights",
     "softcap": "logit soft-capping (Gemma 2's config.attn_logit_softcapping) bends every score "
@@ -73,6 +87,11 @@ REFUSED_HINTS = {
              "denominator, and the kernels compute plain softmax attention",
     "position_bias": "a learned bias added to every score (Inkling's relative positions) "
                      "changes each query's weights, and the kernels add no bias to the scores",
+    "encoder_hidden_states": CROSS_ATTENTION,
+    "deterministic": "flash-attn's deterministic backward (ModernBERT's "
+                     "config.deterministic_flash_attn) is a switch of flash-attn's kernels; "
+                     "set it to False and call torch.use_deterministic_algorithms(True), which "
+                     "the kernels of dilated attention follow",
 }
 
 
@@ -100,6 +119,27 @@ def check_kwargs(kwargs: Dict[str, Any]) -> None:
             q_cu is not None and check.check_cu_seqlens(q_cu) != check.check_cu_seqlens(k_cu)):
         raise ValueError(f"cu_seq_lens_q and cu_seq_lens_k must be given together and be equal "
                          f"(self-attention), got {show(q_cu)} and {show(k_cu)}")
+
+
+def check_layer(module) -> None:
+    """Refuse a cross-attention layer, before any collective (a layer and its config are the
+    same on every rank).
+
+    A cross-attention call looks like self-attention's: the query length may equal the
+    encoder's, and one query against a cached encoder has decoding's shape. The layer says
+    it by its class (BERT's ``BertCrossAttention``, Mllama's ``MllamaTextCrossAttention``) or
+    an ``is_cross_attention`` flag; Bart's one attention class serves both, so a model whose
+    config has cross-attention layers (``is_encoder_decoder``, ``add_cross_attention``) is
+    refused in every layer: its calls cannot be told apart.
+    """
+    config = getattr(module, "config", None)
+    flags = [f"config.{key} = True" for key in ("is_encoder_decoder", "add_cross_attention")
+             if getattr(config, key, False) is True]
+    named = "CrossAttention" in type(module).__name__ \
+        or getattr(module, "is_cross_attention", False) is True
+    if named or flags:
+        where = type(module).__name__ if named else f"a model with {' and '.join(flags)}"
+        raise NotImplementedError(f"{where}: {CROSS_ATTENTION}")
 
 
 def describe(x) -> str:
