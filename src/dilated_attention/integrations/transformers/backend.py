@@ -37,8 +37,9 @@ Note [sliding-window layers]
     gets a ``Window`` from the mask function (masks.py), which reads the
     window's reaches off the mask (transformers' causal window of size w:
     the query and the w - 1 keys before it; its bidirectional one of size w:
-    w keys on each side, which ModernBERT's layers pass as w + 1). Such a layer runs ``ring_attention(window_size=...)``:
-    exact windowed attention with the same padding and documents, on one
+    w keys on each side, which ModernBERT's layers pass as w + 1). Such a
+    layer runs ``ring_attention(window_size=...)``: exact windowed attention
+    with the same padding and documents, on one
     process or sequence-parallel (the halo exchange); the layer's
     ``sliding_window`` keyword must agree with its mask. Layers without a
     window (Gemma 3's global ones) keep the registered dilated patterns.
