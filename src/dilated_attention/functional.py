@@ -463,8 +463,9 @@ def _warn_unread(n: int, patterns: Patterns, heads: int, documents: Documents) -
             f"{list(patterns[1])} over {heads} heads leaves some (row, head) pairs unread: "
             f"no head's pattern selects them, so their outputs are 0 (docs/spec.md, 'One "
             f"pattern'). Add a pattern with rate 1, or rates that the heads' offsets cover.",
-            # at the user's call: _warn_unread, the op, _follows_autocast's wrapper, the caller
-            UserWarning, stacklevel=4,
+            # at the user's call: _warn_unread, the op, _follows_autocast's and
+            # _eager_across_ranks' wrappers, the caller
+            UserWarning, stacklevel=5,
         )
 
 
