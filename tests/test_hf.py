@@ -1757,15 +1757,15 @@ BERT_LIKE = {"xlm-roberta": {}, "camembert": {}, "electra": {"embedding_size": 3
 
 @pytest.mark.parametrize("model_type", sorted(BERT_LIKE))
 def test_bert_like_families_equal_sdpa(model_type):
-    """Encoders whose attention layers are BERT's or close to it: left-padded hidden states."""
+    """Encoders whose attention layers are BERT's or close to it: left-padded hidden states
+    and gradients."""
     config = transformers.AutoConfig.for_model(model_type, **ENCODER_COMMON,
                                                **BERT_LIKE[model_type])
-    ids, mask = tokens(2, 19), padding("left", 2, 19)
-    results = []
-    for impl in ("sdpa", DENSE):
+
+    def make(impl):
         torch.manual_seed(0)
-        model = transformers.AutoModel.from_config(copy.deepcopy(config), attn_implementation=impl,
-                                                   dtype=torch.float64).eval()
-        with torch.no_grad():
-            results.append(model(ids, attention_mask=mask).last_hidden_state)
-    torch.testing.assert_close(results[1][mask.bool()], results[0][mask.bool()], **TOL)
+        return transformers.AutoModel.from_config(copy.deepcopy(config), attn_implementation=impl,
+                                                  dtype=torch.float64).eval()
+
+    ids, mask = tokens(2, 19), padding("left", 2, 19)
+    assert_equals_sdpa(make, ids, mask, output="last_hidden_state", attention_mask=mask)
