@@ -391,7 +391,7 @@ def host_only(repeats: int, calls: int, profile_top: int, launcher: bool = False
 
     if not launcher:
         kernels = types.SimpleNamespace(fused_forward=NoLaunch(), fused_dq=NoLaunch(),
-                                        fused_dkdv=NoLaunch(),
+                                        fused_dkdv=NoLaunch(), fused_backward_rule=NoLaunch(),
                                         LOG2E=fused._kernels(q.device).LOG2E)
     fused._kernels = lambda device: kernels
 

@@ -28,8 +28,8 @@ tests/test_cross_compile.py runs a subset on every CI run. Spilled bytes at
 fewer registers are ptxas's own trade for occupancy: reported, not failed; so
 are the spills of the timed sm_90 tiles (fused.TUNED_TILE_SIZES: the timing
 chose them; not of their narrow launches, a plan's tiles of fewer rows, which no
-timing chose) and of each kernel's variant for the non-finite rule (marked
-"rule": it returns at once unless the inputs hold a NaN or an infinity).
+timing chose) and of the kernels for the non-finite rule (marked "rule": they
+return at once unless the inputs hold a NaN or an infinity).
 
 The architectures: A100 (sm_80), consumer and workstation Ampere and Ada
 (sm_86, sm_89: 99 KiB of shared memory per block, against 163 on sm_80),
@@ -94,8 +94,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # 32 and 16 rows per cell of 128 run in narrow launches ("Narrow tiles").
 PATTERNS = {"longnet": ([2048, 4096], [1, 2]), "geometric": ([128, 256, 512, 1024], [1, 2, 4, 8])}
 ROWS, HEADS = 8192, 4
-# The fused kernels and their roles in fused.TileSizes.
+# The fused kernels and their roles in fused.TileSizes; then the backward's kernel for the
+# non-finite rule (dq's and dK/dV's tiles, one launch).
 ROLES = {"fused_forward": "forward", "fused_dq": "dq", "fused_dkdv": "dkdv"}
+BACKWARD_RULE = "fused_backward_rule"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +135,9 @@ class Compiled:
     shared: int
     pipelined: Optional[bool]  # None: the kernel has no loop to pipeline
     timed: bool = False  # its tiles were timed on this architecture (fused.TUNED_TILE_SIZES)
-    # the variant for the non-finite rule (NONFINITE): it returns at once unless the inputs
-    # hold a NaN or an infinity, so its spills cost no finite call anything
+    # a kernel for the non-finite rule (the forward's NONFINITE variant, the backward's
+    # kernel): it returns at once unless the inputs hold a NaN or an infinity, so its spills
+    # cost no finite call anything
     rule: bool = False
 
     @property
@@ -164,7 +167,8 @@ def _recorded_kernels(launches: List[Launch]):
     """The triton_kernels module as fused.py uses it, with recorders for the kernels."""
     return type("RecordedKernels", (), {
         "LOG2E": triton_kernels.LOG2E,
-        **{name: _Recorder(getattr(triton_kernels, name), launches) for name in ROLES}})
+        **{name: _Recorder(getattr(triton_kernels, name), launches)
+           for name in (*ROLES, BACKWARD_RULE)}})
 
 
 def capability(arch: int) -> Tuple[int, int]:
@@ -267,16 +271,29 @@ def compile_report(launch: Launch, arch: int, case: Case, timed: bool = False) -
     compiled = compile_launch(launch, arch)
     usage = ptxas_usage(compiled.asm["ptx"], arch)
     kwargs = launch.kwargs
-    has_loop = launch.kernel.fn.__name__ != "_merge_kernel"
+    name = launch.kernel.fn.__name__
+    has_loop = name != "_merge_kernel"
     stages = kwargs.get("num_stages", 1)
     pipelined = ("async_copy_global_to_local" in compiled.asm["ttgir"]
                  if has_loop and stages > 1 else None)
-    sizes = (f"M{kwargs['BLOCK_M']} N{kwargs['BLOCK_N']} w{kwargs['num_warps']} s{stages}"
-             + (" (timed)" if timed else "") + (" rule" if kwargs.get("NONFINITE") else "")
-             if has_loop else f"R{kwargs['BLOCK_R']}")
-    return Compiled(launch.kernel.fn.__name__, arch, case, sizes, usage["registers"],
+    rule = bool(kwargs.get("NONFINITE")) or name == BACKWARD_RULE
+    return Compiled(name, arch, case, _tile_sizes(name, kwargs, timed), usage["registers"],
                     usage["spilled"], compiled.metadata.shared, pipelined,
-                    timed and has_loop, bool(kwargs.get("NONFINITE")))
+                    timed and has_loop, rule)
+
+
+def _tile_sizes(name: str, kwargs: dict, timed: bool) -> str:
+    """A launch's tiles as the report names them."""
+    if name == "_merge_kernel":
+        return f"R{kwargs['BLOCK_R']}"
+    if name == BACKWARD_RULE:
+        tiles = (f"dq M{kwargs['QUERY_BLOCK_M']} N{kwargs['QUERY_BLOCK_N']}, "
+                 f"dK/dV M{kwargs['KEY_BLOCK_M']} N{kwargs['KEY_BLOCK_N']}")
+    else:
+        tiles = f"M{kwargs['BLOCK_M']} N{kwargs['BLOCK_N']}"
+    return (f"{tiles} w{kwargs['num_warps']} s{kwargs.get('num_stages', 1)}"
+            + (" (timed)" if timed else "")
+            + (" rule" if kwargs.get("NONFINITE") or name == BACKWARD_RULE else ""))
 
 
 def cases(dtypes: Sequence[str], head_dims: Sequence[int], flags: Sequence[str],

@@ -54,16 +54,18 @@ def test_the_shipped_half_precision_tiles_compile_for_four_architectures(tmp_pat
     # the table of every kernel (after the summary)
     detail = report.split("| arch | kernel | case |")[1]
     rows = [line for line in detail.splitlines() if line.startswith("| sm_")]
-    # archs x 2 head dims x 2 flag sets for the fused kernels, each with its variant for the
-    # non-finite rule, in three launches: the case's cells of 128 rows have classes of 64,
-    # 32 and 16 rows (Note [fused kernel], "Narrow tiles"); the merge per head dim
-    fused_count = len(ARCHS) * 2 * 2 * 2 * 3
-    for kernel, count in (("fused_forward", fused_count), ("fused_dq", fused_count),
-                          ("fused_dkdv", fused_count), ("_merge_kernel", len(ARCHS) * 2)):
+    # archs x 2 head dims x 2 flag sets for the fused kernels, in three launches each: the
+    # case's cells of 128 rows have classes of 64, 32 and 16 rows (Note [fused kernel],
+    # "Narrow tiles"); then the kernels for the non-finite rule, one launch each (the
+    # forward's variant, and the backward's), and the merge per head dim
+    cases = len(ARCHS) * 2 * 2
+    for kernel, count in (("fused_forward", cases * (3 + 1)), ("fused_dq", cases * 3),
+                          ("fused_dkdv", cases * 3), ("fused_backward_rule", cases),
+                          ("_merge_kernel", len(ARCHS) * 2)):
         assert sum(f"| {kernel} |" in row for row in rows) == count, report
     assert all(row.endswith("| - |") for row in rows), report  # no problem anywhere
     # the fused kernels' key loops are pipelined (cp.async)
-    assert sum("| yes |" in row for row in rows) == 3 * fused_count, report
+    assert sum("| yes |" in row for row in rows) == cases * 11, report
 
 
 def test_a_kernel_that_spills_is_reported_and_fails(tmp_path):

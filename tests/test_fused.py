@@ -478,6 +478,26 @@ def test_a_key_whose_logits_are_all_minus_inf_still_gives_nan() -> None:
     assert torch.equal(torch.isnan(out.detach()[0].cpu()).all(-1), attends)
 
 
+class _Skipped:
+    """A kernel's launcher that launches nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+class _DqIntoScratch:
+    """The plain dq kernel's launcher, its dq (argument 8) written into a scratch tensor."""
+
+    def __init__(self, launch):
+        self.launch = launch
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            args = args[:8] + (torch.empty_like(args[8]),) + args[9:]
+            self.launch[grid](*args, **kwargs)
+        return run
+
+
 # two launch heights (32 and 16 rows) in one or two batch rows; padding, documents and
 # extras of period 3
 RULE_ALONE_CASES = {"narrow-tiles-b1": dataclasses.replace(CASES["narrow-tiles"], masked=False),
@@ -490,11 +510,13 @@ RULE_ALONE_CASES = {"narrow-tiles-b1": dataclasses.replace(CASES["narrow-tiles"]
 
 @pytest.mark.parametrize("name", RULE_ALONE_CASES)
 def test_the_rules_variants_alone_compute_every_tile(name, monkeypatch) -> None:
-    """The variants for the non-finite rule launch a few programs that each take every so
+    """The kernels for the non-finite rule launch a few programs that each take every so
     many tiles (TileSizes.rule_programs: 2 per batch row in the interpreter), not one per
-    tile. Launched alone (no plain kernel first), with the check already NaN, on finite
-    inputs (where the rule changes nothing) into outputs filled with NaN: out, lse and every
-    gradient equal the reference, so no tile, launch height or batch row is left out."""
+    tile, every launch height at the widest. Launched alone, with the check already NaN, on
+    finite inputs (where the rule changes nothing) into outputs filled with NaN: out, lse
+    and every gradient equal the reference, so no tile, launch height or batch row is left
+    out. Alone: no plain forward nor dK/dV, and the plain dq only for the delta the rule's
+    kernel reads (its dq into a scratch tensor)."""
     case = RULE_ALONE_CASES[name]
     leaves, dout, dlse, mask = inputs(case)
     q, k, v = (x.detach() for x in leaves)
@@ -504,7 +526,14 @@ def test_the_rules_variants_alone_compute_every_tile(name, monkeypatch) -> None:
         plan = fused._planner(q, k, patterns, case.causal, heads, None, None)(
             **fused.tile_sizes(q.device, q.dtype, case.d).plan("forward"))
         assert {height for _, height in plan.launches()} == {32, 16}
-    monkeypatch.setattr(fused, "_variants", lambda nonfinite: (True,))
+    from dilated_attention import triton_kernels
+
+    rule_last, launcher = fused._rule_last, fused.launcher
+    monkeypatch.setattr(fused, "_rule_last", lambda *args: rule_last(*args)[1:])
+    monkeypatch.setattr(fused, "launcher", lambda kernel: (
+        _Skipped() if kernel is triton_kernels.fused_dkdv
+        else _DqIntoScratch(launcher(kernel)) if kernel is triton_kernels.fused_dq
+        else launcher(kernel)))
     check = fused.new_check(q.device).fill_(math.nan)
     kw = dict(causal=case.causal, scale=case.scale or case.d ** -0.5, heads=heads,
               documents=case.cu_seqlens, key_mask=mask, nonfinite=check)

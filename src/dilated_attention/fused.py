@@ -10,13 +10,14 @@ q, k, v are read in place through their strides (no copy, whatever their
 layout); out, lse, dq, dk, dv are written once each, with no zero fill. The
 backward runs two kernels: dq over the query tiles (it also stores delta =
 rowsum(dout * out) - dlse, one fp32 per (row, head)), then dK/dV over the
-key tiles, which reads delta. With a `nonfinite` check (the single-device op: a
-0 on the device, which the plain forward makes NaN where a q row, an out or a k
-row is not finite) each kernel is launched again in its variant for the
-non-finite rule, which does nothing unless the check is not finite, and then
-writes everything a second time (triton_kernels' module docstring). Each of these runs once per
-tile height of its plan: tiles of few rows launch apart at a smaller BLOCK_M
-(Note [fused kernel], "Narrow tiles"), all of dq's before dK/dV's.
+key tiles, which reads delta. Each runs once per tile height of its plan: tiles
+of few rows launch apart at a smaller BLOCK_M (Note [fused kernel], "Narrow
+tiles"), all of dq's before dK/dV's. With a `nonfinite` check (the
+single-device op: a 0 on the device, which the plain forward makes NaN where a
+q row, an out or a k row is not finite) the rule's kernels follow, one launch
+for the forward and one for the backward's dq and dK/dV together, over every
+tile: they do nothing unless the check is not finite, and then write everything
+a second time (triton_kernels' module docstring).
 
 Notation: b batch, n rows (m key rows), h query heads, hk key/value heads,
 d head dim; layout (b, n, h, d); lse and delta (b, n, h) float32.
@@ -27,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -68,11 +69,11 @@ class TileSizes:
     (split_chunks; Note [fused kernel] in fused_plan.py, "Split spans"), the fewest
     rows a launch of narrow tiles may have (narrowest: tl.dot's least, 16; "Narrow tiles"),
     the windows in which a launch's tiles go heaviest first (order_window, in tiles; 0: cell
-    by cell; "Tile order"), and the most programs a launch of a kernel's variant for the
-    non-finite rule has, over its batch rows (rule_programs), each taking every so many
-    tiles. A finite call's variants only read the check and return: with a program per
-    tile they scheduled as many programs as the plain launch (98,304 per kernel at 1M
-    tokens in LongNet's setting). 1,024 is several per SM on any GPU (132 on an H100), so
+    by cell; "Tile order"), and the most programs a launch of a kernel for the non-finite
+    rule has, over its batch rows (rule_programs), each taking every so many tiles. A
+    finite call's rule kernels only read the check and return: with a program per tile
+    they scheduled as many programs as the plain launch (98,304 per kernel at 1M tokens in
+    LongNet's setting). 1,024 is several per SM on any GPU (132 on an H100), so
     that the rule's work still spreads where it runs; not timed.
 
     Eight chunks: a piece's partial last chunk and its loop's start (the loads' pipeline
@@ -98,7 +99,7 @@ class TileSizes:
 
     def grid(self, tiles: Tensor, batch: int, rule: bool) -> Tuple[int, int]:
         """A launch's grid over `tiles` (T, 6) and `batch` rows: a program per tile, or
-        (`rule`: the variant for the non-finite rule) at most rule_programs in all."""
+        (`rule`: a kernel for the non-finite rule) at most rule_programs in all."""
         count = tiles.shape[0]
         return (min(count, max(1, self.rule_programs // batch)) if rule else count), batch
 
@@ -106,7 +107,7 @@ class TileSizes:
 # Triton's interpreter (CPU tensors) runs one numpy operation per block operation: fewer,
 # larger blocks are faster there (16 is tl.dot's least size). Spans split where every piece
 # fills a chunk (the tests' short sequences rarely do; tests/test_fused.py also forces it).
-# Two programs of a rule variant per batch row: every test of non-finite inputs runs its
+# Two programs of a rule kernel per batch row: every test of non-finite inputs runs its
 # loop over several tiles. Tiles heaviest first in windows of three: every test runs the
 # plans in an order other than cell by cell (the kernels must not depend on it).
 INTERPRETER_TILE_SIZES = TileSizes(*[KernelTiles(32, 32, num_warps=1)] * 3, num_stages=1,
@@ -224,10 +225,15 @@ def _head_block(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-def _variants(nonfinite: Optional[Tensor]) -> Tuple[bool, ...]:
-    """The NONFINITE values to launch each kernel with: the plain kernel, then (with a
-    `nonfinite` check) its variant for the non-finite rule."""
-    return (False, True) if nonfinite is not None else (False,)
+def _rule_last(plan: TilePlan, nonfinite: Optional[Tensor]
+               ) -> Tuple[Tuple[bool, List[Tuple[Tensor, int]]], ...]:
+    """(NONFINITE, its launches) of a forward: the plain kernel's, one per tile height, then
+    (with a `nonfinite` check and a tile) the rule's variant in one launch over every tile
+    at the plan's widest height (a narrower tile is the same with fewer of its rows real)."""
+    plain = (False, plan.launches())
+    if nonfinite is None or not plan.heights:
+        return (plain,)
+    return plain, (True, [(plan.tiles, plan.block_m)])
 
 
 def _mask_arg(mask: Optional[Tensor], fallback: Tensor) -> Tuple[Tensor, Tuple[int, int, int]]:
@@ -349,13 +355,13 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
     launch = launcher(kernels.fused_forward)
     has_mask = mask is not None
     mask, mask_strides = _mask_arg(mask, lse)
-    # a plan has a tile for every (row, head): none only for an empty sequence; the rule's
-    # variant after the plain one, over the same tiles (it overwrites them where it runs);
-    # the plain one completes the check first (REPORT), the first launch's programs
-    # reading every row of k for it. One launch per tile height.
-    for rule in _variants(nonfinite):
+    # a plan has a tile for every (row, head): none only for an empty sequence. One launch
+    # per tile height, the plain one completing the check (REPORT), the first launch's
+    # programs reading every row of k for it; then the rule's variant over every tile at
+    # once (it overwrites them where it runs)
+    for rule, launches in _rule_last(plan, nonfinite):
         report = not rule and nonfinite is not None
-        for i, (tiles, block_m) in enumerate(plan.launches()):
+        for i, (tiles, block_m) in enumerate(launches):
             launch[sizes.grid(tiles, b, rule)](
                 q, k, v, out, lse, mask, lse if nonfinite is None else nonfinite, tiles,
                 plan.rows, plan.spans, plan.extras,
@@ -398,33 +404,46 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     mask, mask_strides = _mask_arg(mask, lse)
     flags = dict(CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
                  BLOCK_D=_head_block(d), num_stages=sizes.num_stages, **COMPILE_OPTIONS)
-    # each kernel, then its variant for the non-finite rule (module docstring of
-    # triton_kernels): dq's writes delta again, the same numbers, before dK/dV's reads it
-    for rule in _variants(nonfinite):
-        any_bad = nonfinite if rule else lse
-        for tiles, block_m in queries.launches():
-            launch_dq[sizes.grid(tiles, b, rule)](
-                q, k, v, out, dout, lse, dlse_arg, delta, dq, mask, any_bad, tiles,
-                queries.rows, queries.spans, queries.extras,
-                *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(),
-                *lse.stride(), *dlse_arg.stride(), *dq.stride(), *mask_strides,
-                d, scale * kernels.LOG2E, scale, tiles.shape[0],
-                HAS_DLSE=dlse is not None, EXTRAS=queries.max_extras,
-                POW2_PERIODS=queries.pow2_periods,
-                SPAN_COUNTS=sizes.dq.counts_per_span(queries), NONFINITE=rule,
-                BLOCK_M=block_m, BLOCK_N=sizes.dq.chunk, num_warps=sizes.dq.warps(block_m),
-                **flags,
-            )
-        for tiles, block_m in keys.launches():
-            launch_dkdv[sizes.grid(tiles, b, rule)](
-                q, k, v, dout, lse, delta, dk, dv, mask, any_bad, tiles, keys.rows,
-                keys.spans, keys.extras,
-                *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
-                *dk.stride(), *dv.stride(), *mask_strides,
-                d, scale * kernels.LOG2E, scale, tiles.shape[0],
-                EXTRAS=keys.max_extras, POW2_PERIODS=keys.pow2_periods,
-                SPAN_COUNTS=sizes.dkdv.counts_per_span(keys), NONFINITE=rule,
-                BLOCK_M=block_m, BLOCK_N=sizes.dkdv.chunk,
-                num_warps=sizes.dkdv.warps(block_m), **flags,
-            )
+    for tiles, block_m in queries.launches():
+        launch_dq[sizes.grid(tiles, b, False)](
+            q, k, v, out, dout, lse, dlse_arg, delta, dq, mask, tiles, queries.rows,
+            queries.spans, queries.extras,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(),
+            *lse.stride(), *dlse_arg.stride(), *dq.stride(), *mask_strides,
+            d, scale * kernels.LOG2E, scale,
+            HAS_DLSE=dlse is not None, EXTRAS=queries.max_extras,
+            POW2_PERIODS=queries.pow2_periods, SPAN_COUNTS=sizes.dq.counts_per_span(queries),
+            BLOCK_M=block_m, BLOCK_N=sizes.dq.chunk, num_warps=sizes.dq.warps(block_m),
+            **flags,
+        )
+    for tiles, block_m in keys.launches():
+        launch_dkdv[sizes.grid(tiles, b, False)](
+            q, k, v, dout, lse, delta, dk, dv, mask, tiles, keys.rows, keys.spans, keys.extras,
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
+            *dk.stride(), *dv.stride(), *mask_strides,
+            d, scale * kernels.LOG2E, scale,
+            EXTRAS=keys.max_extras, POW2_PERIODS=keys.pow2_periods,
+            SPAN_COUNTS=sizes.dkdv.counts_per_span(keys),
+            BLOCK_M=block_m, BLOCK_N=sizes.dkdv.chunk, num_warps=sizes.dkdv.warps(block_m),
+            **flags,
+        )
+    if nonfinite is not None and queries.heights:
+        # the rule's dq and dK/dV in one launch (triton_kernels' module docstring), after
+        # the plain kernels, whose delta it reads; its programs loop over both plans' tiles
+        most = queries.tiles if len(queries.tiles) >= len(keys.tiles) else keys.tiles
+        launcher(kernels.fused_backward_rule)[sizes.grid(most, b, True)](
+            q, k, v, out, dout, lse, dlse_arg, delta, dq, dk, dv, mask, nonfinite,
+            queries.tiles, queries.rows, queries.spans, queries.extras,
+            keys.tiles, keys.rows, keys.spans, keys.extras,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(),
+            *lse.stride(), *dlse_arg.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
+            *mask_strides, d, scale * kernels.LOG2E, scale, queries.tiles.shape[0],
+            keys.tiles.shape[0], HAS_DLSE=dlse is not None,
+            QUERY_EXTRAS=queries.max_extras, QUERY_POW2_PERIODS=queries.pow2_periods,
+            QUERY_SPAN_COUNTS=sizes.dq.counts_per_span(queries), QUERY_BLOCK_M=queries.block_m,
+            QUERY_BLOCK_N=sizes.dq.chunk, KEY_EXTRAS=keys.max_extras,
+            KEY_POW2_PERIODS=keys.pow2_periods, KEY_SPAN_COUNTS=sizes.dkdv.counts_per_span(keys),
+            KEY_BLOCK_M=keys.block_m, KEY_BLOCK_N=sizes.dkdv.chunk,
+            num_warps=max(sizes.dq.num_warps, sizes.dkdv.num_warps), **flags,
+        )
     return dq, dk, dv

@@ -20,16 +20,18 @@ not a log2 added before; the counts are computed once per span where every
 period divides BLOCK_N (SPAN_COUNTS: they repeat from chunk to chunk), else
 per chunk.
 
-Non-finite inputs (docs/spec.md, "Non-finite inputs"): each kernel has a
-second variant (NONFINITE) that applies the rule itself, launched after the
-plain one over the same tiles; its programs return at once unless AnyBad (the
-op's device-side check, read by no host) is a NaN or an infinity, and then
-overwrite what the plain one wrote. It launches a few programs that loop over the
-tiles (fused.TileSizes.rule_programs), not one per tile: a finite call, where
-they all return, then schedules a few hundred programs instead of as many as
-the plain launch (tens of thousands from 64K tokens on), each taking its
-resources for nothing. Their loop's bound, num_tiles (which the plain kernels
-ignore), is not specialised: tile counts that are multiples of 16 and others
+Non-finite inputs (docs/spec.md, "Non-finite inputs"): the rule has kernels of
+its own, launched after the plain ones over the same tiles: the forward's
+variant (NONFINITE), and the backward's, ``fused_backward_rule``, which does
+dq's and dK/dV's work in one launch. Their programs return at once unless
+AnyBad (the op's device-side check, read by no host) is a NaN or an infinity,
+and then overwrite what the plain ones wrote. Each is one launch of a few
+programs that loop over the tiles (fused.TileSizes.rule_programs), every
+height of the plan at its widest: a finite call, where they all return, then
+schedules a few hundred programs (tens of thousands from 64K tokens on for a
+program per tile), each taking its resources for nothing, in two launches per
+training step, not one per kernel and tile height. Their loops' bounds, the
+tile counts, are not specialised: counts that are multiples of 16 and others
 share the compiled kernels. The check starts at 0, and the plain forward
 (REPORT) makes it NaN where a q row it loads, an out it writes, or a row of k
 is not finite: each program sums its tile's q, its out, and an equal share of
@@ -477,45 +479,32 @@ def _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, star
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
 
-@triton.jit(do_not_specialize=["num_tiles"])
+@triton.jit
 def fused_dq(
-    Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, AnyBad, tiles, rows, spans, extras,
+    Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh,
     sdqb, sdqn, sdqh, sdqd, smb, smn, smh,
-    head_dim, scale_log2, scale, num_tiles,
+    head_dim, scale_log2, scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DLSE: tl.constexpr,
     PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
-    SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPAN_COUNTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """dq of query tiles, and delta = rowsum(dout * out) - dlse of their rows (the dK/dV
-    kernel reads it: the query tiles cover every (row, head) once). A program per tile, or
-    (NONFINITE, the variant for AnyBad) every num_programs-th one (module docstring).
+    """dq of query tiles, a program per tile, and delta = rowsum(dout * out) - dlse of their
+    rows (the dK/dV kernels read it: the query tiles cover every (row, head) once).
 
     Delta has lse's strides."""
-    if NONFINITE:
-        if _all_finite(AnyBad):
-            return
-        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-            _dq_tile(tile, Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, AnyBad, tiles, rows,
-                     spans, extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
-                     sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh,
-                     sdqb, sdqn, sdqh, sdqd, smb, smn, smh, head_dim, scale_log2, scale, CAUSAL,
-                     HAS_MASK, HAS_DLSE, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE,
-                     BLOCK_M, BLOCK_N, BLOCK_D)
-    else:
-        _dq_tile(tl.program_id(0), Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, AnyBad, tiles,
-                 rows, spans, extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
-                 sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh, sdqb,
-                 sdqn, sdqh, sdqd, smb, smn, smh, head_dim, scale_log2, scale, CAUSAL, HAS_MASK,
-                 HAS_DLSE, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, BLOCK_M,
-                 BLOCK_N, BLOCK_D)
+    _dq_tile(tl.program_id(0), Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, tiles, rows,
+             spans, extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sob, son,
+             soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh, sdqb, sdqn, sdqh,
+             sdqd, smb, smn, smh, head_dim, scale_log2, scale, CAUSAL, HAS_MASK, HAS_DLSE,
+             PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, False, BLOCK_M, BLOCK_N, BLOCK_D)
 
 
 @triton.jit
 def _dq_tile(
-    tile, Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, AnyBad, tiles, rows, spans, extras,
+    tile, Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh,
     sdqb, sdqn, sdqh, sdqd, smb, smn, smh,
@@ -525,7 +514,9 @@ def _dq_tile(
     SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """dq and delta of one query tile (``fused_dq``)."""
+    """dq of one query tile (``fused_dq``), and its delta, which the plain kernel
+    (not NONFINITE) stores: the rule's variant runs beside dK/dV's, which read it, and computes
+    the same numbers (delta does not depend on the rule)."""
     b, head, span_lo, span_hi, cell, t, row_ok, first, last = _program(tiles, rows, tile,
                                                                        BLOCK_M)
     q = _load_rows(Q, b, t, row_ok, head, sqb, sqn, sqh, sqd, head_dim, BLOCK_D)
@@ -534,8 +525,9 @@ def _dq_tile(
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     if HAS_DLSE:
         delta -= _row_values(dLse, b, t, row_ok, head, sdlb, sdln, sdlh)
-    tl.store(Delta + b.to(tl.int64) * slb + t.to(tl.int64) * sln + head.to(tl.int64) * slh,
-             delta, mask=row_ok)
+    if not NONFINITE:
+        tl.store(Delta + b.to(tl.int64) * slb + t.to(tl.int64) * sln + head.to(tl.int64) * slh,
+                 delta, mask=row_ok)
     lse = _lse_log2(_row_values(Lse, b, t, row_ok, head, slb, sln, slh))
     d_ok = tl.arange(0, BLOCK_D)[None, :] < head_dim
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -626,40 +618,69 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["num_tiles"])
+@triton.jit
 def fused_dkdv(
-    Q, K, V, dOut, Lse, Delta, dK, dV, Mask, AnyBad, tiles, rows, spans, extras,
+    Q, K, V, dOut, Lse, Delta, dK, dV, Mask, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sdob, sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd,
     sdvb, sdvn, sdvh, sdvd, smb, smn, smh,
-    head_dim, scale_log2, scale, num_tiles,
+    head_dim, scale_log2, scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
-    POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """dK, dV of key tiles: a program per tile, or (NONFINITE, the variant for AnyBad) every
-    num_programs-th one (module docstring). Delta has lse's strides."""
-    if NONFINITE:
-        if _all_finite(AnyBad):
-            return
-        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-            _dkdv_tile(tile, Q, K, V, dOut, Lse, Delta, dK, dV, Mask, AnyBad, tiles, rows, spans,
-                       extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sdob,
-                       sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd, sdvb, sdvn, sdvh,
-                       sdvd, smb, smn, smh, head_dim, scale_log2, scale, CAUSAL, HAS_MASK,
-                       PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, BLOCK_M, BLOCK_N,
-                       BLOCK_D)
-    else:
-        _dkdv_tile(tl.program_id(0), Q, K, V, dOut, Lse, Delta, dK, dV, Mask, AnyBad, tiles, rows,
-                   spans, extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sdob,
-                   sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd, sdvb, sdvn, sdvh, sdvd,
-                   smb, smn, smh, head_dim, scale_log2, scale, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
-                   POW2_PERIODS, SPAN_COUNTS, NONFINITE, BLOCK_M, BLOCK_N, BLOCK_D)
+    """dK, dV of key tiles, a program per tile. Delta has lse's strides."""
+    _dkdv_tile(tl.program_id(0), Q, K, V, dOut, Lse, Delta, dK, dV, Mask, tiles, rows, spans,
+               extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sdob, sdon,
+               sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd, sdvb, sdvn, sdvh, sdvd, smb,
+               smn, smh, head_dim, scale_log2, scale, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
+               POW2_PERIODS, SPAN_COUNTS, False, BLOCK_M, BLOCK_N, BLOCK_D)
+
+
+@triton.jit(do_not_specialize=["num_query_tiles", "num_key_tiles"])
+def fused_backward_rule(
+    Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, dK, dV, Mask, AnyBad,
+    query_tiles, query_rows, query_spans, query_extras,
+    key_tiles, key_rows, key_spans, key_extras,
+    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
+    sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh,
+    sdqb, sdqn, sdqh, sdqd, sdkb, sdkn, sdkh, sdkd, sdvb, sdvn, sdvh, sdvd, smb, smn, smh,
+    head_dim, scale_log2, scale, num_query_tiles, num_key_tiles,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DLSE: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    QUERY_EXTRAS: tl.constexpr, QUERY_POW2_PERIODS: tl.constexpr,
+    QUERY_SPAN_COUNTS: tl.constexpr, QUERY_BLOCK_M: tl.constexpr, QUERY_BLOCK_N: tl.constexpr,
+    KEY_EXTRAS: tl.constexpr, KEY_POW2_PERIODS: tl.constexpr, KEY_SPAN_COUNTS: tl.constexpr,
+    KEY_BLOCK_M: tl.constexpr, KEY_BLOCK_N: tl.constexpr,
+):
+    """The backward's variant for the non-finite rule: dq of the query tiles, then dK, dV of
+    the key tiles, each program every num_programs-th tile of each (module docstring), as
+    one launch after the plain dq and dK/dV kernels, whose delta it reads (the plain dq
+    kernel's: the rule does not change it). One launch, not one per kernel: a finite call
+    then pays a single launch that reads AnyBad and returns. The two plans' tiles come in
+    their widest heights (QUERY_BLOCK_M, KEY_BLOCK_M): a narrower tile is the same tile
+    with fewer of its rows real."""
+    if _all_finite(AnyBad):
+        return
+    for tile in range(tl.program_id(0), num_query_tiles, tl.num_programs(0)):
+        _dq_tile(tile, Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, query_tiles, query_rows,
+                 query_spans, query_extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn,
+                 svh, svd, sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln,
+                 sdlh, sdqb, sdqn, sdqh, sdqd, smb, smn, smh, head_dim, scale_log2, scale, CAUSAL,
+                 HAS_MASK, HAS_DLSE, PRECISION, QUERY_EXTRAS, QUERY_POW2_PERIODS,
+                 QUERY_SPAN_COUNTS, True, QUERY_BLOCK_M, QUERY_BLOCK_N, BLOCK_D)
+    for tile in range(tl.program_id(0), num_key_tiles, tl.num_programs(0)):
+        _dkdv_tile(tile, Q, K, V, dOut, Lse, Delta, dK, dV, Mask, key_tiles, key_rows,
+                   key_spans, key_extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh,
+                   svd, sdob, sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd, sdvb, sdvn,
+                   sdvh, sdvd, smb, smn, smh, head_dim, scale_log2, scale, CAUSAL, HAS_MASK,
+                   PRECISION, KEY_EXTRAS, KEY_POW2_PERIODS, KEY_SPAN_COUNTS, True, KEY_BLOCK_M,
+                   KEY_BLOCK_N, BLOCK_D)
 
 
 @triton.jit
 def _dkdv_tile(
-    tile, Q, K, V, dOut, Lse, Delta, dK, dV, Mask, AnyBad, tiles, rows, spans, extras,
+    tile, Q, K, V, dOut, Lse, Delta, dK, dV, Mask, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sdob, sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd,
     sdvb, sdvn, sdvh, sdvd, smb, smn, smh,
