@@ -103,7 +103,8 @@ def _sharded(op, group, piece, case, seed, with_lse=True, requires=(True, True, 
     counts = {name: (s.messages_of("all_to_all"), s.messages_of("all_gather"), s.agreements,
                      s.messages)
               for name, s in (("fwd", fwd), ("bwd", bwd))}
-    return {"out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad, **counts}
+    return {"out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad, **counts,
+            "bwd_bytes": bwd.bytes_sent}
 
 
 def _extras(case):
@@ -205,6 +206,52 @@ def test_ulysses_equals_one_process(world: int) -> None:
     for _, errors in outputs:
         assert "ranks disagree on 'strategy'" in errors[0]
         assert f"cannot be split over {world} head-parallel ranks" in errors[1]
+
+
+# which of q, k, v every rank differentiates: all; q only (k and v frozen); k and v only;
+# q and k (v frozen: k and v travel together, so their gradient still does)
+FROZEN = ((True, True, True), (True, False, False), (False, True, True), (True, True, False))
+
+
+def _frozen_ranks(group):
+    case = ULYSSES_CASES[2][0]
+    return [_sharded("dilated", group, comm.group_rank(group), case, 0, strategy="ulysses",
+                     requires=requires) for requires in FROZEN]
+
+
+@pytest.mark.distributed
+def test_ulysses_sends_no_gradient_that_no_rank_needs() -> None:
+    """A gradient that no rank differentiates (frozen k and v, or a frozen q) has no
+    all-to-all in backward; the gradients asked for equal one process's."""
+    case = ULYSSES_CASES[2][0]
+    lengths, _, _, _, h, hk = case
+    want = _single("dilated", case, 0)
+    outputs = run_distributed(_frozen_ranks, 2, timeout=120)
+    for rank, results in enumerate(outputs):
+        lo, hi = sum(lengths[:rank]), sum(lengths[:rank + 1])
+        for requires, got in zip(FROZEN, results):
+            torch.testing.assert_close(got["out"], want["out"][:, lo:hi], rtol=1e-10,
+                                       atol=1e-10)
+            torch.testing.assert_close(got["lse"], want["lse"][..., lo:hi], rtol=1e-10,
+                                       atol=1e-10)
+            for name, asked in zip(("dq", "dk", "dv"), requires):
+                if not asked:
+                    assert got[name] is None, (requires, name)
+                    continue
+                torch.testing.assert_close(got[name], want[name][:, lo:hi], rtol=1e-10,
+                                           atol=1e-10, msg=f"{requires} rank {rank} {name}")
+            # out's and lse's gradients, one all-reduce, and dq's and dK/dV's all-to-alls
+            # where some rank needs them
+            wanted = 2 + requires[0] + (requires[1] or requires[2])
+            assert got["bwd"] == (wanted, 0, 0, wanted + 1), (requires, got["bwd"])
+        # the bytes saved are the gradient's all-to-all: a rank sends the other rank's rows
+        # of its own heads (float64; k and v: two per kv head)
+        row = B * D * 8 * lengths[1 - rank]
+        split = HeadSplit.of(2, h, hk)
+        full = results[0]["bwd_bytes"]
+        assert full - results[1]["bwd_bytes"] == row * 2 * len(split.kv(rank))
+        assert full - results[2]["bwd_bytes"] == row * len(split.query(rank))
+        assert full == results[3]["bwd_bytes"]
 
 
 def _mesh_ranks(group):

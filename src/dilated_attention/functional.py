@@ -87,6 +87,9 @@ def _tensor_config(q: Tensor, k: Tensor, v: Tensor, key_padding_mask, *,
         "requires_grad": torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
         "key_padding_mask": mask is not None,
         "n": n,
+        # which of q and k/v this rank differentiates (per_rank: `_differentiated`)
+        "differentiates": (torch.is_grad_enabled() and q.requires_grad,
+                           torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)),
     }
 
 
@@ -110,7 +113,7 @@ def _inspects(q: Tensor) -> bool:
     return q.device.type != "meta" and not torch.compiler.is_compiling()
 
 
-_PER_RANK = ("n", "masked_keys", "nonfinite")
+_PER_RANK = ("n", "differentiates", "masked_keys", "nonfinite")
 
 # Each op's checked configurations by call signature (validation.CheckedCalls).
 _DILATED_CALLS = check.CheckedCalls()
@@ -129,6 +132,16 @@ def _all_finite(*tensors: Tensor) -> bool:
 def _bad_keys(k: Tensor, v: Tensor) -> Tensor:
     """(b, n, hk, 2) bool: the key rows whose k, or whose v, holds a NaN or an infinity."""
     return torch.stack([~torch.isfinite(k).all(-1), ~torch.isfinite(v).all(-1)], dim=-1)
+
+
+def _differentiated(infos) -> Tuple[bool, bool]:
+    """Whether some rank differentiates q, and k or v: the backward communicates a gradient
+    that no rank needs not at all (the same decision on every rank: it comes from the
+    agreement). A rank that does not need a gradient another rank needs takes part and
+    discards its share (docs/sequence-parallel.md: ranks may differentiate different
+    inputs)."""
+    return (any(info["differentiates"][0] for info in infos),
+            any(info["differentiates"][1] for info in infos))
 
 
 def _agreed_lengths(infos) -> Tuple[int, ...]:
@@ -170,9 +183,11 @@ class _Route:
         return cls(kind, group, None)
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
-            lengths: Tuple[int, ...], opts: KernelOptions, sequence) -> Tuple[Tensor, Tensor]:
+            lengths: Tuple[int, ...], opts: KernelOptions, sequence,
+            grads: Tuple[bool, bool]) -> Tuple[Tensor, Tensor]:
         """``sequence(q, k, v, heads, mask, opts, group, lengths)`` computes the attention of
-        the rows over `group` (None: locally) for `heads` (None: all of them)."""
+        the rows over `group` (None: locally) for `heads` (None: all of them); `grads`:
+        ``_differentiated``."""
         if self.kind != "ulysses":
             return sequence(q, k, v, None, mask, opts, self.sequence, lengths)
         size, u = comm.group_size(self.heads), comm.group_rank(self.heads)
@@ -187,7 +202,7 @@ class _Route:
                             block_lengths)
 
         return ulysses_attention(q, k, v, mask, self.heads,
-                                 blocks[comm.group_rank(self.sequence)], attend)
+                                 blocks[comm.group_rank(self.sequence)], attend, grads=grads)
 
 
 def _no_window(window_size) -> Tuple[int, int]:
@@ -366,6 +381,7 @@ def dilated_attention(
     infos = comm.agree(group, config, per_rank=_PER_RANK + ("seed",))
     call = infos[0]  # rank 0's dropout seed is the call's
     lengths = _agreed_lengths(infos)
+    grads = _differentiated(infos)
     check_piece_lengths(lengths, layout)
     documents = check.check_documents(call["cu_seqlens"], sum(lengths))
     patterns = (call["segment_lengths"], call["dilation_rates"])
@@ -395,7 +411,8 @@ def dilated_attention(
             q, k, v, patterns, whole_op,
             heads=heads, documents=documents, key_mask=mask, nonfinite_rule=not distributed)
 
-    run = functools.partial(route.run, lengths=lengths, opts=opts, sequence=sequence)
+    run = functools.partial(route.run, lengths=lengths, opts=opts, sequence=sequence,
+                            grads=grads)
     out, lse = _attend(run, q, k, v, key_padding_mask, infos)
     if return_lse:
         # (b, n, h) -> (b, h, n)
@@ -553,6 +570,7 @@ def ring_attention(
     infos = comm.agree(group, config, per_rank=_PER_RANK)
     call = infos[0]
     lengths = _agreed_lengths(infos)
+    grads = _differentiated(infos)
     check_piece_lengths(lengths, layout)
     documents = check.check_documents(call["cu_seqlens"], sum(lengths))
     window = _effective_window(call["window_size"], sum(lengths))
@@ -588,7 +606,8 @@ def ring_attention(
             q, k, v, dense_patterns, opts, group, lengths, heads=heads, documents=documents,
             key_mask=mask, layout=Layout.named(layout, lengths))
 
-    run = functools.partial(route.run, lengths=lengths, opts=opts, sequence=dense)
+    run = functools.partial(route.run, lengths=lengths, opts=opts, sequence=dense,
+                            grads=grads)
     out, lse = _attend(run, q, k, v, key_padding_mask, infos)
     if return_lse:
         # (b, n, h) -> (b, h, n)

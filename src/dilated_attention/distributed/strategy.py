@@ -59,7 +59,7 @@ def ulysses_bytes(shape: Shape, lengths: Sequence[int], lse: bool = True) -> Lis
     """Per rank of a head group holding `lengths` rows, the forward bytes its all-to-alls send:
     q and k, v of its rows for the other ranks' heads, then out and lse (without `lse`: out
     only) of the other ranks' rows for its own heads. Backward sends the same gradients
-    the other way.
+    the other way (less those of inputs that no rank differentiates).
 
     O(U): rank u sends its rows of every head column but its own (the group's
     columns less u's), and receives the other ranks' rows (N less its n) of its heads.

@@ -112,24 +112,39 @@ def _heads_to_rows(y: Tensor, heads: Sequence[range], lengths: Sequence[int], gr
 
 
 class _InputsToHeads(torch.autograd.Function):
-    """q and the stacked k, v to heads (`_rows_to_heads`); backward `_heads_to_rows` of both
-    gradients (those of replicated kv heads summed). One node for both: it exists on every
-    rank where q, k or v requires grad, which every rank agreed on (not which of them), and
-    its backward makes both all-to-alls (a gradient that did not reach the loss as zeros),
-    so the ranks' collectives pair whichever inputs each rank differentiates."""
+    """q and the stacked k, v to heads (`_rows_to_heads`); backward `_heads_to_rows` of the
+    gradients some rank needs (those of replicated kv heads summed). One node for both: it
+    exists on every rank where q, k or v requires grad, which every rank agreed on (not
+    which of them). `grads` (agreed: which of q and k/v some rank differentiates) decides
+    which all-to-alls its backward makes, the same on every rank: one for a gradient some
+    rank needs (a rank whose own input takes none sends its share, as zeros where it did
+    not reach the loss, and autograd drops what comes back), none for a gradient no rank
+    needs (its output is not differentiable: the attention does not compute it)."""
 
     @staticmethod
-    def forward(ctx, q, kv, q_heads, kv_heads, lengths, group):
-        ctx.args = (q_heads, kv_heads, lengths, group, q.shape[2], kv.shape[2])
-        return (_rows_to_heads(q, q_heads, lengths, group),
-                _rows_to_heads(kv, kv_heads, lengths, group))
+    def forward(ctx, q, kv, q_heads, kv_heads, lengths, group, grads):
+        ctx.args = (q_heads, kv_heads, lengths, group, q.shape[2], kv.shape[2], grads)
+        ctx.set_materialize_grads(False)
+        outputs = (_rows_to_heads(q, q_heads, lengths, group),
+                   _rows_to_heads(kv, kv_heads, lengths, group))
+        ctx.shapes = [(x.shape, x.dtype, x.device) for x in outputs]
+        ctx.mark_non_differentiable(*(x for x, used in zip(outputs, grads) if not used))
+        return outputs
 
     @staticmethod
     def backward(ctx, dq, dkv):
-        q_heads, kv_heads, lengths, group, q_total, kv_total = ctx.args
+        q_heads, kv_heads, lengths, group, q_total, kv_total, grads = ctx.args
         check_first_order("Ulysses (head-parallel) attention")
-        return (_heads_to_rows(dq, q_heads, lengths, group, q_total),
-                _heads_to_rows(dkv, kv_heads, lengths, group, kv_total), None, None, None, None)
+        results = []
+        for used, grad, (shape, dtype, device), heads, total in zip(
+                grads, (dq, dkv), ctx.shapes, (q_heads, kv_heads), (q_total, kv_total)):
+            if not used:
+                results.append(None)
+                continue
+            if grad is None:  # this rank's loss does not reach it; another rank's does
+                grad = torch.zeros(shape, dtype=dtype, device=device)
+            results.append(_heads_to_rows(grad, heads, lengths, group, total))
+        return (*results, None, None, None, None, None)
 
 
 class _OutputToRows(torch.autograd.Function):
@@ -169,7 +184,8 @@ class _OutputToRows(torch.autograd.Function):
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, key_mask, group: Any,
-                      lengths: Sequence[int], attend) -> Tuple[Tensor, Tensor]:
+                      lengths: Sequence[int], attend, *,
+                      grads: Tuple[bool, bool] = (True, True)) -> Tuple[Tensor, Tensor]:
     """Attention over the rows of a head-parallel group, computed head-parallel.
 
     q (b, n, h, d), k/v (b, n, hk, d): this rank's rows; lengths: every group
@@ -177,7 +193,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, key_mask, group: Any,
     ``attend(q, k, v, heads, key_mask)`` computes the attention of all N rows for
     the heads this rank holds after the exchange (q (b, N, h/U, d), `heads` their
     ``Heads``, key_mask (b, N) or None) and returns (out, lse) for them.
-    Returns this rank's out (b, n, h, d) and lse (b, n, h). Differentiable.
+    Returns this rank's out (b, n, h, d) and lse (b, n, h). Differentiable. `grads`:
+    whether some rank of the group differentiates q, and k or v (agreed on every rank,
+    ``functional._differentiated``); the backward sends no gradient that no rank needs.
     """
     size, rank = comm.group_size(group), comm.group_rank(group)
     split = HeadSplit.of(size, q.shape[2], k.shape[2])
@@ -186,7 +204,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, key_mask, group: Any,
     lengths = tuple(lengths)
     # k and v travel together: (b, n, hk, d) x 2 -> (b, n, hk, 2, d)
     kv = torch.stack([k, v], dim=3)
-    q_u, kv_u = _InputsToHeads.apply(q, kv, tuple(q_heads), tuple(kv_heads), lengths, group)
+    q_u, kv_u = _InputsToHeads.apply(q, kv, tuple(q_heads), tuple(kv_heads), lengths, group,
+                                     tuple(grads))
     del kv  # its copy is on the wire; do not hold it through the attention
     k_u, v_u = kv_u.unbind(3)
     mask = None
