@@ -407,3 +407,77 @@ def test_exchange_in_bf16_when_a_rank_receives_no_keys():
         for name, ref in want.items():
             torch.testing.assert_close(got[name].float(), ref[:, lo:lo + Q4_LENGTHS[rank]].float(),
                                        rtol=3e-2, atol=3e-2)
+
+
+# Frozen keys and values (q-only training): no rank differentiates k or v, so no dK/dV
+# travels in backward, in the exchange, the ring and the halo exchange alike. One op each:
+# (name, kwargs); lengths (7, 10), GQA, causal: the dilated segments span both ranks.
+FROZEN_OPS = (
+    ("exchange", dict(strategy="exchange")),
+    ("ring", dict()),
+    ("halo", dict(window_size=(3, 0))),
+)
+FROZEN_CASE = ((7, 10), (4, 8, 32), (1, 2, 3), True, 4, 2)
+
+
+def _frozen_attend(op, q, k, v, **group):
+    _, segs, rates, causal, _, _ = FROZEN_CASE
+    kwargs = dict(FROZEN_OPS)[op]
+    if op == "exchange":
+        return dilated_attention(q, k, v, segs, rates, is_causal=causal, return_lse=True,
+                                 **kwargs, **group)
+    return ring_attention(q, k, v, is_causal=causal, return_lse=True, **kwargs, **group)
+
+
+def _frozen_ranks(group):
+    lengths, _, _, _, h, hk = FROZEN_CASE
+    rank = comm.group_rank(group)
+    lo, hi = sum(lengths[:rank]), sum(lengths[:rank + 1])
+    results = {}
+    for op, _ in FROZEN_OPS:
+        for requires in ((True, True, True), (True, False, False)):
+            q, k, v, dout, dlse = _inputs(lengths, h, hk, 0)
+            q, k, v = (x[:, lo:hi].clone().requires_grad_(r)
+                       for x, r in zip((q, k, v), requires))
+            with comm.count_communication() as fwd:
+                out, lse = _frozen_attend(op, q, k, v, group=group)
+            with comm.count_communication() as bwd:
+                _loss(out, lse, dout[:, lo:hi], dlse[..., lo:hi]).backward()
+            results[op, requires] = {
+                "out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+                "fwd": (fwd.messages, fwd.bytes_sent), "bwd": (bwd.messages, bwd.bytes_sent)}
+    return results
+
+
+@pytest.mark.distributed
+def test_frozen_keys_and_values_send_no_dkv():
+    """With k and v frozen on every rank, the backward of the exchange, the ring and the
+    halo exchange sends what its forward sent (the key rows again, for dq) and no dK/dV;
+    out and dq equal one process's (float64). With k and v trained, their float64 dK/dV
+    (as many bytes as the key rows) go home too: each fetched part once (the exchange, the
+    halos), every piece through every rank (the ring: P hops for dK/dV)."""
+    lengths, _, _, _, h, hk = FROZEN_CASE
+    outputs = run_distributed(_frozen_ranks, 2, timeout=120)
+    for op, _ in FROZEN_OPS:
+        q, k, v, dout, dlse = _inputs(lengths, h, hk, 0)
+        q.requires_grad_()
+        out, lse = _frozen_attend(op, q, k, v)
+        _loss(out, lse, dout, dlse).backward()
+        fetched = sum(results[op, (True, True, True)]["fwd"][1] for results in outputs)
+        assert fetched > 0, op  # the case moves keys at all
+        saved = []
+        for rank, results in enumerate(outputs):
+            lo, hi = sum(lengths[:rank]), sum(lengths[:rank + 1])
+            full, frozen = results[op, (True, True, True)], results[op, (True, False, False)]
+            for got in (full, frozen):
+                torch.testing.assert_close(got["out"], out.detach()[:, lo:hi], rtol=1e-10,
+                                           atol=1e-10, msg=op)
+                torch.testing.assert_close(got["dq"], q.grad[:, lo:hi], rtol=1e-10,
+                                           atol=1e-10, msg=op)
+            assert frozen["dk"] is None and frozen["dv"] is None, op
+            assert frozen["bwd"] == frozen["fwd"] == full["fwd"], (op, rank, frozen)
+            saved.append(full["bwd"][1] - frozen["bwd"][1])
+        if op == "ring":  # every piece's dK/dV pass through every rank
+            assert saved == [fetched, fetched], (op, saved, fetched)
+        else:  # each fetched part's dK/dV go home once
+            assert sum(saved) == fetched, (op, saved, fetched)

@@ -104,7 +104,8 @@ def _sharded(op, group, piece, case, seed, with_lse=True, requires=(True, True, 
                      s.messages)
               for name, s in (("fwd", fwd), ("bwd", bwd))}
     return {"out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad, **counts,
-            "bwd_bytes": bwd.bytes_sent}
+            "bwd_bytes": bwd.bytes_sent,
+            "sent": [s.bytes_of("send") for s in (fwd, bwd)]}  # point to point
 
 
 def _extras(case):
@@ -263,6 +264,11 @@ def _mesh_ranks(group):
         for op in ("dilated", "ring"):
             for j, extra in enumerate(({}, _extras(case))):
                 results.append(_sharded(op, mesh, piece, case, 10 * i + j, **extra))
+    # k and v frozen: neither the heads' all-to-all nor the sequence dimension's exchange or
+    # ring sends dK/dV
+    for op in ("dilated", "ring"):
+        results.append(_sharded(op, mesh, piece, MESH_CASES[0], 0,
+                                requires=(True, False, False)))
     return piece, results
 
 
@@ -288,6 +294,22 @@ def test_two_dimensional_mesh_equals_one_process() -> None:
                     assert got["fwd"][:3] == (4, int("key_padding_mask" in extra), 2)
                     assert got["bwd"][:3] == (4, 0, 0)
                 index += 1
+    case = MESH_CASES[0]
+    lengths = case[0]
+    for op in ("dilated", "ring"):
+        want = _single(op, case, 0)
+        for piece, results in outputs:
+            got = results[index]
+            lo, hi = sum(lengths[:piece]), sum(lengths[:piece + 1])
+            for name in ("out", "dq"):
+                torch.testing.assert_close(got[name], want[name][:, lo:hi], rtol=1e-10,
+                                           atol=1e-10, msg=f"{op} frozen k, v: {name}")
+            assert got["dk"] is None and got["dv"] is None
+            # no dK/dV all-to-all; the sequence dimension fetches the keys again, no more
+            assert got["bwd"][:3] == (3, 0, 0), (op, got["bwd"])
+            assert got["sent"][1] == got["sent"][0], (op, got["sent"])
+            assert got["sent"][0] > 0 or op == "dilated", got["sent"]  # the ring sends
+        index += 1
 
 
 def test_head_split_replicates_only_the_kv_heads_a_rank_reads() -> None:

@@ -401,7 +401,7 @@ def dilated_attention(
             return sequence_parallel_dilated_attention(
                 q, k, v, patterns, opts, group, lengths, heads=heads, documents=documents,
                 key_mask=mask, layout=Layout.named(layout, lengths),
-                fused_pairs=call["whole_op_backend"] == "triton")
+                fused_pairs=call["whole_op_backend"] == "triton", kv_grad=grads[1])
         # one device checked nothing (the config's "nonfinite"): the fused kernels apply the
         # rule; Ulysses ranks replaced their non-finite rows (_attend)
         # (not dataclasses.replace: 2 us of host time a call)
@@ -596,15 +596,16 @@ def ring_attention(
                 return window_attention_local(q, k, v, window, opts, documents=documents,
                                               key_mask=mask)
             return halo_attention(q, k, v, window, opts, group, Layout.named(layout, lengths),
-                                  documents=documents, key_mask=mask)
+                                  documents=documents, key_mask=mask, kv_grad=grads[1])
         if mask is None and documents is None:
-            return RingAttentionFunction.apply(q, k, v, opts, group, layout, lengths)
+            return RingAttentionFunction.apply(q, k, v, opts, group, layout, lengths, None,
+                                               grads[1])
         if not comm.is_distributed(group):
             return dilated_attention_local(q, k, v, dense_patterns, opts, heads=heads,
                                            documents=documents, key_mask=mask)
         return sequence_parallel_dilated_attention(
             q, k, v, dense_patterns, opts, group, lengths, heads=heads, documents=documents,
-            key_mask=mask, layout=Layout.named(layout, lengths))
+            key_mask=mask, layout=Layout.named(layout, lengths), kv_grad=grads[1])
 
     run = functools.partial(route.run, lengths=lengths, opts=opts, sequence=dense,
                             grads=grads)

@@ -71,8 +71,11 @@ class RemoteKeys(Protocol):
     padding mask ``(b, columns)`` or None. ``send_home(index, grads)``
     (backward, once per round, after its keys) sends the dK/dV
     ``(2, b, columns, d)`` of every received transfer back and returns ours,
-    one per sent transfer.
+    one per sent transfer; it is not called where ``kv_grad`` is False (no rank
+    differentiates k or v: the same on every rank).
     """
+
+    kv_grad: bool
 
     def post(self) -> None: ...
 
@@ -282,10 +285,10 @@ def gradient_accumulators(*inputs: Tensor, own: Optional[Tuple[Tensor, ...]] = N
     return grads, make, write, nbytes
 
 
-def count_writers(plan: Plan, backward: bool, local: Optional[Sequence[Launch]] = None
-                  ) -> Dict[Tuple[int, Kind], int]:
+def count_writers(plan: Plan, backward: bool, local: Optional[Sequence[Launch]] = None,
+                  homes: bool = True) -> Dict[Tuple[int, Kind], int]:
     """How many writes each (block, kind) gets: the `local` launches (None: every one of
-    the plan), remote launches, dK/dV home."""
+    the plan), remote launches, dK/dV home (unless not `homes`: none is sent)."""
     counts: Dict[Tuple[int, Kind], int] = {}
     queries = Kind.DQ if backward else Kind.OUT
 
@@ -306,7 +309,7 @@ def count_writers(plan: Plan, backward: bool, local: Optional[Sequence[Launch]] 
             for launch in t.launches:
                 for index in launch.q_blocks:
                     add(index, queries)
-        if backward:
+        if backward and homes:
             for t in rnd.sends:
                 for index, _, _, _ in t.homes:
                     add(index, Kind.DK)
@@ -464,11 +467,12 @@ def forward_beside(q: Tensor, plan: Plan, opts: KernelOptions,
 
 
 def _beside_blocks(plan: Plan, kinds: Tuple[Kind, ...], accumulators, backward: bool,
-                   local: Optional[OwnKeys]) -> Blocks:
+                   local: Optional[OwnKeys], homes: bool = True) -> Blocks:
     """Accumulators of the blocks that launches on received keys, the `local` launches and
-    dK/dV sent home write, for ``forward_beside``/``backward_beside``: every other one is
-    final already (``unwritten=False``: never made nor written out)."""
-    writers = count_writers(plan, backward, local=local.launches if local else ())
+    dK/dV sent home (`homes`) write, for ``forward_beside``/``backward_beside``: every other
+    one is final already (``unwritten=False``: never made nor written out)."""
+    writers = count_writers(plan, backward, local=local.launches if local else (),
+                            homes=homes)
     return Blocks(plan, kinds, *accumulators, writers, unwritten=False)
 
 
@@ -533,7 +537,8 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
              remote: Optional[RemoteKeys] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of `forward`, given its final out (b, n, h, d) and lse (b, n, h)."""
     grads, *accumulators = gradient_accumulators(q, k, v)
-    blocks = Blocks(plan, BACKWARD_KINDS, *accumulators, count_writers(plan, backward=True))
+    blocks = Blocks(plan, BACKWARD_KINDS, *accumulators, count_writers(
+        plan, backward=True, homes=remote is None or remote.kv_grad))
     saved = (dout, q, out, lse, dlse)
     if remote is not None:
         remote.post()
@@ -583,7 +588,7 @@ def backward_beside(dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, plan: Pla
     from them."""
     remote.post()
     grads, *accumulators = gradient_accumulators(q, own=own())
-    blocks = _beside_blocks(plan, BACKWARD_KINDS, accumulators, True, local)
+    blocks = _beside_blocks(plan, BACKWARD_KINDS, accumulators, True, local, remote.kv_grad)
     saved = (dout, q, out, lse, dlse)
     for launch in local.launches if local else ():
         _backward_local(saved, local.k, local.v, launch, blocks, opts, local.key_mask)
@@ -641,8 +646,9 @@ def _backward_remote(saved, remote: RemoteKeys, blocks: Blocks, opts: KernelOpti
                 del dq_g, dk_g, dv_g
             sent_back.append(grad)
             del buf, mask
-        for transfer, home in remote.send_home(round_index, sent_back):
-            _add_home(home, transfer, blocks)
+        if remote.kv_grad:  # else no rank needs them: they stay here, and are dropped
+            for transfer, home in remote.send_home(round_index, sent_back):
+                _add_home(home, transfer, blocks)
         del sent_back
 
 

@@ -336,8 +336,11 @@ class Halos(Protocol):
     ``send_home(round, grads)`` (backward) sends the (2, b, rows, hk, d) dK/dV
     of that round's received halos to their owners and returns ours, one
     (2, b, rows, hk, d) tensor per entry of ``plan.homes`` sent in that round,
-    as [(index into plan.homes, grad)].
+    as [(index into plan.homes, grad)]; it is not called where ``kv_grad`` is False
+    (no rank differentiates k or v: the same on every rank).
     """
+
+    kv_grad: bool
 
     def post(self) -> None: ...
 
@@ -402,7 +405,8 @@ class _Stripes:
         return out
 
 
-def _writers(plan: WindowPlan, stripes: _Stripes, backward: bool) -> Dict[Tuple[int, Kind], int]:
+def _writers(plan: WindowPlan, stripes: _Stripes, backward: bool,
+             homes: bool = True) -> Dict[Tuple[int, Kind], int]:
     """How many writes each (stripe, kind) gets (as launches.count_writers)."""
     counts: Dict[Tuple[int, Kind], int] = {}
 
@@ -419,7 +423,7 @@ def _writers(plan: WindowPlan, stripes: _Stripes, backward: bool) -> Dict[Tuple[
             lo, hi = t.k_span
             for piece in stripes.pieces(local + lo, local + hi):
                 add(piece[0], (Kind.DK, Kind.DV))
-    if backward:
+    if backward and homes:
         for lo, hi in plan.homes:
             for piece in stripes.pieces(lo, hi):
                 add(piece[0], (Kind.DK, Kind.DV))
@@ -500,7 +504,8 @@ def window_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     """Gradients (dq, dk, dv) of `window_forward`, given its final out and lse."""
     grads, *accumulators = gradient_accumulators(q, k, v)
     stripes = _Stripes(plan)
-    blocks = Blocks(plan, BACKWARD_KINDS, *accumulators, _writers(plan, stripes, backward=True))
+    blocks = Blocks(plan, BACKWARD_KINDS, *accumulators, _writers(
+        plan, stripes, backward=True, homes=halos is None or halos.kv_grad))
     sources = _own_sources(plan, k, v, key_mask)
     saved = (dout, q, out, lse, dlse)
     acc = lse_dtype(q.dtype)
@@ -526,7 +531,9 @@ def window_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         for index in order:
             sources[index] = None
         del received
-        for home, grad in halos.send_home(round_index, [sent_back[i] for i in order]):
+        # without kv_grad no rank needs the halos' dK/dV: they stay here, and are dropped
+        for home, grad in (halos.send_home(round_index, [sent_back[i] for i in order])
+                           if halos.kv_grad else ()):
             lo, _ = plan.homes[home]
             for which, kind in enumerate((Kind.DK, Kind.DV)):
                 _add_own(blocks, stripes, kind, lo, 1, grad.shape[2], 0, grad[which, :, None])
@@ -610,9 +617,11 @@ class WindowAttentionFunction(torch.autograd.Function):
         plan, opts, key_mask, halos = ctx.args
         if halos is not None:
             check_first_order("sequence-parallel sliding-window attention")
+        exchange = None if halos is None else halos(k, v, key_mask)
         dq, dk, dv = window_backward(dout, q, k, v, out, lse, plan(True), opts, dlse=dlse,
-                                     key_mask=key_mask,
-                                     halos=None if halos is None else halos(k, v, key_mask))
+                                     key_mask=key_mask, halos=exchange)
+        if exchange is not None and not exchange.kv_grad:  # not complete: no rank needs them
+            dk = dv = None
         return dq, dk, dv, None, None, None, None
 
 

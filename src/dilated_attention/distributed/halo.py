@@ -121,7 +121,7 @@ class HaloExchange(KeyRounds):
     format: a halo's k and v are its rows, (rows, hk, d)."""
 
     def __init__(self, schedule: Tuple[Halo, ...], rank: int, own_sources: int, k: Tensor,
-                 v: Tensor, key_mask: Optional[Tensor], group: Any) -> None:
+                 v: Tensor, key_mask: Optional[Tensor], group: Any, kv_grad: bool = True) -> None:
         hk, d = k.shape[2], k.shape[3]
         count = max((h.round for h in schedule), default=-1) + 1
         # each round's halos, in schedule order: (index among this rank's, halo)
@@ -133,7 +133,8 @@ class HaloExchange(KeyRounds):
         super().__init__(
             k, v, key_mask, group,
             sent=[[(h.dst, (h.stop - h.start, hk, d)) for _, h in r] for r in self.sends],
-            received=[[(h.src, (h.stop - h.start, hk, d)) for _, h in r] for r in self.recvs])
+            received=[[(h.src, (h.stop - h.start, hk, d)) for _, h in r] for r in self.recvs],
+            kv_grad=kv_grad)
 
     def parcels(self, index: int) -> List[List[Tensor]]:
         out = []
@@ -157,15 +158,16 @@ class HaloExchange(KeyRounds):
 
 def halo_attention(q: Tensor, k: Tensor, v: Tensor, window: Tuple[int, int],
                    opts: KernelOptions, group: Any, layout: Layout, *,
-                   documents: Documents = None,
-                   key_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                   documents: Documents = None, key_mask: Optional[Tensor] = None,
+                   kv_grad: bool = True) -> Tuple[Tensor, Tensor]:
     """Sliding-window attention over the sequence spread across `group` (differentiable).
 
     Each rank passes its own rows in `layout`: q (b, n_p, h, d), k/v (b, n_p, hk, d),
     key_mask (b, n_p) or None; `window` as the public ``window_size``. Returns this
     rank's rows of out (b, n_p, h, d) and lse (b, n_p, h). The call must already be
     agreed on every rank (functional.ring_attention), and every rank must run the
-    backward.
+    backward. `kv_grad`: whether some rank differentiates k or v (agreed: the backward
+    sends no halo's dK/dV home otherwise).
     """
     rank = comm.group_rank(group)
     left, right = reaches(window, layout.total)
@@ -178,6 +180,6 @@ def halo_attention(q: Tensor, k: Tensor, v: Tensor, window: Tuple[int, int],
                              layout.total, documents, q.device.type)
 
     def halos(k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> HaloExchange:
-        return HaloExchange(schedule, rank, len(chunks), k, v, key_mask, group)
+        return HaloExchange(schedule, rank, len(chunks), k, v, key_mask, group, kv_grad)
 
     return WindowAttentionFunction.apply(q, k, v, plan, opts, key_mask, halos)

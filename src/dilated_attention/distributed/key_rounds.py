@@ -33,13 +33,16 @@ class KeyRounds:
     ones (from the owner), in the order both ranks agree on. A subclass says what an
     outgoing part holds (``parcels``). Round 0 is posted by ``post`` (before any local
     launch, to overlap them); later rounds when their turn comes. A round's receive
-    buffers live until the consumer moves past it.
+    buffers live until the consumer moves past it. `kv_grad`: whether some rank
+    differentiates k or v (agreed, the same on every rank); without it the backward
+    sends no dK/dV home (``homes`` is not called, and no write waits for one).
     """
 
     def __init__(self, k: Tensor, v: Tensor, key_mask: Optional[Tensor], group: Any,
-                 sent: Parts, received: Parts) -> None:
+                 sent: Parts, received: Parts, kv_grad: bool = True) -> None:
         self.k, self.v, self.key_mask, self.group = k, v, key_mask, group
         self.sent, self.received = sent, received
+        self.kv_grad = kv_grad
         self.count = len(received)
         self._posted: Optional[Tuple[Any, List[Tuple[Tensor, Optional[Tensor]]]]] = None
 

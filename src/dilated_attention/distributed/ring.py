@@ -18,7 +18,8 @@ The backward runs the ring again with the final merged ``out``/``lse``
 (``kernels.attention_backward`` then recomputes each launch's share of the
 global softmax exactly): dq accumulates locally, and each sub-piece's fp32
 dK/dV accumulator travels with it, gaining every rank's contribution, until
-one last transfer brings it home.
+one last transfer brings it home (where some rank differentiates k or v;
+otherwise only the K/V travel, for dq).
 
 Pieces may differ in length and be empty; ranks agree on every length in
 the one agreement collective before the ring starts, so receive buffers
@@ -363,13 +364,15 @@ def ring_backward(
     lengths: Optional[Sequence[int]] = None,
     dlse: Optional[Tensor] = None,
     sizes: Optional[RingSizes] = None,
-) -> Tuple[Tensor, Tensor, Tensor]:
+    kv_grad: bool = True,
+) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """Gradients (dq, dk, dv) of this rank's piece, given the final out and lse of `ring_forward`.
 
     ``dlse`` (b, n, h), when given, is the gradient flowing into ``lse``.
     `sizes` as for `ring_forward` (default: the backward's own bound,
     smaller sub-pieces); it need not be what the forward used, only the same on
-    every rank.
+    every rank. `kv_grad` False (the same on every rank: no rank differentiates k
+    or v): no dK/dV is accumulated or sent, and dk, dv are None.
     """
     size, rank = comm.group_size(group), comm.group_rank(group)
     n = q.shape[1]
@@ -382,9 +385,15 @@ def ring_backward(
     # for fp32 (fp64) inputs dq is its own accumulator, and dk/dv receive their
     # sub-pieces' accumulators in place when the rows are contiguous
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
     rotation = _Rotation(group, k, v, lengths, sub_pieces)
     held = Layout.named(layout, lengths)
+    if not kv_grad:  # K/V travel for dq alone: no dK/dV ring behind them
+        for unit in rotation:
+            plan = _piece_plan(held, opts.causal, rank, unit.src)
+            _unit_backward(_launches(plan, unit.lo, unit.hi, sizes.q_rows), rotation.k,
+                           rotation.v, dout, q, out, lse, dlse, dq, opts, kv_grad=False)
+        return dq.to(q.dtype), None, None
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     dkv_ring = comm.RingComm(group, tag=_DKV_TAG)
     arriving: Optional[List[Tensor]] = None  # the dK/dV posted after the previous unit
     home: Optional[Tuple[int, int]] = None  # their rows in dk/dv when they are this rank's own
@@ -421,18 +430,18 @@ def ring_backward(
 
 def _unit_backward(launches, k: Tensor, v: Tensor, dout: Tensor, q: Tensor, out: Tensor,
                    lse: Tensor, dlse: Optional[Tensor], dq: Tensor,
-                   opts: KernelOptions) -> Optional[List[Tensor]]:
+                   opts: KernelOptions, kv_grad: bool = True) -> Optional[List[Tensor]]:
     """Run one unit's backward launches: add into `dq`; return the sub-piece's (dk, dv) in fp32.
 
-    None when no launch runs. Each launch's gradients are freed before the
-    next launch allocates its own.
+    None when no launch runs, or without `kv_grad` (dK/dV are dropped). Each launch's
+    gradients are freed before the next launch allocates its own.
     """
     if not launches:
         return None
     acc = dq.dtype
     # (b, m, hk, d) fp32: this unit's contribution to the sub-piece's dK/dV
-    dk_sub_piece = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv_sub_piece = torch.zeros(v.shape, dtype=acc, device=v.device)
+    dk_sub_piece, dv_sub_piece = (torch.zeros(x.shape, dtype=acc, device=x.device)
+                                  if kv_grad else None for x in (k, v))
     for rows, keys, causal in launches:
         dq_b, dk_b, dv_b = attention_backward(
             dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, rows],
@@ -440,10 +449,11 @@ def _unit_backward(launches, k: Tensor, v: Tensor, dout: Tensor, q: Tensor, out:
             dlse=None if dlse is None else dlse[:, rows],
         )
         dq[:, rows] += dq_b
-        dk_sub_piece[:, keys] += dk_b
-        dv_sub_piece[:, keys] += dv_b
+        if kv_grad:
+            dk_sub_piece[:, keys] += dk_b
+            dv_sub_piece[:, keys] += dv_b
         del dq_b, dk_b, dv_b  # freed before the next launch allocates its own
-    return [dk_sub_piece, dv_sub_piece]
+    return [dk_sub_piece, dv_sub_piece] if kv_grad else None
 
 
 def _arrives_in_place(x: Tensor, rows: Tuple[int, int], acc: torch.dtype) -> bool:
@@ -471,22 +481,24 @@ def _deliver(arrived: Sequence[Tensor], dk: Tensor, dv: Tensor, rows: Tuple[int,
 class RingAttentionFunction(torch.autograd.Function):
     """Saves q, k, v, out, lse; backward is `ring_backward` (a collective: every rank runs it).
 
-    `sizes` (optional, last) overrides the default sizes of Note
-    [sub-pieces] in both passes; every rank must pass the same.
+    `sizes` (optional) overrides the default sizes of Note [sub-pieces] in both
+    passes; every rank must pass the same. `kv_grad` (optional, last): whether some
+    rank differentiates k or v (agreed; see `ring_backward`).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, opts, group, layout, lengths, sizes=None):
+    def forward(ctx, q, k, v, opts, group, layout, lengths, sizes=None, kv_grad=True):
         result = ring_forward(group, q, k, v, opts, layout=layout, lengths=lengths,
                               sizes=sizes)
-        return save_for_backward(ctx, q, k, v, result, (opts, group, layout, lengths, sizes))
+        return save_for_backward(ctx, q, k, v, result,
+                                 (opts, group, layout, lengths, sizes, kv_grad))
 
     @staticmethod
     def backward(ctx, dout, dlse):
         dout, q, k, v, out, lse = saved_for_backward(ctx, dout)
-        opts, group, layout, lengths, sizes = ctx.args
+        opts, group, layout, lengths, sizes, kv_grad = ctx.args
         if comm.is_distributed(group):
             check_first_order("ring_attention with a group of several ranks")
         dq, dk, dv = ring_backward(group, dout, q, k, v, out, lse, opts, layout=layout,
-                                   lengths=lengths, dlse=dlse, sizes=sizes)
-        return dq, dk, dv, None, None, None, None, None
+                                   lengths=lengths, dlse=dlse, sizes=sizes, kv_grad=kv_grad)
+        return dq, dk, dv, None, None, None, None, None, None

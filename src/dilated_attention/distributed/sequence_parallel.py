@@ -77,12 +77,13 @@ class Exchange(KeyRounds):
     """
 
     def __init__(self, plan: Plan, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
-                 group: Any) -> None:
+                 group: Any, kv_grad: bool = True) -> None:
         d = k.shape[3]
         super().__init__(
             k, v, key_mask, group,
             sent=[[(t.queries.rank, (t.columns, d)) for t in r.sends] for r in plan.rounds],
-            received=[[(t.keys.rank, (t.columns, d)) for t in r.recvs] for r in plan.rounds])
+            received=[[(t.keys.rank, (t.columns, d)) for t in r.recvs] for r in plan.rounds],
+            kv_grad=kv_grad)
         self.plan = plan
 
     def parcels(self, index: int) -> List[List[Tensor]]:
@@ -206,10 +207,12 @@ def sp_forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions,
 
 def sp_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                 plan: Plan, opts: KernelOptions, group: Any, dlse: Optional[Tensor] = None,
-                key_mask: Optional[Tensor] = None,
-                piece: Optional[FusedPiece] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients of `sp_forward` for this rank's pieces, given its final out and lse."""
-    exchange = Exchange(plan, k, v, key_mask, group)
+                key_mask: Optional[Tensor] = None, piece: Optional[FusedPiece] = None,
+                kv_grad: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `sp_forward` for this rank's pieces, given its final out and lse;
+    without `kv_grad` (no rank differentiates k or v) no dK/dV goes home, and this rank's
+    dk, dv are not complete (the caller drops them)."""
+    exchange = Exchange(plan, k, v, key_mask, group, kv_grad)
     if piece is None:
         return launches.backward(dout, q, k, v, out, lse, plan, opts, dlse=dlse,
                                  key_mask=key_mask, remote=exchange)
@@ -219,27 +222,32 @@ def sp_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
 
 
 class SequenceParallelDilatedAttentionFunction(torch.autograd.Function):
-    """Saves q, k, v, out, lse; backward is `sp_backward` (a collective: every rank calls it)."""
+    """Saves q, k, v, out, lse; backward is `sp_backward` (a collective: every rank calls it).
+    `kv_grad`: whether some rank differentiates k or v (agreed)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, opts, group, key_mask, piece=None):
+    def forward(ctx, q, k, v, plan, opts, group, key_mask, piece=None, kv_grad=True):
         result = sp_forward(q, k, v, plan, opts, group, key_mask, piece)
-        return save_for_backward(ctx, q, k, v, result, (plan, opts, group, key_mask, piece))
+        return save_for_backward(ctx, q, k, v, result,
+                                 (plan, opts, group, key_mask, piece, kv_grad))
 
     @staticmethod
     def backward(ctx, dout, dlse):
         check_first_order("sequence-parallel dilated attention")
         dout, q, k, v, out, lse = saved_for_backward(ctx, dout)
-        plan, opts, group, key_mask, piece = ctx.args
+        plan, opts, group, key_mask, piece, kv_grad = ctx.args
         dq, dk, dv = sp_backward(dout, q, k, v, out, lse, plan, opts, group, dlse, key_mask,
-                                 piece)
-        return dq, dk, dv, None, None, None, None, None
+                                 piece, kv_grad)
+        if not kv_grad:
+            dk = dv = None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def sequence_parallel_dilated_attention(
     q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, opts: KernelOptions, group: Any,
     lengths: Tuple[int, ...], *, heads: Optional[Heads] = None, documents: Documents = None,
     key_mask: Optional[Tensor] = None, layout: Optional[Layout] = None, fused_pairs: bool = False,
+    kv_grad: bool = True,
 ) -> Tuple[Tensor, Tensor]:
     """Dilated attention over the sequence split across `group` (differentiable).
 
@@ -252,7 +260,8 @@ def sequence_parallel_dilated_attention(
     its rank. Every rank must also run the backward. `fused_pairs`: the rank's own
     pairs run in fused-kernel calls (``FusedPiece``: one per chunk, with the launches
     between a zigzag rank's two chunks beside them); the launches on received keys keep
-    `opts.backend`.
+    `opts.backend`. `kv_grad`: whether some rank differentiates k or v (agreed: the
+    backward sends no dK/dV home otherwise).
     """
     rank = comm.group_rank(group)
     heads = heads or Heads.of(q.shape[2], k.shape[2])
@@ -261,4 +270,4 @@ def sequence_parallel_dilated_attention(
     opts = opts.for_rank(rank)  # its launch ids overlap the other ranks
     piece = FusedPiece.of(patterns, heads, documents, layout, rank, plan) if fused_pairs else None
     return SequenceParallelDilatedAttentionFunction.apply(q, k, v, plan, opts, group, key_mask,
-                                                          piece)
+                                                          piece, kv_grad)
