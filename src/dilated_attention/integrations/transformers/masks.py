@@ -143,13 +143,14 @@ def _build_mask(batch_size: int, q_length: int, kv_length: int, q_offset, kv_off
     if unknown:
         raise TypeError(f"the dilated_attention mask function got unexpected keyword arguments "
                         f"{unknown} from transformers; update the integration before using them")
-    _check_config(kwargs.get("config"))
+    config = kwargs.get("config")
+    _check_config(config)
     if kwargs.get("use_vmap"):
         # transformers sets use_vmap when a model overlays its own mask function
         # (or_mask_function / and_mask_function), which need not accept index tensors
         return Refused("the model combines the causal mask with its own mask function "
                         "(or_mask_function / and_mask_function, e.g. for image tokens)")
-    chunk = getattr(kwargs.get("config"), "attention_chunk_size", None)
+    chunk = getattr(config, "attention_chunk_size", None)
     if kwargs.get("local_size") is not None and chunk is not None \
             and int(kwargs["local_size"]) == int(chunk):
         # transformers' chunked mask (create_chunked_causal_mask passes the chunk as local_size);
