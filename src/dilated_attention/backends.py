@@ -10,7 +10,6 @@ it needs. docs/backends.md says what "auto" picks and why.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import importlib.util
 import os
 from typing import Dict, List, Optional, Tuple
@@ -18,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import fused  # its tile tables (no triton: that is imported by its launches)
+from .releases import installed_release
 
 BACKENDS = ("auto", "cpu_flash", "cuda_cudnn", "cuda_flash", "cuda_efficient", "flash_attn",
             "blockwise", "triton")
@@ -28,15 +28,6 @@ MASKED_BACKENDS = ("auto", "cpu_flash", "blockwise", "triton")
 # break torch.compile's graph), imported only by the launches that use them
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def installed_release(package: str) -> Tuple[int, ...]:
-    """The installed `package`'s (major, minor), or () when it is not installed."""
-    try:
-        version = importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return ()
-    return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
 
 
 def _interpreter_problem(triton: Tuple[int, ...], numpy: Tuple[int, ...]) -> Optional[str]:

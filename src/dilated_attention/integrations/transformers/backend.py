@@ -72,6 +72,7 @@ from ... import validation as check
 from ...decoding import CachedRows, decode, origin_runs
 from ...distributed import comm
 from ...functional import dilated_attention, ring_attention
+from ...releases import installed_release
 from .documents import agreed_documents, explicit_documents, position_facts
 from .masks import Bidirectional, Causal, PackedDocuments, Window, build_mask
 from .padding import agreed_origins, decoding_origins, first_real_tokens
@@ -94,8 +95,7 @@ def _transformers():
             f"dilated_attention.integrations.transformers needs transformers>={wanted}: "
             "pip install 'dilated-attention[hf]'"
         ) from exc
-    release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
-    if release < MIN_TRANSFORMERS:
+    if installed_release("transformers") < MIN_TRANSFORMERS:
         raise ImportError(
             f"dilated_attention.integrations.transformers needs transformers>={wanted}, found "
             f"{transformers.__version__}"
