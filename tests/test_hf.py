@@ -1686,90 +1686,202 @@ def test_encoders_with_dilated_patterns_are_finite(kind):
     assert torch.isfinite(hidden).all() and all(g.isfinite().all() for g in grads(model).values())
 
 
-def test_cross_attention_is_refused():
-    """BERT as a decoder with cross-attention layers, an encoder-decoder (Bart), and a
-    cross-attention layer of a model whose config does not say so: refused, never run as
-    self-attention (the lengths here are equal, which the shapes alone would let through)."""
-    ids = tokens(2, 12)
-    enc = torch.randn(2, 12, 32, dtype=torch.float64)
-    model = encoder("bert", DENSE, is_decoder=True, add_cross_attention=True)
-    with pytest.raises(NotImplementedError, match="add_cross_attention = True: cross-attention"):
-        model(ids, encoder_hidden_states=enc)
-    bart = transformers.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=1,
-                                   decoder_layers=1, encoder_attention_heads=4,
-                                   decoder_attention_heads=4, encoder_ffn_dim=64,
-                                   decoder_ffn_dim=64, max_position_embeddings=64)
-    model = transformers.AutoModel.from_config(bart, attn_implementation=DENSE,
-                                               dtype=torch.float64).eval()
-    with pytest.raises(NotImplementedError, match="is_encoder_decoder = True: cross-attention"):
-        model(ids, decoder_input_ids=ids)
-    layer = transformers.models.bert.modeling_bert.BertCrossAttention(ENCODERS["bert"]())
-    q = torch.randn(1, 4, 6, 8, dtype=torch.float64)
-    with pytest.raises(NotImplementedError, match="BertCrossAttention: cross-attention"):
-        AttentionInterface()[DENSE](layer, q, q, q, None)
+def test_bert_decoder_with_cross_attention_equals_sdpa():
+    """BERT as a decoder with cross-attention layers (BertCrossAttention: sdpa) and causal
+    self-attention (ours), encoder states as long as the decoder's rows (which the lengths
+    alone would take for self-attention): hidden states and gradients."""
+    ids, mask = tokens(2, 12), padding("right", 2, 12)
+    enc = torch.randn(2, 12, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    enc_mask = padding("left", 2, 12)
+    assert_equals_sdpa(lambda impl: encoder("bert", impl, is_decoder=True,
+                                            add_cross_attention=True),
+                       ids, mask, output="last_hidden_state", attention_mask=mask,
+                       encoder_hidden_states=enc, encoder_attention_mask=enc_mask)
 
 
-def packed_encoder_batch(lengths, position_start: int, cu_seq_lens: bool) -> dict:
-    """What transformers' padding-free collator passes an encoder for documents of `lengths`
-    packed into one row (its labels dropped): position_ids that restart at `position_start`,
-    and with `cu_seq_lens` the boundaries flash-attention reads (cu_seq_lens_q/k,
-    max_length_q/k)."""
-    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=cu_seq_lens,
-                                                       position_ids_start=position_start)
-    batch = collator([{"input_ids": list(range(1, m + 1))} for m in lengths])
-    return {k: v for k, v in batch.items() if k not in ("input_ids", "labels")}
+SEQ2SEQ_COMMON = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                      decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0,
+                      decoder_start_token_id=2, eos_token_id=None, forced_eos_token_id=None)
+# families with their reference: sdpa where transformers has an sdpa path for them, else eager
+SEQ2SEQ = {"bart": "sdpa", "mbart": "sdpa", "marian": "sdpa", "pegasus": "sdpa",
+           "blenderbot": "sdpa", "blenderbot-small": "sdpa", "plbart": "sdpa", "m2m_100": "sdpa",
+           "whisper": "sdpa", "nllb-moe": "eager", "pegasus_x": "eager",
+           "speech_to_text": "eager"}
 
 
-# (encoder, what marks the documents, the registered pattern and what runs each document alone)
-PACKED_ENCODER_CASES = [
-    ("bert", "position_ids", DENSE, "sdpa"),
-    ("bert", "cu_seq_lens", DENSE, "sdpa"),
-    ("bert", "cu_seq_lens", DILATED, DILATED),  # documents of 11 and 14 cross segments
-    ("roberta", "position_ids", DENSE, "sdpa"),  # positions from padding_idx + 1 = 2
-    # its layers get no position_ids: only cu_seq_lens mark documents (local layers too)
-    ("modernbert", "cu_seq_lens", DENSE, "sdpa"),
-]
+def seq2seq(model_type: str, impl: str, head: str = "AutoModel", seed: int = 0):
+    config = transformers.AutoConfig.for_model(
+        model_type, **SEQ2SEQ_COMMON, **({"num_experts": 2} if model_type == "nllb-moe" else {}))
+    torch.manual_seed(seed)
+    return getattr(transformers, head).from_config(config, attn_implementation=impl,
+                                                   dtype=torch.float64).eval()
 
 
-@pytest.mark.parametrize("kind,marks,packed_impl,alone_impl", PACKED_ENCODER_CASES)
-def test_packed_encoder_documents_equal_documents_alone(kind, marks, packed_impl, alone_impl):
-    """Documents packed into one row (DataCollatorWithFlattening's batch) equal each document
-    run alone: hidden states, and the gradients of the input embeddings and of every
-    parameter (the documents alone share the parameters: their gradients add up)."""
-    lengths, start = [11, 5, 14], 2 if kind == "roberta" else 0
-    packed = packed_encoder_batch(lengths, start, cu_seq_lens=marks == "cu_seq_lens")
-    n = sum(lengths)
-    embeds = torch.randn(1, n, 32, dtype=torch.float64, requires_grad=True,
-                         generator=torch.Generator().manual_seed(7))
-    weight = torch.randn(1, n, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
-    results = []
-    for impl, run in ((alone_impl, lambda model: torch.cat(
-            [model(inputs_embeds=e, position_ids=torch.arange(start, start + m)[None])
-             .last_hidden_state for e, m in zip(embeds.split(lengths, dim=1), lengths)], dim=1)),
-            (packed_impl, lambda model: model(inputs_embeds=embeds, **packed).last_hidden_state)):
-        model = encoder(kind, impl)
-        embeds.grad = None
-        hidden = run(model)
-        (hidden * weight).sum().backward()
-        results.append((hidden.detach(), embeds.grad.clone(), grads(model)))
-    (ref, ref_input, ref_grads), (ours, our_input, our_grads) = results
-    torch.testing.assert_close(ours, ref, **TOL)
-    torch.testing.assert_close(our_input, ref_input, **TOL)
+def seq2seq_inputs(model_type: str, config, pad: str, n: int = 12, m: int = 7) -> dict:
+    """The encoder's inputs (token ids, or features for the speech models; padded as `pad`)
+    and decoder ids."""
+    g = torch.Generator().manual_seed(3)
+    inputs = {"decoder_input_ids": torch.randint(1, VOCAB, (2, m), generator=g)}
+    if model_type == "whisper":  # its encoder takes exactly 2 * max_source_positions frames
+        inputs["input_features"] = torch.randn(2, config.num_mel_bins,
+                                               2 * config.max_source_positions,
+                                               dtype=torch.float64, generator=g)
+    elif model_type == "speech_to_text":
+        inputs["input_features"] = torch.randn(2, 2 * n, config.input_feat_per_channel,
+                                               dtype=torch.float64, generator=g)
+    else:
+        inputs["input_ids"] = tokens(2, n, seed=3)
+        if pad != "none":
+            inputs["attention_mask"] = padding(pad, 2, n)
+    return inputs
+
+
+def _seq2seq_run(make, inputs):
+    """Decoder and encoder hidden states, and the gradients of a loss over both."""
+    model = make()
+    out = model(**inputs)
+    hidden = (out.last_hidden_state, out.encoder_last_hidden_state)
+    keep = inputs.get("attention_mask")
+    weights = [torch.randn(h.shape, dtype=torch.float64, generator=torch.Generator()
+                           .manual_seed(i)) for i, h in enumerate(hidden)]
+    if keep is not None:  # the encoder's padded rows are not compared
+        weights[1] = weights[1] * keep[..., None]
+    sum((h * w).sum() for h, w in zip(hidden, weights)).backward()
+    return [h.detach() for h in hidden], grads(model)
+
+
+@pytest.mark.parametrize("model_type", sorted(SEQ2SEQ))
+def test_encoder_decoder_families_equal_sdpa(model_type):
+    """The encoder's self-attention and the decoder's causal self-attention run dilated
+    attention (dense pattern), cross-attention runs sdpa: decoder and encoder hidden states
+    and gradients equal the reference's, the encoder left-padded."""
+    ref_impl = SEQ2SEQ[model_type]
+    inputs = seq2seq_inputs(model_type, seq2seq(model_type, ref_impl).config, "left")
+    (ref, ref_grads), (ours, our_grads) = (
+        _seq2seq_run(lambda: seq2seq(model_type, impl), inputs) for impl in (ref_impl, DENSE))
+    torch.testing.assert_close(ours[0], ref[0], **TOL)
+    real = inputs["attention_mask"].bool() if "attention_mask" in inputs else slice(None)
+    torch.testing.assert_close(ours[1][real], ref[1][real], **TOL)
     assert_grads_equal(our_grads, ref_grads)
 
 
-def test_modernbert_packed_position_ids_alone_are_not_documents():
-    """ModernBERT's layers get no position_ids (its rotary tables take them): without
-    cu_seq_lens the packed documents attend each other, as under transformers' sdpa."""
-    packed = packed_encoder_batch([11, 5, 14], 0, cu_seq_lens=False)
-    ids = tokens(1, 30, seed=5)
+@pytest.mark.parametrize("model_type", sorted(SEQ2SEQ))
+def test_encoder_decoder_layers_are_told_apart_as_transformers_names_them(model_type):
+    """Which calls run as cross-attention equals transformers' own declaration of the model's
+    cross-attention layers (the decoder's _can_record_outputs["cross_attentions"], a layer
+    name: encoder_attn, cross_attention), every attention layer called."""
+    from dilated_attention.integrations.transformers.cross import is_cross_attention
+
+    names, seen = {}, {}
+    ours = AttentionInterface()[DENSE]
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen[names[id(module)]] = is_cross_attention(module, attention_mask)
+        return ours(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("dilated_roles_test", spy)
+    AttentionMaskInterface.register("dilated_roles_test", build_mask)
+    model = seq2seq(model_type, "dilated_roles_test")
+    names.update({id(m): name for name, m in model.named_modules()})
     with torch.no_grad():
-        ref, ours = (encoder("modernbert", impl)(ids, **packed).last_hidden_state
-                     for impl in ("sdpa", DENSE))
-        alone = torch.cat([encoder("modernbert", "sdpa")(doc).last_hidden_state
-                           for doc in ids.split([11, 5, 14], dim=1)], dim=1)
-    torch.testing.assert_close(ours, ref, **TOL)
-    assert not torch.allclose(ours, alone)
+        model(**seq2seq_inputs(model_type, model.config, "none", n=7))  # equal lengths
+    declared = type(model.get_decoder())._can_record_outputs["cross_attentions"].layer_name
+    attention = [name for name, m in model.named_modules()
+                 if name.endswith(("self_attn", declared)) and hasattr(m, "config")]
+    assert sorted(seen) == sorted(attention)  # PegasusX's encoder attends on its own
+    assert seen == {name: name.endswith(declared) for name in seen}, declared
+
+
+def bart_reference(names, enc_keep):
+    """An attention function that knows each Bart layer by its name (names: id -> name):
+    self-attention through dilated_attention directly (the encoder's padding masked),
+    cross-attention as sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+               is_causal=None, **kwargs):
+        name = names[id(module)]
+        if name.endswith("encoder_attn"):
+            return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                          scaling=scaling)
+        encoder = name.startswith("encoder.")
+        q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+        out = dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=not encoder, scale=scaling,
+                                key_padding_mask=~enc_keep if encoder else None)
+        return out, None
+
+    return attend
+
+
+@pytest.mark.parametrize("pad", ["none", "left", "right"])
+def test_bart_dilated_pattern_equals_direct_calls(pad):
+    """Real dilated patterns (an encoder of 30 rows and a decoder of 20 cross segments): Bart
+    equals its layers called by name, self-attention through dilated_attention and
+    cross-attention as sdpa: hidden states and gradients."""
+    inputs = seq2seq_inputs("bart", None, pad, n=30, m=20)
+    keep = inputs.get("attention_mask", torch.ones(2, 30, dtype=torch.long)).bool()
+    names = {}
+    AttentionInterface.register("dilated_bart_reference_test", bart_reference(names, keep))
+    AttentionMaskInterface.register("dilated_bart_reference_test",
+                                    AttentionMaskInterface()["sdpa"])
+
+    def make(impl):
+        model = seq2seq("bart", impl)
+        names.update({id(m): name for name, m in model.named_modules()})
+        return model
+
+    (ref, ref_grads), (ours, our_grads) = (
+        _seq2seq_run(lambda: make(impl), inputs)
+        for impl in ("dilated_bart_reference_test", DILATED))
+    torch.testing.assert_close(ours[0], ref[0], **TOL)
+    torch.testing.assert_close(ours[1][keep], ref[1][keep], **TOL)
+    assert_grads_equal(our_grads, ref_grads)
+
+
+def test_bart_generates_like_sdpa():
+    """generate(): the decoder's self-attention decodes each token against its cache (ours),
+    cross-attention reads the encoder's cached keys (sdpa); tokens and scores equal sdpa's
+    (dense pattern), and with dilated patterns each step's scores equal the full forward's."""
+    inputs = seq2seq_inputs("bart", None, "left", n=19)
+    del inputs["decoder_input_ids"]
+    runs = {}
+    for impl in ("sdpa", DENSE, DILATED):
+        model = seq2seq("bart", impl, head="AutoModelForSeq2SeqLM")
+        with torch.no_grad():
+            runs[impl] = model.generate(**inputs, max_new_tokens=6, do_sample=False,
+                                        output_scores=True, return_dict_in_generate=True)
+    torch.testing.assert_close(runs[DENSE].sequences, runs["sdpa"].sequences, rtol=0, atol=0)
+    torch.testing.assert_close(torch.stack(runs[DENSE].scores), torch.stack(runs["sdpa"].scores),
+                               **TOL)
+    seq = runs[DILATED].sequences
+    with torch.no_grad():
+        full = model(**inputs, decoder_input_ids=seq[:, :-1]).logits
+    # generate's scores are float32: the float64 logits rounded
+    torch.testing.assert_close(torch.stack(runs[DILATED].scores, dim=1), full[:, -6:].float())
+
+
+def test_cross_attention_refused_where_it_cannot_be_told_apart(monkeypatch):
+    """Moonshine's one attention class sets no is_decoder: its encoder's self-attention and
+    its cross-attention (both bidirectional masks) cannot be told apart, so the model is
+    refused, naming the layer; a cross-attention call under sequence parallelism is refused."""
+    from dilated_attention.integrations.transformers.cross import attend_cross
+
+    config = transformers.MoonshineConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, encoder_num_hidden_layers=1,
+        decoder_num_hidden_layers=1, encoder_num_attention_heads=4,
+        decoder_num_attention_heads=4)
+    model = transformers.AutoModel.from_config(config, attn_implementation=DENSE)
+    with pytest.raises(NotImplementedError, match="MoonshineAttention in a model with config."
+                                                  "is_encoder_decoder = True: cannot tell"):
+        model(input_values=torch.randn(2, 3200), decoder_input_ids=tokens(2, 7))
+
+    layer = transformers.models.bert.modeling_bert.BertCrossAttention(ENCODERS["bert"]())
+    q = torch.randn(1, 4, 6, 8, dtype=torch.float64)
+    group = object()  # a group of two ranks, as far as the check asks
+    monkeypatch.setattr(comm, "is_distributed", lambda g: g is group)
+    with pytest.raises(NotImplementedError, match="cross-attention under sequence parallelism"):
+        attend_cross(layer, q, q, q, None, 0.0, None, None, {}, group)
 
 
 def _encoder_rank(group):

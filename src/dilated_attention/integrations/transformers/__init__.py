@@ -8,6 +8,7 @@
 | --- | --- |
 | ``backend.py`` | ``register``; the attention function; decoding one token (Note [generation]) |
 | ``masks.py`` | the mask function (Note [what the mask function returns]) |
+| ``cross.py`` | which calls are cross-attention, run as sdpa (Note [cross-attention]) |
 | ``documents.py`` | packed documents from position_ids, cu_seq_lens and masks, agreed over ranks |
 | ``refusals.py`` | what is honoured, what is refused, and the hints |
 | ``training.py`` | sequence-parallel fine-tuning: ``shard_inputs``, ``causal_lm_loss``, ``causal_lm_parts`` |

@@ -73,11 +73,11 @@ from ...decoding import CachedRows, decode, origin_runs
 from ...distributed import comm
 from ...functional import dilated_attention, ring_attention
 from ...releases import installed_release
+from .cross import attend_cross, is_cross_attention, mask_says_causal
 from .documents import agreed_documents, explicit_documents, position_facts
 from .masks import Bidirectional, Causal, PackedDocuments, Window, build_mask
 from .padding import agreed_origins, decoding_origins, first_real_tokens
-from .refusals import (RESERVED_NAME_PARTS, Refused, check_kwargs, check_layer,
-                       describe)
+from .refusals import RESERVED_NAME_PARTS, Refused, check_kwargs, describe
 
 
 # The oldest transformers release tests/test_hf.py passes with (also 5.23 and 5.24, CI's);
@@ -177,6 +177,10 @@ class _Backend:
                  is_causal: Optional[bool] = None, **kwargs) -> Tuple[Tensor, None]:
         """transformers' attention-function signature: q (b, h, n, d), k (b, hk, n, d), v (b,
         hk, n, dv) -> (out (b, n, h, dv), no weights)."""
+        # before any collective: a layer, its config and its mask's kind are alike on every rank
+        if is_cross_attention(module, attention_mask):
+            return attend_cross(module, query, key, value, attention_mask, dropout, scaling,
+                                is_causal, kwargs, self.group)
         # (b, h, n, d) -> (b, n, h, d): views; the op takes strided q, k, v
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         # Note [head dims]: v's head dim (dv) may differ from q's and k's (d)
@@ -191,7 +195,7 @@ class _Backend:
     def _attend(self, module, q: Tensor, k: Tensor, v: Tensor, attention_mask, dropout: float,
                 scaling: Optional[float], is_causal: Optional[bool], tensors, kwargs) -> Tensor:
         """`__call__` once q, k and v share one head dim: out (b, n, h, d)."""
-        check_layer(module)  # a cross-attention layer: the same on every rank
+        said_causal = mask_says_causal(attention_mask)
         if isinstance(attention_mask, Causal):
             attention_mask = None  # plain causal (Note [what the mask function returns])
         # a sliding-window layer's mask (Note [sliding-window layers]): its window, and the
@@ -200,11 +204,15 @@ class _Backend:
         if window_mask is not None:
             attention_mask = window_mask.inner
         training = bool(getattr(module, "training", False))
-        # transformers' own backends read the layer's flag when the call gives none; a
-        # bidirectional mask says more (Note [what the mask function returns])
+        # transformers' own backends read the layer's flag when the call gives none; the mask
+        # says more (Note [what the mask function returns])
         causal_arg = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         if isinstance(attention_mask, Bidirectional):
             attention_mask, causal_arg = attention_mask.inner, False
+        elif said_causal:
+            # eager and sdpa run the causal mask they are given, whatever the flag: the decoder
+            # self-attention of NLLB-MoE and PegasusX has is_causal = False
+            causal_arg = True
         nq, nk = q.shape[1], k.shape[1]
         sharded = _SERVING.get()
         if sharded is not None and sharded.group is not self.group:
@@ -235,8 +243,8 @@ class _Backend:
             elif nq != nk:
                 raise NotImplementedError(
                     f"query length {nq} != key length {nk}: only one new token at a time can "
-                    f"attend a KV cache (no chunked prefill or speculative decoding), and "
-                    f"cross-attention is not supported"
+                    f"attend a KV cache (no chunked prefill or speculative decoding); "
+                    f"cross-attention layers run sdpa, and this call is not one of them"
                 )
             facts = position_facts(kwargs.get("position_ids"), q.shape[0], nk, decoding)
             keep = mask if isinstance(mask, Tensor) and not decoding else None

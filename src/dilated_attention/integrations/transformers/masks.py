@@ -170,6 +170,12 @@ def _build_mask(batch_size: int, q_length: int, kv_length: int, q_offset, kv_off
                               int(kwargs["local_size"]), device)
         if isinstance(window, Refused):
             return window
+    if mask_function is bidirectional_mask_function and window is None and q_offset == 0 \
+            and kv_offset == 0:
+        # every query sees every key: an encoder's mask, or a decoder's over the encoder's keys
+        # (cross-attention, whose length may differ: cross.py)
+        keep = _keep_mask(attention_mask, batch_size, kv_length)
+        return keep if isinstance(keep, Refused) else Bidirectional(keep)
     if kv_offset != 0 and window is None:
         # refused in a layer that uses it: Cohere 2 and Ministral also build the full-attention
         # mask when every layer is a sliding window, from the sliding-window cache's sizes

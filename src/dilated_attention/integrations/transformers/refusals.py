@@ -17,7 +17,7 @@ argument, never silently dropped:
 | ``use_cache``, ``max_length_q/k``, ``num_items_in_batch``, ``output_hidden_states``, ``output_router_logits`` | no effect on attention |
 | ``encoder_hidden_states=None`` (BERT's, RoBERTa's self-attention), ``deterministic=False`` (ModernBERT: flash-attn's deterministic backward not asked for) | nothing asked |
 | a 4-D mask, a float mask, a mask function other than causal within documents or a sliding window (image-token blocks, Llama 4's chunked attention), ``softcap``, ``s_aux`` and ``sinks`` (sinks), ``position_bias``, ``seq_idx``, ``output_attentions=True``, ``encoder_hidden_states`` given, ``deterministic=True`` (use ``torch.use_deterministic_algorithms``), any other keyword; attention dropout on a sliding-window layer | refused |
-| cross-attention: a layer class named ``...CrossAttention`` or flagged ``is_cross_attention``, every layer of a model whose config has ``is_encoder_decoder`` or ``add_cross_attention`` (Bart's one class serves both kinds) | refused (``check_layer``) |
+| cross-attention (a layer class named ``...CrossAttention``, flagged ``is_cross_attention``, or, in a model with cross-attention layers, told apart by its mask and ``is_decoder``: Note [cross-attention] in cross.py) | transformers' sdpa with sdpa's mask; refused under sequence parallelism, and where nothing tells the kinds apart |
 | q_len != k_len other than decoding one token (chunked prefill, cross-attention), a static cache, a sliding-window cache that keeps fewer keys than the window, decoding with padding after a row's first real token | refused |
 """
 
@@ -70,10 +70,13 @@ MASK_KWARGS = frozenset({"allow_is_causal_skip", "allow_is_bidirectional_skip", 
 RESERVED_NAME_PARTS = ("flash", "sdpa", "flex_attention", "eager", "paged", "/", "|")
 
 
-CROSS_ATTENTION = ("cross-attention (queries of one sequence, keys and values of another: an "
-                   "encoder-decoder's decoder, BERT with config.add_cross_attention) has no "
-                   "dilated pattern: segments and dilation are positions of one sequence; use "
-                   "attn_implementation='eager' or 'sdpa' for this model")
+# Config flags of a model with cross-attention layers (cross.py tells its calls apart).
+CROSS_ATTENTION_FLAGS = ("is_encoder_decoder", "add_cross_attention")
+
+
+CROSS_ATTENTION = ("keys and values of another sequence passed to a self-attention layer; "
+                   "cross-attention layers run transformers' sdpa (cross.py), their calls "
+                   "take the encoder's states as keys and values, not this keyword")
 
 
 REFUSED_HINTS = {
@@ -85,7 +88,7 @@ REFUSED_HINTS = {
              "softmax attention",
     "sinks": "attention sinks computed per token (Inkling 2) add a logit to every softmax's "
              "denominator, and the kernels compute plain softmax attention",
-    "position_bias": "a learned bias added to every score (Inkling's relative positions) "
+    "position_bias": "a learned bias added to every score (T5's and Inkling's relative positions) "
                      "changes each query's weights, and the kernels add no bias to the scores",
     "encoder_hidden_states": CROSS_ATTENTION,
     "deterministic": "flash-attn's deterministic backward (ModernBERT's "
@@ -119,27 +122,6 @@ def check_kwargs(kwargs: Dict[str, Any]) -> None:
             q_cu is not None and check.check_cu_seqlens(q_cu) != check.check_cu_seqlens(k_cu)):
         raise ValueError(f"cu_seq_lens_q and cu_seq_lens_k must be given together and be equal "
                          f"(self-attention), got {show(q_cu)} and {show(k_cu)}")
-
-
-def check_layer(module) -> None:
-    """Refuse a cross-attention layer, before any collective (a layer and its config are the
-    same on every rank).
-
-    A cross-attention call looks like self-attention's: the query length may equal the
-    encoder's, and one query against a cached encoder has decoding's shape. The layer says
-    it by its class (BERT's ``BertCrossAttention``, Mllama's ``MllamaTextCrossAttention``) or
-    an ``is_cross_attention`` flag; Bart's one attention class serves both, so a model whose
-    config has cross-attention layers (``is_encoder_decoder``, ``add_cross_attention``) is
-    refused in every layer: its calls cannot be told apart.
-    """
-    config = getattr(module, "config", None)
-    flags = [f"config.{key} = True" for key in ("is_encoder_decoder", "add_cross_attention")
-             if getattr(config, key, False) is True]
-    named = "CrossAttention" in type(module).__name__ \
-        or getattr(module, "is_cross_attention", False) is True
-    if named or flags:
-        where = type(module).__name__ if named else f"a model with {' and '.join(flags)}"
-        raise NotImplementedError(f"{where}: {CROSS_ATTENTION}")
 
 
 def describe(x) -> str:
