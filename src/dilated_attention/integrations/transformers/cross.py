@@ -32,9 +32,10 @@ Note [cross-attention]
     ========================================  ===================================
 
     ``is_decoder`` is what Bart's family, Whisper, Speech2Text, NLLB-MoE,
-    PegasusX and T5 set on each attention layer (tests/test_hf.py checks
-    the rule against the layers' names in those models); a model whose layers
-    do not say (Moonshine) is refused, never guessed. A model without
+    PegasusX (and T5, refused for its position bias) set on each attention
+    layer (tests/test_hf.py checks the rule against the layers' names in all
+    but T5); a model whose layers do not say (Moonshine) is refused, never
+    guessed. A model without
     cross-attention layers runs every call as self-attention.
 
     Under sequence parallelism cross-attention is refused: each rank holds
