@@ -1,5 +1,5 @@
 """triton_launch: the fused kernels launched from a kept compiled kernel pass Triton's
-launcher exactly what JITFunction.run would.
+launcher what JITFunction.run would, each tensor as its address where no launch hook is set.
 
 Without a GPU the kernels compile for sm_90 under benchmarks/bench_call_overhead.py's
 stand-in driver (its --launcher mode's), whose loader gives each compiled binary its own
@@ -38,6 +38,9 @@ from bench_call_overhead import StandInDriver
 
 launches = []
 hooked = []  # what the launch hooks saw: ("enter" or "exit", the kernel's name)
+# address -> the tensor a kept launch passed as that address (triton_launch._call_key's)
+pointed = {}
+addressed = [0]  # parameters a launch passed as a tensor's address
 
 
 def launched(name, args):
@@ -45,7 +48,7 @@ def launched(name, args):
     metadata, enter, leave = args[6:9]
     if enter is not None:
         enter(metadata)
-    launches[-1].append((name, args))
+    launches[-1].append(describe(name, args))
     if leave is not None:
         leave(metadata)
 
@@ -68,11 +71,30 @@ def counted(self, *args, **kwargs):
 
 jit.JITFunction.run = counted
 
+def tensor(x):
+    return ["tensor", str(x.dtype), list(x.shape), list(x.stride()), x.data_ptr() % 16]
+
+def param(x):
+    # a kept launch passes its tensors as their addresses: each stands for its tensor
+    if isinstance(x, torch.Tensor):
+        return tensor(x)
+    if type(x) is int and x in pointed:
+        addressed[0] += 1
+        return tensor(pointed[x])
+    return x
+
 def describe(name, args):
     grid, stream, function, metadata = args[:3], args[3], args[4], args[5]
-    params = [["tensor", str(x.dtype), list(x.shape), list(x.stride()), x.data_ptr() % 16]
-              if isinstance(x, torch.Tensor) else x for x in args[9:]]
-    return [name, list(grid), stream, str(function), repr(metadata), params]
+    return [name, list(grid), stream, str(function), repr(metadata), [param(x) for x in args[9:]]]
+
+call_key = triton_launch._call_key
+
+def recording_call_key(device, count, args, kwargs):
+    key, addresses = call_key(device, count, args, kwargs)
+    pointed.update(zip(addresses or (), args))
+    return key, addresses
+
+triton_launch._call_key = recording_call_key
 
 def inputs(dtype, misaligned):
     # (b, n, h, d); misaligned: q starts 1 element past a 16-byte boundary
@@ -107,12 +129,13 @@ for mode in ("kept", "jit", "kept hooked", "jit hooked"):
     triton_launch.forget()
     launches.clear()
     hooked.clear()
-    binds[0] = 0
+    binds[0] = addressed[0] = 0
     for dtype, misaligned in calls:
         launches.append([])  # this call's launches
         step(dtype, misaligned)
-    result[mode] = {"calls": [[describe(*launch) for launch in call] for call in launches],
-                    "binds": binds[0], "hooked": list(hooked)}
+        pointed.clear()
+    result[mode] = {"calls": list(launches), "binds": binds[0], "hooked": list(hooked),
+                    "addressed": addressed[0]}
     if mode.endswith("hooked"):
         knobs.runtime.launch_enter_hook.remove(enter_hook)
         knobs.runtime.launch_exit_hook.remove(exit_hook)
@@ -150,6 +173,10 @@ def test_kept_kernels_launch_as_triton_would(tmp_path) -> None:
     # launch hooks (a profiler's): each launch calls them as Triton's own path does, with
     # the launch metadata; without them the kept launches build none
     assert kept["hooked"] == jit["hooked"] == []
+    # without hooks a kept launch passes its tensors as their addresses (so Triton's launcher
+    # asks the driver about none), with hooks as the tensors (a hook may read them)
+    assert kept["addressed"] > 0 and jit["addressed"] == 0
+    assert result["kept hooked"]["addressed"] == result["jit hooked"]["addressed"] == 0
     hooked = result["jit hooked"]["hooked"]
     assert result["kept hooked"]["hooked"] == hooked
     assert len(hooked) == 2 * launches and {name for _, name in hooked} >= {"fused_forward"}
@@ -160,15 +187,19 @@ def test_call_keys_follow_what_triton_specialises() -> None:
     q = torch.zeros(2, 8, 16)
     misaligned = torch.zeros(2 * 8 * 16 + 1)[1:].view(2, 8, 16)
     kwargs = {"CAUSAL": True, "num_warps": 4}
-    key = triton_launch._call_key(0, 1, (q, 3, 0.5), kwargs)
-    assert key == triton_launch._call_key(0, 1, (torch.ones(2, 8, 16), 3, 0.5), kwargs)
-    assert key != triton_launch._call_key(0, 1, (misaligned, 3, 0.5), kwargs)
-    assert key != triton_launch._call_key(0, 1, (q.half(), 3, 0.5), kwargs)
-    assert key != triton_launch._call_key(0, 1, (q, 4, 0.5), kwargs)
-    assert key != triton_launch._call_key(1, 1, (q, 3, 0.5), kwargs)
-    assert key != triton_launch._call_key(0, 1, (q, 3, 0.5), {**kwargs, "num_warps": 8})
+    def key(*args):
+        return triton_launch._call_key(*args)[0]
+
+    first, addresses = triton_launch._call_key(0, 1, (q, 3, 0.5), kwargs)
+    assert addresses == [q.data_ptr()]
+    assert first == key(0, 1, (torch.ones(2, 8, 16), 3, 0.5), kwargs)
+    assert first != key(0, 1, (misaligned, 3, 0.5), kwargs)
+    assert first != key(0, 1, (q.half(), 3, 0.5), kwargs)
+    assert first != key(0, 1, (q, 4, 0.5), kwargs)
+    assert first != key(1, 1, (q, 3, 0.5), kwargs)
+    assert first != key(0, 1, (q, 3, 0.5), {**kwargs, "num_warps": 8})
     # a number where a tensor was: no key, so Triton's own path
-    assert triton_launch._call_key(0, 1, (3, 3, 0.5), kwargs) is None
+    assert triton_launch._call_key(0, 1, (3, 3, 0.5), kwargs) == (None, None)
     assert triton_launch._leading_tensors((q, q, 1, q)) == 2
 
 
@@ -189,5 +220,5 @@ def test_call_keys_tell_8_byte_from_16_byte_alignment():
     shifted = torch.zeros(2 * 8 * 16 + 2)[2:].view(2, 8, 16)  # 8 bytes past q's alignment
     assert q.data_ptr() % 16 == 0 and shifted.data_ptr() % 16 == 8
     kwargs = {"CAUSAL": True}
-    assert triton_launch._call_key(0, 1, (q, 3), kwargs) != \
-        triton_launch._call_key(0, 1, (shifted, 3), kwargs)
+    assert triton_launch._call_key(0, 1, (q, 3), kwargs)[0] != \
+        triton_launch._call_key(0, 1, (shifted, 3), kwargs)[0]

@@ -14,22 +14,25 @@ then launches the remembered ``CompiledKernel`` with the lines that end
 constexprs included, on the current stream, with Triton's launch metadata and
 hooks where a hook is set; the same in triton 3.6 and 3.9, and
 ``tests/test_triton_launch.py`` checks them, hooks included, against Triton's
-own path). The key is at least as fine as Triton's specialisation,
-so it never meets a kernel compiled for other arguments: each tensor's dtype
-and whether its address is a multiple of 16, the value of every other argument
-(all that Triton specialises an integer on is a function of its value), the
-keyword arguments (constexprs, and options such as num_warps) and the current
-device. A key's first call goes through ``JITFunction.run``, which compiles if
-need be; so does every call of a kernel with pre-run hooks. What is left out of
-Triton's per-call work: the check that the kernel's global constants have not
-changed since it was compiled (ours are module constants) and re-reading the
-debug knobs (process settings).
+own path). Without hooks the tensors go as their addresses (``data_ptr``):
+Triton's C launcher takes an int as the address, where for each tensor it calls
+``data_ptr`` and asks the driver about the address (``cuPointerGetAttribute``);
+on an H200, 4-8 us less host time a launch (BENCHMARKS.md, "Stop 54"). The key
+is at least as fine as Triton's specialisation, so it never meets a kernel
+compiled for other arguments: each tensor's dtype and whether its address is a
+multiple of 16, the value of every other argument (all that Triton specialises
+an integer on is a function of its value), the keyword arguments (constexprs,
+and options such as num_warps) and the current device. A key's first call goes
+through ``JITFunction.run``, which compiles if need be; so does every call of a
+kernel with pre-run hooks. What is left out of Triton's per-call work: the
+check that the kernel's global constants have not changed since it was compiled
+(ours are module constants) and re-reading the debug knobs (process settings).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -71,24 +74,29 @@ class Launcher:
         if self._tensors is None:
             self._tensors = _leading_tensors(args)
         device = self._driver.active.get_current_device()
-        key = _call_key(device, self._tensors, args, kwargs)
+        key, addresses = _call_key(device, self._tensors, args, kwargs)
         try:
             found = self._compiled.get(key) if key is not None else None
         except TypeError:  # an unhashable argument: no key
             key = found = None
         if found is not None and not self.kernel.pre_run_hooks:
             compiled, tail = found
-            params = (*args, *[kwargs[name] for name in tail])
+            rest = (*args[self._tensors:], *[kwargs[name] for name in tail])
             # what JITFunction.run does once it has the compiled kernel
             stream = self._driver.active.get_current_stream(device)
             hooks = self._knobs.runtime
             enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
             if _idle(enter) and _idle(leave):
                 # the launch metadata is for the hooks alone, and the launcher calls no hook
-                # given as None: where none is set, the same launch without building it
+                # given as None: where none is set, the same launch without building it. The
+                # tensors go as their addresses: Triton's C launcher takes an int as the
+                # address itself, where for a tensor it calls its data_ptr and asks the
+                # driver about the address (cuPointerGetAttribute), pointer by pointer
                 compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None,
-                             None, None, *params)
+                             None, None, *addresses, *rest)
             else:
+                # a hook may read the launch's tensors (a profiler's bytes moved): as Triton
+                params = (*args[:self._tensors], *rest)
                 compiled.run(*grid, stream, compiled.function, compiled.packed_metadata,
                              compiled.launch_metadata(grid, stream, *params), enter, leave,
                              *params)
@@ -119,15 +127,17 @@ def _leading_tensors(args: Sequence[Any]) -> int:
     return count
 
 
-def _call_key(device: int, tensors: int, args: Sequence[Any],
-              kwargs: Dict[str, Any]) -> Optional[Tuple]:
-    """What Triton's specialisation of a call is a function of (module docstring); None
-    where the first `tensors` arguments are not all tensors."""
+def _call_key(device: int, tensors: int, args: Sequence[Any], kwargs: Dict[str, Any]
+              ) -> Tuple[Optional[Tuple], Optional[List[int]]]:
+    """What Triton's specialisation of a call is a function of (module docstring), and the
+    first `tensors` arguments' addresses; (None, None) where they are not all tensors."""
     try:
-        return (device, tuple(kwargs.items()), len(args), args[tensors:],
-                *[(arg.dtype, arg.data_ptr() % 16 == 0) for arg in args[:tensors]])
+        addresses = [arg.data_ptr() for arg in args[:tensors]]
+        key = (device, tuple(kwargs.items()), len(args), args[tensors:],
+               *[(arg.dtype, address % 16 == 0) for arg, address in zip(args, addresses)])
     except AttributeError:
-        return None
+        return None, None
+    return key, addresses
 
 
 _LAUNCHERS: Dict[Any, Launcher] = {}
