@@ -81,6 +81,35 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
+class LiveBytes(TorchDispatchMode):
+    """The peak bytes of the tensors that ops create while active and that are alive
+    together: each storage counted once, until it is freed (PYTORCH-NOTES.md's method);
+    `existing` tensors' storage (and views of it) not counted."""
+
+    def __init__(self, *existing: torch.Tensor) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen = {x.untyped_storage().data_ptr() for x in existing}
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self.seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in self.seen:
+                self.seen.add(key)
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._freed, key, storage.nbytes())
+        return out
+
+
 # ---------------------------------------------------------------------------
 # The chunked head loss
 
@@ -258,6 +287,54 @@ def test_chunked_loss_forward_forms_only_the_gradients_it_needs():
     assert largest(True, False, True) == b * n * e * 8  # frozen head: d hidden only
     assert largest(False, True, True) == v * e * 8
     assert largest(False, False, True) <= chunk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_loss_against_float64(dtype, bias):
+    """Loss and gradients (hidden, weight, bias) against float64 of the unchunked loss of the
+    same inputs: within 2x the plain path's error in the same dtype (F.linear, then the loss
+    in fp32), training (gradients formed in the forward) and not (recomputed), with chunks
+    small enough that a half-precision d weight's product takes several vocabulary slices."""
+    g = torch.Generator().manual_seed(0)
+    b, n, e, v, rows = 2, 150, 64, 1000, 7
+    hidden = torch.randn(b, n, e, generator=g).to(dtype).requires_grad_()
+    weight = (0.3 * torch.randn(v, e, generator=g)).to(dtype).requires_grad_()
+    bias_ = torch.randn(v, generator=g).to(dtype).requires_grad_() if bias else None
+    targets = torch.randint(0, v, (b, n), generator=g)
+    targets[:, ::7] = IGNORE_INDEX
+    inputs = [x for x in (hidden, weight, bias_) if x is not None]
+    exact = [x.detach().double().requires_grad_() for x in inputs]
+    ref = token_mean_loss(F.linear(*exact), targets, None)
+    want = (ref,) + torch.autograd.grad(ref, exact)
+
+    def errors(loss):
+        got = (loss,) + torch.autograd.grad(loss, inputs)
+        return [((x.double() - y).norm() / y.norm()).item() for x, y in zip(got, want)]
+
+    plain = errors(token_mean_loss(F.linear(hidden, weight, bias_), targets, None))
+    assert max(plain) < (1e-6 if dtype == torch.float32 else 1e-2)
+    for training in (True, False):
+        got = errors(chunked_token_mean_loss(hidden, weight, targets, None, bias=bias_,
+                                             chunk_bytes=rows * v * 4, training=training))
+        assert all(x <= 2 * y for x, y in zip(got, plain)), (training, got, plain)
+
+
+def test_chunked_half_precision_loss_holds_no_weight_sized_temporary():
+    """A bfloat16 loss's training forward holds its gradients (d hidden, fp32 d weight), one
+    chunk's fp32 logits and their bf16 copy, and nothing of (v, e) more: each chunk's d
+    weight product made a (v, e) bf16 temporary (v e 2 bytes beside the accumulator)."""
+    g = torch.Generator().manual_seed(0)
+    b, n, e, v, rows = 2, 32, 64, 1000, 8
+    hidden = torch.randn(b, n, e, generator=g).bfloat16().requires_grad_()
+    weight = torch.randn(v, e, generator=g).bfloat16().requires_grad_()
+    targets = torch.randint(0, v, (b, n), generator=g)
+    with LiveBytes(hidden, weight, targets) as live:
+        loss = chunked_token_mean_loss(hidden, weight, targets, None, chunk_bytes=rows * v * 4)
+    formed = b * n * e * 2 + v * e * 4  # d hidden (bf16), d weight (fp32)
+    chunk = rows * v * (4 + 2)
+    assert formed + chunk <= live.peak <= formed + chunk + 4096, live.peak
+    loss.backward()  # and the gradients are those of test_chunked_loss_against_float64
 
 
 def test_chunk_budget_below_one_row():

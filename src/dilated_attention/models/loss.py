@@ -43,6 +43,19 @@ Note [chunked head loss]
     The matmuls run in the model's dtype and the softmax in the accumulator
     dtype, as the plain path (``F.linear`` then ``token_mean_loss``) does,
     so the loss and gradients equal the plain ones to rounding (fp64 tests).
+    In a half-precision model a chunk's logits come from the matmul in a
+    model-dtype buffer, cast into the accumulator one; its d logits go back
+    into the model-dtype buffer for the d hidden and d weight matmuls (d bias
+    sums them before, in fp32). Both buffers are made once per call
+    (``_ChunkBuffers``), and d weight's model-dtype product is made in
+    vocabulary slices inside the accumulator buffer, free by then: a chunk
+    holds its logits in fp32 and in the model's dtype and no (v, e)
+    temporary (a bf16 loss made one per chunk, v e 2 bytes: more than a
+    chunk's logits for a large vocabulary). A matmul with an fp32 output
+    for half inputs (``torch.mm(..., out_dtype=)``) would spare the casts
+    and the slices, but torch 2.13's CPU build has no kernel for it (any
+    dtype: NotImplementedError), and on CUDA, which has one, it would be
+    untested here: not used.
     Under ``create_graph=True`` the backward is itself recorded: out-of-place
     ops, each chunk's softmax recomputed from its logits, so a second
     derivative holds every chunk's softmax (the logits' memory, as the plain
@@ -162,11 +175,58 @@ def head_loss_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ta
     acc = accumulator_dtype(hidden.dtype)
     total = torch.zeros((), dtype=acc, device=hidden.device)
     lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+    buffers = _ChunkBuffers(hidden, weight, rows)
     for start in range(0, hidden.shape[0], rows):
         stop = min(start + rows, hidden.shape[0])
-        logits = F.linear(hidden[start:stop], weight, bias).to(acc)  # (r, v)
+        logits = buffers.logits(hidden[start:stop], weight, bias)  # (r, v)
         total += _chunk_loss_(logits, targets[start:stop], lse[start:stop])[0]
     return total, lse
+
+
+class _ChunkBuffers:
+    """The chunk loop's (rows, v) buffers, made once per call and reused by every chunk (a
+    fresh 64 MiB chunk a time is new pages to fault in on a CPU): the accumulator-dtype
+    logits, and in a half-precision model the matmuls' model-dtype logits and d logits
+    (Note [chunked head loss]). product: d weight is formed, whose half-precision product
+    slices take the accumulator buffer's storage (at least one (e,) row of it)."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, rows: int, product: bool = False):
+        acc = accumulator_dtype(hidden.dtype)
+        rows, (v, e) = min(rows, hidden.shape[0]), weight.shape
+        half = acc != hidden.dtype
+        numel = max(rows * v, e) if product and half else rows * v
+        self.flat = torch.empty(numel, dtype=acc, device=hidden.device)
+        self.acc = self.flat[:rows * v].view(rows, v)
+        self.low = torch.empty((rows, v), dtype=hidden.dtype, device=hidden.device) \
+            if half else None
+
+    def logits(self, h: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        """h (r, e) -> F.linear(h, weight, bias) in the accumulator dtype, (r, v), in the
+        buffer (F.linear's own matmul: bit for bit the plain path's logits)."""
+        out = self.acc[:h.shape[0]]
+        low = out if self.low is None else self.low[:h.shape[0]]
+        if bias is None:
+            torch.mm(h, weight.t(), out=low)
+        else:
+            torch.addmm(bias, h, weight.t(), out=low)
+        return out if self.low is None else out.copy_(low)
+
+    def model_dtype(self, d: Tensor) -> Tensor:
+        """A chunk's d logits (r, v), accumulator dtype, in the model's dtype (the buffer)."""
+        return d if self.low is None else self.low[:d.shape[0]].copy_(d)
+
+    def product_slices(self, d: Tensor, h: Tensor):
+        """(vocabulary slice, d[:, slice]^T h in the model's dtype) pairs covering the
+        vocabulary, each product in the accumulator logits' storage (call once d has been
+        cast out of it)."""
+        scratch = self.flat.view(d.dtype)
+        e = h.shape[1]
+        step = max(1, min(d.shape[1], scratch.numel() // e))
+        for lo in range(0, d.shape[1], step):
+            hi = min(lo + step, d.shape[1])
+            # (r, s)^T (r, e) -> (s, e)
+            yield slice(lo, hi), torch.mm(d[:, lo:hi].t(), h,
+                                          out=scratch[:(hi - lo) * e].view(hi - lo, e))
 
 
 def _chunk_loss_(logits: Tensor, t: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor]:
@@ -197,10 +257,11 @@ def head_loss_with_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tens
     total = torch.zeros((), dtype=acc, device=hidden.device)
     lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
     grads = _gradient_buffers(hidden, weight, acc, needs)
+    buffers = _ChunkBuffers(hidden, weight, rows, product=needs[1])
     for start in range(0, hidden.shape[0], rows):
         stop = min(start + rows, hidden.shape[0])
         h, t = hidden[start:stop], targets[start:stop]
-        logits = F.linear(h, weight, bias).to(acc)  # (r, v)
+        logits = buffers.logits(h, weight, bias)  # (r, v)
         loss, sums = _chunk_loss_(logits, t, lse[start:stop])
         total += loss
         keep = t != IGNORE_INDEX
@@ -208,8 +269,7 @@ def head_loss_with_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tens
         d = logits.mul_(torch.where(keep, sums.reciprocal(), 0)[:, None])
         # (r,) -> (r, 1): minus one at each kept row's target
         d.scatter_add_(1, t.clamp(min=0)[:, None], -keep.to(acc)[:, None])
-        _add_chunk(d.to(hidden.dtype), h, weight, start, grads, unscaled=True)
-        del logits, d  # before the next chunk's logits: one chunk's at a time
+        _add_chunk(d, h, weight, start, grads, buffers, unscaled=True)
     return total, lse, grads
 
 
@@ -228,15 +288,16 @@ def head_loss_backward(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optio
         return _recorded_head_loss_backward(grad, hidden, weight, bias, targets, rows, needs)
     acc = lse.dtype
     grads = _gradient_buffers(hidden, weight, acc, needs)
+    buffers = _ChunkBuffers(hidden, weight, rows, product=needs[1])
     for start in range(0, hidden.shape[0], rows):
         stop = min(start + rows, hidden.shape[0])
         h, t = hidden[start:stop], targets[start:stop]
         keep = t != IGNORE_INDEX
         # the softmax in place: exp(logits - lse), (r, v)
-        d = F.linear(h, weight, bias).to(acc).sub_(lse[start:stop, None]).exp_()
+        d = buffers.logits(h, weight, bias).sub_(lse[start:stop, None]).exp_()
         # (r,) -> (r, 1): minus one at each kept row's target
         d.scatter_add_(1, t.clamp(min=0)[:, None], -keep.to(acc)[:, None])
-        _add_chunk(d.mul_((grad * keep)[:, None]).to(hidden.dtype), h, weight, start, grads)
+        _add_chunk(d.mul_((grad * keep)[:, None]), h, weight, start, grads, buffers)
     return grads
 
 
@@ -251,27 +312,37 @@ def _gradient_buffers(hidden: Tensor, weight: Tensor, acc: torch.dtype,
 
 
 def _add_chunk(d: Tensor, h: Tensor, weight: Tensor, start: int,
-               grads: Tuple[Optional[Tensor], ...], unscaled: bool = False) -> None:
-    """One chunk's d logits (r, v) in the model's dtype, of hidden rows h (r, e) from
-    `start`: d hidden's rows = d @ weight; d weight += d^T h and d bias += d's column sums,
-    in the buffers' accumulator dtype. unscaled: d is the summed loss's (|d| <= 1, no
-    incoming gradient applied), whose float16 d^T h may pass float16's range."""
+               grads: Tuple[Optional[Tensor], ...], buffers: _ChunkBuffers,
+               unscaled: bool = False) -> None:
+    """One chunk's d logits (r, v) in the accumulator dtype (in `buffers`), of hidden rows h
+    (r, e) from `start`: d bias += d's column sums, then, with d in the model's dtype (as
+    the plain path casts it back), d hidden's rows = d @ weight and d weight += d^T h, in
+    the buffers' accumulator dtype. unscaled: d is the summed loss's (|d| <= 1, no incoming
+    gradient applied), whose float16 d^T h may pass float16's range."""
     dh, dw, db = grads
+    if db is not None:
+        db += d.sum(0)
+    d = buffers.model_dtype(d)
     if dh is not None:
         torch.mm(d, weight, out=dh[start:start + d.shape[0]])
-    if dw is not None:
-        if d.dtype == dw.dtype:
-            dw.addmm_(d.t(), h)
-        elif unscaled and d.dtype == torch.float16:
-            # |d^T h| <= r max|h| (each |d| <= 1): h enters scaled by 2^-k, k the least that
-            # brings that bound under 2^15 (0 almost always: the same bits), and the product
-            # is scaled back as the fp32 sum takes it; no host sync (the scale is a tensor)
-            k = torch.log2(h.abs().amax().float() * d.shape[0] / 2**15).ceil().clamp(min=0)
-            dw.addcmul_(torch.mm(d.t(), h * torch.exp2(-k).to(h.dtype)), torch.exp2(k))
-        else:  # half precision: each chunk's product in it, their sum in fp32
-            dw += torch.mm(d.t(), h)
-    if db is not None:
-        db += d.sum(0, dtype=db.dtype)
+    if dw is None:
+        return
+    if d.dtype == dw.dtype:
+        dw.addmm_(d.t(), h)
+        return
+    scale = None
+    if unscaled and d.dtype == torch.float16:
+        # |d^T h| <= r max|h| (each |d| <= 1): h enters scaled by 2^-k, k the least that
+        # brings that bound under 2^15 (0 almost always: the same bits), and the product
+        # is scaled back as the fp32 sum takes it; no host sync (the scale is a tensor)
+        k = torch.log2(h.abs().amax().float() * d.shape[0] / 2**15).ceil().clamp(min=0)
+        h, scale = h * torch.exp2(-k).to(h.dtype), torch.exp2(k)
+    # half precision: each chunk's product in it, their sum in fp32
+    for rows, product in buffers.product_slices(d, h):
+        if scale is None:
+            dw[rows] += product
+        else:
+            dw[rows].addcmul_(product, scale)
 
 
 def _recorded_head_loss_backward(grad: Tensor, hidden: Tensor, weight: Tensor,

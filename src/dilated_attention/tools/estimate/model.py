@@ -239,11 +239,11 @@ def formula(setup: ModelSetup, mode: str, op_working: int) -> ModelEstimate:
     rows = min(R, loss_chunk_rows(v, setup.torch_dtype, c.loss_chunk_bytes))
     acc_logits = loss_dtype.itemsize
     half = s < acc_logits
-    # one chunk's logits at a time (loss.py's head_loss_with_gradients drops a chunk's
-    # before the next), turned into the softmax in place; in a half dtype the model-dtype
-    # logits beside the accumulators' (from F.linear, and again as d logits) and the
-    # chunk's (v, e) d weight in the model's dtype before its sum in the accumulators'
-    chunk_forward = rows * v * acc_logits + ((rows * v + v * e) * s if half else 0)
+    # one chunk's logits at a time (loss.py's _ChunkBuffers, reused by every chunk), turned
+    # into the softmax in place; in a half dtype the model-dtype logits beside the
+    # accumulators' (the matmul's, and again as d logits), d weight's model-dtype product
+    # made in slices inside the accumulators' buffer
+    chunk_forward = rows * v * acc_logits + (rows * v * s if half else 0)
     # the loss's gradients, formed in its forward: d hidden and the accumulators' d weight
     loss_grads = E + v * e * acc_logits
     head_grad = v * e * s
