@@ -249,6 +249,64 @@ def test_rotary_errors():
         rotary_tables(torch.arange(8), 4, theta=-1)
 
 
+def test_bad_rotary_tables_raise_from_every_public_entry():
+    """The module's forward (either layout), its project_qkv and apply_rotary each check the
+    tables, with the same errors naming rotary; project_qkv checks a key of other rows than
+    the query's against the tables too."""
+    m, m_seq = _mhda(num_kv_heads=2), _mhda(num_kv_heads=2, batch_first=False)
+    x = torch.randn(2, 8, 16)
+    cos, sin = rotary_tables(torch.arange(8), 4)
+    q = m.q_proj(x).unflatten(-1, (4, 4)).detach()
+    entries = {
+        "forward": lambda tables: m(x, x, x, rotary=tables),
+        "forward, sequence first": lambda tables: m_seq(*(x.transpose(0, 1),) * 3,
+                                                        rotary=tables),
+        "project_qkv": lambda tables: m.project_qkv(x, x, x, tables),
+        "apply_rotary": lambda tables: apply_rotary(q, *tables),
+    }
+    bad = [((cos, sin.to("meta")), ValueError, r"^rotary's sin must be on cpu, got meta"),
+           (rotary_tables(torch.arange(9), 4), ValueError,
+            r"^rotary's cos must be of shape \(8, 1, 2\) or \(2, 8, 1, 2\)"),
+           ((cos, sin.long()), TypeError, r"^rotary's sin must be a floating tensor"),
+           ((cos.expand(3, -1, -1, -1), sin), ValueError,  # another batch size
+            r"^rotary's cos must be of shape .* got torch.float32 of shape \(3, 8, 1, 2\)")]
+    for name, entry in entries.items():
+        for tables, error, message in bad:
+            with pytest.raises(error, match=message):
+                entry(tables)
+    with pytest.raises(ValueError, match=r"^rotary's cos must be of shape \(5, 1, 2\)"):
+        m.project_qkv(x, x[:, :5], x[:, :5], (cos, sin))
+
+
+def test_each_call_checks_the_rotary_tables_once(monkeypatch):
+    """forward, project_qkv and apply_rotary check the tables once a call (the module's
+    forward checked them three times: at its entry, then in q's turn and in k's); a
+    LongNetLM with rotary positions, once a layer (each layer's attention is called)."""
+    from dilated_attention import LongNetConfig, LongNetLM, modules, rotary
+    calls = []
+    real = rotary.check_tables
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rotary, "check_tables", counted)
+    monkeypatch.setattr(modules, "check_tables", counted)
+    m = _mhda(num_kv_heads=2)
+    x = torch.randn(2, 8, 16)
+    tables = rotary_tables(torch.arange(8), 4)
+    lm = LongNetLM(LongNetConfig(vocab_size=11, embed_dim=16, num_heads=4, ffn_dim=8,
+                                 num_layers=3, segment_lengths=PATTERNS[0],
+                                 dilation_rates=PATTERNS[1], positions="rotary"))
+    for call, checks in ((lambda: m(x, x, x, rotary=tables), 1),
+                         (lambda: m.project_qkv(x, x, x, tables), 1),
+                         (lambda: apply_rotary(x.unflatten(-1, (4, 4)), *tables), 1),
+                         (lambda: lm(torch.zeros(2, 8, dtype=torch.long)), 3)):
+        calls.clear()
+        call()
+        assert len(calls) == checks
+
+
 def test_no_layer_norm_and_no_bias():
     m = _mhda(layer_norm=False, bias=False)
     assert m.norm is None

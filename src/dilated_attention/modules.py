@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from . import validation as check
 from .functional import GroupLike, autocast_dtype, dilated_attention, fail_on_every_rank
-from .rotary import apply_rotary, check_tables
+from .rotary import check_tables, rotate
 
 
 def deepcopy_sharing_group(module: nn.Module, memo: dict) -> nn.Module:
@@ -261,13 +261,23 @@ class MultiheadDilatedAttention(nn.Module):
     ) -> Tuple[Tensor, Tensor, Tensor]:
         """(b, n, e) inputs -> q (b, n, h, d), k and v (b, n, hk, d); q and k turned by the
         `rotary` tables when given."""
+        if rotary is not None:
+            check_tables(rotary, query.shape[0], query.shape[1], self.head_dim, query.device)
+            # self-attention's key has query's rows; another key is checked on its own
+            if key.shape[:2] != query.shape[:2]:
+                check_tables(rotary, key.shape[0], key.shape[1], self.head_dim, key.device)
+        return self._project_qkv(query, key, value, rotary)
+
+    def _project_qkv(self, query: Tensor, key: Tensor, value: Tensor,
+                     rotary: Optional[Tuple[Tensor, Tensor]]) -> Tuple[Tensor, Tensor, Tensor]:
+        """``project_qkv`` with the tables already checked (by forward or project_qkv)."""
         # (b, n, e) -> (b, n, h, d)
         q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim))
         # (b, n, e) -> (b, n, hk, d)
         k = self.k_proj(key).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(value).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            q, k = rotate(q, *rotary), rotate(k, *rotary)
         return q, k, v
 
     def project_out(self, attn: Tensor) -> Tensor:
@@ -332,7 +342,8 @@ class MultiheadDilatedAttention(nn.Module):
         if not self.batch_first:
             # (n, b, e) -> (b, n, e): views, the op reads them strided
             query, key, value = (x.transpose(0, 1) for x in (query, key, value))
-        q, k, v = self.project_qkv(query, key, value, rotary)
+        # the tables were checked above, once for q and k
+        q, k, v = self._project_qkv(query, key, value, rotary)
         attn = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask,
                               cu_seqlens=cu_seqlens)
         out = self.project_out(attn)

@@ -58,6 +58,13 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         raise ValueError(f"x must be a floating tensor (batch, seq_len, heads, head_dim), got "
                          f"{_describe(x)}")
     check_tables((cos, sin), x.shape[0], x.shape[1], x.shape[3], x.device)
+    return rotate(x, cos, sin)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``apply_rotary`` without its checks: for a public entry that checked the tables once
+    (``check_tables``) for every tensor it turns, as MultiheadDilatedAttention does for q
+    and k."""
     return _Rotation.apply(x, cos, sin)
 
 
