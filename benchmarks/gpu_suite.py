@@ -89,8 +89,9 @@ fused.TUNED_TILE_SIZES first):
   time goes at 8K and 64K (bench_call_overhead.py: wall against kernels, a
   synchronised call cut into the host's lead, device busy, device idle and the
   synchronise's tail, and the Python of queued calls by function, Triton's
-  launcher included), and
-  the host's Python alone on this machine's CPU (its --host-only).
+  launcher included), the host's Python alone on this machine's CPU (its
+  --host-only), and an 8K training step's host time by piece
+  (bench_host_split.py).
 
 The report (markdown: device, driver, CUDA, cuDNN, torch, triton, commit,
 then per part its commands, their output and the minutes taken) goes to
@@ -250,7 +251,9 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS,
             "--profile", "25"],
            # the host's Python alone on this machine's CPU (launches stubbed): how much of
            # the host's time per GPU call is Python, and how much the launches
-           [PY, "benchmarks/bench_call_overhead.py", "--host-only"]],
+           [PY, "benchmarks/bench_call_overhead.py", "--host-only"],
+           # an 8K training step's host time by piece, and torch's own costs beside it
+           [PY, "benchmarks/bench_host_split.py"]],
     }
 
 
