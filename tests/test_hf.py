@@ -1884,6 +1884,29 @@ def test_cross_attention_refused_where_it_cannot_be_told_apart(monkeypatch):
         attend_cross(layer, q, q, q, None, 0.0, None, None, {}, group)
 
 
+def test_a_prepared_decoder_mask_is_refused_as_a_mask():
+    """A 4-D decoder_attention_mask reaches the decoder's self-attention unread (transformers
+    passes prepared masks on): refused for what it is, a mask that is not a 2-D padding mask,
+    in Bart (is_causal = True) and NLLB-MoE (is_causal = False), not reported as a layer
+    that sets no is_decoder or as cross-attention."""
+    causal = torch.tril(torch.ones(7, 7, dtype=torch.bool))[None, None].expand(2, 1, 7, 7)
+    for model_type in ("bart", "nllb-moe"):
+        model = seq2seq(model_type, DILATED)
+        with pytest.raises(ValueError, match=r"attention_mask must be a 2-D padding mask .*got "
+                                             r"a 4-D torch.bool tensor of shape \(2, 1, 7, 7\)"):
+            model(input_ids=tokens(2, 12), decoder_input_ids=tokens(2, 7),
+                  decoder_attention_mask=causal)
+    # a causal decoder layer given a bidirectional mask: the error says what the layer sets
+    from dilated_attention.integrations.transformers.cross import is_cross_attention
+    from dilated_attention.integrations.transformers.masks import Bidirectional
+
+    layer = seq2seq("bart", DILATED).get_decoder().layers[0].self_attn
+    with pytest.raises(NotImplementedError, match="the layer has is_decoder = True and "
+                                                  "is_causal = True, and its mask is a "
+                                                  "Bidirectional"):
+        is_cross_attention(layer, Bidirectional())
+
+
 def _encoder_rank(group):
     """BERT (real dilated patterns) and ModernBERT (dense pattern: its window layers' halo
     exchange) on this rank's rows at their global positions against one process: hidden

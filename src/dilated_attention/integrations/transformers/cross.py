@@ -28,6 +28,7 @@ Note [cross-attention]
     ``is_decoder = False``, any other mask    the encoder's self-attention
     ``is_decoder = True``, ``is_causal`` not  cross-attention: a decoder's
     True, a bidirectional mask or none        self-attention gets a causal mask
+    a prepared mask (4-D or float tensor)     self-attention, which refuses it
     anything else                             refused: nothing says which
     ========================================  ===================================
 
@@ -78,18 +79,25 @@ def is_cross_attention(module, mask) -> bool:
     config = getattr(module, "config", None)
     flags = [f"config.{key} = True" for key in CROSS_ATTENTION_FLAGS
              if getattr(config, key, False) is True]
-    # a mask it cannot honour: the self-attention path raises its reason
-    if not flags or mask_says_causal(mask) or isinstance(mask, Refused):
+    # a mask it cannot honour: the self-attention path raises its reason. A tensor other than
+    # the keep-mask is a prepared (4-D or float) mask the model passed on unread, which says
+    # nothing about the call: read by is_decoder, a decoder's self-attention given one was
+    # reported as cross-attention or as a layer that sets no is_decoder
+    if not flags or mask_says_causal(mask) or isinstance(mask, (Refused, Tensor)):
         return False
     decoder = getattr(module, "is_decoder", None)
     if decoder is False:
         return False
     if decoder is True and getattr(module, "is_causal", None) is not True:
         return True
+    # what the layer says, as it is: a decoder's layer flagged causal but given no causal mask
+    # reaches here as well as one that sets no is_decoder
+    said = ("sets no is_decoder" if decoder is None else
+            f"has is_decoder = {decoder!r} and is_causal = {getattr(module, 'is_causal', None)!r}")
     raise NotImplementedError(
         f"{name} in a model with {' and '.join(flags)}: cannot tell whether this call is the "
         f"encoder's self-attention or cross-attention (one class serves both; the layer "
-        f"sets no is_decoder, and its mask is {describe(mask)}, not causal). Dilated "
+        f"{said}, and its mask is {describe(mask)}, not causal). Dilated "
         f"attention runs self-attention only, and running cross-attention as self-attention "
         f"would be silently wrong; use attn_implementation='sdpa' (or 'eager') for this model")
 
