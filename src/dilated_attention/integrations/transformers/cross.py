@@ -109,7 +109,8 @@ def attend_cross(module, query: Tensor, key: Tensor, value: Tensor, mask, dropou
     if comm.is_distributed(group):
         raise NotImplementedError(
             f"{type(module).__name__}: cross-attention under sequence parallelism (each rank "
-            f"holds its slice of the encoder's output, and every query attends all of it)")
+            f"holds its slice of the encoder's output, and every query attends all of it): run "
+            f"encoder-decoder models on one process, with a name registered without group=")
     check_kwargs(kwargs)
     if isinstance(mask, Bidirectional):
         # sdpa's bidirectional mask: (b, 1, nq, nk) True where a key is kept; None unpadded

@@ -80,7 +80,9 @@ CROSS_ATTENTION = ("keys and values of another sequence passed to a self-attenti
 
 
 REFUSED_HINTS = {
-    "output_attentions": "dilated attention never forms the attention weights",
+    "output_attentions": "dilated attention never forms the attention weights; for them run "
+                         "the model with attn_implementation='eager' "
+                         "(model.set_attn_implementation('eager'))",
     "softcap": "logit soft-capping (Gemma 2's config.attn_logit_softcapping) bends every score "
                "before the softmax, and the kernels compute plain softmax attention",
     "s_aux": "attention sinks (gpt-oss, DeepSeek V4, MiMo-V2-Flash, Granite SWA; zeros too) "
