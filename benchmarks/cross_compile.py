@@ -3,6 +3,7 @@
     python benchmarks/cross_compile.py              # sm_80, 86, 89, 90, 100, 120; every case
     python benchmarks/cross_compile.py --archs 90 --dtypes bfloat16 --head-dims 128
     python benchmarks/cross_compile.py --sizes 128,64,8 64,64,4 64,32,8   # other tiles
+    python benchmarks/cross_compile.py --kernels fused_backward_rule        # one kernel
 
 Why: the CI machines have no GPU. Triton's interpreter (TRITON_INTERPRET=1)
 checks what the kernels compute, not whether they compile for a GPU nor what
@@ -303,12 +304,16 @@ def cases(dtypes: Sequence[str], head_dims: Sequence[int], flags: Sequence[str],
             for dtype, d, f, p in itertools.product(dtypes, head_dims, flags, patterns)]
 
 
-def _compile_case(job: "tuple[Case, int, Optional[fused.TileSizes], bool]") -> List[Compiled]:
-    """Every launch of one case compiled for one architecture (with the merge's, if asked)."""
-    case, arch, sizes, merge = job
+def _compile_case(job: "tuple[Case, int, Optional[fused.TileSizes], bool, Sequence[str]]"
+                  ) -> List[Compiled]:
+    """Every launch of one case compiled for one architecture (with the merge's, if asked),
+    or those of the kernels named (none named: all)."""
+    case, arch, sizes, merge, kernels = job
     launches = record_launches(case, arch, sizes)
     if merge:
         launches += record_merge(case.dtype, case.head_dim)
+    if kernels:
+        launches = [launch for launch in launches if launch.kernel.fn.__name__ in kernels]
     return [compile_report(launch, arch, case, sizes is None and _timed(launch, case, arch))
             for launch in launches]
 
@@ -325,14 +330,15 @@ def _timed(launch: Launch, case: Case, arch: int) -> bool:
 
 def run(archs: Sequence[int], chosen: Sequence[Case], sizes: Optional[fused.TileSizes] = None,
         merge: bool = True, progress: Callable[[Compiled], None] = lambda row: None,
-        jobs: int = 1) -> List[Compiled]:
-    """Compile every case for every architecture, in `jobs` processes; rows in that order."""
+        jobs: int = 1, kernels: Sequence[str] = ()) -> List[Compiled]:
+    """Compile every case for every architecture (only the `kernels` named, if any), in
+    `jobs` processes; rows in that order."""
     work, seen = [], set()
     for case in chosen:
         # the merge kernel sees only the dtype and head dim of a call
         merges = merge and (DTYPES[case.dtype], case.head_dim) not in seen
         seen.add((DTYPES[case.dtype], case.head_dim))
-        work += [(case, arch, sizes, merges) for arch in archs]
+        work += [(case, arch, sizes, merges, tuple(kernels)) for arch in archs]
     rows: List[Compiled] = []
     # fork: the workers inherit this process's modules (no CUDA here to break)
     with multiprocessing.get_context("fork").Pool(jobs) as pool:
@@ -400,6 +406,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--stages", type=int, default=2,
                         help="num_stages with --sizes (default 2)")
     parser.add_argument("--no-merge", action="store_true", help="skip the merge kernel")
+    parser.add_argument("--kernels", nargs="+", default=[],
+                        choices=[*ROLES, BACKWARD_RULE, "_merge_kernel"],
+                        help="compile only these kernels (default: every one a call launches)")
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
                         help="compile in this many processes (default: one per core)")
     parser.add_argument("--out", help="also write the markdown table to this file")
@@ -422,6 +431,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.jobs < 1:
         parser.error(f"--jobs: {args.jobs} is not a number of processes")
     rows = run(args.archs, chosen, sizes, merge=not args.no_merge, jobs=args.jobs,
+               kernels=args.kernels,
                progress=lambda r: print(f"sm_{r.arch} {r.kernel} {_case(r)} {r.sizes}: "
                                         f"{r.registers} registers, {r.spilled} B spilled, "
                                         f"{r.shared} B shared {' '.join(r.problems)}",
