@@ -1866,8 +1866,8 @@ def test_bart_compiles_with_inductor():
     """torch.compile (inductor) of Bart with dilated patterns equals eager: the encoder's and
     the decoder's calls of different lengths recompile the attention function with dynamic
     shapes, and inductor's code for the graph resumed after a break there failed (NameError
-    on a shape symbol): without a group the function reads no context variable, so no break
-    there. Forward only: the backward adds a minute of compiling on a 2-core CPU."""
+    on a shape symbol): compiled without a group the function reads no context variable, so
+    no break there. Forward only: the backward adds a minute of compiling on a 2-core CPU."""
     inputs = seq2seq_inputs("bart", None, "left")
     model = seq2seq("bart", DILATED)
     torch._dynamo.reset()

@@ -214,11 +214,13 @@ class _Backend:
             # self-attention of NLLB-MoE and PegasusX has is_causal = False
             causal_arg = True
         nq, nk = q.shape[1], k.shape[1]
-        # sharded generation needs a group: without one the context variable is not read,
-        # which keeps torch.compile's graph whole here (reading it is a graph break, and
-        # inductor's code for the graph resumed after it failed on Bart: NameError on a
-        # shape symbol)
-        sharded = _SERVING.get() if self.group is not None else None
+        # generate(group=) serves only a backend registered with that group: under
+        # torch.compile one without a group reads nothing here (reading the context variable
+        # is a graph break, and inductor's code for the graph resumed after it failed on
+        # Bart: NameError on a shape symbol); eager calls read it (tests/test_hf.py runs a
+        # step of sharded generation in one process, group None)
+        compiled_alone = self.group is None and torch.compiler.is_compiling()
+        sharded = None if compiled_alone else _SERVING.get()
         if sharded is not None and sharded.group is not self.group:
             sharded = None  # another model's generation
         # a step of sharded generation: one new token, the cache's rows spread over the ranks
