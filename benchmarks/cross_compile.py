@@ -74,7 +74,7 @@ sys.path.insert(0, str(ROOT / "src"))
 OLDEST_TRITON = (3, 5)
 
 from dilated_attention import dilated, fused, merge_kernel, triton_kernels  # noqa: E402
-from dilated_attention.backends import installed_release  # noqa: E402
+from dilated_attention.releases import installed_release  # noqa: E402
 
 # Shared memory one block may use (the opt-in maximum, bytes), per compute capability.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from dilated_attention.backends import installed_release
+from dilated_attention.releases import installed_release
 
 pytest.importorskip("triton")
 

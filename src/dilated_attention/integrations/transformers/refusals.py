@@ -48,8 +48,8 @@ IGNORED_KWARGS = frozenset({
 
 # Accepted only with these values (what a model passes when the feature is off).
 # encoder_hidden_states: BERT's and RoBERTa's self-attention pass None (their cross-attention
-# layers take it as an argument and pass keys of the other sequence instead: refused by
-# check_layer). deterministic: ModernBERT passes config.deterministic_flash_attn, flash-attn's
+# layers take it as an argument and pass keys of the other sequence instead: run as sdpa,
+# cross.py). deterministic: ModernBERT passes config.deterministic_flash_attn, flash-attn's
 # switch for a backward without atomic adds; it changes no value, only run-to-run
 # reproducibility, which our kernels take from torch.use_deterministic_algorithms instead.
 OFF_KWARGS = {"output_attentions": (None, False), "softcap": (None,), "s_aux": (None,),
