@@ -17,7 +17,7 @@ hooks where a hook is set; the same in triton 3.6 and 3.9, and
 own path). Without hooks the tensors go as their addresses (``data_ptr``):
 Triton's C launcher takes an int as the address, where for each tensor it calls
 ``data_ptr`` and asks the driver about the address (``cuPointerGetAttribute``);
-on an H200, 4-9 us less host time a launch (BENCHMARKS.md, "Stop 54"). The key
+on an H200, about 9 us less host time a launch (BENCHMARKS.md, "Stop 54"). The key
 is at least as fine as Triton's specialisation, so it never meets a kernel
 compiled for other arguments: each tensor's dtype and whether its address is a
 multiple of 16, the value of every other argument (all that Triton specialises
