@@ -87,14 +87,25 @@ def describe(name, args):
     grid, stream, function, metadata = args[:3], args[3], args[4], args[5]
     return [name, list(grid), stream, str(function), repr(metadata), [param(x) for x in args[9:]]]
 
-call_key = triton_launch._call_key
+addresses_of = triton_launch._addresses
 
-def recording_call_key(device, count, args, kwargs):
-    key, addresses = call_key(device, count, args, kwargs)
-    pointed.update(zip(addresses or (), args))
-    return key, addresses
+def recording_addresses(tensors):
+    # kept across a mode's calls: a recipe's own addresses (its plan's tables) were taken in
+    # the call that recorded it; the tensors held here keep each address to one tensor
+    found = addresses_of(tensors)
+    pointed.update(zip(found, tensors))
+    return found
 
-triton_launch._call_key = recording_call_key
+triton_launch._addresses = recording_addresses
+replayed = [0]
+replay = triton_launch.RECIPES.replay
+
+def counted_replay(key, tensors):
+    done = replay(key, tensors)
+    replayed[0] += done
+    return done
+
+triton_launch.RECIPES.replay = counted_replay
 
 def inputs(dtype, misaligned):
     # (b, n, h, d); misaligned: q starts 1 element past a 16-byte boundary
@@ -110,7 +121,8 @@ def step(dtype, misaligned):
     dilated_attention(*leaves, [16, 32], [1, 2], backend="triton").backward(dout)
 
 calls = [(torch.float16, False), (torch.float16, False), (torch.float16, True),
-         (torch.float16, False), (torch.float32, False), (torch.float16, True)]
+         (torch.float16, False), (torch.float32, False), (torch.float16, True),
+         (torch.float16, True)]
 from triton import knobs
 
 def enter_hook(metadata):
@@ -120,25 +132,42 @@ def exit_hook(metadata):
     hooked.append(("exit", metadata.get()["name"]))
 
 result = {}
-kept_launcher = fused.launcher
+kept_launcher = triton_launch.launcher
 for mode in ("kept", "jit", "kept hooked", "jit hooked"):
-    fused.launcher = kept_launcher if mode.startswith("kept") else (lambda kernel: kernel)
+    triton_launch.launcher = kept_launcher if mode.startswith("kept") else (lambda kernel: kernel)
     if mode.endswith("hooked"):
         knobs.runtime.launch_enter_hook.add(enter_hook)
         knobs.runtime.launch_exit_hook.add(exit_hook)
     triton_launch.forget()
     launches.clear()
     hooked.clear()
-    binds[0] = addressed[0] = 0
+    pointed.clear()
+    binds[0] = addressed[0] = replayed[0] = 0
     for dtype, misaligned in calls:
         launches.append([])  # this call's launches
         step(dtype, misaligned)
-        pointed.clear()
     result[mode] = {"calls": list(launches), "binds": binds[0], "hooked": list(hooked),
-                    "addressed": addressed[0]}
+                    "addressed": addressed[0], "replayed": replayed[0]}
     if mode.endswith("hooked"):
         knobs.runtime.launch_enter_hook.remove(enter_hook)
         knobs.runtime.launch_exit_hook.remove(exit_hook)
+
+# what a recorder keeps: launches whose tensors are the call's, or live in what the recipe
+# holds (a view of a plan's table); a launch that passed any other tensor keeps nothing
+class Kept:
+    _tensors = 2
+
+    def _launch(self, grid, *args, **kwargs):
+        return "compiled", args[2:]
+
+recipes = triton_launch.Recipes()
+table, own = torch.zeros(8, dtype=torch.int32), torch.zeros(4)
+for name, kept, second in (("plan's view", (table,), table[2:]), ("stray", (table,), own + 1),
+                           ("nothing held", (), table[2:])):
+    recorder = recipes.recorder(name, (own,), kept=kept)
+    recorder._record(Kept(), (1, 1, 1), own, second, 7)
+    recorder.keep()
+    result[name] = len(recipes._recipes)
 print(json.dumps(result))
 """
 
@@ -161,14 +190,17 @@ def test_kept_kernels_launch_as_triton_would(tmp_path) -> None:
     assert jit["binds"] == launches
     # kept: each call key bound once (its first call), the repeated calls launched directly
     assert 0 < kept["binds"] <= launches - len(jit["calls"][1]) - len(jit["calls"][3]) \
-        - len(jit["calls"][5])
+        - len(jit["calls"][5]) - len(jit["calls"][6])
+    # and a call recorded whole (the second of its kind, whose launches were all kept) is
+    # launched again from its recipe: the forward and backward of calls 4 and 7
+    assert kept["replayed"] == 4 and jit["replayed"] == 0
     # and the keys told the specialisations apart: q's alignment and the dtype each gave
     # the forward other compiled kernels (calls: fp16, fp16, fp16 with q misaligned, fp16,
     # fp32, fp16 with q misaligned)
     forward = [{launch[3] for launch in call if launch[0] == "fused_forward"}
                for call in jit["calls"]]
     assert forward[0] == forward[1] == forward[3]
-    assert forward[2] == forward[5]
+    assert forward[2] == forward[5] == forward[6]
     assert forward[2] != forward[0] and forward[4] != forward[0]
     # launch hooks (a profiler's): each launch calls them as Triton's own path does, with
     # the launch metadata; without them the kept launches build none
@@ -181,6 +213,10 @@ def test_kept_kernels_launch_as_triton_would(tmp_path) -> None:
     assert result["kept hooked"]["hooked"] == hooked
     assert len(hooked) == 2 * launches and {name for _, name in hooked} >= {"fused_forward"}
     assert result["kept hooked"]["calls"] == result["jit hooked"]["calls"] == jit["calls"]
+    # a launch hook: no recipe launches (a hook may read the launch's tensors)
+    assert result["kept hooked"]["replayed"] == 0
+    # a recipe is kept only where every tensor is the call's or held by it
+    assert (result["plan's view"], result["stray"], result["nothing held"]) == (1, 1, 1)
 
 
 def test_call_keys_follow_what_triton_specialises() -> None:
