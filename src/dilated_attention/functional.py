@@ -227,12 +227,13 @@ def _eager_across_ranks(op):
     and size their messages and launches from the agreed data, which Dynamo cannot trace;
     eagerly they run as they do outside compile (the single-device op is one custom op, and
     compiles)."""
-    eager = torch.compiler.disable(op)
 
     @functools.wraps(op)
     def call(q, k, v, *args, **kwargs):
         if kwargs.get("group") is not None and torch.compiler.is_compiling():
-            return eager(q, k, v, *args, **kwargs)
+            # disabled here, not when the module loads: torch.compiler.disable imports Dynamo,
+            # a second of every import of the library (and of every spawned rank's)
+            return torch.compiler.disable(op)(q, k, v, *args, **kwargs)
         return op(q, k, v, *args, **kwargs)
 
     return call
