@@ -35,6 +35,20 @@ def test_fullgraph_compile_matches_eager(causal: bool) -> None:
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_importing_the_library_leaves_dynamo_unloaded() -> None:
+    """Dynamo is imported by what compiles, not by the library: importing it took a second
+    more than torch's own import, in every process and every spawned rank."""
+    import subprocess
+    import sys
+
+    code = ("import sys, dilated_attention, dilated_attention.integrations.transformers; "
+            "print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
+
+
 def test_recommended_dtype_off_cuda_is_float32() -> None:
     assert recommended_dtype("cpu") == torch.float32
     assert recommended_dtype(torch.device("meta")) == torch.float32
