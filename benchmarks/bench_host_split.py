@@ -14,13 +14,15 @@ host per step), so the host bounds even a loop that never synchronises. Printed:
   here: an autograd backward through a Function that does nothing (the engine's
   hand-off to its device thread), four ``empty_like`` of q, and a one-element
   ``zeros`` (the op's non-finite check);
-- addresses against tensors: the same steps with the kept Triton launches
-  (``triton_launch``) given each tensor as its address, as the op does, and as
-  the tensor itself, as Triton's own path does (its C launcher then calls
-  ``data_ptr`` and ``cuPointerGetAttribute`` per tensor), taking turns;
+- replayed against kept launches: the same steps with a repeated call's launches
+  replayed whole (``triton_launch.Recipes``, as the op does) and with every launch
+  bound again from its arguments through the kept compiled kernels (the op before
+  recipes), taking turns. (Stop 54 compared the kept launches
+  given addresses against tensors here: BENCHMARKS.md, "Stop 54".)
 - the pieces of a step: inclusive host time per step of the public call, the
-  op's forward and backward at each level, the kept launches (how many per
-  step), from wrappers around those functions (each adds ~1 us).
+  op's forward and backward at each level, the replays and the launches that
+  were not replayed (how many per step), from wrappers around those functions
+  (each adds ~1 us).
 
 Needs a CUDA device; without one it says so and exits 0.
 """
@@ -72,20 +74,32 @@ class _Identity(torch.autograd.Function):
         return grad
 
 
-def addresses_against_tensors(step: Callable[[], None], calls: int, turns: int) -> List[str]:
-    """Host microseconds per step with the kept launches given addresses (the op's way) and
-    tensors (Triton's), taking turns."""
-    call_key = triton_launch._call_key
+class _NoRecipes:
+    """fused.RECIPES as it was before recipes: nothing replayed, every launch through the
+    kept compiled kernels (triton_launch.launcher)."""
 
-    def tensors(device, count, args, kwargs):
-        key, _ = call_key(device, count, args, kwargs)
-        return key, None if key is None else list(args[:count])
+    def replay(self, key, tensors) -> bool:
+        return False
 
-    got: Dict[str, List[float]] = {"addresses": [], "tensors": []}
+    def recorder(self, key, tensors, kept) -> "_NoRecipes":
+        return self
+
+    def __call__(self, kernel):
+        return triton_launch.launcher(kernel)
+
+    def keep(self) -> None:
+        pass
+
+
+def replayed_against_kept(step: Callable[[], None], calls: int, turns: int) -> List[str]:
+    """Host microseconds per step with repeated calls' launches replayed (the op's way) and
+    bound from their arguments each call, taking turns."""
+    recipes = fused.RECIPES
+    got: Dict[str, List[float]] = {"replayed": [], "kept launches": []}
     try:
         for turn in range(turns):
-            mode = ("addresses", "tensors")[turn % 2]
-            triton_launch._call_key = call_key if mode == "addresses" else tensors
+            mode = ("replayed", "kept launches")[turn % 2]
+            fused.RECIPES = recipes if mode == "replayed" else _NoRecipes()
             for _ in range(10):
                 step()
             torch.cuda.synchronize()
@@ -95,7 +109,7 @@ def addresses_against_tensors(step: Callable[[], None], calls: int, turns: int) 
             got[mode].append((time.perf_counter() - start) / calls * 1e6)
             torch.cuda.synchronize()
     finally:
-        triton_launch._call_key = call_key
+        fused.RECIPES = recipes
     return [f"{mode}: host {_spread(values)} us" for mode, values in got.items()]
 
 
@@ -119,7 +133,8 @@ def pieces(step: Callable[[], None], steps: int) -> List[str]:
     # there times every call the step makes
     targets = [(functional, "dilated_attention"), (dilated, "forward_local"),
                (dilated, "_backward"), (fused, "_forward"), (fused, "_backward"),
-               (fused, "new_check"), (triton_launch.Launcher, "_launch"),
+               (fused, "new_check"), (triton_launch.Recipes, "replay"),
+               (triton_launch.Launcher, "_launch"),
                (torch.Tensor, "backward")]
     originals = [(owner, name, getattr(owner, name)) for owner, name in targets]
     try:
@@ -176,8 +191,8 @@ def main() -> None:
                        ("zeros(1) (the non-finite check)",
                         lambda: torch.zeros(1, device="cuda"))):
         print(f"{name}: {per_call(call, args.calls, args.repeats)}")
-    print("kept launches given addresses / tensors, training steps taking turns:")
-    for line in addresses_against_tensors(step, args.calls, 2 * args.repeats):
+    print("launches replayed / bound each call, training steps taking turns:")
+    for line in replayed_against_kept(step, args.calls, 2 * args.repeats):
         print("  " + line)
     print("pieces of a training step (inclusive host time):")
     for line in pieces(step, 2 * args.calls):
