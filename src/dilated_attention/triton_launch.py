@@ -32,13 +32,13 @@ A call's launches (the fused op's forward: one per tile height, then the rule's)
 repeat with every call of the same shapes, and building their ~50 arguments and
 keys was most of a call's host time after validation. ``Recipes`` keeps them
 whole: ``recipes.replay(key, tensors)`` launches again what ``recipes.recorder(
-key, tensors, keep)`` saw for that key, each compiled kernel with its grid and
+key, tensors, kept)`` saw for that key, each compiled kernel with its grid and
 its numbers as recorded, the tensors' addresses taken from the new `tensors`
 (which must be the very objects the launches passed). The caller's key names
 what decided the numbers but the tensors (plans, tile sizes, flags); the
 recipe's key adds each tensor's dtype, shape, strides and 16-byte alignment,
-and the current device. A launch's other tensors (a plan's tables) must live in
-`keep`'s storages, which the recipe holds; a launch that passed any other
+and the devices. A launch's other tensors (a plan's tables) must live in the
+storages of `kept`, which the recipe holds; a launch that passed any other
 tensor, or that went through ``JITFunction.run``, is not kept. A replay checks
 the launch hooks as a kept launch does, and launches nothing where one is set.
 """
