@@ -22,7 +22,8 @@ import pytest
 import torch
 # CI installs the [hf] extra: without transformers this module fails to import, loudly
 import transformers
-from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig
+from transformers import (AttentionInterface, AutoModelForCausalLM, DynamicCache,
+                          GenerationConfig, LlamaConfig)
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.utils import TransformersKwargs
@@ -1283,16 +1284,25 @@ def _beam_search_refused(group):
     name = hf.register("dilated_beam_test", segment_lengths=SEGMENTS, dilation_rates=RATES,
                        group=group)
     sharded = build(name)
-    with comm.count_communication() as counted:
-        with pytest.raises(NotImplementedError, match="pass num_beams=1"):
-            hf.generate(sharded, tokens(2, 21, seed=21), group=group, max_new_tokens=3,
-                        pad_token_id=0, num_beams=2)
-    return counted.messages
+    messages = []
+    # num_beams as a keyword, in the generation_config passed, or in the model's (which
+    # generate reads when neither says): refused before the prefill, on every rank
+    configured = build(name)
+    configured.generation_config.num_beams = 2
+    for model, kwargs in [(sharded, dict(num_beams=2)),
+                          (sharded, dict(generation_config=GenerationConfig(num_beams=2))),
+                          (configured, {})]:
+        with comm.count_communication() as counted:
+            with pytest.raises(NotImplementedError, match="pass num_beams=1"):
+                hf.generate(model, tokens(2, 21, seed=21), group=group, max_new_tokens=3,
+                            pad_token_id=0, **kwargs)
+        messages.append(counted.messages)
+    return messages
 
 
 @pytest.mark.distributed
 def test_sharded_generation_refuses_beam_search_before_the_prefill():
-    assert run_distributed(_beam_search_refused, 2, timeout=200) == [0, 0]
+    assert run_distributed(_beam_search_refused, 2, timeout=200) == [[0, 0, 0]] * 2
 
 
 # causal_lm_parts refuses every model that transforms its logits after lm_head, scales
@@ -1420,9 +1430,21 @@ def test_generate_checks_its_arguments_on_one_process():
          r"attention_mask must be None or input_ids' shape \(2, 8\)"),
         ((ids,), dict(use_cache=False), "use_cache must be True"),
         ((ids,), dict(position_ids=torch.arange(8)[None]), "does not take position_ids="),
+        # generation_config settings, as generate reads them (a ValueError, not an error from
+        # the cache after the prefill)
+        ((ids,), dict(generation_config=GenerationConfig(use_cache=False)),
+         "use_cache must be True"),
+        ((ids,), dict(generation_config=GenerationConfig(output_hidden_states=True)),
+         "does not take output_hidden_states=True"),
+        # ids the embeddings do not hold, a mask of other values than 0 and 1
+        ((ids + VOCAB - 1,), {}, rf"input_ids must be ids in \[0, {VOCAB}\)"),
+        ((ids,), dict(attention_mask=torch.full((2, 8), 2)), "attention_mask must hold 0"),
     ]:
         with pytest.raises(ValueError, match=match):
             hf.generate(model, *args, group=None, max_new_tokens=2, pad_token_id=0, **kwargs)
+    model.generation_config.use_cache = False
+    with pytest.raises(ValueError, match="use_cache must be True"):
+        hf.generate(model, ids, group=None, max_new_tokens=2, pad_token_id=0)
 
 
 def test_generate_arguments_compare_tensors_by_value():

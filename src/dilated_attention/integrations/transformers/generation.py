@@ -73,6 +73,24 @@ REFUSED_GENERATE_KWARGS = {
 }
 
 
+# generation_config settings that the refused keywords of the same name also set
+CONFIGURED_REFUSALS = ("prefill_chunk_size", "output_attentions", "output_hidden_states")
+
+
+def setting(model, generate_kwargs: Dict[str, Any], name: str):
+    """The value of generation setting `name` that ``model.generate(**generate_kwargs)`` uses:
+    the keyword, else the ``generation_config`` passed, else ``model.generation_config``
+    (transformers' order: a config's unset fields are None); None where none sets it."""
+    if name in generate_kwargs:
+        return generate_kwargs[name]
+    for config in (generate_kwargs.get("generation_config"),
+                   getattr(model, "generation_config", None)):
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
 def generate(model, input_ids: Tensor, *, group: comm.GroupLike, max_new_tokens: int,
              attention_mask: Optional[Tensor] = None, **generate_kwargs):
     """``model.generate`` with the prompt and the key/value cache sharded over `group`.
@@ -102,20 +120,30 @@ def generate(model, input_ids: Tensor, *, group: comm.GroupLike, max_new_tokens:
 
     def config() -> Dict[str, Any]:
         _check_model(model, backend, group)
-        check_prompt(input_ids, attention_mask)
+        check_prompt(input_ids, attention_mask, _vocab_size(model))
         new = check.check_positive_int("max_new_tokens", max_new_tokens)
         for name in sorted(generate_kwargs):
             if name in REFUSED_GENERATE_KWARGS:
                 raise ValueError(f"generate(..., group=) does not take {name}=: "
                                  f"{REFUSED_GENERATE_KWARGS[name]}")
-        if generate_kwargs.get("use_cache", True) is not True:
+        # what generate will do: a keyword, else a generation_config's setting (the one
+        # passed, then the model's), as transformers reads them
+        for name in CONFIGURED_REFUSALS:
+            if setting(model, generate_kwargs, name):
+                raise ValueError(f"generate(..., group=) does not take {name}="
+                                 f"{setting(model, generate_kwargs, name)!r} (set in a "
+                                 f"generation_config): {REFUSED_GENERATE_KWARGS[name]}")
+        if setting(model, generate_kwargs, "use_cache") not in (None, True):
             raise ValueError("generate(..., group=) generates with the sharded cache: "
-                             "use_cache must be True")
-        if generate_kwargs.get("num_beams", 1) != 1:
-            raise NotImplementedError("beam search reorders the cache, which sharded "
-                                      "generation keeps in place: pass num_beams=1")
-        settings = generate_kwargs.get("generation_config") or model.generation_config
-        sampling = generate_kwargs.get("do_sample", getattr(settings, "do_sample", False))
+                             "use_cache must be True (also in generation_config and "
+                             "model.generation_config)")
+        beams = setting(model, generate_kwargs, "num_beams")
+        if beams not in (None, 1):
+            raise NotImplementedError(f"beam search reorders the cache, which sharded "
+                                      f"generation keeps in place: pass num_beams=1 (got "
+                                      f"num_beams={beams!r}, from the keyword, generation_config "
+                                      f"or model.generation_config)")
+        sampling = bool(setting(model, generate_kwargs, "do_sample"))
         return {"input_ids": digest(input_ids),
                 "attention_mask": None if attention_mask is None else digest(attention_mask),
                 "max_new_tokens": new, "generate_kwargs": _plain(generate_kwargs),
@@ -187,8 +215,10 @@ def _share_first_logits(cache, holder: int, group, module, args, kwargs, output)
     return output
 
 
-def check_prompt(input_ids: Tensor, attention_mask: Optional[Tensor]) -> None:
-    """input_ids (b, n) integer ids, n >= 1; attention_mask None or (b, n)."""
+def check_prompt(input_ids: Tensor, attention_mask: Optional[Tensor],
+                 vocab_size: Optional[int] = None) -> None:
+    """input_ids (b, n) integer ids, n >= 1, in [0, vocab_size) when given; attention_mask
+    None or (b, n) of 0s and 1s."""
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 \
             or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be a 2-D integer tensor (batch, seq_len), got "
@@ -200,6 +230,14 @@ def check_prompt(input_ids: Tensor, attention_mask: Optional[Tensor]) -> None:
                                        or tuple(attention_mask.shape) != tuple(input_ids.shape)):
         raise ValueError(f"attention_mask must be None or input_ids' shape "
                          f"{tuple(input_ids.shape)}, got {describe(attention_mask)}")
+    if vocab_size is not None and input_ids.numel():
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"input_ids must be ids in [0, {vocab_size}) (the model's input "
+                             f"embeddings), got values in [{lo}, {hi}]")
+    if attention_mask is not None and bool(((attention_mask != 0) & (attention_mask != 1))
+                                           .any()):
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (real token) only")
 
 
 def _check_model(model, backend, group) -> None:
@@ -225,6 +263,12 @@ def _check_model(model, backend, group) -> None:
     if other:
         raise NotImplementedError(f"sharded generation runs full-attention and sliding-window "
                                   f"layers, got layer types {other}")
+
+
+def _vocab_size(model) -> Optional[int]:
+    """How many ids the model's input embeddings hold (None: no nn.Embedding to ask)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(embeddings, "num_embeddings", None)
 
 
 def _plain(kwargs: Dict[str, Any]) -> Tuple[Tuple[str, str], ...]:
