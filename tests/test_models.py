@@ -193,6 +193,10 @@ def test_generation_argument_errors():
     ]:
         with pytest.raises(error, match=match):
             model.generate(prompt, 2, **kwargs)
+    # an empty batch: the argument named, not the attention op's error about q, k, v
+    for empty in (prompt[:0], prompt[:, :0]):
+        with pytest.raises(ValueError, match=r"tokens must hold at least one row and one id"):
+            model.generate(empty, 2)
 
 
 def test_config_backend_reaches_every_layer():
@@ -664,7 +668,7 @@ def _generation_errors(group):
          "ranks disagree on 'sampling state'"),
         (dict(max_new_tokens=12), "sequences of 21 tokens, past max_seq_len=20"),
         (dict(tokens=prompt[:, :0] if rank == 1 else prompt),
-         "at least one id per row" if rank == 1 else "rank 1"),
+         "one id per row" if rank == 1 else "rank 1"),
     ]:
         kwargs = {"tokens": prompt, "max_new_tokens": 3, **kwargs}
         with pytest.raises(ValueError, match=match):

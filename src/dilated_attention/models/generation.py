@@ -134,10 +134,9 @@ def _agree(model: nn.Module, tokens: Tensor, attention_mask, max_new_tokens, tem
     def config() -> dict:
         _check_whole_parameters(model)
         check_tokens("tokens", tokens, vocab)
-        if tokens.shape[1] == 0:
-            raise ValueError(
-                f"tokens must hold at least one id per row, got shape {tuple(tokens.shape)}"
-            )
+        if 0 in tokens.shape:
+            raise ValueError(f"tokens must hold at least one row and one id per row, got shape "
+                             f"{tuple(tokens.shape)}")
         origins = left_padding(attention_mask, tokens)
         new = check.check_positive_int("max_new_tokens", max_new_tokens)
         if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
