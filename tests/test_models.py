@@ -197,6 +197,10 @@ def test_generation_argument_errors():
     for empty in (prompt[:0], prompt[:, :0]):
         with pytest.raises(ValueError, match=r"tokens must hold at least one row and one id"):
             model.generate(empty, 2)
+    # top_k / top_p at temperature 0 change nothing (greedy): said, as transformers says it
+    greedy = model.generate(prompt, 2)
+    with pytest.warns(UserWarning, match=r"temperature=0 decodes greedily: top_k=3"):
+        assert torch.equal(model.generate(prompt, 2, top_k=3, top_p=0.5), greedy)
 
 
 def test_config_backend_reaches_every_layer():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -78,6 +79,12 @@ def generate(model: nn.Module, tokens: Tensor, max_new_tokens: int, *,
     dropout off."""
     origins, sampling = _agree(model, tokens, attention_mask, max_new_tokens, temperature,
                                top_k, top_p, eos_token_id, pad_token_id, use_cache, generator)
+    if sampling.temperature == 0.0 and (sampling.top_k is not None or sampling.top_p is not None) \
+            and comm.group_rank(model.process_group) == 0:
+        # as transformers' generate warns for top_k/top_p without do_sample
+        warnings.warn(f"temperature=0 decodes greedily: top_k={sampling.top_k} and "
+                      f"top_p={sampling.top_p} apply only when sampling (temperature > 0)",
+                      UserWarning, stacklevel=3)
     was_training = model.training
     model.eval()
     try:
