@@ -278,6 +278,24 @@ def test_bad_rotary_tables_raise_from_every_public_entry():
         m.project_qkv(x, x[:, :5], x[:, :5], (cos, sin))
 
 
+def test_rotary_refuses_an_odd_head_dim():
+    """An odd head_dim has no pairs of halves: the module's forward and apply_rotary refuse
+    it by name (tables for d - 1 have d's shape; the turn failed with a RuntimeError of
+    broadcast shapes), and rotary_tables takes only a floating dtype (an integer one gave
+    tables of 0s and 1s, a string 'Invalid device string')."""
+    m = MultiheadDilatedAttention(12, 4, [4], [1])  # head_dim 3
+    x = torch.randn(2, 8, 12)
+    tables = rotary_tables(torch.arange(8), 2)  # (8, 1, 1), as d = 3 would have
+    with pytest.raises(ValueError, match=r"^head_dim must be even for rotary positions.*got 3"):
+        m(x, x, x, rotary=tables)
+    with pytest.raises(ValueError, match=r"^head_dim must be even for rotary positions.*got 5"):
+        apply_rotary(torch.randn(2, 8, 4, 5), *rotary_tables(torch.arange(8), 4))
+    for dtype in (torch.int64, torch.bool, "float32"):
+        with pytest.raises(TypeError, match=r"^dtype must be a floating torch.dtype for the "
+                                            rf"tables, got {dtype!r}"):
+            rotary_tables(torch.arange(8), 4, dtype=dtype)
+
+
 def test_each_call_checks_the_rotary_tables_once(monkeypatch):
     """forward, project_qkv and apply_rotary check the tables once a call (the module's
     forward checked them three times: at its entry, then in q's turn and in k's); a

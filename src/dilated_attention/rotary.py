@@ -42,6 +42,8 @@ def rotary_tables(positions: Tensor, head_dim: int, theta: float = 10000.0,
         raise ValueError(f"head_dim must be even for rotary positions (pairs of halves), got "
                          f"{head_dim}")
     theta = check.check_positive_float("theta", theta)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype for the tables, got {dtype!r}")
     # (d/2,) frequencies theta^(-2i/d), float64
     frequencies = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64,
                                           device=positions.device) / head_dim)
@@ -75,6 +77,11 @@ def check_tables(tables, batch: int, rows: int, head_dim: int, device: torch.dev
             and all(isinstance(t, Tensor) for t in tables)):
         raise TypeError(f"rotary must be a pair of tensors (cos, sin) from rotary_tables, got "
                         f"{type(tables).__name__}")
+    if head_dim % 2:
+        # an odd d splits into unequal halves: the turn would fail deep inside torch (tables
+        # for d - 1 have the shape of d's)
+        raise ValueError(f"head_dim must be even for rotary positions (pairs of halves), got "
+                         f"{head_dim}")
     # a tuple, not a set: hashing a traced (symbolic) length would fix it to its value under
     # torch.compile, one graph per length
     shapes = ((rows, 1, head_dim // 2), (batch, rows, 1, head_dim // 2))
