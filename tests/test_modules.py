@@ -452,6 +452,11 @@ def test_gradients_reach_every_parameter():
         ({"layer_norm_eps": 0.0}, ValueError, r"^layer_norm_eps must be.*0.0"),
         ({"layer_norm_eps": None}, TypeError, r"^layer_norm_eps must be.*None"),
         ({"layer_norm": 1}, TypeError, r"layer_norm.*1"),
+        # an integer dtype failed in nn.Linear without naming dtype, a complex one at the
+        # first call naming q
+        ({"dtype": torch.int64}, TypeError, r"^dtype must be None, torch.float64.*torch.int64"),
+        ({"dtype": torch.complex64}, TypeError, r"^dtype must be None.*torch.complex64"),
+        ({"dtype": "float32"}, TypeError, r"^dtype must be None.*'float32'"),
     ],
 )
 def test_constructor_errors(kwargs, error, match):

@@ -17,7 +17,7 @@ from torch.autograd import forward_ad
 
 from .backends import BACKENDS
 
-_FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 # the largest row count or stride torch can index (int64)
 INDEX_MAX = 2**63 - 1
 
@@ -142,7 +142,7 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, allow_empty: bool = False) -> 
             raise ValueError(
                 f"{name} must be 4-D (batch, seq_len, heads, head_dim), got shape {tuple(x.shape)}"
             )
-        if x.dtype not in _FLOAT_DTYPES:
+        if x.dtype not in FLOAT_DTYPES:
             raise TypeError(
                 f"{name} must be float64, float32, float16 or bfloat16, got {x.dtype}"
             )
