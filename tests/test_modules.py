@@ -484,6 +484,9 @@ def test_forward_errors():
         m(x, torch.randn(2, 5, 16), torch.randn(2, 5, 16))
     with pytest.raises(TypeError, match="is_causal"):
         m(x, x, x, is_causal=None)
+    # a truthy need_weights is named as given (it was reported as need_weights=True)
+    with pytest.raises(ValueError, match=r"^need_weights='no' is not supported"):
+        m(x, x, x, need_weights="no")
 
 
 def test_forward_follows_multihead_attention_argument_order():

@@ -325,8 +325,8 @@ class MultiheadDilatedAttention(nn.Module):
         try:
             if need_weights:
                 raise ValueError(
-                    "need_weights=True is not supported: dilated attention never materialises "
-                    "the attention weights; pass need_weights=False"
+                    f"need_weights={need_weights!r} is not supported: dilated attention never "
+                    f"materialises the attention weights; pass need_weights=False"
                 )
             if attn_mask is not None:
                 raise ValueError(
