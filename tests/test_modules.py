@@ -487,6 +487,12 @@ def test_forward_errors():
     # a truthy need_weights is named as given (it was reported as need_weights=True)
     with pytest.raises(ValueError, match=r"^need_weights='no' is not supported"):
         m(x, x, x, need_weights="no")
+    # an empty batch names query and its shape (it named q and its projected shape)
+    for module, empty in ((m, x[:0]), (_mhda(batch_first=False), x[:0].transpose(0, 1))):
+        layout = r"\(batch, seq_len" if module.batch_first else r"\(seq_len, batch"
+        with pytest.raises(ValueError, match=rf"^query must have a non-empty batch {layout}, "
+                                             rf"embed_dim\), got shape \({empty.shape[0]}, "):
+            module(empty, empty, empty)
 
 
 def test_forward_follows_multihead_attention_argument_order():

@@ -140,6 +140,8 @@ class MultiheadDilatedAttention(nn.Module):
       no kdim/vdim, no unbatched (n, e) inputs;
     - ``key_padding_mask`` must be bool (True = ignore that key): float
       (additive) and integer masks are a TypeError;
+    - an empty batch (0 rows) is a ValueError (nn.MultiheadAttention returns an empty
+      output);
     - ``attn_mask`` is refused (the dilation patterns are the mask: use
       ``is_causal``, ``key_padding_mask`` or ``cu_seqlens``), and
       ``need_weights`` must be False (the default here);
@@ -384,6 +386,11 @@ class MultiheadDilatedAttention(nn.Module):
                 f"query, key and value must have the same shape, got {tuple(query.shape)}, "
                 f"{tuple(key.shape)}, {tuple(value.shape)}"
             )
+        # named here: the op's error would name q and its projected (b, n, h, d) shape
+        if query.shape[0 if self.batch_first else 1] == 0:
+            layout = "batch, seq_len" if self.batch_first else "seq_len, batch"
+            raise ValueError(f"query must have a non-empty batch ({layout}, embed_dim), got "
+                             f"shape {tuple(query.shape)}")
 
     def extra_repr(self) -> str:
         return (
