@@ -471,6 +471,12 @@ def test_dilated_attention_constructor_errors():
         DilatedAttention([4], [1], scale=-2.0)
     with pytest.raises(ValueError, match=r"segment_lengths must not be empty"):
         DilatedAttention([], [])
+    # a wrong kind of group at construction (it was kept until the first call named "group")
+    for make in (DilatedAttention, lambda *a, **kw: MultiheadDilatedAttention(16, 4, *a, **kw)):
+        with pytest.raises(TypeError, match=r"^process_group must be None, a torch.distributed"
+                                            r".ProcessGroup or a 1-D/2-D DeviceMesh, got str "
+                                            r"'world'"):
+            make([4], [1], process_group="world")
 
 
 def test_forward_errors():

@@ -61,6 +61,12 @@ def dropout_seed(dropout_p: float) -> int:
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
 
+def check_group_type(group: GroupLike, name: str) -> None:
+    """For constructors above the ops (modules, models) that keep a group until a call: a
+    TypeError naming `name` unless it is None, a ProcessGroup or a DeviceMesh."""
+    comm.check_group_type(group, name)
+
+
 def fail_on_every_rank(group: GroupLike, error: Exception) -> NoReturn:
     """Raise `error` here, and a ValueError naming it on every other rank of `group`.
 

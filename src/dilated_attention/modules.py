@@ -21,7 +21,8 @@ import torch.types
 from torch import Tensor, nn
 
 from . import validation as check
-from .functional import GroupLike, autocast_dtype, dilated_attention, fail_on_every_rank
+from .functional import (GroupLike, autocast_dtype, check_group_type, dilated_attention,
+                         fail_on_every_rank)
 from .rotary import check_tables, rotate
 
 
@@ -75,6 +76,8 @@ class DilatedAttention(nn.Module):
         if scale is not None:
             check.check_scale(scale, 1)
         self.scale = None if scale is None else float(scale)
+        # its kind now (a wrong one was accepted until the first call named it "group")
+        check_group_type(process_group, "process_group")
         self.process_group = process_group
         self.strategy = check.check_strategy(strategy)
         self.backend = check.check_backend(backend)

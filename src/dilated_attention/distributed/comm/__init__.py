@@ -20,13 +20,14 @@ traffic of an op. Library ops never create groups: launchers do
 from .agreement import agree, fail_on_all_ranks
 from .collectives import all_gather, all_reduce_, all_to_all, barrier, broadcast_, reduce_scatter
 from .counting import CommStats, count_communication
-from .groups import (Grid, Group, GroupLike, global_rank, group_rank, group_size,
-                     is_distributed, members, resolve_group)
+from .groups import (Grid, Group, GroupLike, check_group_type, global_rank, group_rank,
+                     group_size, is_distributed, members, resolve_group)
 from .point_to_point import RingComm, Tensors, exchange, post_exchange, wait_exchange
 
 __all__ = [
     "CommStats", "Grid", "Group", "GroupLike", "RingComm", "Tensors", "agree", "all_gather",
-    "all_reduce_", "all_to_all", "barrier", "broadcast_", "count_communication", "exchange",
-    "fail_on_all_ranks", "global_rank", "group_rank", "group_size", "is_distributed",
-    "members", "post_exchange", "reduce_scatter", "resolve_group", "wait_exchange",
+    "all_reduce_", "all_to_all", "barrier", "broadcast_", "check_group_type",
+    "count_communication", "exchange", "fail_on_all_ranks", "global_rank", "group_rank",
+    "group_size", "is_distributed", "members", "post_exchange", "reduce_scatter",
+    "resolve_group", "wait_exchange",
 ]

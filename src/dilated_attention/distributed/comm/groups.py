@@ -50,6 +50,18 @@ class Grid:
         return group_rank(self.heads), group_rank(self.sequence)
 
 
+def check_group_type(group: Any, name: str = "group") -> None:
+    """A TypeError naming `name` unless `group` is of a kind ``resolve_group`` takes: for
+    constructors, which keep the group until a call resolves it (membership is checked
+    then)."""
+    if not (group is None or isinstance(group, (Grid, DeviceMesh, dist.ProcessGroup))
+            or (isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER)):
+        raise TypeError(
+            f"{name} must be None, a torch.distributed.ProcessGroup or a 1-D/2-D DeviceMesh, "
+            f"got {type(group).__name__} {group!r}"
+        )
+
+
 def resolve_group(group: Any, name: str = "group") -> Group:
     """The group an op runs over: a ProcessGroup, a Grid (2-D mesh) or None (local).
 
@@ -79,11 +91,7 @@ def resolve_group(group: Any, name: str = "group") -> Group:
             f"group (torch.distributed.new_group returned NON_GROUP_MEMBER here); call the op "
             f"only on the group's ranks"
         )
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"{name} must be None, a torch.distributed.ProcessGroup or a 1-D/2-D DeviceMesh, "
-            f"got {type(group).__name__} {group!r}"
-        )
+    check_group_type(group, name)
     if dist.get_rank(group) < 0:
         raise ValueError(f"{name}: this rank (global rank {dist.get_rank()}) is not a member "
                          f"of the process group {group!r}")
