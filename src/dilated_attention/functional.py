@@ -41,7 +41,9 @@ from . import validation as check
 from .backends import select_backend
 from .dilated import dilated_attention_local
 from .distributed import comm
-from .distributed.comm import GroupLike
+# check_group_type: for constructors above the ops (modules, models) that keep a group
+# until a call
+from .distributed.comm import GroupLike, check_group_type  # noqa: F401
 from .distributed import strategy as strategies
 from .distributed.halo import halo_attention
 from .distributed.ring import RingAttentionFunction
@@ -59,12 +61,6 @@ def dropout_seed(dropout_p: float) -> int:
     if dropout_p == 0.0:
         return 0
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
-
-
-def check_group_type(group: GroupLike, name: str) -> None:
-    """For constructors above the ops (modules, models) that keep a group until a call: a
-    TypeError naming `name` unless it is None, a ProcessGroup or a DeviceMesh."""
-    comm.check_group_type(group, name)
 
 
 def fail_on_every_rank(group: GroupLike, error: Exception) -> NoReturn:
