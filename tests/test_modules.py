@@ -243,6 +243,8 @@ def test_rotary_errors():
         rotary_tables(torch.zeros(2, 3, 5, dtype=torch.long), 4)
     with pytest.raises(TypeError, match=r"^rotary must be a pair of tensors \(cos, sin\)"):
         m(x, x, x, rotary=(cos, sin, cos))
+    with pytest.raises(TypeError, match=r"got tuple of \(NoneType, Tensor\)$"):
+        apply_rotary(torch.zeros(1, 8, 2, 4), None, sin)
     with pytest.raises(ValueError, match=r"^head_dim must be even.*got 5"):
         rotary_tables(torch.arange(8), 5)
     with pytest.raises(ValueError, match=r"^theta must be a positive finite float, got -1"):

@@ -75,8 +75,11 @@ def check_tables(tables, batch: int, rows: int, head_dim: int, device: torch.dev
     `device`: a TypeError/ValueError naming ``rotary`` otherwise."""
     if not (isinstance(tables, (tuple, list)) and len(tables) == 2
             and all(isinstance(t, Tensor) for t in tables)):
+        what = type(tables).__name__
+        if isinstance(tables, (tuple, list)):  # which entry is not a tensor (apply_rotary's)
+            what += f" of ({', '.join(type(t).__name__ for t in tables)})"
         raise TypeError(f"rotary must be a pair of tensors (cos, sin) from rotary_tables, got "
-                        f"{type(tables).__name__}")
+                        f"{what}")
     if head_dim % 2:
         # an odd d splits into unequal halves: the turn would fail deep inside torch (tables
         # for d - 1 have the shape of d's)
