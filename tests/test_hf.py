@@ -1714,6 +1714,69 @@ def test_encoders_with_dilated_patterns_are_finite(kind):
     assert torch.isfinite(hidden).all() and all(g.isfinite().all() for g in grads(model).values())
 
 
+def packed_encoder_batch(lengths, position_start: int, cu_seq_lens: bool) -> dict:
+    """What transformers' padding-free collator passes an encoder for documents of `lengths`
+    packed into one row (its labels dropped): position_ids that restart at `position_start`,
+    and with `cu_seq_lens` the boundaries flash-attention reads (cu_seq_lens_q/k,
+    max_length_q/k)."""
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=cu_seq_lens,
+                                                       position_ids_start=position_start)
+    batch = collator([{"input_ids": list(range(1, m + 1))} for m in lengths])
+    return {k: v for k, v in batch.items() if k not in ("input_ids", "labels")}
+
+
+# (encoder, what marks the documents, the registered pattern and what runs each document alone)
+PACKED_ENCODER_CASES = [
+    ("bert", "position_ids", DENSE, "sdpa"),
+    ("bert", "cu_seq_lens", DENSE, "sdpa"),
+    ("bert", "cu_seq_lens", DILATED, DILATED),  # documents of 11 and 14 cross segments
+    ("roberta", "position_ids", DENSE, "sdpa"),  # positions from padding_idx + 1 = 2
+    # its layers get no position_ids: only cu_seq_lens mark documents (local layers too)
+    ("modernbert", "cu_seq_lens", DENSE, "sdpa"),
+]
+
+
+@pytest.mark.parametrize("kind,marks,packed_impl,alone_impl", PACKED_ENCODER_CASES)
+def test_packed_encoder_documents_equal_documents_alone(kind, marks, packed_impl, alone_impl):
+    """Documents packed into one row (DataCollatorWithFlattening's batch) equal each document
+    run alone: hidden states, and the gradients of the input embeddings and of every
+    parameter (the documents alone share the parameters: their gradients add up)."""
+    lengths, start = [11, 5, 14], 2 if kind == "roberta" else 0
+    packed = packed_encoder_batch(lengths, start, cu_seq_lens=marks == "cu_seq_lens")
+    n = sum(lengths)
+    embeds = torch.randn(1, n, 32, dtype=torch.float64, requires_grad=True,
+                         generator=torch.Generator().manual_seed(7))
+    weight = torch.randn(1, n, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    results = []
+    for impl, run in ((alone_impl, lambda model: torch.cat(
+            [model(inputs_embeds=e, position_ids=torch.arange(start, start + m)[None])
+             .last_hidden_state for e, m in zip(embeds.split(lengths, dim=1), lengths)], dim=1)),
+            (packed_impl, lambda model: model(inputs_embeds=embeds, **packed).last_hidden_state)):
+        model = encoder(kind, impl)
+        embeds.grad = None
+        hidden = run(model)
+        (hidden * weight).sum().backward()
+        results.append((hidden.detach(), embeds.grad.clone(), grads(model)))
+    (ref, ref_input, ref_grads), (ours, our_input, our_grads) = results
+    torch.testing.assert_close(ours, ref, **TOL)
+    torch.testing.assert_close(our_input, ref_input, **TOL)
+    assert_grads_equal(our_grads, ref_grads)
+
+
+def test_modernbert_packed_position_ids_alone_are_not_documents():
+    """ModernBERT's layers get no position_ids (its rotary tables take them): without
+    cu_seq_lens the packed documents attend each other, as under transformers' sdpa."""
+    packed = packed_encoder_batch([11, 5, 14], 0, cu_seq_lens=False)
+    ids = tokens(1, 30, seed=5)
+    with torch.no_grad():
+        ref, ours = (encoder("modernbert", impl)(ids, **packed).last_hidden_state
+                     for impl in ("sdpa", DENSE))
+        alone = torch.cat([encoder("modernbert", "sdpa")(doc).last_hidden_state
+                           for doc in ids.split([11, 5, 14], dim=1)], dim=1)
+    torch.testing.assert_close(ours, ref, **TOL)
+    assert not torch.allclose(ours, alone)
+
+
 def test_bert_decoder_with_cross_attention_equals_sdpa():
     """BERT as a decoder with cross-attention layers (BertCrossAttention: sdpa) and causal
     self-attention (ours), encoder states as long as the decoder's rows (which the lengths
