@@ -38,7 +38,7 @@ from dilated_attention.integrations.transformers import (causal_lm_loss, causal_
 from dilated_attention.integrations.transformers.generation import cache_keyword
 from dilated_attention.integrations.transformers.masks import (CAUSAL, PackedDocuments, Window,
                                                                 build_mask)
-from dist_harness import run_distributed
+from dist_harness import run_distributed, subgroup
 
 TOL = dict(rtol=0, atol=1e-10)
 VOCAB = 61
@@ -2059,6 +2059,100 @@ def test_sequence_parallel_encoders_equal_one_process():
             torch.testing.assert_close(ours[real], ref[real], **TOL, msg=lambda m: f"{case}: {m}")
             assert_grads_equal(our_grads, ref_grads)
 
+
+# documents packed into n = 29 rows, whose pieces are 15 | 14 at P = 2 and 10 | 10 | 9 at P = 3:
+# starts at 10 (P = 3's first border), 15 (P = 2's border) and 22 (inside a piece); starts at
+# 7 and 20 (P = 3's second border), a document across P = 2's border and P = 3's first
+PACKED_SP_LENGTHS = ([10, 5, 7, 7], [7, 13, 9])
+
+
+def _packed_encoder_run(kind: str, impl: str, group, lengths, rows: slice):
+    """(hidden states, the input embeddings' gradient, the parameter gradients averaged over
+    `group`) of `rows` of the packed documents, each rank's loss its own share of the one
+    process's (no factor P: ModernBERT's rotary rounds dq and dk to float32, where P times a
+    gradient rounds otherwise than the gradient when P = 3). impl "sdpa": each document alone.
+    """
+    n = sum(lengths)
+    x = torch.randn(1, n, 32, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(7))[:, rows].requires_grad_()
+    weight = torch.randn(1, n, 32, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(8))[:, rows]
+    model = encoder(kind, impl)
+    if impl == "sdpa":
+        hidden = torch.cat([model(inputs_embeds=e, position_ids=torch.arange(m)[None])
+                            .last_hidden_state for e, m in zip(x.split(lengths, 1), lengths)],
+                           dim=1)
+    else:
+        # this rank's rows of the global position_ids, the global cu_seq_lens_q/k
+        inputs, _ = shard_inputs(tokens(1, n), group, position_ids=torch.cat(
+            [torch.arange(m) for m in lengths])[None])
+        del inputs["input_ids"]  # inputs_embeds instead, for their gradient
+        hidden = model(inputs_embeds=x, **inputs).last_hidden_state
+    (hidden * weight).sum().backward()
+    all_reduce_gradients(model, group)
+    return hidden.detach(), x.grad, grads(model)
+
+
+def _packed_encoder_rank(group):
+    """Packed documents in BERT and ModernBERT (its global layers and its local ones: the halo
+    exchange), dense and dilated patterns: P = 3 over the 3 ranks, P = 2 over ranks 0 and 1
+    while rank 2 runs one process (and, dense, sdpa on each document alone). Returns (P, case,
+    results) for the parent to compare."""
+    pair = subgroup([0, 1])
+    out = []
+    for label, (segs, rates), one in (("dense", ([4096], [1]), DENSE),
+                                      ("dilated", (SEGMENTS, RATES), DILATED)):
+        groups = [(2, pair)] if pair is not None else []
+        sharded = {world: register(f"dilated_packed_sp{world}_{label}_test",
+                                   segment_lengths=segs, dilation_rates=rates, group=g)
+                   for world, g in groups + [(3, group)]}
+        for kind in ("bert", "modernbert"):
+            for lengths in PACKED_SP_LENGTHS:
+                case = f"{kind} {label} {lengths}"
+                if pair is None:  # rank 2, while ranks 0 and 1 run P = 2
+                    out.append((1, case, _packed_encoder_run(kind, one, None, lengths,
+                                                             slice(None))))
+                    if label == "dense":
+                        out.append((0, case, _packed_encoder_run(kind, "sdpa", None, lengths,
+                                                                 slice(None))))
+                for world, g in groups + [(3, group)]:
+                    (start, stop), = piece_ranges(sum(lengths), world, comm.group_rank(g))
+                    out.append((world, case, _packed_encoder_run(kind, sharded[world], g,
+                                                                 lengths, slice(start, stop))))
+    return out
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_packed_encoders_equal_one_process():
+    """Packed documents under sequence parallelism, P = 2 and 3, equal one process (which, with
+    the dense pattern, equals sdpa on each document alone): a document start inside a rank's
+    piece, starts at borders between pieces, documents across borders, uneven pieces."""
+    results = run_distributed(_packed_encoder_rank, 3, timeout=300.0)
+    found = {(world, case): result for rank_results in results
+             for world, case, result in rank_results if world < 2}
+    alone = [case for world, case in found if world == 0]
+    assert len(alone) == 2 * len(PACKED_SP_LENGTHS)
+    for case in alone:  # one process against each document alone with sdpa
+        (ours, our_x, our_grads), (ref, ref_x, ref_grads) = found[1, case], found[0, case]
+        torch.testing.assert_close(ours, ref, **TOL, msg=lambda m: f"{case}: {m}")
+        torch.testing.assert_close(our_x, ref_x, **TOL, msg=lambda m: f"{case} dx: {m}")
+        assert_grads_equal(our_grads, ref_grads)
+    checked = 0
+    for rank, rank_results in enumerate(results):
+        for world, case, (ours, our_x, our_grads) in rank_results:
+            if world < 2:
+                continue
+            ref, ref_x, ref_grads = found[1, case]
+            (start, stop), = piece_ranges(ref.shape[1], world, rank)
+            what = f"{case}, rank {rank} of {world}"
+            torch.testing.assert_close(ours, ref[:, start:stop], **TOL,
+                                       msg=lambda m: f"{what}: {m}")
+            torch.testing.assert_close(our_x, ref_x[:, start:stop], **TOL,
+                                       msg=lambda m: f"{what} dx: {m}")
+            # the average over the ranks of their shares: the gradient / P
+            assert_grads_equal({k: world * g for k, g in our_grads.items()}, ref_grads)
+            checked += 1
+    assert checked == 5 * 4 * len(PACKED_SP_LENGTHS)  # 3 + 2 ranks, 4 (family, pattern) pairs
 
 BERT_LIKE = {"xlm-roberta": {}, "camembert": {}, "electra": {"embedding_size": 32},
              "ernie": {}, "data2vec-text": {}, "roberta-prelayernorm": {}, "albert": {},
