@@ -2154,6 +2154,43 @@ def test_sequence_parallel_packed_encoders_equal_one_process():
             checked += 1
     assert checked == 5 * 4 * len(PACKED_SP_LENGTHS)  # 3 + 2 ranks, 4 (family, pattern) pairs
 
+
+def _compiled_encoder_rank(group):
+    """BERT (one layer, dilated patterns) on this rank's rows, eager and under torch.compile
+    (inductor): (hidden states, parameter gradients) of each."""
+    rank = comm.group_rank(group)
+    sp = register("dilated_sp_compile_test", segment_lengths=SEGMENTS, dilation_rates=RATES,
+                  group=group)
+    n = 28  # pieces of 14 rows: the ranks compile the same kernels, which inductor's cache shares
+    (start, stop), = piece_ranges(n, 2, rank)
+    ids = tokens(1, n, seed=5)[:, start:stop]
+    weight = torch.randn(1, n, 32, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(6))[:, start:stop]
+    model = encoder("bert", sp, num_hidden_layers=1)
+    results = []
+    torch._dynamo.reset()
+    try:
+        for run in (model, torch.compile(model)):
+            model.zero_grad(set_to_none=True)
+            hidden = run(ids, position_ids=torch.arange(start, stop)[None]).last_hidden_state
+            (2 * (hidden * weight).sum()).backward()
+            all_reduce_gradients(model, group)
+            results.append((hidden.detach(), grads(model)))
+    finally:
+        torch._dynamo.reset()
+    return results
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_bert_compiles_with_inductor():
+    """torch.compile (inductor) of a model whose backend has a group, on 2 ranks: its attention
+    calls run eagerly (graph breaks), the rest compiled; hidden states and gradients equal
+    eager's."""
+    for (ref, ref_grads), (ours, our_grads) in run_distributed(_compiled_encoder_rank, 2,
+                                                               timeout=300.0):
+        torch.testing.assert_close(ours, ref, **TOL)
+        assert_grads_equal(our_grads, ref_grads)
+
 BERT_LIKE = {"xlm-roberta": {}, "camembert": {}, "electra": {"embedding_size": 32},
              "ernie": {}, "data2vec-text": {}, "roberta-prelayernorm": {}, "albert": {},
              "xlm-roberta-xl": {}, "nomic_bert": {}, "jina_embeddings_v3": {},
