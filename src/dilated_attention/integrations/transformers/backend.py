@@ -177,6 +177,14 @@ class _Backend:
                  is_causal: Optional[bool] = None, **kwargs) -> Tuple[Tensor, None]:
         """transformers' attention-function signature: q (b, h, n, d), k (b, hk, n, d), v (b,
         hk, n, dv) -> (out (b, n, h, dv), no weights)."""
+        if self.group is not None and torch.compiler.is_compiling():
+            # under torch.compile a call with a group runs eagerly, whole: one graph break (as
+            # the ops' calls with a group, functional.py's _eager_across_ranks); traced, its
+            # agreement and sharded generation's context variable broke the graph in several
+            # places, each piece compiled on its own
+            return torch.compiler.disable(self.__call__)(module, query, key, value,
+                                                         attention_mask, dropout, scaling,
+                                                         is_causal, **kwargs)
         # before any collective: a layer, its config and its mask's kind are alike on every rank
         if is_cross_attention(module, attention_mask):
             return attend_cross(module, query, key, value, attention_mask, dropout, scaling,
