@@ -222,13 +222,12 @@ class _Backend:
             # self-attention of NLLB-MoE and PegasusX has is_causal = False
             causal_arg = True
         nq, nk = q.shape[1], k.shape[1]
-        # generate(group=) serves only a backend registered with that group: under
-        # torch.compile one without a group reads nothing here (reading the context variable
-        # is a graph break, and inductor's code for the graph resumed after it failed on
-        # Bart: NameError on a shape symbol); eager calls read it (tests/test_hf.py runs a
-        # step of sharded generation in one process, group None)
-        compiled_alone = self.group is None and torch.compiler.is_compiling()
-        sharded = None if compiled_alone else _SERVING.get()
+        # generate(group=) serves only a backend registered with that group, and a call with
+        # a group runs eagerly (above): so a compiled call reads nothing here (reading the
+        # context variable is a graph break, and inductor's code for the graph resumed after
+        # it failed on Bart: NameError on a shape symbol); eager calls read it
+        # (tests/test_hf.py runs a step of sharded generation in one process, group None)
+        sharded = None if torch.compiler.is_compiling() else _SERVING.get()
         if sharded is not None and sharded.group is not self.group:
             sharded = None  # another model's generation
         # a step of sharded generation: one new token, the cache's rows spread over the ranks
