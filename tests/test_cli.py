@@ -899,3 +899,47 @@ def test_fused_plan_tables_of_a_ulysses_rank_cover_all_rows():
                                training=True)
     assert est_config.split(ulysses) == (4, 1)
     assert formula.fused_plan_bytes(ulysses) == formula.fused_plan_bytes(one) > 0
+
+
+def test_ranks_the_machine_cannot_start_are_one_line(monkeypatch, capsys, tmp_path):
+    """A world size this machine cannot spawn (out of processes or file descriptors: seen
+    as OSError 24 at rank 26 of `verify --world-size 48` under `ulimit -n 64`) is one line
+    naming the option and value, exit status 1, and the ranks started before it are
+    stopped; it was a traceback from multiprocessing."""
+    started, killed = [], []
+
+    class Process:
+        def __init__(self, target, args, daemon):
+            self.rank, self.pid, self.exitcode = args[1], None, None
+
+        def start(self):
+            if self.rank == 2:
+                raise OSError(24, "Too many open files")
+            self.pid = 1000 + self.rank
+            started.append(self.rank)
+
+        def is_alive(self):
+            return self.pid is not None and self.rank not in killed
+
+        def kill(self):
+            killed.append(self.rank)
+
+        def join(self, timeout=None):
+            assert self.pid is not None, "joined a process that never started"
+
+    class Context:
+        Queue = staticmethod(launch.mp.get_context("spawn").Queue)
+
+    context = Context()
+    context.Process = Process
+    monkeypatch.setattr(launch.mp, "get_context", lambda method: context)
+    for argv, option in ((["verify", "--world-size", "3", "--cases", "local"], "--world-size"),
+                         (["bench", "--seq-lens", "64", "--world-sizes", "3", "--out",
+                           str(tmp_path)], "--world-sizes")):
+        started.clear(), killed.clear()
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert f"error: {option} 3: this machine could not start rank 2 of 3 (OSError: " \
+               f"[Errno 24] Too many open files)" in err, err
+        assert started == killed == [0, 1]

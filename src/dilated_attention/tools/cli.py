@@ -317,7 +317,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             for world_size in config.world_sizes:
                 rows += spawn(bench.rank_main, world_size, (config,), device=device,
                               timeout=args.timeout, threads=config.threads_for(world_size),
-                              progress=progress)[0]
+                              progress=progress, option="--world-sizes")[0]
         finally:
             progress.close()
     bench.report(rows, config, out_dir=args.out, command=command,
@@ -347,7 +347,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             # small cases: a rank stuck on a failed peer gives up after a minute
             results = spawn(verify.rank_main, world_size, (config,), device=device,
                             timeout=args.timeout, threads=1, progress=progress,
-                            pg_timeout=60.0)[0]
+                            pg_timeout=60.0, option="--world-size")[0]
         finally:
             progress.close()
     return verify.report(results, config)
@@ -516,12 +516,15 @@ def spawn(
     progress: Optional[Progress] = None,
     pg_timeout: float = 600.0,
     grace: float = 10.0,
+    option: str = "world size",
 ) -> List[Any]:
     """Run ``fn(group, *args, progress, device=...)`` on `world_size` spawned ranks.
 
     ``launch.spawn`` with the rank set-up of `device`; ``results[r]`` is
     rank r's. Any failure or the `timeout` deadline kills the remaining
-    ranks and raises ``RunFailed`` naming each failed rank's error.
+    ranks and raises ``RunFailed`` naming each failed rank's error; ranks the
+    machine cannot start, ``RunFailed`` naming `option` (the flag that set the
+    world size) and the value.
     """
     try:
         return launch.spawn(
@@ -530,6 +533,9 @@ def spawn(
             prepare=launch.device_setup(device),
             on_progress=progress.step if progress is not None else _no_progress,
         )
+    except launch.StartFailed as exc:
+        raise RunFailed(f"{option} {world_size}: this machine could not start rank {exc.rank} "
+                        f"of {world_size} ({exc.reason}); spawn fewer ranks") from None
     except launch.LaunchFailed as exc:
         first = next(iter(exc.errors.values()))
         raise RunFailed(str(exc)) from _Remote(first.traceback)

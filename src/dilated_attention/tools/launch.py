@@ -154,19 +154,32 @@ def spawn(
             ctx.Process(target=_rank_entry, args=(setup, r, fn, tuple(args), out_q), daemon=True)
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
         try:
+            for r, p in enumerate(procs):
+                try:
+                    p.start()
+                except OSError as exc:  # out of processes, file descriptors or memory
+                    raise StartFailed(r, world_size, f"{type(exc).__name__}: {exc}") from exc
             results, errors = _collect(procs, out_q, timeout, grace, on_progress)
         finally:
-            for p in procs:
+            started = [p for p in procs if p.pid is not None]
+            for p in started:
                 if p.is_alive():
                     p.kill()
-            for p in procs:
+            for p in started:
                 p.join(timeout=5)
     if errors:
         raise LaunchFailed(errors, world_size)
     return [pickle.loads(results[r]) for r in range(world_size)]
+
+
+class StartFailed(LaunchFailed):
+    """The machine could not start rank `rank`'s process (the ranks started before it are
+    killed): `world_size` is more ranks than it can spawn."""
+
+    def __init__(self, rank: int, world_size: int, reason: str) -> None:
+        self.rank, self.reason = rank, reason
+        super().__init__({rank: _lost(f"could not start its process ({reason})")}, world_size)
 
 
 @dataclasses.dataclass(frozen=True)
