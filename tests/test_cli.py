@@ -943,3 +943,22 @@ def test_ranks_the_machine_cannot_start_are_one_line(monkeypatch, capsys, tmp_pa
         assert f"error: {option} 3: this machine could not start rank 2 of 3 (OSError: " \
                f"[Errno 24] Too many open files)" in err, err
         assert started == killed == [0, 1]
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE must be >= 1, got 0"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK must be an integer, got 'x'"),
+    ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK must be in [0, WORLD_SIZE = 2), got 5"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "rank 0: joining the launched ranks: ValueError: "),
+])
+def test_a_broken_torchrun_environment_is_one_line(env, message, monkeypatch, capsys):
+    """RANK and WORLD_SIZE set by hand (no torchrun, no MASTER_ADDR) or out of range: one
+    line, no traceback (a bad RANK or a missing MASTER_ADDR was a traceback; WORLD_SIZE=0
+    ran verify on 4 ranks' config)."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["verify", "--cases", "local"]) in (1, 2)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and message in err, err

@@ -356,14 +356,23 @@ def fake_world(rank: int, world_size: int) -> comm.Group:
 
 
 def torchrun_world_size() -> Optional[int]:
-    """The launched world size when run under torchrun (RANK, WORLD_SIZE set), else None."""
+    """The launched world size when run under torchrun (RANK, WORLD_SIZE set), else None;
+    ValueError unless WORLD_SIZE >= 1 and 0 <= RANK < WORLD_SIZE."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        try:
-            return int(os.environ["WORLD_SIZE"])
-        except ValueError:
-            raise ValueError(
-                f"WORLD_SIZE must be an integer, got {os.environ['WORLD_SIZE']!r}"
-            ) from None
+        values = {}
+        for name in ("WORLD_SIZE", "RANK"):
+            try:
+                values[name] = int(os.environ[name])
+            except ValueError:
+                raise ValueError(
+                    f"{name} must be an integer, got {os.environ[name]!r}"
+                ) from None
+        world_size, rank = values["WORLD_SIZE"], values["RANK"]
+        if world_size < 1:
+            raise ValueError(f"WORLD_SIZE must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"RANK must be in [0, WORLD_SIZE = {world_size}), got {rank}")
+        return world_size
     return None
 
 
@@ -379,7 +388,12 @@ def run_torchrun(fn: Callable, args: Sequence[Any], *, device: str,
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     limit_malloc_caching()
     rank_device = _setup_device(device, local_rank)
-    world = init_process_group(backend_for(device), timeout_s=1800.0)
+    try:
+        world = init_process_group(backend_for(device), timeout_s=1800.0)
+    except (ValueError, RuntimeError) as exc:  # no MASTER_ADDR, a refused rendezvous, ...
+        text = f"joining the launched ranks: {type(exc).__name__}: {exc}"
+        raise LaunchFailed({rank: RankError(text.splitlines()[0], traceback.format_exc())},
+                           int(os.environ["WORLD_SIZE"])) from exc
     report = progress if rank == 0 and progress is not None else _drop_label
     try:
         result = fn(world, *args, report, device=rank_device)
