@@ -54,6 +54,11 @@ USAGE_ERRORS = [
     (["verify", "--world-size", "1"], "at least 2 ranks"),
     (["verify", "--cases", "nope"], "unknown case 'nope'"),
     (["estimate", "--seq-len", "64", "--mesh", "2x0"], "mesh dimensions must be >= 1, got '2x0'"),
+    # the head split names the flags, not the API's strategy='exchange'
+    (["estimate", "--seq-len", "64", "--mesh", "5x1"],
+     "--mesh 5x1: its 5 head-parallel ranks must divide the 12 query heads"),
+    (["estimate", "--seq-len", "64", "--world-size", "5", "--strategy", "ulysses"],
+     "--strategy ulysses at --world-size 5: the ranks must divide the 12 query heads"),
     # --model takes the attention from the model's config, mesh included
     (["estimate", "--model", "tiny", "--seq-len", "4096", "--mesh", "2x2"],
      "--mesh: the model's config sets the attention"),
@@ -626,7 +631,8 @@ def test_auto_strategy_is_named_by_estimate_and_bench(capsys):
     assert est_config.strategy_name(dense) == "4x1 (ulysses) (auto)"
     assert est_config.strategy_name(estimate.make_config(seq_len=8192, mesh=(2, 2))) == \
         "2x2 (ulysses x exchange)"
-    with pytest.raises(ValueError, match="12 query heads cannot be split over 5"):
+    with pytest.raises(ValueError, match="--mesh 5x1: its 5 head-parallel ranks must divide "
+                                         "the 12 query heads"):
         estimate.make_config(seq_len=8192, mesh=(5, 1))
     assert cli.main(["estimate", "--seq-len", "8192", "--mesh", "2x2", "--impl", "ring"]) == 0
     assert "strategy 2x2 (ulysses x ring)" in capsys.readouterr().out

@@ -114,10 +114,16 @@ def make_config(
         if strategy == "exchange":
             raise ValueError("--strategy exchange needs a one-dimensional group: a --mesh runs "
                              "Ulysses over its first dimension")
-        HeadSplit.of(u, heads, kv_heads)  # the heads must split over U
+        if heads % u:  # as bench says it
+            raise ValueError(f"--mesh {u}x{sp}: its {u} head-parallel ranks must divide the "
+                             f"{heads} query heads")
+        HeadSplit.of(u, heads, kv_heads)
     elif strategy == "ulysses":
         if impl == "ring":
             raise ValueError("--strategy is the dilated op's; Ulysses for the ring: --mesh Px1")
+        if heads % world_size:
+            raise ValueError(f"--strategy ulysses at --world-size {world_size}: the ranks must "
+                             f"divide the {heads} query heads")
         HeadSplit.of(world_size, heads, kv_heads)
     if device not in DEVICES:
         raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
