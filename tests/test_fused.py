@@ -553,6 +553,50 @@ def test_the_rules_variants_alone_compute_every_tile(name, monkeypatch) -> None:
         close(got.cpu(), wanted, case.dtype, what)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy, in the interpreter
+@pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "nan-query"])
+def test_frozen_keys_and_values_launch_no_dkdv_kernel(nonfinite, monkeypatch) -> None:
+    """k and v that require no gradient (frozen): the backward computes dq alone, equal to
+    the reference's, with no dK/dV launch; with a NaN in q (the non-finite rule's kernel
+    runs) that kernel visits no key tile, and dq is NaN at that row alone."""
+    from dilated_attention import triton_kernels, triton_launch
+
+    case = CASES["documents-and-padding"]
+    leaves, dout, dlse, mask = inputs(case)
+    q, k, v = leaves[0], leaves[1].detach(), leaves[2].detach()
+    if nonfinite:
+        with torch.no_grad():
+            q[0, 40, 1, 3] = math.nan
+    launched = []
+    real = triton_launch.launcher
+
+    class Counted:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.kernel)
+            return real(self.kernel)[grid]
+
+    triton_launch.forget()  # no recipe replays launches past the count
+    monkeypatch.setattr(triton_launch, "launcher", Counted)
+    out, lse = op(case)(q, k, v, mask)
+    before = len(launched)
+    (dq,) = torch.autograd.grad([out, lse], [q], [dout, dlse])
+    backward = launched[before:]
+    assert triton_kernels.fused_dq in backward and triton_kernels.fused_dkdv not in backward
+    assert backward.count(triton_kernels.fused_backward_rule) == 1  # finite: it returns early
+
+    clean = [torch.nan_to_num(x.detach(), nan=0.0).requires_grad_() for x in (q, k, v)]
+    ref_leaves, ref_out, ref_lse = reference(case, clean, mask)
+    (want,) = grads([ref_out, ref_lse], [dout.cpu().double(), dlse.cpu()], ref_leaves[:1])
+    rows = torch.ones(case.n, case.h, dtype=torch.bool)
+    if nonfinite:
+        rows[40, 1] = False
+        assert torch.isnan(dq[0, 40, 1]).all()
+    close(dq[0].cpu()[rows], want[0][rows], case.dtype, "dq")
+
+
 # the interpreter computes the overflowing logits in numpy, which warns about them
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_a_query_whose_logits_all_overflow_adds_nothing_to_the_keys() -> None:

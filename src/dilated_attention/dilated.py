@@ -85,9 +85,11 @@ def forward_local(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
 
 def backward_local(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    dlse: Optional[Tensor], nonfinite: Tensor, key_mask: Optional[Tensor],
-                   call: LocalCall) -> Tuple[Tensor, Tensor, Tensor]:
+                   call: LocalCall, kv_grad: bool = True
+                   ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """Gradients of `forward_local`, given its final out (b, n, h, d), lse (b, n, h) and
-    nonfinite check."""
+    nonfinite check; not `kv_grad` (k and v frozen): dk and dv may be None (the fused
+    kernels then skip their dK/dV work; the other backends compute them anyway)."""
     opts = call.opts
     # a recorded backward (create_graph=True) runs launches of a differentiable kernel
     # (kernels.attention_backward); the fused kernel has no derivative
@@ -95,7 +97,8 @@ def backward_local(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         return fused.backward(dout, q, k, v, out, lse, dlse, call.patterns, causal=opts.causal,
                               scale=opts.scale, heads=call.heads, documents=call.documents,
                               key_mask=key_mask,
-                              nonfinite=nonfinite if call.nonfinite_rule else None)
+                              nonfinite=nonfinite if call.nonfinite_rule else None,
+                              kv_grad=kv_grad)
     plan = local_plan(q, k, call.patterns, opts.causal, call.heads, call.documents)
     return launches.backward(dout, q, k, v, out, lse, plan, opts, dlse=dlse, key_mask=key_mask)
 
@@ -185,7 +188,8 @@ def _backward(ctx, dout, dlse, _):
     # its Python code runs, which autograd records (its launches then use the blockwise
     # kernel, built from differentiable ops; kernels.attention_backward). out and lse keep
     # their own graph through this op, so the second derivative is exact.
-    return backward_local(dout, q, k, v, out, lse, dlse, nonfinite, key_mask, call)
+    return backward_local(dout, q, k, v, out, lse, dlse, nonfinite, key_mask, call,
+                          kv_grad=ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
 
 
 # the custom op's inputs after q, k, v: the flat call, key_mask and nonfinite_rule

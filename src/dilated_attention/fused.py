@@ -287,14 +287,15 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
              heads: Heads, documents: Documents, key_mask: Optional[Tensor],
              piece: Optional[Tuple[int, int]] = None,
              nonfinite: Optional[Tensor] = None,
-             into: Optional[Tuple[Tensor, Tensor, Tensor]] = None
-             ) -> Tuple[Tensor, Tensor, Tensor]:
+             into: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
+             kv_grad: bool = True) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """Gradients of `forward` from the final out and lse (dlse (b, n, h): the gradient of
     lse); with a `piece`, those of its pairs (rows and keys both in it); nonfinite: the
-    forward's check; into: (dq, dk, dv) to write, as `forward`'s."""
+    forward's check; into: (dq, dk, dv) to write, as `forward`'s. kv_grad False (k and v
+    frozen; not with `into`): dq alone, dk and dv None, no dK/dV kernel."""
     return _backward(dout, q, k, v, out, lse, dlse,
                      _planner(q, k, patterns, causal, heads, documents, piece), causal, scale,
-                     _per_kv_head(key_mask, k), nonfinite, into)
+                     _per_kv_head(key_mask, k), nonfinite, into, kv_grad)
 
 
 def _planner(q: Tensor, k: Tensor, patterns: Patterns, causal: bool, heads: Heads,
@@ -389,12 +390,16 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
 def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               dlse: Optional[Tensor], planner: Planner, causal: bool, scale: float,
               mask: Optional[Tensor], nonfinite: Optional[Tensor],
-              into: Optional[Tuple[Tensor, Tensor, Tensor]] = None
-              ) -> Tuple[Tensor, Tensor, Tensor]:
+              into: Optional[Tuple[Tensor, Tensor, Tensor]] = None, kv_grad: bool = True
+              ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     b, n, h, d = q.shape
     # in each input's layout where it is dense (what autograd's accumulation keeps as is);
-    # the kernels write through strides
-    dq, dk, dv = into or (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    # the kernels write through strides. Frozen k and v (not kv_grad): no dK/dV
+    if into is not None:
+        dq, dk, dv = into
+    else:
+        dq = torch.empty_like(q)
+        dk, dv = (torch.empty_like(k), torch.empty_like(v)) if kv_grad else (None, None)
     # delta shares lse's (contiguous) strides in the kernels; on meta tensors (estimate's
     # dry run) it is made all the same, as what the launches hold
     lse = lse.to(torch.float32).contiguous()
@@ -408,11 +413,15 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     dlse_arg = lse if dlse is None else dlse.to(torch.float32)
     has_mask = mask is not None
     mask, mask_strides = _mask_arg(mask, lse)
+    # where there is no dK/dV the rule's kernel takes dq's pointer and strides for them,
+    # unread: it visits no key tile
+    dk_arg, dv_arg = (dq, dq) if dk is None else (dk, dv)
+    key_tiles = keys.tiles.shape[0] if dk is not None else 0
     # as the forward's (_forward)
-    tensors = (q, k, v, out, dout, lse, dlse_arg, delta, dq, dk, dv, mask,
+    tensors = (q, k, v, out, dout, lse, dlse_arg, delta, dq, dk_arg, dv_arg, mask,
                lse if nonfinite is None else nonfinite)
     key = ("backward", id(queries), id(keys), sizes, causal, scale, _precision(q.dtype),
-           has_mask, dlse is None, nonfinite is None)
+           has_mask, dlse is None, nonfinite is None, key_tiles > 0)
     if RECIPES.replay(key, tensors):
         return dq, dk, dv
     kernels = _kernels(q.device)
@@ -432,7 +441,7 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             BLOCK_M=block_m, BLOCK_N=sizes.dq.chunk, num_warps=sizes.dq.warps(block_m),
             **flags,
         )
-    for tiles, block_m in keys.launches():
+    for tiles, block_m in keys.launches() if key_tiles else ():
         launch_dkdv[sizes.grid(tiles, b, False)](
             q, k, v, dout, lse, delta, dk, dv, mask, tiles, keys.rows, keys.spans, keys.extras,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
@@ -446,15 +455,15 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     if nonfinite is not None and queries.heights:
         # the rule's dq and dK/dV in one launch (triton_kernels' module docstring), after
         # the plain kernels, whose delta it reads; its programs loop over both plans' tiles
-        most = queries.tiles if len(queries.tiles) >= len(keys.tiles) else keys.tiles
+        most = queries.tiles if len(queries.tiles) >= key_tiles else keys.tiles
         record(kernels.fused_backward_rule)[sizes.grid(most, b, True)](
-            q, k, v, out, dout, lse, dlse_arg, delta, dq, dk, dv, mask, nonfinite,
+            q, k, v, out, dout, lse, dlse_arg, delta, dq, dk_arg, dv_arg, mask, nonfinite,
             queries.tiles, queries.rows, queries.spans, queries.extras,
             keys.tiles, keys.rows, keys.spans, keys.extras,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(),
-            *lse.stride(), *dlse_arg.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
-            *mask_strides, d, scale * kernels.LOG2E, scale, queries.tiles.shape[0],
-            keys.tiles.shape[0], HAS_DLSE=dlse is not None,
+            *lse.stride(), *dlse_arg.stride(), *dq.stride(), *dk_arg.stride(),
+            *dv_arg.stride(), *mask_strides, d, scale * kernels.LOG2E, scale,
+            queries.tiles.shape[0], key_tiles, HAS_DLSE=dlse is not None,
             QUERY_EXTRAS=queries.max_extras, QUERY_POW2_PERIODS=queries.pow2_periods,
             QUERY_SPAN_COUNTS=sizes.dq.counts_per_span(queries), QUERY_BLOCK_M=queries.block_m,
             QUERY_BLOCK_N=sizes.dq.chunk, KEY_EXTRAS=keys.max_extras,
