@@ -1441,9 +1441,9 @@ def test_generate_checks_its_arguments_on_one_process():
         ((ids,), dict(attention_mask=torch.full((2, 8), 2)), "attention_mask must hold 0"),
         # right padding (and a row of padding alone): refused before the prompt runs
         ((ids,), dict(attention_mask=padding("right", 2, 8)),
-         r"attention_mask must pad each row on its left .*rows \[1\]"),
+         r"attention_mask must pad on the left .*: row 1 has padding after a real token"),
         ((ids,), dict(attention_mask=torch.tensor([[1] * 8, [0] * 8])),
-         r"attention_mask must pad each row on its left .*rows \[1\]"),
+         r"attention_mask: row 1 is all padding"),
     ]:
         with pytest.raises(ValueError, match=match):
             hf.generate(model, *args, group=None, max_new_tokens=2, pad_token_id=0, **kwargs)

@@ -53,7 +53,7 @@ from ... import validation as check
 from ...decoding import CachePlan
 from ...distributed import comm
 from ...distributed.sharding import piece_lengths
-from ...models.inputs import agree_on_replicated_inputs, digest
+from ...models.inputs import agree_on_replicated_inputs, digest, left_padding
 from .backend import backend_of, serving
 from .refusals import describe
 
@@ -218,8 +218,9 @@ def _share_first_logits(cache, holder: int, group, module, args, kwargs, output)
 def check_prompt(input_ids: Tensor, attention_mask: Optional[Tensor],
                  vocab_size: Optional[int] = None) -> None:
     """input_ids (b, n) integer ids, n >= 1, in [0, vocab_size) when given; attention_mask
-    None or (b, n) of 0s and 1s, each row's padding on its left (generate continues a row
-    at its end; the decoding steps refuse a hole, but only after the prompt has run)."""
+    None or (b, n) of 0s and 1s, each row's padding on its left and a real token in each
+    row (generate continues a row at its end; the decoding steps refuse a hole, but only
+    after the prompt has run)."""
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 \
             or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be a 2-D integer tensor (batch, seq_len), got "
@@ -236,19 +237,12 @@ def check_prompt(input_ids: Tensor, attention_mask: Optional[Tensor],
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"input_ids must be ids in [0, {vocab_size}) (the model's input "
                              f"embeddings), got values in [{lo}, {hi}]")
-    if attention_mask is not None and bool(((attention_mask != 0) & (attention_mask != 1))
-                                           .any()):
-        raise ValueError("attention_mask must hold 0 (padding) and 1 (real token) only")
     if attention_mask is not None:
-        keep = attention_mask != 0
-        # (b, n): at or after the row's first real token
-        later = torch.arange(keep.shape[1], device=keep.device)[None] \
-            >= keep.int().argmax(dim=1)[:, None]
-        holes = (later & ~keep).any(dim=1)
-        if bool(holes.any()):
-            raise ValueError(f"attention_mask must pad each row on its left (a tokenizer's "
-                             f"padding_side='left'): rows {holes.nonzero().flatten().tolist()} "
-                             f"have padding after their first real token, or none")
+        # checked as given (a float 0.5 would read as 0 once an integer), then as LongNetLM's
+        # generate checks its mask: padding on the left, a real token in every row
+        if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+            raise ValueError("attention_mask must hold 0 (padding) and 1 (real token) only")
+        left_padding(attention_mask.long(), input_ids)
 
 
 def _check_model(model, backend, group) -> None:
