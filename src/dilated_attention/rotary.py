@@ -37,10 +37,7 @@ def rotary_tables(positions: Tensor, head_dim: int, theta: float = 10000.0,
             positions.dtype == torch.bool:
         raise TypeError(f"positions must be an integer tensor of shape (n,) or (b, n), got "
                         f"{_describe(positions)}")
-    head_dim = check.check_positive_int("head_dim", head_dim)
-    if head_dim % 2:
-        raise ValueError(f"head_dim must be even for rotary positions (pairs of halves), got "
-                         f"{head_dim}")
+    head_dim = _even(check.check_positive_int("head_dim", head_dim))
     theta = check.check_positive_float("theta", theta)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype for the tables, got {dtype!r}")
@@ -70,6 +67,13 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return _Rotation.apply(x, cos, sin)
 
 
+def _even(head_dim: int) -> int:
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for rotary positions (pairs of halves), got "
+                         f"{head_dim}")
+    return head_dim
+
+
 def check_tables(tables, batch: int, rows: int, head_dim: int, device: torch.device) -> None:
     """`tables` must be (cos, sin), each (rows, 1, d / 2) or (batch, rows, 1, d / 2) on
     `device`: a TypeError/ValueError naming ``rotary`` otherwise."""
@@ -80,11 +84,9 @@ def check_tables(tables, batch: int, rows: int, head_dim: int, device: torch.dev
             what += f" of ({', '.join(type(t).__name__ for t in tables)})"
         raise TypeError(f"rotary must be a pair of tensors (cos, sin) from rotary_tables, got "
                         f"{what}")
-    if head_dim % 2:
-        # an odd d splits into unequal halves: the turn would fail deep inside torch (tables
-        # for d - 1 have the shape of d's)
-        raise ValueError(f"head_dim must be even for rotary positions (pairs of halves), got "
-                         f"{head_dim}")
+    # an odd d splits into unequal halves: the turn would fail deep inside torch (tables for
+    # d - 1 have the shape of d's)
+    _even(head_dim)
     # a tuple, not a set: hashing a traced (symbolic) length would fix it to its value under
     # torch.compile, one graph per length
     shapes = ((rows, 1, head_dim // 2), (batch, rows, 1, head_dim // 2))
