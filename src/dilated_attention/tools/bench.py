@@ -44,8 +44,8 @@ from ..backends import recommended_dtype
 from ..kernels import lse_dtype
 from ..validation import check_strategy
 from .settings import (DEFAULT_SEQ_LENS, DEFAULT_WORLD_SIZES, MB, PROG, AttentionSetting,
-                       check_setting, check_window, check_zigzag, default_threads, plural,
-                       ring_layout)
+                       check_mesh_heads, check_setting, check_window, check_zigzag,
+                       default_threads, plural, ring_layout)
 
 # how a case's ranks split the work: ("group", strategy) on a one-dimensional group, or
 # ("mesh", (U, S)) on a 2-D mesh (head-parallel x sequence-parallel)
@@ -152,10 +152,8 @@ def make_config(
     seq_lens = tuple(sorted(set(seq_lens or DEFAULT_SEQ_LENS)))
     strategies = tuple(dict.fromkeys(check_strategy(s) for s in (strategies or ("auto",))))
     meshes = tuple(dict.fromkeys(tuple(m) for m in (meshes or ())))
-    for u, sp in meshes:
-        if heads % u:
-            raise ValueError(f"--mesh {u}x{sp}: its {u} head-parallel ranks must divide the "
-                             f"{heads} query heads")
+    for mesh in meshes:
+        check_mesh_heads(mesh, heads)
     if world_sizes is None and meshes:
         world_sizes = []  # only the meshes' sizes
     elif world_sizes is None:

@@ -86,6 +86,15 @@ class AttentionSetting:
         return (self.window, 0 if self.causal else self.window)
 
 
+def check_mesh_heads(mesh: Tuple[int, int], heads: int) -> None:
+    """A --mesh UxS whose U head-parallel ranks do not divide the query heads: a ValueError
+    naming it (bench's and estimate's)."""
+    u, sp = mesh
+    if heads % u:
+        raise ValueError(f"--mesh {u}x{sp}: its {u} head-parallel ranks must divide the "
+                         f"{heads} query heads")
+
+
 def check_window(window: Optional[int], ring: bool) -> None:
     """--window (bench and estimate): an int >= 1 keys each side, of ring attention only."""
     if window is None:

@@ -19,8 +19,8 @@ from ...backends import FUSED_BY_DEFAULT
 from ...kernels import lse_dtype
 from ...validation import check_strategy
 from ...window import reaches
-from ..settings import (AttentionSetting, check_setting, check_window, check_zigzag,
-                        default_threads, ring_layout)
+from ..settings import (AttentionSetting, check_mesh_heads, check_setting, check_window,
+                        check_zigzag, default_threads, ring_layout)
 
 DEVICES = ("cpu", "cuda")
 # Lengths are torch indices: a sequence of 2^63 rows or more cannot be indexed.
@@ -114,9 +114,7 @@ def make_config(
         if strategy == "exchange":
             raise ValueError("--strategy exchange needs a one-dimensional group: a --mesh runs "
                              "Ulysses over its first dimension")
-        if heads % u:  # as bench says it
-            raise ValueError(f"--mesh {u}x{sp}: its {u} head-parallel ranks must divide the "
-                             f"{heads} query heads")
+        check_mesh_heads((u, sp), heads)
         HeadSplit.of(u, heads, kv_heads)
     elif strategy == "ulysses":
         if impl == "ring":
