@@ -238,11 +238,7 @@ class Recorder:
     def __init__(self, recipes: Recipes, key: Hashable, tensors: Sequence[torch.Tensor],
                  kept: Sequence[Any]) -> None:
         self._recipes, self._key, self._tensors, self._kept = recipes, key, tensors, kept
-        # the storages of the kept tensors (a tuple's tensors included)
-        self._storages = {tensor.untyped_storage().data_ptr()
-                          for item in kept
-                          for tensor in (item if isinstance(item, tuple) else (item,))
-                          if isinstance(tensor, torch.Tensor)}
+        self._storages: Optional[set] = None  # of the kept tensors, when a launch asks
         self._launches: List[_Replayed] = []
         self._addresses: List[int] = []
         self._keepable = True
@@ -264,13 +260,23 @@ class Recorder:
         for arg in args[:found._tensors]:
             slot = next((i for i, tensor in enumerate(self._tensors) if tensor is arg), None)
             if slot is None:
-                if arg.untyped_storage().data_ptr() not in self._storages:
+                if arg.untyped_storage().data_ptr() not in self._kept_storages():
                     self._keepable = False  # a tensor of this call alone: nothing to replay
                     return
                 slot = len(self._tensors) + len(self._addresses)
                 self._addresses.append(arg.data_ptr())
             slots.append(slot)
         self._launches.append(_Replayed(launched[0], grid, _picker(slots), launched[1]))
+
+    def _kept_storages(self) -> set:
+        """The storages of the kept tensors (a tuple's tensors included), found once: a call
+        whose launches cannot be kept (interpreted ones: every call on CPU) never asks."""
+        if self._storages is None:
+            self._storages = {tensor.untyped_storage().data_ptr()
+                              for item in self._kept
+                              for tensor in (item if isinstance(item, tuple) else (item,))
+                              if isinstance(tensor, torch.Tensor)}
+        return self._storages
 
     def keep(self) -> None:
         """Keep the recorded launches as the key's recipe, if they can be replayed."""
