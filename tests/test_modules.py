@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -492,9 +493,18 @@ def test_forward_errors():
         m(x, torch.randn(2, 5, 16), torch.randn(2, 5, 16))
     with pytest.raises(TypeError, match="is_causal"):
         m(x, x, x, is_causal=None)
-    # a truthy need_weights is named as given (it was reported as need_weights=True)
-    with pytest.raises(ValueError, match=r"^need_weights='no' is not supported"):
-        m(x, x, x, need_weights="no")
+    # need_weights and average_attn_weights are bools, as is_causal (None and 'no' passed)
+    for value in (None, "no", 0):
+        with pytest.raises(TypeError, match=rf"^need_weights must be a bool, got {value!r}"):
+            m(x, x, x, need_weights=value)
+    with pytest.raises(TypeError, match=r"^average_attn_weights must be a bool, got None"):
+        m(x, x, x, average_attn_weights=None)
+    # parameters cast to a dtype the constructor refuses fail before the projections
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "Complex modules are a new feature"
+        complex_module, z = _mhda().to(torch.complex64), x.to(torch.complex64)
+    with pytest.raises(TypeError, match=r"^the module's parameters are torch.complex64"):
+        complex_module(z, z, z)
     # an empty batch names query and its shape (it named q and its projected shape)
     for module, empty in ((m, x[:0]), (_mhda(batch_first=False), x[:0].transpose(0, 1))):
         layout = r"\(batch, seq_len" if module.batch_first else r"\(seq_len, batch"

@@ -328,10 +328,11 @@ class MultiheadDilatedAttention(nn.Module):
         refused: dilated attention's pattern is its mask.
         """
         try:
-            if need_weights:
+            # bools, as is_causal: a None or 0 here is a mistake to name, not a False
+            if check.check_bool("need_weights", need_weights):
                 raise ValueError(
-                    f"need_weights={need_weights!r} is not supported: dilated attention never "
-                    f"materialises the attention weights; pass need_weights=False"
+                    "need_weights=True is not supported: dilated attention never "
+                    "materialises the attention weights; pass need_weights=False"
                 )
             if attn_mask is not None:
                 raise ValueError(
@@ -362,6 +363,10 @@ class MultiheadDilatedAttention(nn.Module):
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         weight = self.q_proj.weight
+        if weight.dtype not in check.FLOAT_DTYPES:
+            # the constructor refuses such a dtype; .to(dtype) after it does not
+            raise TypeError(f"the module's parameters are {weight.dtype} (after .to()?): "
+                            f"dilated attention runs float64, float32, float16 or bfloat16")
         for name, x in (("query", query), ("key", key), ("value", value)):
             if not isinstance(x, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
