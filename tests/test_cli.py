@@ -99,6 +99,35 @@ def test_bench_out_is_checked_before_running(tmp_path, capsys, monkeypatch):
     assert len(ran) == 1 and fresh.is_dir()
 
 
+def test_what_the_machine_cannot_hold_is_refused_before_any_rank_starts(tmp_path, capsys,
+                                                                         monkeypatch):
+    """bench's longest --seq-lens (inputs and outputs alone, every piece on this machine) and
+    bench's and verify's ranks (100 MiB each before a tensor) against the free memory: a rank
+    past it was killed and reported "exited without a report", or the machine swapped."""
+    ran = []
+    monkeypatch.setattr(cli, "spawn", lambda *args, **kwargs: ran.append(args) or [[]])
+    monkeypatch.setattr(launch, "available_memory", lambda: 2**30)
+    for argv, message in (
+            # q, k, v, out: 4 x 128K x 768 fp32 = 1.5 GiB
+            (["bench", "--seq-lens", "128k", "--world-sizes", "1", "2"],
+             "--seq-lens 131072: its inputs and outputs alone take 1.5 GiB (1.6 GiB with 1 "
+             "rank), more than the 1.0 GiB this machine has free"),
+            # and dout, dq, dk, dv
+            (["bench", "--seq-lens", "64k", "--world-sizes", "1", "--backward"],
+             "--seq-lens 65536: its inputs and outputs alone take 1.5 GiB with the backward"),
+            (["bench", "--seq-lens", "64", "--world-sizes", "11"],
+             "--world-sizes 11: 11 ranks take at least 1.1 GiB (100 MiB each before any "
+             "tensor), more than the 1.0 GiB this machine has free; spawn fewer ranks"),
+            (["verify", "--world-size", "11"], "--world-size 11: 11 ranks take at least")):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert ran == []
+    assert cli.main(["bench", "--seq-lens", "64k", "--world-sizes", "1", "--out",
+                     str(tmp_path)]) == 0  # 0.75 GiB and a rank: room
+    assert len(ran) == 1
+
+
 def test_console_entry_point_exit_status():
     # the real process: python -m dilated_attention, as a user runs it
     proc = subprocess.run(
@@ -202,7 +231,7 @@ def test_estimate_traffic_is_what_the_dry_run_sends(options):
 def _from_floor(config, e):
     """The breakdown from its parts: the call's inputs and outputs at the peak phase are the
     arithmetic minimum (estimate.formula.minimum), the rest is traced."""
-    floor = formula.minimum(config, config.lengths()[e.rank])[e.phase]
+    floor = formula.minimum(config, config.lengths()[e.rank], config.training)[e.phase]
     assert all(e.breakdown[k] == v for k, v in floor.items())
     return e.breakdown
 
@@ -743,7 +772,7 @@ def test_estimate_minimum_counts_dout_when_training():
     cfg = EstimateConfig(segment_lengths=(1000,), dilation_rates=(1,), heads=8, head_dim=64,
                          kv_heads=2, batch=1, dtype="float32", causal=False, window=None,
                          seq_len=1000, world_size=1, training=True, impl="dilated", threads=1)
-    phases = minimum(cfg, 1000)
+    phases = minimum(cfg, 1000, cfg.training)
     row = 1 * 1000 * 64 * 4  # one head's rows
     assert phases["forward"]["inputs (q/k/v shards, dout)"] == row * (8 + 2 * 2 + 8)
     assert phases["backward"]["inputs (q/k/v shards, dout)"] == row * (8 + 2 * 2 + 8)

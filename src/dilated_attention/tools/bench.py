@@ -43,6 +43,7 @@ from ..functional import dilated_attention, ring_attention
 from ..backends import recommended_dtype
 from ..kernels import lse_dtype
 from ..validation import check_strategy
+from .estimate.formula import minimum
 from .settings import (DEFAULT_SEQ_LENS, DEFAULT_WORLD_SIZES, MB, PROG, AttentionSetting,
                        check_mesh_heads, check_setting, check_window, check_zigzag,
                        default_threads, plural, ring_layout)
@@ -117,10 +118,6 @@ class BenchConfig(AttentionSetting):
     @property
     def steps(self) -> int:
         return sum(len(self.cases_for(p)) for p in self.world_sizes)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
 
 
 def make_config(
@@ -211,6 +208,29 @@ def make_config(
         strategies=strategies, meshes=meshes, flat_world_sizes=flat_world_sizes,
         window=window,
     )
+
+
+def check_room(config: BenchConfig, free: Optional[int]) -> None:
+    """What this machine cannot hold, refused before a rank starts (past its memory the OOM
+    killer takes a rank, which then dies without a report, or the machine swaps): the most
+    --world-sizes (``launch.check_room``) and, on CPU, the longest --seq-lens, whose inputs
+    and outputs alone (the op's contract; the ranks' pieces together, all on this machine)
+    and the ranks' own memory pass the `free` bytes (None: unknown, not checked). A lower
+    bound of a case's peak: what passes may still not fit (``dilated-attention estimate``).
+    A GPU's memory is not asked here (that would open a CUDA context in this process)."""
+    launch.check_room(config.world_sizes[-1], "--world-sizes", free)
+    if config.device != "cpu" or free is None:
+        return
+    n, p = config.seq_lens[-1], config.world_sizes[0]
+    data = max(sum(phase.values()) for phase in minimum(config, n, config.backward).values())
+    need = data + p * launch.RANK_BYTES
+    if need > free:
+        raise ValueError(
+            f"--seq-lens {n}: its inputs and outputs alone take {data / 2**30:.1f} GiB"
+            f"{' with the backward' if config.backward else ''} ({need / 2**30:.1f} GiB with "
+            f"{plural(p, 'rank')}), more than the {free / 2**30:.1f} GiB this "
+            f"machine has free; choose shorter --seq-lens"
+        )
 
 
 # --------------------------------------------------------------------------

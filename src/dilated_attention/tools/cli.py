@@ -304,6 +304,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     )
     if launched is None or os.environ.get("RANK") == "0":  # the rank that writes the results
         writable_folder("--out", args.out, ("bench.json", "bench.png"))
+    if launched is None:  # ranks of torchrun's may be on other machines
+        _checked(bench.check_room, config, launch.available_memory())
     command = shlex.join([PROG] + args.argv)
     load_before = bench.load_average()  # other processes' load, before ours adds to it
     if launched is not None:
@@ -342,6 +344,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         if results is None:
             return 0
     else:
+        _checked(launch.check_room, world_size, "--world-size", launch.available_memory())
         progress = Progress(config.steps, "verify")
         try:
             # small cases: a rank stuck on a failed peer gives up after a minute
@@ -420,10 +423,10 @@ def writable_folder(option: str, folder: str, files: Sequence[str]) -> None:
             raise UsageError(f"{option} {folder}: {path} exists and is not a file")
 
 
-def _checked(make_config: Callable, **options: Any) -> Any:
-    """Build a command's config; its ValueError is a user mistake."""
+def _checked(check: Callable, *args: Any, **options: Any) -> Any:
+    """Build or check a command's config; its ValueError is a user mistake."""
     try:
-        return make_config(**options)
+        return check(*args, **options)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 

@@ -322,6 +322,38 @@ def _setup_device(device: str, local_rank: int) -> str:
     return "cpu"
 
 
+# A spawned rank's own memory before it holds a tensor (torch, gloo, the library): about
+# 150 MB anonymous on the CI machines, counted as 100 MiB so that the checks of room below
+# refuse only what cannot run.
+RANK_BYTES = 100 << 20
+
+
+def available_memory() -> Optional[int]:
+    """Bytes this machine can still give without swapping (MemAvailable in /proc/meminfo),
+    None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_room(world_size: int, option: str, free: Optional[int]) -> None:
+    """`world_size` ranks whose own memory alone (RANK_BYTES each) passes the `free` bytes
+    (``available_memory``; None: unknown, not checked): a ValueError naming `option`, before
+    any starts (past it the kernel's OOM killer picks a rank, or the machine swaps)."""
+    need = world_size * RANK_BYTES
+    if free is not None and need > free:
+        raise ValueError(
+            f"{option} {world_size}: {world_size} ranks take at least {need / 2**30:.1f} GiB "
+            f"({RANK_BYTES >> 20} MiB each before any tensor), more than the "
+            f"{free / 2**30:.1f} GiB this machine has free; spawn fewer ranks"
+        )
+
+
 def limit_malloc_caching() -> None:
     """Let freed memory go back to the OS, so a process's RSS peak is its tensors' peak.
 

@@ -12,6 +12,8 @@ import dataclasses
 import os
 from typing import Optional, Sequence, Tuple
 
+import torch
+
 from .. import validation as check
 
 PROG = "dilated-attention"
@@ -77,6 +79,10 @@ class AttentionSetting:
     dtype: str
     causal: bool
     window: Optional[int]  # ring attention's sliding window: `window` keys each side
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
 
     @property
     def window_size(self) -> Tuple[int, int]:

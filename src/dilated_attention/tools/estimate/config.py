@@ -51,10 +51,6 @@ class EstimateConfig(AttentionSetting):
         return reaches(self.window_size, self.seq_len)
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    @property
     def patterns(self) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
         if self.impl == "ring":  # dense attention: one segment of N, rate 1
             return (self.seq_len,), (1,)

@@ -25,6 +25,7 @@ from ...patterns import Heads
 from ...layout import Layout
 from ... import policy
 from ...plan import Plan, transfer_counts
+from ..settings import AttentionSetting
 from .config import EstimateConfig, fuses, split
 
 # forward bytes, forward messages, backward bytes, backward messages of one rank
@@ -44,22 +45,23 @@ _KV_SPLIT = 512
 CUDA_WORKSPACE = 8 << 20
 
 
-def sizes(config: EstimateConfig) -> Tuple[int, int]:
+def sizes(config: AttentionSetting) -> Tuple[int, int]:
     """(s, a): bytes per element of the dtype and of its accumulators."""
     return config.torch_dtype.itemsize, lse_dtype(config.torch_dtype).itemsize
 
 
-def minimum(config: EstimateConfig, n: int) -> Dict[str, Dict[str, int]]:
+def minimum(config: AttentionSetting, n: int, training: bool) -> Dict[str, Dict[str, int]]:
     """Per phase, the op's contract on a rank of n rows: {label: bytes} of the inputs it
-    holds and the outputs that exist (forward: out, lse; backward: also dq, dk, dv)."""
+    holds and the outputs that exist (forward: out, lse; training's backward: also dq, dk,
+    dv)."""
     s, a = sizes(config)
     row = config.batch * n * config.head_dim * s  # one head's rows
     h, hk = config.heads, config.kv_heads
-    inputs = {"inputs (q/k/v shards" + (", dout)" if config.training else ")"):
-              row * (h + 2 * hk + (h if config.training else 0))}
+    inputs = {"inputs (q/k/v shards" + (", dout)" if training else ")"):
+              row * (h + 2 * hk + (h if training else 0))}
     out = row * h + config.batch * n * h * a
     phases = {"forward": {**inputs, "outputs (out, lse)": out}}
-    if config.training:
+    if training:
         phases["backward"] = {**inputs, "outputs (out, lse, dq, dk, dv)": out + row * (h + 2 * hk)}
     return phases
 

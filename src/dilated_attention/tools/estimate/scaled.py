@@ -291,7 +291,7 @@ class _Rank:
 
 
 def _from_trace(config: EstimateConfig, t: dryrun.Trace) -> _Rank:
-    floor = minimum(config, t.rows)
+    floor = minimum(config, t.rows, config.training)
     working = {phase: peak - sum(floor[phase].values()) for phase, peak in t.peaks.items()}
     return _Rank(t.piece, t.rows, working, kernel_scratch(config, t.plan, t.rows))
 
@@ -313,7 +313,7 @@ def _largest(config: EstimateConfig, ranks: List[_Rank]) -> Estimate:
     memory beyond it, and the kernels' own buffers."""
     options = []
     for rank in ranks:
-        floor = minimum(config, rank.rows)
+        floor = minimum(config, rank.rows, config.training)
         for phase, working in rank.working.items():
             label = f"working memory ({'extrapolated' if rank.traced else 'traced'})"
             breakdown = {**floor[phase], label: working, rank.scratch[0]: rank.scratch[1]}
