@@ -165,9 +165,8 @@ def parameter_counts(config: LongNetConfig) -> Tuple[int, int, int]:
     block = (norm + linear(e, e) + 2 * linear(e, kv) + norm + linear(e, e)  # attention, sub-LN
              + norm + linear(e, f) + 2 * f + linear(f, e))  # feed-forward, its sub-LN
     other = v * e + (0 if config.tie_embeddings else v * e) + norm
-    if config.positions == "learned":
-        other += config.max_seq_len * e
-    return other + config.num_layers * block, block, max(v * e, e * f)
+    table = config.max_seq_len * e if config.positions == "learned" else 0
+    return other + table + config.num_layers * block, block, max(v * e, e * f, table)
 
 
 def _sizes(setup: ModelSetup) -> Tuple[int, int]:
