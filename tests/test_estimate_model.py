@@ -249,6 +249,15 @@ def test_model_command(tmp_path, capsys):
     assert all(row["offload"]["seq_len"] >= row["none"]["seq_len"] > 0 for row in fits)
 
 
+def test_model_dry_run_with_attention_dropout(tmp_path, capsys):
+    """The attention's dropout draws its masks from a generator, which meta tensors have not:
+    the dry run of a model with attention_dropout once ended in a RuntimeError traceback."""
+    path = tmp_path / "dropout.json"
+    path.write_text(json.dumps({"preset": "tiny", "attention_dropout": 0.1, "num_layers": 1}))
+    assert cli.main(["estimate", "--model", str(path), "--seq-len", "1024", "--dry-run"]) == 0
+    assert "dry run: peak on the device" in capsys.readouterr().out
+
+
 MODEL_ERRORS = [
     (["estimate", "--fit-memory", "8GB", "--seq-len", "64"], "--fit-memory needs --model"),
     (["estimate", "--model", "tiny"], "--seq-len N or --fit-memory SIZE"),

@@ -377,8 +377,10 @@ def _dropout_scale(shape, p: float, seed: int, qi: int, ki: int, device,
     default dtype is: under a half-precision default the keep rate would drift
     (bf16 uniforms are coarse) and the masks would change with the setting.
     """
-    gen = torch.Generator(device=device)
-    gen.manual_seed(_block_seed(seed, qi, ki))
+    gen = None
+    if torch.device(device).type != "meta":  # meta (estimate's dry runs) has no generator
+        gen = torch.Generator(device=device)
+        gen.manual_seed(_block_seed(seed, qi, ki))
     keep = torch.rand(shape, generator=gen, device=device, dtype=torch.float32) >= p
     return keep.to(dtype) * (1.0 / (1.0 - p))
 
