@@ -105,10 +105,14 @@ def test_model_rows_are_the_largest_piece():
     # a learned position table larger than the vocabulary's: AdamW's temporaries are its size
     # (once sized by the embedding's: 33% low here)
     (_setup(2048, positions="learned"), "layers", 0.01),
+    # dropout: each nn.Dropout keeps its mask, (2 e + f) per row and block (once left out:
+    # 20% low without checkpointing, 15.5% under layers)
+    (_setup(8192, num_layers=4, dropout=0.1), "none", 0.005),
+    (_setup(8192, num_layers=4, dropout=0.1), "layers", 0.01),
 ], ids=["layers", "offload", "ffn-chunks-batch-4", "ffn-chunks-batch-4-layers",
         "ffn-chunks-batch-1", "ffn-chunks-recomputed", "ffn-one-chunk", "rotary", "loss-chunks",
         "loss-chunks-bf16", "loss-chunks-fp16", "loss-chunks-fp16-narrow",
-        "learned-positions-table"])
+        "learned-positions-table", "dropout", "dropout-layers"])
 def test_formula_is_close_to_the_dry_run(setup, mode, rel):
     """The formula against the model's dry run, tighter than test_formula_matches_the_dry_run's
     5% where the formula is that close (0.2% to 0.5% here)."""

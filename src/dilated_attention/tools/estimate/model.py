@@ -22,7 +22,9 @@ from layers.py and the op): the block input, the attention norm's output (the
 projections' input), q, k, v, the op's out and log-sum-exp, the sub-LN's
 output, the residual, the feed-forward norm's output and its three (f)
 intermediates (fc1, activation, sub-LN), and two fp32 statistics per LayerNorm:
-7 e + 2 hk d + 3 f numbers in the dtype, h + 8 accumulators. With
+7 e + 2 hk d + 3 f numbers in the dtype, h + 8 accumulators; with dropout also
+the three ``nn.Dropout`` masks (2 e + f: the two residuals', the feed-forward's),
+bool on CUDA (ATen's fused dropout), the scaled noise in the dtype elsewhere. With
 ``ffn_chunk_bytes`` the feed-forward keeps only its input (recomputed per
 chunk). ``checkpoint="layers"`` keeps each block's input (e) and recomputes
 one block at a time in backward; ``"offload"`` keeps those inputs in host
@@ -181,9 +183,20 @@ def block_saved(setup: ModelSetup) -> Tuple[int, int]:
     s, a = _sizes(setup)
     e, f, h = c.embed_dim, c.ffn_dim, c.num_heads
     kv = (c.num_kv_heads or h) * (e // h)
-    attention = (5 * e + 2 * kv) * s + (h + 4) * a
-    feed_forward = e * s if ffn_chunk_rows(setup) is not None else (2 * e + 3 * f) * s + 4 * a
+    m = dropout_mask_bytes(setup)
+    attention = (5 * e + 2 * kv) * s + (h + 4) * a + e * m
+    feed_forward = e * m + (e * s if ffn_chunk_rows(setup) is not None else
+                            (2 * e + 3 * f) * s + 4 * a + f * m)
     return attention, feed_forward
+
+
+def dropout_mask_bytes(setup: ModelSetup) -> int:
+    """Bytes per element of the mask each ``nn.Dropout`` keeps for backward (0 without
+    dropout): ATen's fused dropout (CUDA) keeps a bool mask, its composite one (CPU, meta)
+    the scaled noise, in the dtype."""
+    if setup.config.dropout == 0:
+        return 0
+    return 1 if setup.device == "cuda" else setup.torch_dtype.itemsize
 
 
 def ffn_chunk_rows(setup: ModelSetup) -> Optional[int]:
