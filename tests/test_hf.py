@@ -38,7 +38,7 @@ from dilated_attention.integrations.transformers import (causal_lm_loss, causal_
 from dilated_attention.integrations.transformers.generation import cache_keyword
 from dilated_attention.integrations.transformers.masks import (CAUSAL, PackedDocuments, Window,
                                                                 build_mask)
-from dist_harness import run_distributed, subgroup
+from dist_harness import error_of, run_distributed, subgroup
 
 TOL = dict(rtol=0, atol=1e-10)
 VOCAB = 61
@@ -2211,3 +2211,32 @@ def test_bert_like_families_equal_sdpa(model_type):
 
     ids, mask = tokens(2, 19), padding("left", 2, 19)
     assert_equals_sdpa(make, ids, mask, output="last_hidden_state", attention_mask=mask)
+
+
+def _bad_targets_rank(group):
+    """Rank 0 passes a target of -1 (not -100), the other ranks good ones."""
+    head = torch.nn.Linear(8, VOCAB, bias=False, dtype=torch.float64)
+    hidden = torch.randn(1, 4, 8, dtype=torch.float64)
+    targets = torch.zeros(1, 4, dtype=torch.long)
+    if comm.group_rank(group) == 0:
+        targets[0, 2] = -1
+    return [error_of(lambda: causal_lm_loss(hidden, targets, group, lm_head=head))[0],
+            error_of(lambda: causal_lm_loss(head(hidden), targets, group))[0]]
+
+
+def test_causal_lm_loss_refuses_bad_targets_on_every_rank():
+    """A target that is neither an id nor -100: the chunked loss once read -1 as id 0 and
+    trained on it silently (the logits path raised an IndexError on that rank alone, the
+    others waiting in the loss's all-reduce); now a ValueError on every rank, either path."""
+    head = torch.nn.Linear(8, VOCAB, bias=False)
+    for bad in (-1, VOCAB):
+        targets = torch.tensor([[1, bad, -100]])
+        for outputs, kwargs in ((torch.zeros(1, 3, 8), dict(lm_head=head)),
+                                (torch.zeros(1, 3, VOCAB), {})):
+            with pytest.raises(ValueError, match=rf"targets must be ids in \[0, {VOCAB}\) or "
+                                                 rf"-100 \(ignored\), got {bad}"):
+                causal_lm_loss(outputs, targets, None, **kwargs)
+    for rank, errors in enumerate(run_distributed(_bad_targets_rank, 2, timeout=60)):
+        for error in errors:
+            assert error.startswith("ValueError"), error
+            assert ("got -1" if rank == 0 else "failed on another rank") in error, error

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from ...distributed import comm
 from ...distributed.sharding import shard_sequence
+from ...models.inputs import check_targets
 from ...models.loss import (IGNORE_INDEX, LOSS_CHUNK_BYTES, chunked_token_mean_loss,
                             token_mean_loss)
 from .documents import restarts
@@ -117,6 +118,9 @@ def causal_lm_loss(outputs: Tensor, targets: Tensor, group: comm.GroupLike, *,
     logits take at most `chunk_bytes`, recomputed in backward, and the
     (b, n, v) logits never exist (same value and gradients, to rounding).
 
+    Targets are ids in [0, vocab) or -100 (ignored); anything else is a
+    ``ValueError`` on every rank (one small agreement collective checks the
+    arguments first, as the models' forward does).
     The same value on every rank, equal to the single-process loss. Every
     rank must call it (one whose targets are all -100 too: no hang). Its
     gradient is P times this rank's share (P ranks in `group`), as
@@ -127,19 +131,28 @@ def causal_lm_loss(outputs: Tensor, targets: Tensor, group: comm.GroupLike, *,
     the ranks' parameters stay equal (the attention backend does not see
     the parameters): LongNetLM's forward does.
     """
-    width = None
-    if lm_head is not None:
-        if not isinstance(lm_head, nn.Linear):
-            raise TypeError(f"lm_head must be the model's torch.nn.Linear head, got "
-                            f"{type(lm_head).__name__}")
-        width = lm_head.in_features
-    if not isinstance(outputs, Tensor) or not isinstance(targets, Tensor) \
-            or outputs.dim() != 3 or tuple(targets.shape) != tuple(outputs.shape[:2]) \
-            or width not in (None, outputs.shape[2]):
-        what = "logits (batch, seq_len, vocab)" if lm_head is None else \
-            f"hidden states (batch, seq_len, {width}) for lm_head"
-        raise ValueError(f"outputs must be the {what} and targets (batch, seq_len), got "
-                         f"{describe(outputs)} and {describe(targets)}")
+    def checks() -> Dict[str, object]:
+        # inside the agreement: a mistake on one rank raises on every rank (no rank left
+        # waiting in the loss's all-reduce)
+        width = None
+        if lm_head is not None:
+            if not isinstance(lm_head, nn.Linear):
+                raise TypeError(f"lm_head must be the model's torch.nn.Linear head, got "
+                                f"{type(lm_head).__name__}")
+            width = lm_head.in_features
+        if not isinstance(outputs, Tensor) or not isinstance(targets, Tensor) \
+                or outputs.dim() != 3 or tuple(targets.shape) != tuple(outputs.shape[:2]) \
+                or width not in (None, outputs.shape[2]):
+            what = "logits (batch, seq_len, vocab)" if lm_head is None else \
+                f"hidden states (batch, seq_len, {width}) for lm_head"
+            raise ValueError(f"outputs must be the {what} and targets (batch, seq_len), got "
+                             f"{describe(outputs)} and {describe(targets)}")
+        # ids or IGNORE_INDEX: the chunked loss would read any other negative as id 0
+        vocab = outputs.shape[2] if lm_head is None else lm_head.out_features
+        check_targets(targets, targets, vocab, "targets")
+        return {}
+
+    comm.agree(group, checks)
     if lm_head is None:
         return token_mean_loss(outputs, targets.long(), group)
     return chunked_token_mean_loss(outputs, lm_head.weight, targets.long(), group,
