@@ -273,6 +273,8 @@ MODEL_ERRORS = [
     (["estimate", "--model", "huge", "--seq-len", "64"], "--model must be one of base, tiny"),
     (["estimate", "--model", "tiny", "--fit-memory", "lots"], "--fit-memory must be a size"),
     (["estimate", "--model", "tiny", "--fit-memory", "8GB", "--dry-run"], "--dry-run runs one"),
+    (["estimate", "--model", "tiny", "--seq-len", "64", "--world-size", "128"],
+     "--world-size 128 is larger than --seq-len 64"),
 ]
 
 

@@ -126,7 +126,7 @@ def make_config(
                          f"--device cuda")
     if world_size > seq_len:
         raise ValueError(
-            f"world size {world_size} is larger than sequence length {seq_len}: every rank "
+            f"--world-size {world_size} is larger than --seq-len {seq_len}: every rank "
             f"needs at least one row"
         )
     check_window(window, impl == "ring")
