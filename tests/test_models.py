@@ -92,6 +92,9 @@ def test_config_errors(overrides, error, match):
         small_config(**overrides)
     with pytest.raises(ValueError, match="unknown LongNet preset 'huge'"):
         LongNetConfig.from_name("huge")
+    # not a name (a JSON file's {"preset": ["tiny"]}): once "unhashable type: 'list'"
+    with pytest.raises(ValueError, match=r"unknown LongNet preset \['tiny'\]"):
+        LongNetConfig.from_name(["tiny"])
 
 
 # ---------------------------------------------------------------------------

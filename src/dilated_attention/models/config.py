@@ -114,7 +114,7 @@ class LongNetConfig:
     @classmethod
     def from_name(cls, name: str, **overrides) -> "LongNetConfig":
         """A preset ("base" or "tiny"), with any field overridden by keyword."""
-        if name not in _PRESETS:
+        if not isinstance(name, str) or name not in _PRESETS:
             raise ValueError(f"unknown LongNet preset {name!r}; choose one of {tuple(_PRESETS)}")
         return cls(**{**_PRESETS[name], **overrides})
 
