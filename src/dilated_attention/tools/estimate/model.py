@@ -38,7 +38,9 @@ gradients) in its feed-forward part or its attention part (where the op's own
 working memory, from the op's estimate, adds), under checkpointing with
 feed-forward chunks the top block's recomputed forward (the chunks' outputs
 beside their join), and AdamW's step. ``model_dryrun`` runs the real model on
-meta tensors to check this arithmetic (tests: within 5%).
+meta tensors to check this arithmetic (tests: within 5%). Not modelled:
+``attention_dropout``, with which the op runs its blockwise kernel, whose score
+blocks the op's estimate (made without dropout) does not count; the dry run does.
 """
 
 from __future__ import annotations
