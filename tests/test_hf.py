@@ -1671,6 +1671,20 @@ def test_modernbert_local_layers_get_a_two_sided_window():
     assert seen == [("Bidirectional", None), ("Window", (3, 3, 4)), ("Bidirectional", None)] * 2
 
 
+def test_a_window_read_off_one_row_faces_as_its_layer():
+    """One row has no later key, so its mask reads as a causal window either way: the layer's
+    causal flag decides (a one-token input; a sequence-parallel rank's piece of one row,
+    which must read as the other ranks do). ModernBERT on one token equals sdpa."""
+    both = _window_mask(lambda b, h, q, kv: (q - kv).abs() <= 3, 3, n=1)
+    assert (both.left, both.right, both.one_row) == (2, 0, True)
+    assert (both.facing(False).left, both.facing(False).right) == (3, 3)
+    assert both.facing(True) is both
+    wide = _window_mask(lambda b, h, q, kv: (q - kv).abs() <= 3, 3)  # read off 12 rows
+    assert not wide.one_row and wide.facing(True) is wide
+    assert_equals_sdpa(lambda impl: encoder("modernbert", impl), tokens(2, 1),
+                       torch.ones(2, 1, dtype=torch.long), output="last_hidden_state")
+
+
 def bert_reference(model, ids, key_padding_mask=None):
     """BertModel.forward written out, its attention a direct dilated_attention call."""
     x = model.embeddings(input_ids=ids)
@@ -2021,18 +2035,20 @@ def test_a_prepared_decoder_mask_is_refused_as_a_mask():
 def _encoder_rank(group):
     """BERT (real dilated patterns) and ModernBERT (dense pattern: its window layers' halo
     exchange) on this rank's rows at their global positions against one process: hidden
-    states and gradients, plain and padded."""
+    states and gradients, plain and padded; ModernBERT also over 3 rows (pieces 2 | 1: a
+    rank's window read off one row)."""
     world, rank = comm.group_size(group), comm.group_rank(group)
     patterns = {"bert": (SEGMENTS, RATES), "modernbert": ([4096], [1])}
-    n = 29
-    (start, stop), = piece_ranges(n, world, rank)
     out = []
     for kind, (segs, rates) in patterns.items():
         one = register(f"dilated_encoder_one_{kind}_test", segment_lengths=segs,
                        dilation_rates=rates)
         sp = register(f"dilated_encoder_sp_{kind}_test", segment_lengths=segs,
                       dilation_rates=rates, group=group)
-        for pad in ("none", "left", "right"):
+        cases = [(29, pad) for pad in ("none", "left", "right")]
+        cases += [(3, "none")] if kind == "modernbert" else []
+        for n, pad in cases:
+            (start, stop), = piece_ranges(n, world, rank)
             ids, mask = tokens(2, n, seed=5), padding(pad, 2, n)
             weight = torch.randn(2, n, 32, dtype=torch.float64,
                                  generator=torch.Generator().manual_seed(6)) * mask[..., None]
@@ -2046,7 +2062,7 @@ def _encoder_rank(group):
                 all_reduce_gradients(model, g)
                 result.append((hidden.detach(), grads(model)))
             (ref, ref_grads), (ours, our_grads) = result
-            out.append((f"{kind} {pad}", ours, ref[:, start:stop], mask[:, start:stop],
+            out.append((f"{kind} {pad} n={n}", ours, ref[:, start:stop], mask[:, start:stop],
                         our_grads, ref_grads))
     return out
 

@@ -203,6 +203,10 @@ class _Backend:
     def _attend(self, module, q: Tensor, k: Tensor, v: Tensor, attention_mask, dropout: float,
                 scaling: Optional[float], is_causal: Optional[bool], tensors, kwargs) -> Tensor:
         """`__call__` once q, k and v share one head dim: out (b, n, h, d)."""
+        if isinstance(attention_mask, Window):
+            # a window read off one row: whether it reaches ahead, the layer says
+            attention_mask = attention_mask.facing(
+                is_causal if is_causal is not None else getattr(module, "is_causal", True))
         said_causal = mask_says_causal(attention_mask)
         if isinstance(attention_mask, Causal):
             attention_mask = None  # plain causal (Note [what the mask function returns])

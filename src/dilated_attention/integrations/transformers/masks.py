@@ -120,11 +120,26 @@ class Bidirectional(_ForTheAttentionFunction):
 class Window(_ForTheAttentionFunction):
     """transformers' sliding-window mask, read and checked: query t sees the keys [t - left,
     t + right] of its document; `inner` is what the mask says besides (None, the (b, k_len)
-    keep-mask, or PackedDocuments)."""
+    keep-mask, or PackedDocuments).
+
+    `one_row`: read off a sequence of one row (a one-token input, or a sequence-parallel
+    rank's piece of one row), which has no later key: the mask cannot say whether the window
+    reaches ahead, and reads as causal. The attention function then asks the layer
+    (``facing``): the reading must be the one its other ranks make, and the one the layer's
+    `sliding_window` keyword describes. (Probing a key past the sequence would index
+    transformers' packed-sequence table out of range under torch.compile.)"""
 
     left: int
     right: int
     inner: Any = None
+    one_row: bool = False
+
+    def facing(self, causal: bool) -> "Window":
+        """The window a layer with this causal flag runs: a one-row reading of a
+        bidirectional layer reaches ahead as far as back, size = left + 1 keys each way."""
+        if not self.one_row or causal:
+            return self
+        return Window(self.left + 1, self.left + 1, self.inner)
 
 
 def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
@@ -201,7 +216,8 @@ def _build_mask(batch_size: int, q_length: int, kv_length: int, q_offset, kv_off
         return keep
     if window is not None:
         left, right, starts = window
-        return Window(left, right, _with_documents(keep, starts))
+        return Window(left, right, _with_documents(keep, starts),
+                      one_row=q_length == 1 and q_offset == 0)
     if mask_function is bidirectional_mask_function:
         return Bidirectional(keep)
     if mask_function is None or mask_function is causal_mask_function:
@@ -267,7 +283,8 @@ def _read_window(mask_function, batch: int, q_length: int, q_offset: int, size: 
     total = q_offset + q_length  # keys 0 .. total - 1 exist
     if not bool(allowed(t, t).all()):
         return Refused("a mask in which a query cannot see its own key")
-    # decoding sees no key after the new token: a causal window
+    # decoding sees no key after the new token: a causal window; nor does one row alone
+    # (Window.one_row)
     ahead = q_length > 1 and bool(allowed(t[:-1], t[:-1] + 1).any())
     left, right = (size, size) if ahead else (size - 1, 0)
     starts = torch.zeros(0, dtype=torch.long, device=device)
