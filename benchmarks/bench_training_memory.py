@@ -38,6 +38,7 @@ import torch
 
 from dilated_attention import LongNetConfig, LongNetLM
 from dilated_attention.tools.bench import PeakMemory
+from dilated_attention.tools.launch import limit_malloc_caching
 
 MODES = ("none", "layers", "offload")
 
@@ -89,6 +90,11 @@ def estimated_growth(args: argparse.Namespace, mode: str) -> int:
 
 def run_case(args: argparse.Namespace, mode: str) -> Dict[str, object]:
     """One mode's measured steps, in this process."""
+    # large tensors mmapped, so that each leaves the RSS when freed: else glibc keeps the
+    # warm-up's freed blocks in the heap (malloc_trim returns only its top) and later steps
+    # reuse them without raising the high-water mark (tiny's layers step read 124 MiB for
+    # 86 MiB of tensors)
+    limit_malloc_caching()
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
