@@ -8,20 +8,22 @@
     python benchmarks/bench_training_memory.py --preset base --layers 2 --seq-len 16384 \
         --modes layers --ffn-chunk-bytes 16777216          # the feed-forward over chunks
 
-A step is forward, backward and an AdamW step on one sequence of
---seq-len tokens with random targets. Each case runs in a fresh subprocess:
-one warm-up step on 64 tokens (imports, AdamW's state, first-use costs),
-the heap's free memory handed back (malloc_trim), then the measured steps. Peak memory is the growth above the process
-before the step's forward (CPU: /proc/self/clear_refs and VmHWM, the
-package's PeakMemory; CUDA: the allocator's peak), through backward
-("fwd+bwd") and through the optimizer step too ("step": its own peak on top
-of the gradients backward left), in MiB and in units of one fp32 logits
-tensor (batch x tokens x vocabulary x 4 bytes), the unit of issue 26's
-target. Times (the whole step): min and median over --repeats steps, and
-the median over the "none" case's (issue 26's target: "layers" at most
-1.4x). "estimate": ``estimate --model``'s formula (tools/estimate/model.py)
-for the same step, less the parameters and AdamW's moments, which exist
-before the step; "/ step": estimate over the measured step peak.
+A step is forward, backward and an AdamW step on one sequence of --seq-len
+tokens with random targets. Each case runs in a fresh subprocess: large
+tensors mmapped (so that each leaves the resident set when freed), one
+warm-up step on 64 tokens (imports, AdamW's state, first-use costs), the
+heap's free memory handed back (malloc_trim), then the measured steps. Peak
+memory is the growth above the process before the step's forward (CPU:
+/proc/self/clear_refs and VmHWM, the package's PeakMemory; CUDA: the
+allocator's peak), through backward ("fwd+bwd") and through the optimizer
+step too ("step": its own peak on top of the gradients backward left), in
+MiB and in units of one fp32 logits tensor (batch x tokens x vocabulary x 4
+bytes), the unit of issue 26's target. Times (the whole step): min and
+median over --repeats steps, and the median over the "none" case's (issue
+26's target: "layers" at most 1.4x). "estimate": ``estimate --model``'s
+formula (tools/estimate/model.py) for the same step, less the parameters and
+AdamW's moments, which exist before the step; "/ step": estimate over the
+measured step peak.
 """
 
 from __future__ import annotations
