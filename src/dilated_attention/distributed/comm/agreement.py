@@ -57,7 +57,12 @@ def agree(
         "config": mine,
         "error": None if error is None else f"{type(error).__name__}: {error}",
     }
-    gathered = _gather_objects(payload, group)
+    gather = _gather_objects
+    if torch.compiler.is_compiling():
+        # a sequence-parallel model under torch.compile: the exchange runs eagerly, a graph
+        # break either way (pickle is not traceable), but traced into, Dynamo warned about it
+        gather = torch.compiler.disable(_gather_objects)
+    gathered = gather(payload, group)
     failures = [(r, p["error"]) for r, p in enumerate(gathered) if p["error"] is not None]
     if failures:
         if error is not None:
