@@ -35,6 +35,29 @@ def test_fullgraph_compile_matches_eager(causal: bool) -> None:
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_double_backward_of_a_compiled_call() -> None:
+    """create_graph through a compiled call: Dynamo alone (backend="eager") keeps the custom
+    op's autograd, so the double backward equals eager's; AOTAutograd (aot_eager, inductor)
+    refuses it with torch's own RuntimeError, as docs/compile.md says, never wrong numbers."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 24, 2, 4, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+
+    def attend(q, k, v):
+        return dilated_attention(q, k, v, [4, 8], [1, 2], is_causal=True)
+
+    def double_backward(fn):
+        grads = torch.autograd.grad(fn(q, k, v).square().sum(), (q, k, v), create_graph=True)
+        return torch.autograd.grad(sum(g.square().sum() for g in grads), (q, k, v))
+
+    torch._dynamo.reset()
+    for got, want in zip(double_backward(torch.compile(attend, backend="eager")),
+                         double_backward(attend)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="does not currently support double backward"):
+        double_backward(torch.compile(attend, backend="aot_eager"))
+
+
 def test_importing_the_library_leaves_dynamo_unloaded() -> None:
     """Dynamo is imported by what compiles, not by the library: importing it took a second
     more than torch's own import, in every process and every spawned rank."""
