@@ -192,6 +192,23 @@ def test_static_rotary_tables_beside_a_dynamic_length_raise_torchs_error() -> No
                                    attn(x, x, x, is_causal=True, rotary=rotary)[0])
 
 
+def _assert_model_compiles_like_eager(model, compiled, tokens, targets, *, recompile: bool,
+                                      **kwargs) -> None:
+    """The compiled model's training forward (recompiling only if `recompile`) gives eager's
+    loss and gradients."""
+    results = []
+    for fn in (compiled, model):
+        model.zero_grad(set_to_none=True)
+        with torch._dynamo.config.patch(error_on_recompile=not recompile):
+            loss = fn(tokens, targets, **kwargs)[1]
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (loss_c, grads_c), (loss_e, grads_e) = results
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads_c, grads_e):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("positions", ["sinusoidal", "rotary"])
 def test_model_with_dynamic_length_compiles_once(positions) -> None:
     """LongNetLM's training forward (the chunked loss, a custom op pair like the attention)
@@ -214,17 +231,25 @@ def test_model_with_dynamic_length_compiles_once(positions) -> None:
                            for s in (n, n + 1))
         for x in (tokens, targets):
             torch._dynamo.mark_dynamic(x, 1)
-        results = []
-        for fn in (compiled, model):
-            model.zero_grad(set_to_none=True)
-            with torch._dynamo.config.patch(error_on_recompile=i > 0):
-                loss = fn(tokens, targets)[1]
-            loss.backward()
-            results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-        (loss_c, grads_c), (loss_e, grads_e) = results
-        torch.testing.assert_close(loss_c, loss_e, rtol=1e-12, atol=1e-12)
-        for got, want in zip(grads_c, grads_e):
-            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        _assert_model_compiles_like_eager(model, compiled, tokens, targets, recompile=i == 0)
+
+
+def test_model_with_packed_documents_compiles_fullgraph() -> None:
+    """LongNetLM with cu_seqlens lists compiles without a graph break, as the op does: the
+    first list specialises, the second recompiles with symbolic boundaries, which serves the
+    third; loss and gradients equal eager."""
+    from dilated_attention import LongNetConfig, LongNetLM
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = LongNetConfig(vocab_size=19, embed_dim=16, num_heads=4, ffn_dim=24, num_layers=1,
+                           segment_lengths=(4, 8), dilation_rates=(1, 2), positions="rotary")
+    model = LongNetLM(config, dtype=torch.float64)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    tokens, targets = torch.randint(0, 19, (2, 30)), torch.randint(0, 19, (2, 30))
+    for i, cu_seqlens in enumerate(([0, 5, 30], [0, 11, 30], [0, 17, 30])):
+        _assert_model_compiles_like_eager(model, compiled, tokens, targets, recompile=i < 2,
+                                          cu_seqlens=cu_seqlens)
 
 
 def test_encoder_decoder_compiles_once() -> None:
