@@ -252,6 +252,29 @@ def test_model_with_packed_documents_compiles_fullgraph() -> None:
                                           cu_seqlens=cu_seqlens)
 
 
+def test_model_with_position_ids_breaks_only_where_it_reads_them() -> None:
+    """Restarting position_ids are read on the host (the documents they mark): graph breaks
+    there, but none in the library's own code after them (`max(..., default=None)` was one:
+    Dynamo cannot trace the keyword); loss equal to eager."""
+    from torch._dynamo.utils import counters
+
+    from dilated_attention import LongNetConfig, LongNetLM
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    config = LongNetConfig(vocab_size=19, embed_dim=16, num_heads=4, ffn_dim=24, num_layers=1,
+                           segment_lengths=(4, 8), dilation_rates=(1, 2))
+    model = LongNetLM(config, dtype=torch.float64)
+    tokens, targets = torch.randint(0, 19, (2, 18)), torch.randint(0, 19, (2, 18))
+    positions = torch.cat([torch.arange(5), torch.arange(13)])
+    loss = torch.compile(model, backend="aot_eager")(tokens, targets, position_ids=positions)[1]
+    torch.testing.assert_close(loss, model(tokens, targets, position_ids=positions)[1],
+                               rtol=1e-12, atol=1e-12)
+    reasons = list(counters["graph_break"])
+    assert reasons and not [r for r in reasons if "handle op max" in r]
+
+
 def test_encoder_decoder_compiles_once() -> None:
     """LongNet (encoder-decoder): one graph for every pair of source and target lengths
     marked dynamic, loss equal to eager."""

@@ -124,8 +124,9 @@ class LongNetLM(LongNetBase):
                       position_ids: Optional[Tensor], infos) -> Tensor:
         """(n,) this rank's positions: given, restarting per document, or global."""
         if position_ids is not None:
-            self._check_positions(max((i["max_position"] for i in infos
-                                       if i["max_position"] is not None), default=None))
+            maxima = [i["max_position"] for i in infos if i["max_position"] is not None]
+            # not max(..., default=None): Dynamo cannot trace the keyword (a graph break)
+            self._check_positions(max(maxima) if maxima else None)
             return (position_ids if position_ids.dim() == 1 else position_ids[0]).long()
         n = tokens.shape[1]
         rows = torch.arange(start, start + n, device=tokens.device)
