@@ -258,3 +258,46 @@ def test_call_keys_tell_8_byte_from_16_byte_alignment():
     kwargs = {"CAUSAL": True}
     assert triton_launch._call_key(0, 1, (q, 3), kwargs)[0] != \
         triton_launch._call_key(0, 1, (shifted, 3), kwargs)[0]
+
+
+# A recorder finds each tensor a launch passes among the call's by identity (the first it
+# is): a call whose q is its k and v (self-attention on one tensor) records k's and v's
+# launches with q's slot. On a GPU a later call of the same shapes with three tensors
+# replayed that recipe and launched q's address for k and v: a wrong result, silently.
+
+def test_a_recipe_of_one_tensor_in_two_places_is_not_replayed_for_two(monkeypatch):
+    from triton.runtime import driver
+
+    class Device:  # what replay and keep ask the driver: device 0, stream 0
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    monkeypatch.setattr(driver, "_active", Device())
+    launched = []
+
+    class Compiled:
+        function = packed_metadata = None
+
+        def run(self, *args):
+            # grid (3), stream, function, metadata, 3 hooks, then the tensors' addresses
+            launched.append(args[9:])
+
+    class Kept:  # a kept launch of two tensors
+        _tensors = 2
+
+        def _launch(self, grid, *args, **kwargs):
+            return Compiled(), args[2:]
+
+    recipes = triton_launch.Recipes()
+    one = torch.zeros(4)
+    recorder = recipes.recorder("call", (one, one), kept=())
+    recorder._record(Kept(), (1, 1, 1), one, one, 7)
+    recorder.keep()
+    first, second = torch.zeros(4), torch.zeros(4)
+    assert not recipes.replay("call", (first, second)) and launched == []
+    # the same tensor in both places again: the recipe launches with its address
+    assert recipes.replay("call", (first, first))
+    assert launched == [(first.data_ptr(), first.data_ptr(), 7)]

@@ -37,9 +37,10 @@ its numbers as recorded, the tensors' addresses taken from the new `tensors`
 (which must be the very objects the launches passed). The caller's key names
 what decided the numbers but the tensors (plans, tile sizes, flags); the
 recipe's key adds each tensor's dtype, shape, strides and 16-byte alignment,
-and the devices. A launch's other tensors (a plan's tables) must live in the
-storages of `kept`, which the recipe holds; a launch that passed any other
-tensor, or that went through ``JITFunction.run``, is not kept. A replay checks
+which of them share an address, and the devices. A launch's other tensors (a
+plan's tables) must live in the storages of `kept`, which the recipe holds; a
+launch that passed any other tensor, or that went through ``JITFunction.run``,
+is not kept. A replay checks
 the launch hooks as a kept launch does, and launches nothing where one is set.
 """
 
@@ -308,13 +309,21 @@ def _picker(slots: Sequence[int]) -> Callable[[Sequence[int]], Tuple[int, ...]]:
 
 
 def _recipe_key(key: Hashable, device: int, tensors: Sequence[torch.Tensor],
-                addresses: Sequence[int]) -> Tuple:
+                addresses: List[int]) -> Tuple:
     """A recipe's key: the caller's, the current device, the tensors' device (the first's:
-    a call's are on one), and per tensor what the launches' numbers or Triton's
-    specialisation could read of it."""
-    return (key, device, tensors[0].device,
+    a call's are on one), which tensors share an address (``_shared``), and per tensor what
+    the launches' numbers or Triton's specialisation could read of it."""
+    return (key, device, tensors[0].device, _shared(addresses),
             *[(tensor.dtype, tensor.shape, tensor.stride(), address % 16 == 0)
               for tensor, address in zip(tensors, addresses)])
+
+
+def _shared(addresses: List[int]) -> Tuple[int, ...]:
+    """Per tensor, the first place its address holds: a recorder takes a launch's tensor as
+    the first of the call's that it is, so a call whose q is its k records k's launches with
+    q's address, which a call with a k of its own must not replay. (The list's own index:
+    a dict or a set first took longer, as a call's lse fills several places.)"""
+    return tuple(map(addresses.index, addresses))
 
 
 _LAUNCHERS: Dict[Any, Launcher] = {}
