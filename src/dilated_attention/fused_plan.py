@@ -766,6 +766,8 @@ def _nonempty(table: Tensor) -> Tensor:
 
 
 def _int32(x: Tensor) -> Tensor:
-    if x.numel() and int(x.abs().max()) >= 2**31:
-        raise ValueError(f"a fused-kernel plan needs indices below 2^31, got {int(x.max())}")
+    largest = int(x.abs().max()) if x.numel() else 0
+    if largest >= 2**31:
+        raise ValueError(f"a fused-kernel plan needs indices below 2^31 in magnitude, got "
+                         f"{largest}")
     return x.to(torch.int32)
