@@ -85,6 +85,14 @@ def _sharding_cases(group):
         unshard_sequence(full, group, dim=5 if rank == 0 else 1)
     except ValueError as exc:
         res["bad_dim"] = str(exc)
+    # a piece that requires grad on rank 0 only: its backward's reduce-scatter would wait for
+    # the other ranks until the timeout; the agreement refuses the call on every rank
+    try:
+        back = unshard_sequence(full[:, :2].clone().requires_grad_(rank == 0), group)
+        if back.requires_grad:
+            back.sum().backward()
+    except ValueError as exc:
+        res["one_rank_grad"] = str(exc)
     return res
 
 
@@ -111,3 +119,4 @@ def test_sharding_on_gloo():
         assert torch.equal(res["uneven"], want)
         torch.testing.assert_close(res["ring_out"], ref_out, atol=1e-12, rtol=1e-12)
         assert "dim must index" in res["bad_dim"]
+        assert "ranks disagree on 'requires_grad'" in res["one_rank_grad"], res

@@ -99,9 +99,10 @@ def unshard_sequence(x_local: Tensor, group: comm.GroupLike, *, layout: str = "c
                      dim: int = 1) -> Tensor:
     """The full tensor on every rank, from every rank's piece (uneven contiguous pieces too).
 
-    One agreement collective (shapes, dtype, layout; each rank's length)
-    and one all-gather. Differentiable: the backward sums the gradients of
-    all ranks' copies and returns this rank's rows (a reduce-scatter).
+    One agreement collective (shapes, dtype, layout, whether x_local
+    requires grad; each rank's length) and one all-gather. Differentiable:
+    the backward sums the gradients of all ranks' copies and returns this
+    rank's rows (a reduce-scatter).
     """
 
     def config():
@@ -110,6 +111,8 @@ def unshard_sequence(x_local: Tensor, group: comm.GroupLike, *, layout: str = "c
         shape = list(x_local.shape)
         shape[d] = None  # the sequence length may differ between ranks
         return {"layout": layout, "dim": d, "shape": tuple(shape), "dtype": x_local.dtype,
+                # the backward is a reduce-scatter: every rank runs it, or none does
+                "requires_grad": torch.is_grad_enabled() and x_local.requires_grad,
                 "n": x_local.shape[d]}
 
     infos = comm.agree(group, config, per_rank=("n",))
