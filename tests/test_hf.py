@@ -2240,6 +2240,26 @@ def _bad_targets_rank(group):
             error_of(lambda: causal_lm_loss(head(hidden), targets, group))[0]]
 
 
+def _one_rank_differs(group):
+    """Rank 1 alone passes a different value: each case's outcome on this rank."""
+    odd = comm.group_rank(group) == 1
+    targets = torch.zeros(1, 4, dtype=torch.long)
+    logits = torch.zeros(1, 4, VOCAB, dtype=torch.float64 if odd else torch.float32)
+    return {
+        # the loss's all-reduce in each rank's accumulator dtype: 16 bytes against 8 aborted
+        # the processes in gloo
+        "loss_dtype": error_of(lambda: causal_lm_loss(logits, targets, group))[0],
+        "loss_vocab": error_of(lambda: causal_lm_loss(
+            torch.zeros(1, 4, VOCAB + odd), targets, group))[0],
+    }
+
+
+def test_a_value_on_one_rank_only_is_an_error_on_every_rank():
+    for result in run_distributed(_one_rank_differs, 2, timeout=90):
+        for key, name in (("loss_dtype", "'outputs.dtype'"), ("loss_vocab", "'vocab'")):
+            assert result[key].startswith(f"ValueError: ranks disagree on {name}"), result
+
+
 def test_causal_lm_loss_refuses_bad_targets_on_every_rank():
     """A target that is neither an id nor -100: the chunked loss once read -1 as id 0 and
     trained on it silently (the logits path raised an IndexError on that rank alone, the

@@ -120,7 +120,8 @@ def causal_lm_loss(outputs: Tensor, targets: Tensor, group: comm.GroupLike, *,
 
     Targets are ids in [0, vocab) or -100 (ignored); anything else is a
     ``ValueError`` on every rank (one small agreement collective checks the
-    arguments first, as the models' forward does).
+    arguments first, as the models' forward does), as are ranks whose
+    outputs differ in dtype or vocabulary size.
     The same value on every rank, equal to the single-process loss. Every
     rank must call it (one whose targets are all -100 too: no hang). Its
     gradient is P times this rank's share (P ranks in `group`), as
@@ -150,7 +151,9 @@ def causal_lm_loss(outputs: Tensor, targets: Tensor, group: comm.GroupLike, *,
         # ids or IGNORE_INDEX: the chunked loss would read any other negative as id 0
         vocab = outputs.shape[2] if lm_head is None else lm_head.out_features
         check_targets(targets, targets, vocab, "targets")
-        return {}
+        # the all-reduce below sums in the outputs' accumulator dtype: ranks whose dtypes differ
+        # would enter it with tensors of other sizes (gloo aborts the process)
+        return {"outputs.dtype": outputs.dtype, "vocab": vocab}
 
     comm.agree(group, checks)
     if lm_head is None:
