@@ -2251,13 +2251,36 @@ def _one_rank_differs(group):
         "loss_dtype": error_of(lambda: causal_lm_loss(logits, targets, group))[0],
         "loss_vocab": error_of(lambda: causal_lm_loss(
             torch.zeros(1, 4, VOCAB + odd), targets, group))[0],
+        "mask_shape": _mask_one_row_short(group, odd),
     }
 
 
+def _mask_one_row_short(group, odd: bool) -> str:
+    """A padding mask one key short on rank 1: without a cache transformers takes the key
+    length from the mask, and the mask function raised on that rank alone (a "static cache"),
+    the other waiting in the attention's agreement."""
+    model = build(register("dilated_one_rank_test", segment_lengths=SEGMENTS,
+                           dilation_rates=RATES, group=group))
+    inputs, _ = shard_inputs(tokens(1, 8), group, attention_mask=torch.ones(1, 8))
+    if odd:
+        inputs["attention_mask"] = inputs["attention_mask"][:, 1:]
+    try:
+        model(**inputs)
+    except (ValueError, NotImplementedError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
 def test_a_value_on_one_rank_only_is_an_error_on_every_rank():
-    for result in run_distributed(_one_rank_differs, 2, timeout=90):
+    results = run_distributed(_one_rank_differs, 2, timeout=90)
+    for result in results:
         for key, name in (("loss_dtype", "'outputs.dtype'"), ("loss_vocab", "'vocab'")):
             assert result[key].startswith(f"ValueError: ranks disagree on {name}"), result
+    own, other = (result["mask_shape"] for result in results[::-1])
+    assert own.startswith("NotImplementedError: attention_mask: ") and \
+        "padding mask of shape (1, 3) for 4 tokens" in own, own
+    assert other.startswith("ValueError: the call failed on another rank") and \
+        "padding mask of shape (1, 3)" in other, other
 
 
 def test_causal_lm_loss_refuses_bad_targets_on_every_rank():

@@ -199,6 +199,12 @@ def _build_mask(batch_size: int, q_length: int, kv_length: int, q_offset, kv_off
     # A cache's layout is the same on every rank, so these may raise here
     # (generate() also calls .contiguous() on what a static cache's mask returns).
     if seen != kv_offset + kv_length:
+        if isinstance(attention_mask, Tensor) and attention_mask.dim() == 2 \
+                and attention_mask.shape[-1] == kv_length:
+            # no cache: transformers took kv_length from the user's mask, which may be wrong on
+            # one rank only, so the attention function raises it inside its agreement
+            return Refused(f"a padding mask of shape {tuple(attention_mask.shape)} for "
+                           f"{seen} tokens (batch, seq_len) = {(batch_size, seen)}")
         raise NotImplementedError(
             f"a KV cache whose keys are not the {seen} tokens seen so far (kv_length = "
             f"{kv_length}: a pre-allocated static cache) is not supported; use the default "
