@@ -2252,6 +2252,10 @@ def _one_rank_differs(group):
         "loss_vocab": error_of(lambda: causal_lm_loss(
             torch.zeros(1, 4, VOCAB + odd), targets, group))[0],
         "mask_shape": _mask_one_row_short(group, odd),
+        # shard_inputs sent nothing: rank 1 raised alone, rank 0 waited in the model's first
+        # agreement
+        "shard_labels": error_of(lambda: shard_inputs(
+            tokens(1, 8), group, labels=torch.zeros(1, 8 - odd, dtype=torch.long)))[0],
     }
 
 
@@ -2276,6 +2280,10 @@ def test_a_value_on_one_rank_only_is_an_error_on_every_rank():
     for result in results:
         for key, name in (("loss_dtype", "'outputs.dtype'"), ("loss_vocab", "'vocab'")):
             assert result[key].startswith(f"ValueError: ranks disagree on {name}"), result
+    own, other = (result["shard_labels"] for result in results[::-1])
+    assert own.startswith("ValueError: labels must be (1, 8) like input_ids (1, 8), got "), own
+    assert other.startswith("ValueError: the call failed on another rank") and \
+        "labels must be (1, 8)" in other, other
     own, other = (result["mask_shape"] for result in results[::-1])
     assert own.startswith("NotImplementedError: attention_mask: ") and \
         "padding mask of shape (1, 3) for 4 tokens" in own, own

@@ -50,6 +50,10 @@ def shard_inputs(input_ids: Tensor, group: comm.GroupLike, *, labels: Optional[T
             mark packed documents.
         attention_mask: (b, N) 0/1 padding mask, or None.
 
+    One small agreement collective checks the arguments' shapes and dtypes
+    on every rank (a mistake on one rank is a ``ValueError`` on all of them;
+    the values are not compared).
+
     Returns:
         (inputs, targets): ``model(**inputs)`` runs this rank's contiguous
         slice with its GLOBAL position_ids (and no KV cache); ``targets``
@@ -60,28 +64,40 @@ def shard_inputs(input_ids: Tensor, group: comm.GroupLike, *, labels: Optional[T
         position_ids, nothing padded) also give ``cu_seq_lens_q`` and
         ``cu_seq_lens_k``, the global document boundaries.
     """
-    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a (batch, seq_len) tensor, got "
-                         f"{describe(input_ids)}")
+    def checks() -> Dict[str, object]:
+        # inside one agreement: an argument bad on one rank only raises on every rank (the
+        # others would wait in the model's first agreement until the timeout)
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be a (batch, seq_len) tensor, got "
+                             f"{describe(input_ids)}")
+        b, n = input_ids.shape
+        ranks = comm.group_size(comm.resolve_group(group))
+        if n < ranks:
+            raise ValueError(
+                f"input_ids has {n} tokens for {ranks} sequence-parallel ranks: a rank would "
+                f"get an empty piece, which transformers' models cannot run (their attention "
+                f"layers reshape (batch, 0, -1, head_dim)); pass at least {ranks} tokens or use "
+                f"fewer ranks"
+            )
+        positions = position_ids[None] if isinstance(position_ids, Tensor) \
+            and position_ids.dim() == 1 else position_ids
+        for name, x, rows in (("labels", labels, (b,)), ("position_ids", positions, (1, b)),
+                              ("attention_mask", attention_mask, (b,))):
+            if x is not None and (not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != n
+                                  or x.shape[0] not in rows):
+                raise ValueError(f"{name} must be ({' or '.join(map(str, rows))}, {n}) like "
+                                 f"input_ids {tuple(input_ids.shape)}, got {describe(x)}")
+        # shapes and dtypes: the same batch on every rank (its values are not compared)
+        return {name: None if x is None else (tuple(x.shape), x.dtype)
+                for name, x in (("input_ids", input_ids), ("labels", labels),
+                                ("position_ids", positions), ("attention_mask", attention_mask))}
+
+    comm.agree(group, checks)
     b, n = input_ids.shape
-    ranks = comm.group_size(comm.resolve_group(group))
-    if n < ranks:
-        # the same inputs on every rank: every rank raises here, none waits for an empty one
-        raise ValueError(
-            f"input_ids has {n} tokens for {ranks} sequence-parallel ranks: a rank would get "
-            f"an empty piece, which transformers' models cannot run (their attention layers "
-            f"reshape (batch, 0, -1, head_dim)); pass at least {ranks} tokens or use fewer ranks"
-        )
     if position_ids is None:
         position_ids = torch.arange(n, device=input_ids.device)[None]
     if position_ids.dim() == 1:
         position_ids = position_ids[None]
-    for name, x, rows in (("labels", labels, (b,)), ("position_ids", position_ids, (1, b)),
-                          ("attention_mask", attention_mask, (b,))):
-        if x is not None and (not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != n
-                              or x.shape[0] not in rows):
-            raise ValueError(f"{name} must be ({' or '.join(map(str, rows))}, {n}) like "
-                             f"input_ids {tuple(input_ids.shape)}, got {describe(x)}")
     inputs = {"input_ids": shard_sequence(input_ids, group),
               "position_ids": shard_sequence(position_ids, group), "use_cache": False}
     if attention_mask is not None:
