@@ -10,9 +10,10 @@ q, k, v are read in place through their strides (no copy, whatever their
 layout); out, lse, dq, dk, dv are written once each, with no zero fill. The
 backward runs two kernels: dq over the query tiles (it also stores delta =
 rowsum(dout * out) - dlse, one fp32 per (row, head)), then dK/dV over the
-key tiles, which reads delta (none where k and v are frozen: no gradient). Each runs once per tile height of its plan: tiles
-of few rows launch apart at a smaller BLOCK_M (Note [fused kernel], "Narrow
-tiles"), all of dq's before dK/dV's. With a `nonfinite` check (the
+key tiles, which reads delta (none where k and v are frozen: no gradient).
+Each runs once per tile height of its plan: tiles of few rows launch apart at
+a smaller BLOCK_M (Note [fused kernel], "Narrow tiles"), all of dq's before
+dK/dV's. With a `nonfinite` check (the
 single-device op: a 0 on the device, which the plain forward makes NaN where a
 q row, an out or a k row is not finite) the rule's kernels follow, one launch
 for the forward and one for the backward's dq and dK/dV together, over every
