@@ -64,6 +64,9 @@ def shard_inputs(input_ids: Tensor, group: comm.GroupLike, *, labels: Optional[T
         position_ids, nothing padded) also give ``cu_seq_lens_q`` and
         ``cu_seq_lens_k``, the global document boundaries.
     """
+    if isinstance(position_ids, Tensor) and position_ids.dim() == 1:
+        position_ids = position_ids[None]
+
     def checks() -> Dict[str, object]:
         # inside one agreement: an argument bad on one rank only raises on every rank (the
         # others would wait in the model's first agreement until the timeout)
@@ -79,9 +82,7 @@ def shard_inputs(input_ids: Tensor, group: comm.GroupLike, *, labels: Optional[T
                 f"layers reshape (batch, 0, -1, head_dim)); pass at least {ranks} tokens or use "
                 f"fewer ranks"
             )
-        positions = position_ids[None] if isinstance(position_ids, Tensor) \
-            and position_ids.dim() == 1 else position_ids
-        for name, x, rows in (("labels", labels, (b,)), ("position_ids", positions, (1, b)),
+        for name, x, rows in (("labels", labels, (b,)), ("position_ids", position_ids, (1, b)),
                               ("attention_mask", attention_mask, (b,))):
             if x is not None and (not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != n
                                   or x.shape[0] not in rows):
@@ -90,14 +91,13 @@ def shard_inputs(input_ids: Tensor, group: comm.GroupLike, *, labels: Optional[T
         # shapes and dtypes: the same batch on every rank (its values are not compared)
         return {name: None if x is None else (tuple(x.shape), x.dtype)
                 for name, x in (("input_ids", input_ids), ("labels", labels),
-                                ("position_ids", positions), ("attention_mask", attention_mask))}
+                                ("position_ids", position_ids),
+                                ("attention_mask", attention_mask))}
 
     comm.agree(group, checks)
     b, n = input_ids.shape
     if position_ids is None:
         position_ids = torch.arange(n, device=input_ids.device)[None]
-    if position_ids.dim() == 1:
-        position_ids = position_ids[None]
     inputs = {"input_ids": shard_sequence(input_ids, group),
               "position_ids": shard_sequence(position_ids, group), "use_cache": False}
     if attention_mask is not None:
