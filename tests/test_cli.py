@@ -67,6 +67,14 @@ USAGE_ERRORS = [
     (["estimate", "--seq-len", "12", "--world-size", "4", "--impl", "ring", "--causal"],
      "12 % 8 != 0"),
     ([], "choose a command"),
+    # argparse reads -1G and -2x1 as options ("expected one argument"): the value is named
+    (["estimate", "--model", "tiny", "--fit-memory", "-1G"],
+     "--fit-memory: expected one argument: '-1G' was read as an option (no value here is "
+     "negative)"),
+    (["estimate", "--seq-len", "64", "--mesh", "-2x1"], "'-2x1' was read as an option"),
+    (["estimate", "--seq-len", "64", "--segment-lengths", "-1k", "2k"],
+     "--segment-lengths: expected at least one argument: '-1k' was read as an option"),
+    (["bench", "--out", "--seq-lens", "64"], "argument --out: expected one argument\n"),
 ]
 
 

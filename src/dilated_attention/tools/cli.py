@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import tempfile
 import sys
@@ -269,7 +270,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as exc:  # --help and --version exit through argparse
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     except UsageError as exc:
-        _error(str(exc))
+        _error(_with_dash_hint(str(exc), argv))
         return EXIT_USAGE
     except RunFailed as exc:
         _error(str(exc))
@@ -277,6 +278,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
+
+
+def _with_dash_hint(message: str, argv: Sequence[str]) -> str:
+    # argparse reads a value such as -1G or -2x1 (a '-' and a digit, but not a plain number) as
+    # an option and says only "expected one argument": name the value it skipped. No flag takes
+    # a value below zero, so the value is the mistake.
+    match = re.match(r"argument (--[\w-]+): expected (?:one argument|at least one argument)$",
+                     message)
+    if match is None:
+        return message
+    at = [i for i, token in enumerate(argv[:-1]) if token == match.group(1)]
+    if not at or not re.match(r"-[\d.]", argv[at[-1] + 1]):
+        return message
+    return f"{message}: {argv[at[-1] + 1]!r} was read as an option (no value here is negative)"
 
 
 def _error(message: str) -> None:
