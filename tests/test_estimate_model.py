@@ -246,6 +246,10 @@ def test_model_command(tmp_path, capsys):
                   "backward, top block's chunks recomputed", "backward, bottom block",
                   "backward, embedding", "optimizer step"):
         assert len(model_report._short(stage)) <= 15, stage
+    # the budget in a unit that shows it (1KB was "0.0 GB")
+    for budget, shown in (("1KB", "fits 1,000 bytes per rank"), ("300MB", "fits 300.0 MB")):
+        assert cli.main(["estimate", "--model", "tiny", "--fit-memory", budget]) == 0
+        assert shown in capsys.readouterr().out
     assert cli.main(["estimate", "--model", "tiny", "--fit-memory", "300MB", "--world-size", "2",
                      "--device", "cuda", "--json"]) == 0
     fits = json.loads(capsys.readouterr().out)["fits"]

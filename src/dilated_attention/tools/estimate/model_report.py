@@ -56,7 +56,7 @@ def _report_fit(setup: ModelSetup, budget: int, as_json: bool) -> int:
                                    for row in fits]}, indent=2))
         return 0
     print(f"ESTIMATE (not measured): the longest training sequence N whose step fits "
-          f"{budget / 1e9:,.1f} GB per rank: {describe(setup, with_length=False)}")
+          f"{_size(budget)} per rank: {describe(setup, with_length=False)}")
     print(f"\n{'P':>5s}" + "".join(f"{m:>14s}" for m in CHECKPOINT_MODES)
           + f"{'offload: host per rank':>26s}")
     for row in fits:
@@ -113,3 +113,10 @@ def _tokens(n: int) -> str:
     if n % 1024:  # a learned position table's length
         return f"{n:,}"
     return f"{n / 2**20:,.2f}M" if n >= 2**20 else f"{n // 1024:,}K"
+
+
+def _size(budget: int) -> str:
+    """A budget in the unit that shows it: 80.0 GB, 300.0 MB, 1,000 bytes (not "0.0 GB")."""
+    if budget >= 10**9:
+        return f"{budget / 1e9:,.1f} GB"
+    return megabytes(budget) if budget >= 10**6 else plural(budget, "byte")
