@@ -88,6 +88,17 @@ def test_usage_errors_are_one_line(argv, message, capsys):
     assert "Traceback" not in err
 
 
+def test_a_reader_that_leaves_ends_the_command_quietly():
+    """`dilated-attention estimate ... | head`: a closed stdout is exit status 141 (as cat's),
+    not a BrokenPipeError traceback."""
+    command = "from dilated_attention.tools.cli import main; raise SystemExit(main())"
+    child = subprocess.Popen([sys.executable, "-c", command, "estimate", "--seq-len", "64"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()  # the reader leaves before the first line
+    err = child.stderr.read().decode()
+    assert child.wait() == 141 and err == "", err
+
+
 def test_bench_out_is_checked_before_running(tmp_path, capsys, monkeypatch):
     """--out that cannot be written is a usage error before any rank runs (the results of a
     whole benchmark were once lost to a traceback at the end)."""

@@ -14,6 +14,7 @@ import argparse
 import os
 import re
 import shlex
+import signal
 import tempfile
 import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -266,7 +267,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.argv = argv
         if args.command is None:
             raise UsageError("choose a command: bench, verify or estimate (see --help)")
-        return int(args.run(args))
+        status = int(args.run(args))
+        sys.stdout.flush()  # a reader that left raises here, inside this try, not at exit
+        return status
+    except BrokenPipeError:
+        # `dilated-attention estimate ... | head`: stop quietly, as cat does; stdout onto
+        # devnull so that the interpreter's own flush at exit does not raise it again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except SystemExit as exc:  # --help and --version exit through argparse
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     except UsageError as exc:
