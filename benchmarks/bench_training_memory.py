@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    choices=("sinusoidal", "learned", "rotary"))
     p.add_argument("--ffn-chunk-bytes", type=int, default=None,
                    help="LongNetConfig.ffn_chunk_bytes: the feed-forward over chunks of rows")
+    p.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="LongNetConfig.attention_dropout (the op then runs its blockwise kernel)")
     p.add_argument("--return-logits", action="store_true",
                    help="compute the loss from the whole logits (the path before issue 26)")
     p.add_argument("--repeats", type=int, default=1, help="measured steps per case")
@@ -74,7 +76,8 @@ def model_config(args: argparse.Namespace, mode: str) -> LongNetConfig:
     return LongNetConfig.from_name(args.preset, vocab_size=args.vocab, checkpoint=mode,
                                    max_seq_len=max(args.seq_len, 256),
                                    ffn_chunk_bytes=args.ffn_chunk_bytes,
-                                   positions=args.positions, **layers)
+                                   positions=args.positions,
+                                   attention_dropout=args.attention_dropout, **layers)
 
 
 def estimated_growth(args: argparse.Namespace, mode: str) -> int:
@@ -166,6 +169,7 @@ def main(argv=None) -> int:
     layers = f", {args.layers} layers" if args.layers else ""
     ffn = "" if args.ffn_chunk_bytes is None else \
         f", feed-forward over chunks of {args.ffn_chunk_bytes / 2**20:g} MiB"
+    ffn += f", attention dropout {args.attention_dropout:g}" if args.attention_dropout else ""
     print(f"LongNetLM {args.preset}{layers}, vocabulary {args.vocab}, {args.batch} x "
           f"{args.seq_len} tokens, {args.dtype} on {args.device}{ffn}, {args.positions} "
           f"positions; loss "

@@ -15,7 +15,7 @@ import torch
 
 from dilated_attention import LongNetConfig, LongNetLM
 from dilated_attention.tools import cli
-from dilated_attention.tools.estimate import model, scaled
+from dilated_attention.tools.estimate import config as est_config, formula, model, scaled
 from dilated_attention.distributed.sharding import piece_lengths
 from dilated_attention.tools.estimate.model_dryrun import KernelBuffers, dry_run
 
@@ -109,16 +109,38 @@ def test_model_rows_are_the_largest_piece():
     # 20% low without checkpointing, 15.5% under layers)
     (_setup(8192, num_layers=4, dropout=0.1), "none", 0.005),
     (_setup(8192, num_layers=4, dropout=0.1), "layers", 0.01),
+    # attention dropout: the op runs its blockwise kernel, whose score blocks and accumulator
+    # copies the op's estimate once left out (18% low without checkpointing, 27% under layers)
+    (_setup(4096, vocab_size=64, embed_dim=64, ffn_dim=256, attention_dropout=0.1), "none",
+     0.01),
+    (_setup(4096, vocab_size=64, embed_dim=64, ffn_dim=256, attention_dropout=0.1), "layers",
+     0.01),
 ], ids=["layers", "offload", "ffn-chunks-batch-4", "ffn-chunks-batch-4-layers",
         "ffn-chunks-batch-1", "ffn-chunks-recomputed", "ffn-one-chunk", "rotary", "loss-chunks",
         "loss-chunks-bf16", "loss-chunks-fp16", "loss-chunks-fp16-narrow",
-        "learned-positions-table", "dropout", "dropout-layers"])
+        "learned-positions-table", "dropout", "dropout-layers", "attention-dropout",
+        "attention-dropout-layers"])
 def test_formula_is_close_to_the_dry_run(setup, mode, rel):
     """The formula against the model's dry run, tighter than test_formula_matches_the_dry_run's
     5% where the formula is that close (0.2% to 0.5% here)."""
     working, _ = model.op_working_bytes(setup)
     f, traced = model.formula(setup, mode, working), dry_run(setup, mode)
     assert f.peak_bytes == pytest.approx(traced.peak_bytes, rel=rel), (f, traced)
+
+
+def test_op_estimate_with_dropout_runs_the_blockwise_kernel():
+    """attention_dropout runs the op's blockwise kernel on every device (no fused kernel, no
+    modelled kernel buffers: its torch ops are traced); a dropout out of [0, 1) or with the
+    ring (which has none) is a ValueError naming it."""
+    config = est_config.make_config(seq_len=1024, dropout=0.1, training=True, device="cuda",
+                                    dtype="bfloat16")
+    assert est_config.backend_for(config) == "blockwise" and not est_config.fuses(config)
+    assert formula.kernel_scratch(config, None, 1024)[1] == 0
+    for bad in (-0.1, 1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
+            est_config.make_config(seq_len=1024, dropout=bad)
+    with pytest.raises(ValueError, match="ring_attention has none"):
+        est_config.make_config(seq_len=1024, dropout=0.1, impl="ring")
 
 
 def test_learned_positions_cap_in_whole_rows_per_rank():

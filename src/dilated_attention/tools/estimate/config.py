@@ -37,6 +37,7 @@ class EstimateConfig(AttentionSetting):
     device: str = "cpu"
     strategy: str = "auto"
     mesh: Optional[Tuple[int, int]] = None  # (U head-parallel, S sequence-parallel)
+    dropout: float = 0.0  # attention dropout (a model's attention_dropout): blockwise kernel
 
     @property
     def windowed(self) -> bool:
@@ -94,6 +95,7 @@ def make_config(
     strategy: Optional[str] = None,
     mesh: Optional[Tuple[int, int]] = None,
     window: Optional[int] = None,
+    dropout: float = 0.0,
 ) -> EstimateConfig:
     """Check the options; ValueError names the option and value on a mistake."""
     if seq_len > MAX_SEQ_LEN:
@@ -129,6 +131,11 @@ def make_config(
             f"--world-size {world_size} is larger than --seq-len {seq_len}: every rank "
             f"needs at least one row"
         )
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+    if dropout and impl == "ring":
+        raise ValueError("dropout is the dilated op's (the models' attention_dropout): "
+                         "ring_attention has none")
     check_window(window, impl == "ring")
     if window is None and impl == "ring" and causal:
         check_zigzag(seq_len, world_size)
@@ -137,7 +144,7 @@ def make_config(
         heads=heads, head_dim=head_dim, kv_heads=kv_heads, batch=batch, dtype=dtype,
         causal=causal, training=training, impl=impl,
         threads=default_threads(world_size) if threads is None else threads, device=device,
-        strategy=strategy, mesh=mesh, window=window,
+        strategy=strategy, mesh=mesh, window=window, dropout=dropout,
     )
 
 
@@ -174,8 +181,11 @@ def backend_for(config: EstimateConfig) -> str:
     without flash-attn (an H100), cuDNN for bf16/fp16 and the memory-efficient op for
     fp32; fp64 runs the blockwise kernel. Their meta kernels give the outputs' shapes,
     so the dry run allocates what the real launches allocate. Where the call runs the
-    fused kernel (``fuses``), these are the launches on received keys only.
+    fused kernel (``fuses``), these are the launches on received keys only. With dropout,
+    the blockwise kernel on any device (the one kernel that draws dropout masks).
     """
+    if config.dropout > 0:
+        return "blockwise"
     if config.device == "cpu":
         return "cpu_flash"
     if config.torch_dtype in (torch.float16, torch.bfloat16):
@@ -188,7 +198,7 @@ def fuses(config: EstimateConfig) -> bool:
     backends.FUSED_BY_DEFAULT): the whole op where a rank computes it (one device, Ulysses
     over every rank), else each rank's own pairs, the launches on received keys beside it
     (the exchange on contiguous pieces, as the estimate lays them out)."""
-    return (config.device == "cuda" and config.impl == "dilated"
+    return (config.device == "cuda" and config.impl == "dilated" and config.dropout == 0
             and config.torch_dtype in FUSED_BY_DEFAULT["cuda"]
             and config.head_dim <= MAX_HEAD_DIM)
 

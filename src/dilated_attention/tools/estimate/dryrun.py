@@ -95,7 +95,8 @@ def trace(config: EstimateConfig, rank: int, *, reuse: bool = True,
         piece = comm.group_rank(group)
         lengths = config.lengths()
         n = lengths[piece]
-        opts = KernelOptions(config.causal, 1.0 / math.sqrt(config.head_dim), backend_for(config))
+        opts = KernelOptions(config.causal, 1.0 / math.sqrt(config.head_dim), backend_for(config),
+                             dropout_p=config.dropout)
         # the plan before the tracker: its index tensors are made once per shape and cached
         # (the fused kernel's too: formula.fused_plan_bytes counts those). The fused kernel
         # runs the whole op where a rank computes it (no plan), else each rank's own pairs

@@ -190,10 +190,12 @@ def kernel_scratch(config: EstimateConfig, plan: Plan = None, n: int = 0) -> Tup
     largest launch (the flash-style backward accumulates dq in fp32 across key blocks).
     The fused Triton kernel (``fuses``): no workspace, but its plan's tables on the
     device (``fused_plan_bytes``); beside it (the exchange) the CUDA kernels' of the
-    launches on received keys.
+    launches on received keys. With dropout none: the blockwise kernel is torch ops.
     """
     b, d = config.batch, config.head_dim
     s, a = sizes(config)
+    if config.dropout > 0:  # the blockwise kernel: torch ops, which the dry run traces
+        return (CUDA_SCRATCH if config.device == "cuda" else SCRATCH), 0
     fused = fuses(config)
     if fused and split(config)[1] == 1:
         return FUSED_PLANS, fused_plan_bytes(config)

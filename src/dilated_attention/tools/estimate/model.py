@@ -38,9 +38,9 @@ gradients) in its feed-forward part or its attention part (where the op's own
 working memory, from the op's estimate, adds), under checkpointing with
 feed-forward chunks the top block's recomputed forward (the chunks' outputs
 beside their join), and AdamW's step. ``model_dryrun`` runs the real model on
-meta tensors to check this arithmetic (tests: within 5%). Not modelled:
-``attention_dropout``, with which the op runs its blockwise kernel, whose score
-blocks the op's estimate (made without dropout) does not count; the dry run does.
+meta tensors to check this arithmetic (tests: within 5%). With
+``attention_dropout`` the op runs its blockwise kernel (torch ops), which the op's
+estimate then runs too (``EstimateConfig.dropout``).
 """
 
 from __future__ import annotations
@@ -140,7 +140,8 @@ def op_config(setup: ModelSetup) -> EstimateConfig:
         seq_len=setup.seq_len, world_size=setup.world_size, segment_lengths=c.segment_lengths,
         dilation_rates=c.dilation_rates, heads=c.num_heads, head_dim=c.embed_dim // c.num_heads,
         kv_heads=c.num_kv_heads, batch=setup.batch, dtype=setup.dtype, causal=True,
-        training=True, threads=setup.threads, device=setup.device, strategy=setup.strategy)
+        training=True, threads=setup.threads, device=setup.device, strategy=setup.strategy,
+        dropout=c.attention_dropout)
 
 
 def op_working_bytes(setup: ModelSetup) -> Tuple[int, int]:
