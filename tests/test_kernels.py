@@ -136,6 +136,25 @@ def test_merge_rows_without_keys() -> None:
     assert (acc_lse[:, 2] == -math.inf).all()
 
 
+def test_merge_is_exact_to_fp32_at_large_lse() -> None:
+    """Partials whose lse is ~200 (scores that large, fp32): the merged out is their exact
+    merge to a few ulps of out. The merged lse is rounded to half an ulp of 200 (7.6e-6, 64
+    ulps of 1); weights taken against it would scale every merged row by that error."""
+    gen = torch.Generator().manual_seed(0)
+    # (rows, h, d) outputs and (rows, h) lse of two partials, in fp32
+    outs = [torch.randn(64, 4, 32, generator=gen) for _ in range(2)]
+    lses = [200 + torch.randn(64, 4, generator=gen) for _ in range(2)]
+    acc_out, acc_lse = empty_accumulators((64, 4, 32), torch.float32, "cpu")
+    for out_i, lse_i in zip(outs, lses):
+        merge_(acc_out, acc_lse, out_i, lse_i)
+    # the merge of the same fp32 values in float64
+    lse = torch.logaddexp(*(x.double() for x in lses))
+    want = sum(torch.exp(x.double() - lse)[..., None] * o.double() for o, x in zip(outs, lses))
+    eps = torch.finfo(torch.float32).eps
+    assert_close(acc_out.double(), want, rtol=4 * eps, atol=4 * eps)
+    assert_close(acc_lse.double(), lse, rtol=eps, atol=0.0)
+
+
 def test_merge_low_precision_blocks_into_fp32() -> None:
     """bf16 partial outputs merge into fp32 accumulators, in place."""
     q, k, v, _, _ = make((1, 6, 8, 2, 2, 4, False), torch.bfloat16, seed=2)

@@ -108,6 +108,19 @@ def test_kernel_matches_eager_merge(kernel, shape, out_dtype, block):
     assert (got_out[empty] == 0).all() and (got_lse[empty] == -math.inf).all()
 
 
+def test_kernel_exact_at_large_lse(kernel):
+    """Both sides' lse near 200 (scores that large): out exact to fp32 rounding against
+    float64, as the eager chain; weights taken against the rounded merged lse would scale
+    each row by up to half an ulp of 200 (7.6e-6)."""
+    acc_out, acc_lse, out, lse = sides((2, 19, 3, 48))
+    args = (acc_out, acc_lse + 200, out, lse + 200)
+    got_out, got_lse = fused(kernel, *args)
+    ref_out, ref_lse = reference(*args)
+    assert_close(got_out.double(), ref_out, rtol=ULPS, atol=ULPS)
+    assert_close(got_lse.double(), ref_lse, rtol=ULPS, atol=0.0)
+    assert_close(eager(*args)[0].double(), ref_out, rtol=ULPS, atol=ULPS)
+
+
 def test_kernel_on_strided_views(kernel):
     """The accumulator as launches.merge_rows reads it: an as_strided view (b, segments,
     rows, heads, d) of every other row of a (b, n, h, d) tensor, heads of one offset."""

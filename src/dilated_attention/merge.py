@@ -5,9 +5,11 @@ lse_i)`` over disjoint sets of keys; the exact attention over their union is
 
     lse = logsumexp_i(lse_i),   out = sum_i exp(lse_i - lse) * out_i.
 
-The merge runs in place on fp32 accumulators (fp64 for fp64 inputs) and is
-never differentiated: backward passes recompute each block's softmax from the
-merged ``out``/``lse`` (see kernels.attention_backward), which is exact.
+The merge runs in place on fp32 accumulators (fp64 for fp64 inputs), its
+weights normalised by their sum (`_weights`: the merged out does not inherit
+the rounding of the merged lse), and is never differentiated: backward passes
+recompute each block's softmax from the merged ``out``/``lse`` (see
+kernels.attention_backward), which is exact.
 
 On a GPU the merge is one Triton kernel where triton is installed
 (merge_kernel.py: one read of each side, one write, no fp32 temporaries),
@@ -57,15 +59,35 @@ def merge_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
         if merge_kernel.supports(acc_out, acc_lse, out, lse):
             merge_kernel.merge_(acc_out, acc_lse, out, lse)
             return
-    new_lse = torch.logaddexp(acc_lse, lse.to(acc_lse.dtype))
-    # a row with no keys on either side: keep weights finite (both become 0)
-    safe = new_lse.masked_fill(new_lse == -math.inf, 0.0)
+    lse = lse.to(acc_lse.dtype)
+    new_lse = torch.logaddexp(acc_lse, lse)
+    w_acc, w_new = _weights(acc_lse, lse)
     merged = acc_out if acc_out.dtype == acc_lse.dtype else acc_out.to(acc_lse.dtype)
-    merged.mul_(torch.exp(acc_lse - safe).unsqueeze(-1))
-    merged.addcmul_(out, torch.exp(lse - safe).unsqueeze(-1))
+    merged.mul_(w_acc.unsqueeze(-1))
+    merged.addcmul_(out, w_new.unsqueeze(-1))
     if merged is not acc_out:
         acc_out.copy_(merged)
     acc_lse.copy_(new_lse)
+
+
+def _weights(acc_lse: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor]:
+    """The two sides' weights (...) in a merge: exp(lse_i - lse), computed against the larger
+    side's lse and divided by their sum, not against the merged lse.
+
+    The merged lse is rounded to its dtype, an error of up to half an ulp of |lse| (fp32,
+    scores ~ 200: 7.6e-6), and exp(lse_i - lse) would pass it on to both weights alike: a
+    scale error on the whole merged row, larger than the kernels' own error on such rows.
+    Against the larger side, one weight is 1 and the other exact to an ulp or two; their
+    sum is what the merged lse rounds, and dividing by it leaves out without that rounding
+    (as a flash kernel keeps its running max and sum apart). A row that no side has keys
+    for gets weights 0 (never NaN).
+    """
+    top = torch.maximum(acc_lse, lse)
+    top = top.masked_fill(top == -math.inf, 0.0)
+    w_acc, w_new = torch.exp(acc_lse - top), torch.exp(lse - top)
+    total = w_acc + w_new  # in [1, 2], or 0 where neither side has keys
+    total = total.masked_fill(total == 0, 1.0)
+    return w_acc.div_(total), w_new.div_(total)
 
 
 @torch.no_grad()

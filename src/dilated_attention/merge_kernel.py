@@ -7,8 +7,9 @@ H100 profile of a 1M-token forward spent 12.2 ms of 50.5 in the chain). The
 kernel computes the same function with the same operations, in fp32,
 rounding the output once:
 
-    new = logaddexp(acc_lse, lse);  safe = new, or 0 where new is -inf
-    acc_out = acc_out * exp(acc_lse - safe) + out * exp(lse - safe)
+    new = logaddexp(acc_lse, lse);  top = max(acc_lse, lse), or 0 where it is -inf
+    w_acc, w_out = exp(acc_lse - top), exp(lse - top), each divided by their sum
+    acc_out = acc_out * w_acc + out * w_out
 
 Imported only where it runs (``merge.merge_`` on CUDA tensors when triton is
 installed): triton is optional, and whether ``@triton.jit`` makes compiled or
@@ -84,10 +85,15 @@ def _merge_kernel(acc_out, acc_lse, out, lse, rows, d, n1, n2, n3,
     both_inf = (a == b) & (tl.abs(a) == float("inf"))
     gap = tl.abs(tl.where(both_inf, 0.0, a) - tl.where(both_inf, 0.0, b))  # no inf - inf
     new = tl.where(both_inf, a, m + _log1p(tl.exp(-gap)))
-    # a row with no keys on either side: keep the weights finite (both become 0)
-    safe = tl.where(new == -float("inf"), 0.0, new)
-    w_acc = tl.exp(a - safe)
-    w_out = tl.exp(b - safe)
+    # the weights against the larger side, divided by their sum (merge._weights: out does
+    # not inherit the rounding of `new`); a row with no keys on either side gets weights 0
+    top = tl.where(m == -float("inf"), 0.0, m)
+    w_acc = tl.exp(a - top)
+    w_out = tl.exp(b - top)
+    total = w_acc + w_out
+    total = tl.where(total == 0.0, 1.0, total)
+    w_acc = w_acc / total
+    w_out = w_out / total
     cols = tl.arange(0, BLOCK_D).to(tl.int64)
     ok = row_ok[:, None] & (cols < d)[None, :]
     acc_ptr = (acc_out + _offsets(r, n1, n2, n3, ao0, ao1, ao2, ao3)[:, None]
