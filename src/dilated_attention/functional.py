@@ -208,9 +208,10 @@ class _Route:
 
 
 def _no_window(window_size) -> Tuple[int, int]:
-    """dilated_attention takes no sliding window: anything but (-1, -1) is a ValueError."""
-    if isinstance(window_size, (tuple, list)) and tuple(window_size) == (-1, -1) and \
-            all(type(side) is int for side in window_size):
+    """dilated_attention takes no sliding window: anything but (-1, -1) is a ValueError. The
+    value is checked by ring_attention's validator first, so both ops take the same forms of
+    (-1, -1) (NumPy ints, a list) and refuse a malformed window with the same message."""
+    if check.check_window(window_size, False) == (-1, -1):
         return (-1, -1)
     raise ValueError(
         f"window_size={window_size!r}: dilated_attention takes no sliding window; "
