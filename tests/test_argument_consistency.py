@@ -50,3 +50,57 @@ def test_a_malformed_window_is_the_same_error_from_both_ops(window) -> None:
             for op, call in WINDOW_OPS.items()}
     assert len(set(seen.values())) == 1, seen
     assert seen["ring_attention"].startswith("ValueError: window_size must be a pair")
+
+
+# ---------------------------------------------------------------- groups
+
+
+def _group_entry_points():
+    """name -> (argument name, call(group)) for every public function that takes a group."""
+    from dilated_attention import (DilatedAttention, LongNetConfig, LongNetLM,
+                                   MultiheadDilatedAttention, all_reduce_gradients,
+                                   shard_sequence, unshard_sequence)
+
+    q, k, v = qkv()
+    tiny = LongNetConfig.from_name("tiny", num_layers=1)
+    entries = {
+        "dilated_attention": ("group", lambda g: WINDOW_OPS["dilated_attention"](q, k, v,
+                                                                                   group=g)),
+        "ring_attention": ("group", lambda g: ring_attention(q, k, v, group=g)),
+        "shard_sequence": ("group", lambda g: shard_sequence(q, g)),
+        "unshard_sequence": ("group", lambda g: unshard_sequence(q, g)),
+        "all_reduce_gradients": ("group", lambda g: all_reduce_gradients(torch.nn.Linear(2, 2),
+                                                                         g)),
+        "DilatedAttention": ("process_group", lambda g: DilatedAttention([4], [1],
+                                                                         process_group=g)),
+        "MultiheadDilatedAttention": ("process_group", lambda g: MultiheadDilatedAttention(
+            8, 2, [4], [1], process_group=g)),
+        "LongNetLM": ("process_group", lambda g: LongNetLM(tiny, process_group=g)),
+    }
+    try:
+        from dilated_attention.integrations.transformers import (causal_lm_loss, register,
+                                                                shard_inputs)
+    except ImportError:  # transformers not installed: the library's own entry points only
+        return entries
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    entries.update({
+        "transformers.register": ("group", lambda g: register(
+            "consistency", segment_lengths=[4], dilation_rates=[1], group=g, replace=True)),
+        "transformers.shard_inputs": ("group", lambda g: shard_inputs(ids, g)),
+        "transformers.causal_lm_loss": ("group", lambda g: causal_lm_loss(
+            torch.zeros(1, 4, 8), ids, g)),
+    })
+    return entries
+
+
+GROUP_ENTRIES = _group_entry_points()
+
+
+@pytest.mark.parametrize("entry", sorted(GROUP_ENTRIES))
+@pytest.mark.parametrize("group", [0, "world", [0], object()],
+                         ids=["int", "str", "list", "object"])
+def test_a_group_of_the_wrong_kind_is_the_same_type_error_everywhere(entry: str, group) -> None:
+    name, call = GROUP_ENTRIES[entry]
+    assert outcome(lambda: call(group)) == (
+        f"TypeError: {name} must be None, a torch.distributed.ProcessGroup or a 1-D/2-D "
+        f"DeviceMesh, got {type(group).__name__} {group!r}")

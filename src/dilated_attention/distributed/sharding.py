@@ -88,6 +88,7 @@ def shard_sequence(x: Tensor, group: comm.GroupLike, *, layout: str = "contiguou
 
     Differentiable; for the contiguous layout the piece may share x's memory.
     """
+    group = comm.resolve_group(group)  # it sends nothing: no agreement checks the group
     dim = _check_dim(x, dim)
     check_layout(layout)
     ranges = piece_ranges(x.shape[dim], comm.group_size(group), comm.group_rank(group), layout)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .collectives import all_gather_flat
 from .counting import record
-from .groups import Grid, Group, group_size, is_distributed, plain
+from .groups import Grid, Group, group_size, is_distributed, plain, resolve_group
 from .release import released_on_return
 
 
@@ -43,6 +43,11 @@ def agree(
     With a local group (None or one rank) this is just the callable.
     """
     group = plain(group)
+    if group is not None and not isinstance(group, (Grid, dist.ProcessGroup)):
+        # anything else (a wrong kind, NON_GROUP_MEMBER) is resolve_group's error naming the
+        # group: the public functions that reach other ranks first here (unshard_sequence,
+        # shard_inputs, causal_lm_loss) raise it, not an AttributeError from c10d
+        resolve_group(group)
     error: Optional[Exception] = None
     mine: Dict[str, Any] = {}
     try:
