@@ -104,3 +104,19 @@ def test_a_group_of_the_wrong_kind_is_the_same_type_error_everywhere(entry: str,
     assert outcome(lambda: call(group)) == (
         f"TypeError: {name} must be None, a torch.distributed.ProcessGroup or a 1-D/2-D "
         f"DeviceMesh, got {type(group).__name__} {group!r}")
+
+
+# ---------------------------------------------------------------- ints
+
+
+@pytest.mark.parametrize("op", ["shard_sequence", "unshard_sequence"])
+def test_dim_takes_what_torch_takes_for_a_dim(op: str) -> None:
+    import dilated_attention
+
+    call = getattr(dilated_attention, op)
+    x = torch.arange(12.0).reshape(1, 6, 2)
+    for dim in (np.int64(1), np.int32(-2)):
+        assert torch.equal(call(x, None, dim=dim), call(x, None, dim=1))
+    for dim in (True, 1.0, "1", torch.tensor(1)):
+        assert outcome(lambda: call(x, None, dim=dim)) == (
+            f"TypeError: dim must be an int, got {dim!r} ({type(dim).__name__})")

@@ -22,13 +22,21 @@ FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 INDEX_MAX = 2**63 - 1
 
 
-def check_positive_int(name: str, value) -> int:
-    """A positive int (not a bool), else TypeError/ValueError naming `name`."""
+def check_int(name: str, value, what: str = "an int") -> int:
+    """An int as torch takes one for a size or a dim: a Python or NumPy int, as an int. A
+    bool (True is no size), a float (even 2.0) or a tensor (its value is data: a read-back
+    from the device, a graph break under torch.compile) is a TypeError naming `name`
+    ("`name` must be `what`, got ...")."""
     if type(value) is not int:  # a plain int skips the ABC checks (a bool's type is bool)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be a positive int, got {value!r} "
-                            f"({type(value).__name__})")
+            raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
         value = int(value)
+    return value
+
+
+def check_positive_int(name: str, value) -> int:
+    """A positive int (`check_int`), else TypeError/ValueError naming `name`."""
+    value = check_int(name, value, "a positive int")
     if value < 1:
         raise ValueError(f"{name} must be a positive int, got {value}")
     return value

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..layout import Layout
+from ..validation import check_int
 from . import comm
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -77,6 +78,7 @@ def check_piece_lengths(lengths: Sequence[int], layout: str) -> None:
 def _check_dim(x: Tensor, dim: int) -> int:
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    dim = check_int("dim", dim)
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim must index a dimension of x with shape {tuple(x.shape)}, got {dim}")
     return dim % x.dim()
