@@ -120,3 +120,76 @@ def test_dim_takes_what_torch_takes_for_a_dim(op: str) -> None:
     for dim in (True, 1.0, "1", torch.tensor(1)):
         assert outcome(lambda: call(x, None, dim=dim)) == (
             f"TypeError: dim must be an int, got {dim!r} ({type(dim).__name__})")
+
+
+# ---------------------------------------------------------------- padding masks (1 = real token)
+
+
+def _attention_mask_entry_points():
+    """name -> call(mask) on the ids (1, 4) of 0 .. 3, for every public function that takes a
+    padding mask for token ids."""
+    from dilated_attention import LongNetConfig, LongNetLM
+
+    torch.manual_seed(0)
+    ids = torch.arange(4)[None]
+    lm = LongNetLM(LongNetConfig.from_name("tiny", num_layers=1, segment_lengths=[4],
+                                           dilation_rates=[1]))
+    entries = {"LongNetLM.generate": lambda m: lm.generate(ids, 1, attention_mask=m)}
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from dilated_attention.integrations import transformers as hf
+    except ImportError:  # transformers not installed: the library's own entry point only
+        return entries
+    config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                         attn_implementation=hf.register(
+                             "consistency", segment_lengths=[4], dilation_rates=[1],
+                             replace=True))
+    model = LlamaForCausalLM(config).eval()
+    entries.update({
+        "transformers.generate": lambda m: hf.generate(model, ids, group=None, max_new_tokens=1,
+                                                       attention_mask=m, pad_token_id=0),
+        "transformers.shard_inputs": lambda m: hf.shard_inputs(ids, None, attention_mask=m),
+    })
+    return entries
+
+
+MASK_ENTRIES = _attention_mask_entry_points()
+LEFT_PADDED = [[0, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("entry", sorted(MASK_ENTRIES))
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.int64, torch.float32])
+def test_a_padding_mask_of_any_real_dtype_is_the_same_mask(entry: str, dtype) -> None:
+    call = MASK_ENTRIES[entry]
+    got = call(torch.tensor(LEFT_PADDED, dtype=dtype))
+    want = call(torch.tensor(LEFT_PADDED))
+    if isinstance(got, tuple):  # shard_inputs: (inputs, targets)
+        got, want = got[0]["attention_mask"].long(), want[0]["attention_mask"]
+    assert torch.equal(got, want)
+
+
+BAD_MASKS = {
+    "list": ([[1, 1, 1, 1]], "TypeError: attention_mask must be a bool, integer or float "
+                             "tensor of 0s (padding) and 1s (real tokens), got list"),
+    "complex": (torch.ones(1, 4, dtype=torch.complex64),
+                "TypeError: attention_mask must be a bool, integer or float tensor of 0s "
+                "(padding) and 1s (real tokens), got torch.complex64"),
+    "shape": (torch.ones(1, 5), "ValueError: attention_mask must have {ids}' shape (1, 4), "
+                                "got (1, 5)"),
+    "meta": (torch.ones(1, 4, device="meta"), "ValueError: attention_mask must hold values: "
+                                              "got a tensor on the meta device (shapes only)"),
+    "values": (torch.full((1, 4), 2), "ValueError: attention_mask must hold 0 (padding) and 1 "
+                                      "(real token) only"),
+    "half": (torch.full((1, 4), 0.5), "ValueError: attention_mask must hold 0 (padding) and 1 "
+                                      "(real token) only"),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(MASK_ENTRIES))
+@pytest.mark.parametrize("bad", sorted(BAD_MASKS))
+def test_a_bad_padding_mask_is_the_same_error_everywhere(entry: str, bad: str) -> None:
+    mask, want = BAD_MASKS[bad]
+    ids = "tokens" if entry == "LongNetLM.generate" else "input_ids"
+    assert outcome(lambda: MASK_ENTRIES[entry](mask)) == want.format(ids=ids)

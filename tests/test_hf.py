@@ -1269,11 +1269,15 @@ def test_agreed_origins_read_each_rows_own_first_position():
 # shard_inputs: labels, position_ids and attention_mask of another length than input_ids are a
 # ValueError naming the argument (not a shape error from deep inside, or a silent misfit).
 
-@pytest.mark.parametrize("name", ["labels", "position_ids", "attention_mask"])
-def test_shard_inputs_refuses_a_length_other_than_input_ids(name):
+@pytest.mark.parametrize("name, match", [
+    ("labels", r"^labels must be \(.*8\) like input_ids"),
+    ("position_ids", r"^position_ids must be \(.*8\) like input_ids"),
+    # the padding mask's own check, as generate's (validation.check_attention_mask)
+    ("attention_mask", r"^attention_mask must have input_ids' shape \(1, 8\)")])
+def test_shard_inputs_refuses_a_length_other_than_input_ids(name, match):
     ids = torch.arange(8)[None]
     for n in (6, 10):
-        with pytest.raises(ValueError, match=rf"^{name} must be \(.*8\) like input_ids"):
+        with pytest.raises(ValueError, match=match):
             shard_inputs(ids, None, **{name: torch.ones(1, n, dtype=torch.long)})
 
 
@@ -1427,7 +1431,7 @@ def test_generate_checks_its_arguments_on_one_process():
     for args, kwargs, match in [
         ((ids.bool(),), {}, "input_ids must be a 2-D integer tensor"),
         ((ids,), dict(attention_mask=torch.ones(2, 7, dtype=torch.long)),
-         r"attention_mask must be None or input_ids' shape \(2, 8\)"),
+         r"attention_mask must have input_ids' shape \(2, 8\)"),
         ((ids,), dict(use_cache=False), "use_cache must be True"),
         ((ids,), dict(position_ids=torch.arange(8)[None]), "does not take position_ids="),
         # generation_config settings, as generate reads them (a ValueError, not an error from

@@ -570,8 +570,11 @@ def test_padding_mask_errors():
         model.generate(tokens, 2, attention_mask=empty)
     with pytest.raises(ValueError, match=r"tokens' shape \(2, 10\), got \(2, 9\)"):
         model.generate(tokens, 2, attention_mask=mask[:, 1:])
-    with pytest.raises(TypeError, match="bool or integer 0/1 tensor, got torch.float32"):
-        model.generate(tokens, 2, attention_mask=mask.float())
+    # a float 0/1 mask (transformers passes one) is the same mask; a complex one is refused
+    assert torch.equal(model.generate(tokens, 2, attention_mask=mask.float()),
+                       model.generate(tokens, 2, attention_mask=mask))
+    with pytest.raises(TypeError, match="bool, integer or float tensor .*, got torch.complex64"):
+        model.generate(tokens, 2, attention_mask=mask.to(torch.complex64))
     with pytest.raises(ValueError, match="0 \\(padding\\) and 1"):
         model.generate(tokens, 2, attention_mask=mask * 2)
 

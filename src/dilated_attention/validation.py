@@ -349,6 +349,30 @@ def check_key_padding_mask(mask, q: Tensor) -> Optional[Tensor]:
     return mask
 
 
+def check_attention_mask(mask, ids: Tensor, ids_name: str) -> Optional[Tensor]:
+    """A padding mask in transformers' convention for token ids `ids` (b, n): None, or a
+    tensor of their shape holding only 1 (a real token) and 0 (padding), of a bool, integer
+    or float dtype (transformers passes all three); returned as int64. The values are
+    checked as given (a float 0.5 would read as 0 once an integer). TypeError for anything
+    but a real tensor; ValueError for another shape, a meta tensor (no values) or other
+    values. Errors name attention_mask and what was given."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor) or mask.dtype.is_complex:
+        got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+        raise TypeError(f"attention_mask must be a bool, integer or float tensor of 0s "
+                        f"(padding) and 1s (real tokens), got {got}")
+    if tuple(mask.shape) != tuple(ids.shape):
+        raise ValueError(f"attention_mask must have {ids_name}' shape {tuple(ids.shape)}, got "
+                         f"{tuple(mask.shape)}")
+    if mask.device.type == "meta":
+        raise ValueError("attention_mask must hold values: got a tensor on the meta device "
+                         "(shapes only)")
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (real token) only")
+    return mask.long()
+
+
 def check_first_order(what: str) -> None:
     """In the backward of an op whose gradients cross ranks: refuse create_graph=True.
 

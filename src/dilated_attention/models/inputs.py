@@ -62,21 +62,14 @@ def check_targets(targets: Tensor, tokens: Tensor, vocab_size: int, name: str) -
             )
 
 
-def left_padding(attention_mask: Optional[Tensor], tokens: Tensor) -> Optional[Tuple[int, ...]]:
+def left_padding(attention_mask: Optional[Tensor], tokens: Tensor,
+                 tokens_name: str = "tokens") -> Optional[Tuple[int, ...]]:
     """Where each row's real tokens start under a left-padding mask (b, n) (1 = real token,
-    0 = padding before it, as transformers' ``generate`` pads); None without padding."""
-    if attention_mask is None:
+    0 = padding before it, as transformers' ``generate`` pads); None without padding. The
+    mask is checked by ``validation.check_attention_mask`` (`tokens_name`: the ids' name)."""
+    mask = check.check_attention_mask(attention_mask, tokens, tokens_name)
+    if mask is None:
         return None
-    if not isinstance(attention_mask, Tensor) or attention_mask.dtype.is_floating_point \
-            or attention_mask.dtype.is_complex:
-        raise TypeError(f"attention_mask must be a bool or integer 0/1 tensor, got "
-                        f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)}")
-    if tuple(attention_mask.shape) != tuple(tokens.shape):
-        raise ValueError(f"attention_mask must have tokens' shape {tuple(tokens.shape)}, got "
-                         f"{tuple(attention_mask.shape)}")
-    mask = attention_mask.long()
-    if bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError("attention_mask must hold 0 (padding) and 1 (real token) only")
     if bool((mask[:, 1:] < mask[:, :-1]).any()):
         row = int((mask[:, 1:] < mask[:, :-1]).any(1).nonzero()[0])
         raise ValueError(f"attention_mask must pad on the left (zeros, then ones): row {row} "

@@ -228,21 +228,14 @@ def check_prompt(input_ids: Tensor, attention_mask: Optional[Tensor],
     if input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must hold at least one token per row, got shape "
                          f"{tuple(input_ids.shape)}")
-    if attention_mask is not None and (not isinstance(attention_mask, Tensor)
-                                       or tuple(attention_mask.shape) != tuple(input_ids.shape)):
-        raise ValueError(f"attention_mask must be None or input_ids' shape "
-                         f"{tuple(input_ids.shape)}, got {describe(attention_mask)}")
     if vocab_size is not None and input_ids.numel():
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"input_ids must be ids in [0, {vocab_size}) (the model's input "
                              f"embeddings), got values in [{lo}, {hi}]")
-    if attention_mask is not None:
-        # checked as given (a float 0.5 would read as 0 once an integer), then as LongNetLM's
-        # generate checks its mask: padding on the left, a real token in every row
-        if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
-            raise ValueError("attention_mask must hold 0 (padding) and 1 (real token) only")
-        left_padding(attention_mask.long(), input_ids)
+    # as LongNetLM's generate checks its mask: 0s and 1s, padding on the left, a real token
+    # in every row
+    left_padding(attention_mask, input_ids, "input_ids")
 
 
 def _check_model(model, backend, group) -> None:

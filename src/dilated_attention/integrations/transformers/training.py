@@ -26,6 +26,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from ... import validation as check
 from ...distributed import comm
 from ...distributed.sharding import shard_sequence
 from ...models.inputs import check_targets
@@ -48,7 +49,8 @@ def shard_inputs(input_ids: Tensor, group: comm.GroupLike, *, labels: Optional[T
             predict labels[t + 1]; -100 ignores a token), or None.
         position_ids: (N,), (1, N) or (b, N); default 0 .. N-1. Restarts
             mark packed documents.
-        attention_mask: (b, N) 0/1 padding mask, or None.
+        attention_mask: (b, N) padding mask of 0s and 1s (bool, integer or
+            float), or None.
 
     One small agreement collective checks the arguments' shapes and dtypes
     on every rank (a mistake on one rank is a ``ValueError`` on all of them;
@@ -82,12 +84,13 @@ def shard_inputs(input_ids: Tensor, group: comm.GroupLike, *, labels: Optional[T
                 f"layers reshape (batch, 0, -1, head_dim)); pass at least {ranks} tokens or use "
                 f"fewer ranks"
             )
-        for name, x, rows in (("labels", labels, (b,)), ("position_ids", position_ids, (1, b)),
-                              ("attention_mask", attention_mask, (b,))):
+        for name, x, rows in (("labels", labels, (b,)), ("position_ids", position_ids, (1, b))):
             if x is not None and (not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != n
                                   or x.shape[0] not in rows):
                 raise ValueError(f"{name} must be ({' or '.join(map(str, rows))}, {n}) like "
                                  f"input_ids {tuple(input_ids.shape)}, got {describe(x)}")
+        # the padding mask as generate checks it (padding on either side here)
+        check.check_attention_mask(attention_mask, input_ids, "input_ids")
         # shapes and dtypes: the same batch on every rank (its values are not compared)
         return {name: None if x is None else (tuple(x.shape), x.dtype)
                 for name, x in (("input_ids", input_ids), ("labels", labels),
