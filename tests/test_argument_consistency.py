@@ -6,6 +6,9 @@ inputs: seconds in all)."""
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -193,3 +196,60 @@ def test_a_bad_padding_mask_is_the_same_error_everywhere(entry: str, bad: str) -
     mask, want = BAD_MASKS[bad]
     ids = "tokens" if entry == "LongNetLM.generate" else "input_ids"
     assert outcome(lambda: MASK_ENTRIES[entry](mask)) == want.format(ids=ids)
+
+
+# ---------------------------------------------------------------- reals
+
+
+def _real_entry_points():
+    """name -> (argument, what it must be, a valid value, call(value)) for every public real
+    argument: one validator (validation.check_real), one wording."""
+    from dilated_attention import (DilatedAttention, LongNetConfig, LongNetLM,
+                                   MultiheadDilatedAttention, rotary_tables)
+
+    q, k, v = qkv()
+    positive, probability = "a positive finite float", "a float in [0, 1)"
+    lm = LongNetLM(LongNetConfig.from_name("tiny", num_layers=1, segment_lengths=[4],
+                                           dilation_rates=[1]))
+    ids = torch.arange(4)[None]
+    config = functools.partial(LongNetConfig.from_name, "tiny")
+    return {
+        "dilated_attention.scale": ("scale", positive, 0.5, lambda x: WINDOW_OPS[
+            "dilated_attention"](q, k, v, scale=x)),
+        "ring_attention.scale": ("scale", positive, 0.5, lambda x: ring_attention(q, k, v,
+                                                                                  scale=x)),
+        "DilatedAttention.scale": ("scale", positive, 0.5, lambda x: DilatedAttention(
+            [4], [1], scale=x)),
+        "MultiheadDilatedAttention.gamma_init": ("gamma_init", positive, 0.5, lambda x:
+                                                 MultiheadDilatedAttention(8, 2, [4], [1],
+                                                                           gamma_init=x)),
+        "rotary_tables.theta": ("theta", positive, 0.5, lambda x: rotary_tables(
+            torch.arange(4), 4, theta=x)),
+        "LongNetConfig.rope_theta": ("rope_theta", positive, 0.5, lambda x: config(
+            rope_theta=x)),
+        "dilated_attention.dropout_p": ("dropout_p", probability, 0.5, lambda x: WINDOW_OPS[
+            "dilated_attention"](q, k, v, dropout_p=x)),
+        "DilatedAttention.dropout": ("dropout", probability, 0.5, lambda x: DilatedAttention(
+            [4], [1], dropout=x)),
+        "LongNetConfig.attention_dropout": ("attention_dropout", probability, 0.5,
+                                            lambda x: config(attention_dropout=x)),
+        "LongNetLM.generate.temperature": ("temperature", "a finite float >= 0", 0.5,
+                                           lambda x: lm.generate(ids, 1, temperature=x)),
+        "LongNetLM.generate.top_p": ("top_p", "a float in (0, 1] or None", 0.5,
+                                     lambda x: lm.generate(ids, 1, temperature=1.0, top_p=x)),
+    }
+
+
+REAL_ENTRIES = _real_entry_points()
+
+
+@pytest.mark.parametrize("entry", sorted(REAL_ENTRIES))
+def test_a_real_takes_python_and_numpy_numbers_and_refuses_the_rest_alike(entry: str) -> None:
+    name, what, good, call = REAL_ENTRIES[entry]
+    for value in (good, np.float64(good), np.float32(good)):
+        assert outcome(lambda: call(value)) == "no error", value
+    for bad in (True, str(good), torch.tensor(good)):
+        assert outcome(lambda: call(bad)) == (
+            f"TypeError: {name} must be {what}, got {bad!r} ({type(bad).__name__})")
+    for bad in (math.nan, -math.inf, -1.0):
+        assert outcome(lambda: call(bad)) == f"ValueError: {name} must be {what}, got {bad}"

@@ -72,7 +72,7 @@ def test_presets():
         ({"positions": "rotary", "embed_dim": 30}, ValueError, r"even head dim.*got 5"),
         ({"rope_theta": 0.0}, ValueError, r"^rope_theta must be a positive finite float"),
         ({"activation": "tanh"}, ValueError, r"activation.*'tanh'"),
-        ({"dropout": 1.5}, ValueError, r"^dropout must be in \[0, 1\), got 1.5"),
+        ({"dropout": 1.5}, ValueError, r"^dropout must be a float in \[0, 1\), got 1.5"),
         ({"attention_dropout": -0.1}, ValueError, r"^attention_dropout must be.*-0.1"),
         ({"attention_dropout": "0.1"}, TypeError, r"^attention_dropout must be.*'0.1'"),
         ({"num_layers": 0}, ValueError, r"num_layers.*0"),
@@ -185,8 +185,8 @@ def test_generation_argument_errors():
     model = LongNetLM(small_config())
     prompt, _ = _data(1, 5, 23)
     for kwargs, error, match in [
-        (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\], got 0.0"),
-        (dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\], got 1.5"),
+        (dict(top_p=0.0), ValueError, r"top_p must be a float in \(0, 1\] or None, got 0.0"),
+        (dict(top_p=1.5), ValueError, r"top_p must be a float in \(0, 1\] or None, got 1.5"),
         (dict(top_p=True), TypeError, "top_p must be a float"),
         (dict(eos_token_id=23), ValueError, r"eos_token_id must be .* in \[0, 23\), got 23"),
         (dict(eos_token_id=[]), ValueError, r"eos_token_id must be .*, got \[\]"),

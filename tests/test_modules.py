@@ -450,7 +450,7 @@ def test_gradients_reach_every_parameter():
         ({"num_heads": None}, TypeError, r"^num_heads must be a positive int, got None"),
         ({"dilation_rates": [1, 9]}, ValueError, r"dilation_rates\[1\] = 9"),
         ({"segment_lengths": [4]}, ValueError, r"same length"),
-        ({"dropout": 1.0}, ValueError, r"^dropout must be in \[0, 1\), got 1.0"),
+        ({"dropout": 1.0}, ValueError, r"^dropout must be a float in \[0, 1\), got 1.0"),
         ({"gamma_init": -1.0}, ValueError, r"gamma_init.*-1.0"),
         ({"layer_norm_eps": 0.0}, ValueError, r"^layer_norm_eps must be.*0.0"),
         ({"layer_norm_eps": None}, TypeError, r"^layer_norm_eps must be.*None"),

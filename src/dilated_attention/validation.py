@@ -87,13 +87,21 @@ def check_patterns(segment_lengths, dilation_rates) -> Tuple[Tuple[int, ...], Tu
     return segs, rates
 
 
+def check_real(name: str, value, what: str, within: Callable[[Any], bool]) -> float:
+    """A real number for which `within` holds, as a float: a Python or NumPy float or int,
+    as torch takes one for a scale or a probability. A bool, a string or a tensor (its value
+    is data: a read-back from the device) is a TypeError, a value outside (NaN included:
+    `within` compares it False) a ValueError, each "`name` must be `what`, got ..."."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+    if not within(value):
+        raise ValueError(f"{name} must be {what}, got {value}")
+    return float(value)
+
+
 def check_dropout(dropout_p, name: str = "dropout_p") -> float:
     """A dropout probability in [0, 1); errors call it `name` (the caller's argument)."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"{name} must be a float in [0, 1), got {dropout_p!r}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {dropout_p}")
-    return float(dropout_p)
+    return check_real(name, dropout_p, "a float in [0, 1)", lambda p: 0.0 <= p < 1.0)
 
 
 # How a sequence-parallel call spreads over its ranks (distributed/strategy.py).
@@ -115,14 +123,10 @@ def check_backend(backend: Any) -> str:
 
 
 def check_positive_float(name: str, value) -> float:
-    """A positive finite real (not a bool), as a float; else TypeError/ValueError naming
+    """A positive finite real (`check_real`), as a float; else TypeError/ValueError naming
     `name`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a positive finite float, got {value!r} "
-                        f"({type(value).__name__})")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive finite float, got {value}")
-    return float(value)
+    return check_real(name, value, "a positive finite float",
+                      lambda x: math.isfinite(x) and x > 0)
 
 
 def check_scale(scale, head_dim: int) -> float:

@@ -107,11 +107,7 @@ def _token_ids(name: str, ids, vocab_size: int, *, several: bool = True) -> Tupl
 def _check_top_p(top_p) -> Optional[float]:
     if top_p is None:
         return None
-    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
-        raise TypeError(f"top_p must be a float in (0, 1] or None, got {top_p!r}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    return float(top_p)
+    return check.check_real("top_p", top_p, "a float in (0, 1] or None", lambda p: 0 < p <= 1)
 
 
 def _check_whole_parameters(model: nn.Module) -> None:
@@ -146,10 +142,8 @@ def _agree(model: nn.Module, tokens: Tensor, attention_mask, max_new_tokens, tem
                              f"{tuple(tokens.shape)}")
         origins = left_padding(attention_mask, tokens)
         new = check.check_positive_int("max_new_tokens", max_new_tokens)
-        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-            raise TypeError(f"temperature must be a float >= 0, got {temperature!r}")
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature must be a finite float >= 0, got {temperature}")
+        check.check_real("temperature", temperature, "a finite float >= 0",
+                         lambda t: math.isfinite(t) and t >= 0)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {generator!r} "
                             f"({type(generator).__name__})")
