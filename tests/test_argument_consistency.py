@@ -253,3 +253,51 @@ def test_a_real_takes_python_and_numpy_numbers_and_refuses_the_rest_alike(entry:
             f"TypeError: {name} must be {what}, got {bad!r} ({type(bad).__name__})")
     for bad in (math.nan, -math.inf, -1.0):
         assert outcome(lambda: call(bad)) == f"ValueError: {name} must be {what}, got {bad}"
+
+
+# ---------------------------------------------------------------- across ranks
+
+
+def _one_rank_differs(group) -> dict:
+    """Each case's outcome on this rank: rank 1 alone passes the odd value."""
+    from dilated_attention import LongNetConfig, LongNetLM, unshard_sequence
+    from dilated_attention.distributed import comm
+
+    odd = comm.group_rank(group) == 1
+    q, k, v = qkv(4)
+    op = WINDOW_OPS["dilated_attention"]
+    numpy_window = (np.int64(-1), np.int64(-1)) if odd else (-1, -1)
+    torch.manual_seed(0)
+    lm = LongNetLM(LongNetConfig.from_name("tiny", num_layers=1, segment_lengths=[4],
+                                           dilation_rates=[1]), process_group=group)
+    results = {
+        # the same window in another form on each rank: the same call
+        "window_forms": torch.equal(op(q, k, v, group=group, window_size=numpy_window),
+                                    op(q, k, v, group=group)),
+        "window": outcome(lambda: op(q, k, v, group=group, window_size=(
+            np.int64(2) if odd else -1, np.int64(0) if odd else -1))),
+        "scale": outcome(lambda: ring_attention(q, k, v, group=group,
+                                                scale=True if odd else 0.5)),
+        "dim": outcome(lambda: unshard_sequence(q, group, dim=True if odd else 1)),
+        "temperature": outcome(lambda: lm.generate(torch.arange(4)[None], 1, temperature=(
+            np.float64(math.nan) if odd else 1.0))),
+    }
+    try:
+        from dilated_attention.integrations.transformers import shard_inputs
+    except ImportError:
+        return results
+    results["attention_mask"] = outcome(lambda: shard_inputs(
+        torch.arange(4)[None], group, attention_mask=torch.full((1, 4), 2 if odd else 1)))
+    return results
+
+
+def test_a_refusal_on_one_rank_is_an_error_on_every_rank() -> None:
+    from dist_harness import run_distributed
+
+    others, odd = run_distributed(_one_rank_differs, 2, timeout=120)
+    assert others.pop("window_forms") and odd.pop("window_forms")
+    assert set(odd) == set(others)
+    for case, own in odd.items():
+        assert own.split(":")[0] in ("TypeError", "ValueError"), (case, own)
+        assert others[case] == (f"ValueError: the call failed on another rank of the group "
+                                f"(rank 1: {own})"), (case, others[case])
