@@ -301,3 +301,63 @@ def test_a_refusal_on_one_rank_is_an_error_on_every_rank() -> None:
         assert own.split(":")[0] in ("TypeError", "ValueError"), (case, own)
         assert others[case] == (f"ValueError: the call failed on another rank of the group "
                                 f"(rank 1: {own})"), (case, others[case])
+
+
+# ---------------------------------------------------------------- document boundaries
+
+
+def _cu_seqlens_entry_points():
+    """name -> call(cu_seqlens) over 8 rows, for every public function that takes them."""
+    from dilated_attention import (DilatedAttention, LongNetConfig, LongNetLM,
+                                   MultiheadDilatedAttention)
+
+    q, k, v = qkv()
+    torch.manual_seed(0)
+    mha = MultiheadDilatedAttention(8, 2, [4], [1])
+    x = torch.randn(1, 8, 8)
+    lm = LongNetLM(LongNetConfig.from_name("tiny", num_layers=1, segment_lengths=[4],
+                                           dilation_rates=[1]))
+    return {
+        "dilated_attention": lambda cu: WINDOW_OPS["dilated_attention"](q, k, v, cu_seqlens=cu),
+        "ring_attention": lambda cu: ring_attention(q, k, v, cu_seqlens=cu),
+        "DilatedAttention": lambda cu: DilatedAttention([4], [1])(q, k, v, cu_seqlens=cu),
+        "MultiheadDilatedAttention": lambda cu: mha(x, x, x, cu_seqlens=cu)[0],
+        "LongNetLM": lambda cu: lm(torch.arange(8)[None], cu_seqlens=cu)[0],
+    }
+
+
+CU_ENTRIES = _cu_seqlens_entry_points()
+
+
+@pytest.mark.parametrize("entry", sorted(CU_ENTRIES))
+def test_document_boundaries_in_every_form_are_the_same_documents(entry: str) -> None:
+    call = CU_ENTRIES[entry]
+    want = call([0, 3, 8])
+    for cu in ((0, 3, 8), [np.int64(0), np.int32(3), np.int64(8)],
+               torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 3, 8])):
+        assert torch.equal(call(cu), want), cu
+
+
+BAD_CU_SEQLENS = {
+    "bool": ([0, True, 8], "TypeError: cu_seqlens[1] must be an int, got True (bool)"),
+    "float": ([0, 3.0, 8], "TypeError: cu_seqlens[1] must be an int, got 3.0 (float)"),
+    "tensor entry": ([0, torch.tensor(3), 8],
+                     "TypeError: cu_seqlens[1] must be an int, got tensor(3) (Tensor)"),
+    "numpy array": (np.array([0, 3, 8]), "TypeError: cu_seqlens must be an int tensor or a "
+                                         "sequence of ints, got array([0, 3, 8])"),
+    "float tensor": (torch.tensor([0.0, 8.0]), "TypeError: cu_seqlens must hold integers, got "
+                                               "a tensor of torch.float32"),
+    "unsorted": ([0, 5, 3, 8], "ValueError: cu_seqlens must be non-decreasing, got "
+                               "cu_seqlens[1] = 5 > cu_seqlens[2] = 3 in [0, 5, 3, 8]"),
+    "not from 0": ([1, 8], "ValueError: cu_seqlens must start at 0 and end at the sequence "
+                           "length, got [1, 8]"),
+    "not to n": ([0, 3, 7], "ValueError: cu_seqlens must end at the sequence length 8, got 7 "
+                            "(cu_seqlens [0, 3, 7])"),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(CU_ENTRIES))
+@pytest.mark.parametrize("bad", sorted(BAD_CU_SEQLENS))
+def test_bad_document_boundaries_are_the_same_error_everywhere(entry: str, bad: str) -> None:
+    cu, want = BAD_CU_SEQLENS[bad]
+    assert outcome(lambda: CU_ENTRIES[entry](cu)) == want

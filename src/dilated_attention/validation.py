@@ -296,10 +296,7 @@ def check_cu_seqlens(cu_seqlens) -> Optional[Tuple[int, ...]]:
             f"cu_seqlens must be an int tensor or a sequence of ints, got {cu_seqlens!r}"
         )
     else:
-        for i, c in enumerate(cu_seqlens):
-            if isinstance(c, bool) or not isinstance(c, numbers.Integral):
-                raise TypeError(f"cu_seqlens must hold ints, got cu_seqlens[{i}] = {c!r}")
-        values = tuple(int(c) for c in cu_seqlens)
+        values = tuple(check_int(f"cu_seqlens[{i}]", c) for i, c in enumerate(cu_seqlens))
     if len(values) < 2 or values[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0 and end at the sequence length, got "
                          f"{brief(values)}")
