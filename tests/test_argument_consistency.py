@@ -361,3 +361,139 @@ BAD_CU_SEQLENS = {
 def test_bad_document_boundaries_are_the_same_error_everywhere(entry: str, bad: str) -> None:
     cu, want = BAD_CU_SEQLENS[bad]
     assert outcome(lambda: CU_ENTRIES[entry](cu)) == want
+
+
+# ---------------------------------------------------------------- sizes, patterns, flags, masks
+
+
+def _size_entry_points():
+    """name -> (argument, call(value)) for public positive-int arguments (a valid value 4)."""
+    from dilated_attention import (LongNetConfig, LongNetLM, MultiheadDilatedAttention,
+                                   rotary_tables)
+
+    q, k, v = qkv()
+    lm = LongNetLM(LongNetConfig.from_name("tiny", num_layers=1, segment_lengths=[4],
+                                           dilation_rates=[1]))
+    ids = torch.arange(4)[None]
+    return {
+        "dilated_attention.segment_lengths[0]": ("segment_lengths[0]", lambda x:
+                                                 dilated_attention(q, k, v, [x], [1])),
+        "MultiheadDilatedAttention.num_heads": ("num_heads", lambda x: MultiheadDilatedAttention(
+            8, x, [4], [1])),
+        "MultiheadDilatedAttention.num_kv_heads": ("num_kv_heads", lambda x:
+                                                   MultiheadDilatedAttention(8, 4, [4], [1],
+                                                                             num_kv_heads=x)),
+        "LongNetConfig.num_heads": ("num_heads", lambda x: LongNetConfig.from_name(
+            "tiny", num_heads=x)),
+        "rotary_tables.head_dim": ("head_dim", lambda x: rotary_tables(torch.arange(4), x)),
+        "LongNetLM.generate.max_new_tokens": ("max_new_tokens", lambda x: lm.generate(ids, x)),
+        "LongNetLM.generate.top_k": ("top_k", lambda x: lm.generate(ids, 1, temperature=1.0,
+                                                                     top_k=x)),
+    }
+
+
+SIZE_ENTRIES = _size_entry_points()
+
+
+@pytest.mark.parametrize("entry", sorted(SIZE_ENTRIES))
+def test_a_size_takes_python_and_numpy_ints_and_refuses_the_rest_alike(entry: str) -> None:
+    name, call = SIZE_ENTRIES[entry]
+    for value in (4, np.int64(4), np.int32(4)):
+        assert outcome(lambda: call(value)) == "no error", value
+    # True is an int in Python, not a size; 4.0 is not an int
+    for bad in (True, 4.0, np.float64(4.0), "4", torch.tensor(4)):
+        assert outcome(lambda: call(bad)) == (
+            f"TypeError: {name} must be a positive int, got {bad!r} ({type(bad).__name__})")
+    for bad in (0, -4, np.int64(-4)):
+        assert outcome(lambda: call(bad)) == (
+            f"ValueError: {name} must be a positive int, got {bad}")
+
+
+def _pattern_entry_points():
+    """name -> call(segment_lengths) with dilation_rates [1, 2]."""
+    from dilated_attention import DilatedAttention, LongNetConfig, MultiheadDilatedAttention
+
+    q, k, v = qkv()
+    entries = {
+        "dilated_attention": lambda s: dilated_attention(q, k, v, s, [1, 2]),
+        "DilatedAttention": lambda s: DilatedAttention(s, [1, 2]),
+        "MultiheadDilatedAttention": lambda s: MultiheadDilatedAttention(8, 2, s, [1, 2]),
+        "LongNetConfig": lambda s: LongNetConfig.from_name("tiny", segment_lengths=s,
+                                                           dilation_rates=[1, 2]),
+    }
+    try:
+        from dilated_attention.integrations.transformers import register
+    except ImportError:
+        return entries
+    entries["transformers.register"] = lambda s: register(
+        "consistency", segment_lengths=s, dilation_rates=[1, 2], replace=True)
+    return entries
+
+
+PATTERN_ENTRIES = _pattern_entry_points()
+
+
+@pytest.mark.parametrize("entry", sorted(PATTERN_ENTRIES))
+def test_pattern_lists_are_taken_and_refused_alike(entry: str) -> None:
+    call = PATTERN_ENTRIES[entry]
+    for value in ([4, 8], (4, 8), [np.int64(4), np.int32(8)], range(4, 9, 4)):
+        assert outcome(lambda: call(value)) == "no error", value
+    # as torch takes a size list: not an array, a tensor or a generator
+    for bad in (np.array([4, 8]), torch.tensor([4, 8]), "48"):
+        assert outcome(lambda: call(bad)) == (
+            f"TypeError: segment_lengths must be a list of positive ints, got {bad!r}")
+    assert outcome(lambda: call([True, 8])) == (
+        "TypeError: segment_lengths[0] must be a positive int, got True (bool)")
+    assert outcome(lambda: call([])) == "ValueError: segment_lengths must not be empty, got []"
+
+
+def _key_mask_entry_points():
+    """name -> call(key_padding_mask) over q (1, 8, 2, 4)."""
+    from dilated_attention import DilatedAttention, MultiheadDilatedAttention
+
+    q, k, v = qkv()
+    mha = MultiheadDilatedAttention(8, 2, [4], [1])
+    x = torch.randn(1, 8, 8)
+    return {
+        "dilated_attention": lambda m: WINDOW_OPS["dilated_attention"](q, k, v,
+                                                                       key_padding_mask=m),
+        "ring_attention": lambda m: ring_attention(q, k, v, key_padding_mask=m),
+        "DilatedAttention": lambda m: DilatedAttention([4], [1])(q, k, v, key_padding_mask=m),
+        "MultiheadDilatedAttention": lambda m: mha(x, x, x, key_padding_mask=m),
+    }
+
+
+KEY_MASK_ENTRIES = _key_mask_entry_points()
+
+
+@pytest.mark.parametrize("entry", sorted(KEY_MASK_ENTRIES))
+def test_a_key_padding_mask_is_taken_and_refused_alike(entry: str) -> None:
+    call = KEY_MASK_ENTRIES[entry]
+    assert outcome(lambda: call(torch.zeros(1, 8, dtype=torch.bool))) == "no error"
+    for dtype in (torch.int64, torch.float32):
+        assert outcome(lambda: call(torch.zeros(1, 8, dtype=dtype))) == (
+            f"TypeError: key_padding_mask must be a bool tensor (True = ignore that key), got "
+            f"{dtype}")
+    assert outcome(lambda: call(np.zeros((1, 8), dtype=bool))) == (
+        "TypeError: key_padding_mask must be a bool tensor or None, got ndarray")
+    assert outcome(lambda: call(torch.zeros(1, 9, dtype=torch.bool))) == (
+        "ValueError: key_padding_mask must have shape (batch, seq_len) = (1, 8), got (1, 9)")
+    assert outcome(lambda: call(torch.zeros(1, 8, dtype=torch.bool, device="meta"))) == (
+        "ValueError: key_padding_mask must be on q's device cpu, got meta")
+
+
+@pytest.mark.parametrize("entry", sorted(KEY_MASK_ENTRIES))
+def test_is_causal_is_a_bool_everywhere(entry: str) -> None:
+    from dilated_attention import DilatedAttention, MultiheadDilatedAttention
+
+    q, k, v = qkv()
+    x = torch.randn(1, 8, 8)
+    call = {"dilated_attention": lambda c: WINDOW_OPS["dilated_attention"](q, k, v, is_causal=c),
+            "ring_attention": lambda c: ring_attention(q, k, v, is_causal=c),
+            "DilatedAttention": lambda c: DilatedAttention([4], [1])(q, k, v, is_causal=c),
+            "MultiheadDilatedAttention": lambda c: MultiheadDilatedAttention(8, 2, [4], [1])(
+                x, x, x, is_causal=c)}[entry]
+    assert outcome(lambda: call(True)) == "no error"
+    # as F.scaled_dot_product_attention's is_causal: a NumPy bool or an int is no bool
+    for bad in (np.bool_(True), 1, torch.tensor(True), None):
+        assert outcome(lambda: call(bad)) == f"TypeError: is_causal must be a bool, got {bad!r}"
