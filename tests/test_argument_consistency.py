@@ -497,3 +497,17 @@ def test_is_causal_is_a_bool_everywhere(entry: str) -> None:
     # as F.scaled_dot_product_attention's is_causal: a NumPy bool or an int is no bool
     for bad in (np.bool_(True), 1, torch.tensor(True), None):
         assert outcome(lambda: call(bad)) == f"TypeError: is_causal must be a bool, got {bad!r}"
+
+
+def test_a_config_keeps_its_numbers_as_python_numbers() -> None:
+    import dataclasses
+    import json
+
+    from dilated_attention import LongNetConfig
+
+    config = LongNetConfig.from_name(
+        "tiny", num_heads=np.int64(4), rope_theta=np.float32(500.0), dropout=np.float32(0.25),
+        attention_dropout=np.float64(0.5), layer_norm_eps=np.float32(1e-6))
+    for name in ("num_heads", "rope_theta", "dropout", "attention_dropout", "layer_norm_eps"):
+        assert type(getattr(config, name)) in (int, float), name
+    json.dumps(dataclasses.asdict(config))

@@ -96,13 +96,15 @@ class LongNetConfig:
             raise ValueError(
                 f"activation must be one of {tuple(ACTIVATIONS)}, got {self.activation!r}"
             )
-        check.check_positive_float("layer_norm_eps", self.layer_norm_eps)
+        # kept as the checks return them (Python numbers, as the ints above): a NumPy value
+        # would stay one in the config (json.dumps of its fields fails on it)
+        self.layer_norm_eps = check.check_positive_float("layer_norm_eps", self.layer_norm_eps)
         self.rope_theta = check.check_positive_float("rope_theta", self.rope_theta)
         if self.positions == "rotary" and (self.embed_dim // self.num_heads) % 2:
             raise ValueError(f"positions='rotary' needs an even head dim (embed_dim // "
                              f"num_heads), got {self.embed_dim // self.num_heads}")
-        check.check_dropout(self.dropout, "dropout")
-        check.check_dropout(self.attention_dropout, "attention_dropout")
+        self.dropout = check.check_dropout(self.dropout, "dropout")
+        self.attention_dropout = check.check_dropout(self.attention_dropout, "attention_dropout")
         for name in ("bias", "tie_embeddings"):
             check.check_bool(name, getattr(self, name))
         check.check_backend(self.backend)
