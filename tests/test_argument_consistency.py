@@ -511,3 +511,15 @@ def test_a_config_keeps_its_numbers_as_python_numbers() -> None:
     for name in ("num_heads", "rope_theta", "dropout", "attention_dropout", "layer_norm_eps"):
         assert type(getattr(config, name)) in (int, float), name
     json.dumps(dataclasses.asdict(config))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, "float32", torch.complex64])
+def test_a_parameter_dtype_the_ops_do_not_run_is_the_same_error_everywhere(dtype) -> None:
+    from dilated_attention import LongNet, LongNetConfig, LongNetLM, MultiheadDilatedAttention
+
+    tiny = LongNetConfig.from_name("tiny", num_layers=1, num_encoder_layers=1)
+    want = (f"TypeError: dtype must be None, torch.float64, float32, float16 or bfloat16, got "
+            f"{dtype!r}")
+    for build in (lambda: MultiheadDilatedAttention(8, 2, [4], [1], dtype=dtype),
+                  lambda: LongNetLM(tiny, dtype=dtype), lambda: LongNet(tiny, dtype=dtype)):
+        assert outcome(build) == want

@@ -222,11 +222,7 @@ class MultiheadDilatedAttention(nn.Module):
         self.batch_first = check.check_bool("batch_first", batch_first)
         gamma_init = check.check_positive_float("gamma_init", gamma_init)
         layer_norm_eps = check.check_positive_float("layer_norm_eps", layer_norm_eps)
-        if dtype is not None and dtype not in check.FLOAT_DTYPES:
-            # the op runs these four: an integer dtype failed in nn.Linear ("Only Tensors of
-            # floating point ... can require gradients"), a complex one at the first call
-            raise TypeError(f"dtype must be None, torch.float64, float32, float16 or bfloat16, "
-                            f"got {dtype!r}")
+        check.check_module_dtype(dtype)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -136,6 +136,16 @@ def check_scale(scale, head_dim: int) -> float:
     return check_positive_float("scale", scale)
 
 
+def check_module_dtype(dtype) -> Optional[torch.dtype]:
+    """A module's or model's parameter dtype: None (torch's default) or one the ops run
+    (an integer dtype failed in nn.Linear, "Only Tensors of floating point ... can require
+    gradients"; a complex one at the first call; a string in torch's factory)."""
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be None, torch.float64, float32, float16 or bfloat16, "
+                        f"got {dtype!r}")
+    return dtype
+
+
 def check_dense(name: str, x: Tensor) -> None:
     """A plain strided tensor: the kernels index rows by strides (a sparse or nested tensor
     would fail deep inside them)."""

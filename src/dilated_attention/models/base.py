@@ -37,7 +37,7 @@ class LongNetBase(nn.Module):
         # parameters' version sum at the last one (None once one ran after a change)
         self._replica_forwards = 0
         self._replica_versions: Optional[int] = -1
-        self._factory = {"device": device, "dtype": dtype}
+        self._factory = {"device": device, "dtype": check.check_module_dtype(dtype)}
         e = config.embed_dim
         self.embed = nn.Embedding(config.vocab_size, e, **self._factory)
         nn.init.normal_(self.embed.weight, std=e**-0.5)
