@@ -1,6 +1,17 @@
 """Argument checks shared by the functional ops and the modules.
 
-Every error names the argument and the offending value.
+Every error names the argument and the offending value. One check per kind of argument,
+called by every public entry point that takes one, so a value is taken or refused alike
+everywhere, in the same words: sizes and dims (``check_int``) are Python or NumPy ints, as
+torch takes them, not bools, floats or tensors; reals (``check_real``: scales, probabilities,
+temperatures) are Python or NumPy numbers, not bools or tensors, NaN outside every range;
+flags (``check_bool``) are bools only, as ``F.scaled_dot_product_attention``'s is_causal;
+lists (``check_patterns``, ``check_cu_seqlens``) are sequences of such ints, not arrays or
+generators (cu_seqlens also an int tensor); a sliding window is ``check_window``'s
+(flash-attn's (left, right), each side an int as above; every problem a ValueError); the
+padding masks are ``check_key_padding_mask`` (bool, True = ignore) and
+``check_attention_mask`` (0/1, 1 = a real token); a group is
+``distributed.comm.resolve_group``'s.
 """
 
 from __future__ import annotations
