@@ -523,3 +523,46 @@ def test_a_parameter_dtype_the_ops_do_not_run_is_the_same_error_everywhere(dtype
     for build in (lambda: MultiheadDilatedAttention(8, 2, [4], [1], dtype=dtype),
                   lambda: LongNetLM(tiny, dtype=dtype), lambda: LongNet(tiny, dtype=dtype)):
         assert outcome(build) == want
+
+
+# ---------------------------------------------------------------- positions
+
+
+def _position_entry_points():
+    """name -> call(position_ids) for 8 tokens in one batch row."""
+    from dilated_attention import LongNetConfig, LongNetLM
+
+    lm = LongNetLM(LongNetConfig.from_name("tiny", num_layers=1, segment_lengths=[4],
+                                           dilation_rates=[1]))
+    ids = torch.arange(8)[None]
+    entries = {"LongNetLM": lambda p: lm(ids, position_ids=p)}
+    try:
+        from dilated_attention.integrations.transformers import shard_inputs
+    except ImportError:
+        return entries
+    entries["transformers.shard_inputs"] = lambda p: shard_inputs(ids, None, position_ids=p)
+    return entries
+
+
+POSITION_ENTRIES = _position_entry_points()
+
+
+@pytest.mark.parametrize("entry", sorted(POSITION_ENTRIES))
+def test_position_ids_are_taken_and_refused_alike(entry: str) -> None:
+    call = POSITION_ENTRIES[entry]
+    for positions in (torch.arange(8), torch.arange(8)[None],
+                      torch.arange(8, dtype=torch.int32)[None],
+                      torch.arange(8, dtype=torch.int16)[None]):
+        assert outcome(lambda: call(positions)) == "no error", positions.dtype
+    for bad, got in ((torch.arange(8.0), "a torch.float32 tensor"),
+                     (torch.ones(8, dtype=torch.bool), "a torch.bool tensor"),
+                     (list(range(8)), "list"), (np.arange(8), "ndarray")):
+        assert outcome(lambda: call(bad)) == f"TypeError: position_ids must be an integer " \
+                                             f"tensor, got {got}"
+    for bad in (torch.arange(9)[None], torch.arange(8).expand(2, 8)):
+        assert outcome(lambda: call(bad)) == (
+            f"ValueError: position_ids must be (seq_len,), (1, seq_len) or (batch, seq_len) for "
+            f"(batch, seq_len) = (1, 8), got {tuple(bad.shape)}")
+    assert outcome(lambda: call(torch.arange(8, device="meta"))) == (
+        "ValueError: position_ids must hold values: got a tensor on the meta device (shapes "
+        "only)")

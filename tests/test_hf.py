@@ -1271,7 +1271,8 @@ def test_agreed_origins_read_each_rows_own_first_position():
 
 @pytest.mark.parametrize("name, match", [
     ("labels", r"^labels must be \(.*8\) like input_ids"),
-    ("position_ids", r"^position_ids must be \(.*8\) like input_ids"),
+    # the positions' own check, as the attention's and LongNetLM's (check_position_ids)
+    ("position_ids", r"^position_ids must be .* for \(batch, seq_len\) = \(1, 8\)"),
     # the padding mask's own check, as generate's (validation.check_attention_mask)
     ("attention_mask", r"^attention_mask must have input_ids' shape \(1, 8\)")])
 def test_shard_inputs_refuses_a_length_other_than_input_ids(name, match):

@@ -10,8 +10,8 @@ lists (``check_patterns``, ``check_cu_seqlens``) are sequences of such ints, not
 generators (cu_seqlens also an int tensor); a sliding window is ``check_window``'s
 (flash-attn's (left, right), each side an int as above; every problem a ValueError); the
 padding masks are ``check_key_padding_mask`` (bool, True = ignore) and
-``check_attention_mask`` (0/1, 1 = a real token); a group is
-``distributed.comm.resolve_group``'s.
+``check_attention_mask`` (0/1, 1 = a real token); positions ``check_position_ids``'s
+(an integer tensor); a group is ``distributed.comm.resolve_group``'s.
 """
 
 from __future__ import annotations
@@ -393,6 +393,26 @@ def check_attention_mask(mask, ids: Tensor, ids_name: str) -> Optional[Tensor]:
     if bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError("attention_mask must hold 0 (padding) and 1 (real token) only")
     return mask.long()
+
+
+def check_position_ids(position_ids, batch: int, n: int) -> Tensor:
+    """Positions of (batch, n) tokens, as transformers takes them: an integer tensor (not a
+    bool one: no positions 0/1) of shape (n,), (1, n) or (batch, n), returned as (rows, n).
+    TypeError for another kind, ValueError for another shape or a meta tensor (no values);
+    what the positions mean (documents, their range) is the caller's."""
+    if not isinstance(position_ids, Tensor) or position_ids.dtype.is_floating_point or \
+            position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
+        got = f"a {position_ids.dtype} tensor" if isinstance(position_ids, Tensor) else \
+            type(position_ids).__name__
+        raise TypeError(f"position_ids must be an integer tensor, got {got}")
+    rows = position_ids[None] if position_ids.dim() == 1 else position_ids
+    if rows.dim() != 2 or rows.shape[1] != n or rows.shape[0] not in (1, batch):
+        raise ValueError(f"position_ids must be (seq_len,), (1, seq_len) or (batch, seq_len) "
+                         f"for (batch, seq_len) = {(batch, n)}, got {tuple(position_ids.shape)}")
+    if rows.device.type == "meta":
+        raise ValueError("position_ids must hold values: got a tensor on the meta device "
+                         "(shapes only)")
+    return rows
 
 
 def check_first_order(what: str) -> None:

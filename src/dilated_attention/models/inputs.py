@@ -97,17 +97,7 @@ def document_starts(position_ids: Optional[Tensor], tokens: Tensor,
     position; the rows of a batch must agree (documents are shared by every row)."""
     if position_ids is None:
         return {"doc_starts": (), "max_position": None, "position_ids": False}
-    if not isinstance(position_ids, Tensor) or position_ids.dtype not in _ID_DTYPES:
-        raise TypeError(f"position_ids must be an int64 or int32 tensor, got "
-                        f"{getattr(position_ids, 'dtype', type(position_ids).__name__)}")
-    if position_ids.dim() == 1:
-        position_ids = position_ids[None]
-    if position_ids.dim() != 2 or position_ids.shape[1] != tokens.shape[1] or \
-            position_ids.shape[0] not in (1, tokens.shape[0]):
-        raise ValueError(
-            f"position_ids must be (batch, seq_len) or (seq_len,) matching tokens "
-            f"{tuple(tokens.shape)}, got {tuple(position_ids.shape)}"
-        )
+    position_ids = check.check_position_ids(position_ids, *tokens.shape[:2])
     if not bool((position_ids == position_ids[:1]).all()):
         raise ValueError("position_ids must be the same in every batch row (packed documents "
                          "are shared by the batch)")

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-import torch
 from torch import Tensor
 
 from ... import validation as check
-from .refusals import describe
 
 
 def explicit_documents(kwargs) -> Optional[Tuple[int, ...]]:
@@ -34,16 +32,7 @@ def position_facts(position_ids, batch: int, n: int, decoding: bool) -> Dict[str
     none = {"first": None, "last": None, "restarts": (), "same_rows": True, "rows": None}
     if position_ids is None or decoding:
         return none
-    if not isinstance(position_ids, Tensor) or position_ids.dtype.is_floating_point \
-            or position_ids.dtype == torch.bool:
-        raise TypeError(f"position_ids must be an integer tensor, got "
-                        f"{describe(position_ids)}")
-    if position_ids.dim() == 1:
-        position_ids = position_ids[None]
-    if position_ids.dim() != 2 or position_ids.shape[1] != n \
-            or position_ids.shape[0] not in (1, batch):
-        raise ValueError(f"position_ids must be (batch, seq_len) or (1, seq_len) for "
-                         f"{(batch, n)}, got shape {tuple(position_ids.shape)}")
+    position_ids = check.check_position_ids(position_ids, batch, n)
     if n == 0:
         return {**none, "rows": position_ids.shape[0]}
     restart = restarts(position_ids)

@@ -84,12 +84,13 @@ def shard_inputs(input_ids: Tensor, group: comm.GroupLike, *, labels: Optional[T
                 f"layers reshape (batch, 0, -1, head_dim)); pass at least {ranks} tokens or use "
                 f"fewer ranks"
             )
-        for name, x, rows in (("labels", labels, (b,)), ("position_ids", position_ids, (1, b))):
-            if x is not None and (not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != n
-                                  or x.shape[0] not in rows):
-                raise ValueError(f"{name} must be ({' or '.join(map(str, rows))}, {n}) like "
-                                 f"input_ids {tuple(input_ids.shape)}, got {describe(x)}")
-        # the padding mask as generate checks it (padding on either side here)
+        if labels is not None and (not isinstance(labels, Tensor)
+                                   or tuple(labels.shape) != (b, n)):
+            raise ValueError(f"labels must be ({b}, {n}) like input_ids "
+                             f"{tuple(input_ids.shape)}, got {describe(labels)}")
+        # positions and the padding mask as the attention and generate check them
+        if position_ids is not None:
+            check.check_position_ids(position_ids, b, n)
         check.check_attention_mask(attention_mask, input_ids, "input_ids")
         # shapes and dtypes: the same batch on every rank (its values are not compared)
         return {name: None if x is None else (tuple(x.shape), x.dtype)
