@@ -128,6 +128,21 @@ def test_dim_takes_what_torch_takes_for_a_dim(op: str) -> None:
 # ---------------------------------------------------------------- padding masks (1 = real token)
 
 
+def _tiny_llama():
+    """A one-layer Llama over 64 ids on the dilated backend, or None without transformers."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from dilated_attention.integrations.transformers import register
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, attn_implementation=register(
+            "consistency", segment_lengths=[4], dilation_rates=[1], replace=True))).eval()
+
+
 def _attention_mask_entry_points():
     """name -> call(mask) on the ids (1, 4) of 0 .. 3, for every public function that takes a
     padding mask for token ids."""
@@ -138,18 +153,11 @@ def _attention_mask_entry_points():
     lm = LongNetLM(LongNetConfig.from_name("tiny", num_layers=1, segment_lengths=[4],
                                            dilation_rates=[1]))
     entries = {"LongNetLM.generate": lambda m: lm.generate(ids, 1, attention_mask=m)}
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        from dilated_attention.integrations import transformers as hf
-    except ImportError:  # transformers not installed: the library's own entry point only
+    model = _tiny_llama()
+    if model is None:  # transformers not installed: the library's own entry point only
         return entries
-    config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                         attn_implementation=hf.register(
-                             "consistency", segment_lengths=[4], dilation_rates=[1],
-                             replace=True))
-    model = LlamaForCausalLM(config).eval()
+    from dilated_attention.integrations import transformers as hf
+
     entries.update({
         "transformers.generate": lambda m: hf.generate(model, ids, group=None, max_new_tokens=1,
                                                        attention_mask=m, pad_token_id=0),
@@ -566,3 +574,52 @@ def test_position_ids_are_taken_and_refused_alike(entry: str) -> None:
     assert outcome(lambda: call(torch.arange(8, device="meta"))) == (
         "ValueError: position_ids must hold values: got a tensor on the meta device (shapes "
         "only)")
+
+
+# ---------------------------------------------------------------- token ids
+
+
+def _token_entry_points():
+    """name -> (argument, call(ids)) for every public function that takes token ids (1, 4)."""
+    from dilated_attention import LongNet, LongNetConfig, LongNetLM
+
+    tiny = LongNetConfig.from_name("tiny", num_layers=1, num_encoder_layers=1,
+                                   segment_lengths=[4], dilation_rates=[1])
+    lm, encoder_decoder = LongNetLM(tiny), LongNet(tiny)
+    ids = torch.arange(4)[None]
+    entries = {
+        "LongNetLM.forward": ("tokens", lambda t: lm(t)),
+        "LongNetLM.generate": ("tokens", lambda t: lm.generate(t, 1)),
+        "LongNet.forward": ("src_tokens", lambda t: encoder_decoder(t, ids)),
+    }
+    try:
+        from dilated_attention.integrations.transformers import shard_inputs
+    except ImportError:
+        return entries
+    entries["transformers.shard_inputs"] = ("input_ids", lambda t: shard_inputs(t, None))
+    model = _tiny_llama()
+    if model is not None:
+        from dilated_attention.integrations.transformers import generate
+
+        entries["transformers.generate"] = ("input_ids", lambda t: generate(
+            model, t, group=None, max_new_tokens=1, pad_token_id=0))
+    return entries
+
+
+TOKEN_ENTRIES = _token_entry_points()
+
+
+@pytest.mark.parametrize("entry", sorted(TOKEN_ENTRIES))
+def test_token_ids_are_taken_and_refused_alike(entry: str) -> None:
+    name, call = TOKEN_ENTRIES[entry]
+    ids = torch.arange(4)[None]
+    for good in (ids, ids.int()):
+        assert outcome(lambda: call(good)) == "no error", good.dtype
+    # what nn.Embedding indexes with: int64 or int32
+    for dtype in (torch.int16, torch.uint8, torch.bool, torch.float32):
+        assert outcome(lambda: call(ids.to(dtype))) == (
+            f"TypeError: {name} must hold integer token ids (int64 or int32), got {dtype}")
+    assert outcome(lambda: call(ids.tolist())) == f"TypeError: {name} must be a torch.Tensor, " \
+                                                  f"got list"
+    assert outcome(lambda: call(ids[0])) == (
+        f"ValueError: {name} must be 2-D (batch, seq_len), got shape (4,)")

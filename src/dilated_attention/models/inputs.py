@@ -31,14 +31,17 @@ def _reads_values(ids: Tensor) -> bool:
     return ids.device.type != "meta" and bool(ids.numel()) and not torch.compiler.is_compiling()
 
 
-def check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
+def check_tokens(name: str, tokens: Tensor, vocab_size: Optional[int]) -> None:
+    """Token ids (b, n) for an embedding of `vocab_size` rows (None: not known here), as
+    nn.Embedding takes them (int64 or int32): every model's and transformers helper's check
+    of its ids, errors naming `name`."""
     if not isinstance(tokens, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tokens).__name__}")
     if tokens.dim() != 2:
         raise ValueError(f"{name} must be 2-D (batch, seq_len), got shape {tuple(tokens.shape)}")
     if tokens.dtype not in _ID_DTYPES:
         raise TypeError(f"{name} must hold integer token ids (int64 or int32), got {tokens.dtype}")
-    if _reads_values(tokens):
+    if vocab_size is not None and _reads_values(tokens):
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"{name} must be ids in [0, {vocab_size}), got values in [{lo}, {hi}]")

@@ -53,9 +53,8 @@ from ... import validation as check
 from ...decoding import CachePlan
 from ...distributed import comm
 from ...distributed.sharding import piece_lengths
-from ...models.inputs import agree_on_replicated_inputs, digest, left_padding
+from ...models.inputs import agree_on_replicated_inputs, check_tokens, digest, left_padding
 from .backend import backend_of, serving
-from .refusals import describe
 
 # generate() arguments that would replace what this function sets up, or need a cache that
 # moves rows (beams, assistants) or outputs of the prefill that no rank holds whole
@@ -217,22 +216,15 @@ def _share_first_logits(cache, holder: int, group, module, args, kwargs, output)
 
 def check_prompt(input_ids: Tensor, attention_mask: Optional[Tensor],
                  vocab_size: Optional[int] = None) -> None:
-    """input_ids (b, n) integer ids, n >= 1, in [0, vocab_size) when given; attention_mask
+    """input_ids (b, n) int64 or int32 ids, n >= 1, in [0, vocab_size) when given; attention_mask
     None or (b, n) of 0s and 1s, each row's padding on its left and a real token in each
     row (generate continues a row at its end; the decoding steps refuse a hole, but only
     after the prompt has run)."""
-    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 \
-            or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be a 2-D integer tensor (batch, seq_len), got "
-                         f"{describe(input_ids)}")
+    # as LongNetLM's generate checks its tokens
+    check_tokens("input_ids", input_ids, vocab_size)
     if input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must hold at least one token per row, got shape "
                          f"{tuple(input_ids.shape)}")
-    if vocab_size is not None and input_ids.numel():
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"input_ids must be ids in [0, {vocab_size}) (the model's input "
-                             f"embeddings), got values in [{lo}, {hi}]")
     # as LongNetLM's generate checks its mask: 0s and 1s, padding on the left, a real token
     # in every row
     left_padding(attention_mask, input_ids, "input_ids")

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from ... import validation as check
 from ...distributed import comm
 from ...distributed.sharding import shard_sequence
-from ...models.inputs import check_targets
+from ...models.inputs import check_targets, check_tokens
 from ...models.loss import (IGNORE_INDEX, LOSS_CHUNK_BYTES, chunked_token_mean_loss,
                             token_mean_loss)
 from .documents import restarts
@@ -72,9 +72,7 @@ def shard_inputs(input_ids: Tensor, group: comm.GroupLike, *, labels: Optional[T
     def checks() -> Dict[str, object]:
         # inside one agreement: an argument bad on one rank only raises on every rank (the
         # others would wait in the model's first agreement until the timeout)
-        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be a (batch, seq_len) tensor, got "
-                             f"{describe(input_ids)}")
+        check_tokens("input_ids", input_ids, None)  # as the models check theirs
         b, n = input_ids.shape
         ranks = comm.group_size(comm.resolve_group(group))
         if n < ranks:
