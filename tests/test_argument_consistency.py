@@ -623,3 +623,15 @@ def test_token_ids_are_taken_and_refused_alike(entry: str) -> None:
                                                   f"got list"
     assert outcome(lambda: call(ids[0])) == (
         f"ValueError: {name} must be 2-D (batch, seq_len), got shape (4,)")
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_CU_SEQLENS))
+def test_transformers_boundaries_are_checked_alike_under_their_own_name(bad: str) -> None:
+    """cu_seq_lens_q/_k (transformers' names for cu_seqlens): the same check and words."""
+    model = _tiny_llama()
+    if model is None:
+        pytest.skip("transformers is not installed")
+    cu, want = BAD_CU_SEQLENS[bad]
+    got = outcome(lambda: model(torch.arange(8)[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                max_length_q=8, max_length_k=8))
+    assert got == want.replace("cu_seqlens", "cu_seq_lens_q")

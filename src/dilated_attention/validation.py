@@ -290,42 +290,43 @@ def check_window(window_size, is_causal: bool) -> Tuple[int, int]:
     return left, right
 
 
-def check_cu_seqlens(cu_seqlens) -> Optional[Tuple[int, ...]]:
+def check_cu_seqlens(cu_seqlens, name: str = "cu_seqlens") -> Optional[Tuple[int, ...]]:
     """Document boundaries [0, c1, ..., N] (an int tensor or a sequence of ints), non-decreasing.
 
     Returns them as a tuple of ints (None stays None). Whether the last one is
-    the sequence length is checked by the caller, which knows N.
+    the sequence length is checked by the caller, which knows N. Errors call them `name`
+    (the caller's argument: transformers' cu_seq_lens_q).
     """
     if cu_seqlens is None:
         return None
     if isinstance(cu_seqlens, Tensor):
         if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or \
                 cu_seqlens.dtype == torch.bool:
-            raise TypeError(f"cu_seqlens must hold integers, got a tensor of {cu_seqlens.dtype}")
+            raise TypeError(f"{name} must hold integers, got a tensor of {cu_seqlens.dtype}")
         if cu_seqlens.device.type == "meta":
             raise ValueError(
-                "cu_seqlens must hold values: got a tensor on the meta device (shapes only); "
+                f"{name} must hold values: got a tensor on the meta device (shapes only); "
                 "pass a CPU or GPU tensor or a list of ints"
             )
         if cu_seqlens.dim() != 1:
             raise ValueError(
-                f"cu_seqlens must be 1-D [0, c1, ..., N], got shape {tuple(cu_seqlens.shape)}"
+                f"{name} must be 1-D [0, c1, ..., N], got shape {tuple(cu_seqlens.shape)}"
             )
         values = tuple(int(c) for c in cu_seqlens.tolist())
     elif isinstance(cu_seqlens, (str, bytes)) or not isinstance(cu_seqlens, Sequence):
         raise TypeError(
-            f"cu_seqlens must be an int tensor or a sequence of ints, got {cu_seqlens!r}"
+            f"{name} must be an int tensor or a sequence of ints, got {cu_seqlens!r}"
         )
     else:
-        values = tuple(check_int(f"cu_seqlens[{i}]", c) for i, c in enumerate(cu_seqlens))
+        values = tuple(check_int(f"{name}[{i}]", c) for i, c in enumerate(cu_seqlens))
     if len(values) < 2 or values[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0 and end at the sequence length, got "
+        raise ValueError(f"{name} must start at 0 and end at the sequence length, got "
                          f"{brief(values)}")
     for i in range(1, len(values)):
         if values[i] < values[i - 1]:
             raise ValueError(
-                f"cu_seqlens must be non-decreasing, got cu_seqlens[{i - 1}] = {values[i - 1]} > "
-                f"cu_seqlens[{i}] = {values[i]} in {brief(values)}"
+                f"{name} must be non-decreasing, got {name}[{i - 1}] = {values[i - 1]} > "
+                f"{name}[{i}] = {values[i]} in {brief(values)}"
             )
     return values
 

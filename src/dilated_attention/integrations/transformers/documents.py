@@ -15,7 +15,7 @@ from ... import validation as check
 
 
 def explicit_documents(kwargs) -> Optional[Tuple[int, ...]]:
-    return check.check_cu_seqlens(kwargs.get("cu_seq_lens_q"))
+    return check.check_cu_seqlens(kwargs.get("cu_seq_lens_q"), "cu_seq_lens_q")
 
 
 def restarts(position_ids: Tensor) -> Tensor:

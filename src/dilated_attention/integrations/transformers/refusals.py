@@ -121,7 +121,8 @@ def check_kwargs(kwargs: Dict[str, Any]) -> None:
             raise NotImplementedError(f"{name}={show(value)} is not supported: {hint}")
     q_cu, k_cu = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if (q_cu is None) != (k_cu is None) or (
-            q_cu is not None and check.check_cu_seqlens(q_cu) != check.check_cu_seqlens(k_cu)):
+            q_cu is not None and check.check_cu_seqlens(q_cu, "cu_seq_lens_q")
+            != check.check_cu_seqlens(k_cu, "cu_seq_lens_k")):
         raise ValueError(f"cu_seq_lens_q and cu_seq_lens_k must be given together and be equal "
                          f"(self-attention), got {show(q_cu)} and {show(k_cu)}")
 
