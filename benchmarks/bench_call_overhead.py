@@ -4,6 +4,8 @@
     python benchmarks/bench_call_overhead.py --seq-lens 8192 --backend cuda_cudnn
     python benchmarks/bench_call_overhead.py --host-only          # any machine: the Python alone
     python benchmarks/bench_call_overhead.py --host-only --launcher   # and Triton's launcher's
+    python benchmarks/bench_call_overhead.py --cpu                # CPU kernels, short lengths
+    python benchmarks/bench_call_overhead.py --cpu --world-size 2 # the same on 2 gloo ranks
 
 LongNet's setting (12 heads of 64, segments [2048, 4096], rates [1, 2]), bf16, batch 1,
 forward and forward + backward. Per case, after three warm-up calls:
@@ -55,6 +57,17 @@ follow (each argument unpacked, cuLaunchKernel); then one forward launch alone, 
 ``JITFunction.run``, its binder alone, and ``CompiledKernel.run`` with the arguments bound
 once (what launching from a cache of compiled kernels would leave). The first calls
 compile (about a minute with a cold Triton cache); run it in a process of its own.
+
+--cpu (no device needed) times whole calls on CPU with the real kernels, one thread, at
+short lengths where the host's Python is a large part of a call (``--seq-lens 128 512 2048``
+by default here, batch ``--batch``, ``--heads`` of 64): ``dilated_attention`` forward (no
+grad) and forward + backward in LongNet's setting and in one pattern (segment n, rate 1),
+``MultiheadDilatedAttention`` forward + backward, a tiny ``LongNetLM`` training step
+(forward with targets, backward), and for scale ``F.scaled_dot_product_attention`` and
+``nn.MultiheadAttention`` at the same shapes (causal). Min / median / max microseconds per
+call over ``--repeats`` repeats of ``--calls`` calls (of which a machine shared with others
+makes the min the steadiest). ``--world-size 2`` runs the library's cases on spawned gloo
+ranks, each holding n / P rows (rank 0's times; torch's are one process's at n / P).
 """
 
 from __future__ import annotations
@@ -424,20 +437,119 @@ def host_only(repeats: int, calls: int, profile_top: int, launcher: bool = False
     return "\n".join(lines)
 
 
+def cpu_cases(n: int, batch: int, heads: int, group=None):
+    """(name, call) of the --cpu cases at length n (this rank's rows under `group`; torch's
+    own only without one)."""
+    import torch.nn.functional as F
+    from dilated_attention import LongNetConfig, LongNetLM, MultiheadDilatedAttention
+
+    gen = torch.Generator().manual_seed(0)
+    # (b, n, h, d)
+    q, k, v = (torch.randn(batch, n, heads, 64, generator=gen) for _ in range(3))
+    x = torch.randn(batch, n, heads * 64, generator=gen)
+    cases = []
+    for label, (segs, rates) in (("LongNet", (SEGMENTS, RATES)), ("one pattern", ([n], [1]))):
+        def forward(segs=segs, rates=rates):
+            with torch.no_grad():
+                dilated_attention(q, k, v, segs, rates, is_causal=True, group=group)
+
+        def training(segs=segs, rates=rates):
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            dilated_attention(*leaves, segs, rates, is_causal=True, group=group).sum().backward()
+
+        cases += [(f"dilated_attention {label}, forward", forward),
+                  (f"dilated_attention {label}, forward + backward", training)]
+    mha = MultiheadDilatedAttention(heads * 64, heads, SEGMENTS, RATES, process_group=group)
+    cases.append(("MultiheadDilatedAttention, forward + backward",
+                  lambda: mha(x, x, x, is_causal=True)[0].sum().backward()))
+    torch.manual_seed(0)
+    lm = LongNetLM(LongNetConfig.from_name("tiny"), process_group=group)
+    tokens = torch.randint(0, 64, (batch, n + 1), generator=gen)
+    cases.append(("tiny LongNetLM training step",
+                  lambda: lm(tokens[:, :-1], tokens[:, 1:])[1].backward()))
+    if group is not None:
+        return cases
+    # (b, n, h, d) -> (b, h, n, d)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def sdpa_training():
+        leaves = [t.detach().requires_grad_() for t in (qt, kt, vt)]
+        F.scaled_dot_product_attention(*leaves, is_causal=True).sum().backward()
+
+    def sdpa_forward():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+    torch_mha = torch.nn.MultiheadAttention(heads * 64, heads, batch_first=True)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(n)
+    return cases + [
+        ("torch SDPA, forward", sdpa_forward),
+        ("torch SDPA, forward + backward", sdpa_training),
+        ("torch nn.MultiheadAttention, forward + backward",
+         lambda: torch_mha(x, x, x, attn_mask=causal, is_causal=True,
+                           need_weights=False)[0].sum().backward()),
+    ]
+
+
+def cpu_calls(seq_lens: Sequence[int], batch: int, heads: int, repeats: int, calls: int,
+              profile_top: int = 0, group=None) -> str:
+    """The --cpu report (module docstring); with `group`, this rank's. One thread: main()
+    sets it (a spawned rank runs with one)."""
+    size = 1 if group is None else torch.distributed.get_world_size(group)
+    lines = [f"torch {torch.__version__}, CPU, 1 thread, fp32, batch {batch}, {heads} heads "
+             f"of 64, causal, {size} process(es); microseconds per call over {repeats} "
+             f"repeats of {calls} calls"]
+    for n in seq_lens:
+        for name, call in cpu_cases(n // size, batch, heads, group):
+            for _ in range(3):
+                call()
+            lines.append(f"n = {n}, {name}: "
+                         f"{_spread(_microseconds_per_call(call, repeats, calls))}")
+            if profile_top:
+                lines.append(python_profile(lambda: [call() for _ in range(calls)],
+                                            profile_top))
+    return "\n".join(lines)
+
+
+def _cpu_rank(group, *args) -> str:
+    return cpu_calls(*args, group=group)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 65536])
+    parser.add_argument("--seq-lens", type=int, nargs="+",
+                        help="default 8192 65536 (--cpu: 128 512 2048)")
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--host-only", action="store_true",
                         help="time the host's Python per call on CPU, launches stubbed")
     parser.add_argument("--launcher", action="store_true",
                         help="with --host-only: through Triton's launcher (sm_90 kernels, an "
                         "idle stand-in driver), not stubbed")
-    parser.add_argument("--repeats", type=int, default=7, help="with --host-only")
-    parser.add_argument("--calls", type=int, default=500, help="with --host-only, per repeat")
+    parser.add_argument("--cpu", action="store_true",
+                        help="whole calls on CPU at short lengths, against torch's own")
+    parser.add_argument("--batch", type=int, default=1, help="with --cpu")
+    parser.add_argument("--heads", type=int, default=12, help="with --cpu")
+    parser.add_argument("--world-size", type=int, default=1,
+                        help="with --cpu: spawned gloo ranks, each holding n / P rows")
+    parser.add_argument("--repeats", type=int, default=7, help="with --host-only or --cpu")
+    parser.add_argument("--calls", type=int, default=None,
+                        help="per repeat, with --host-only (default 500) or --cpu (20)")
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
                         help="also cProfile's TOP Python functions by own time")
     args = parser.parse_args(argv)
+    if args.cpu:
+        seq_lens = args.seq_lens or [128, 512, 2048]
+        job = (seq_lens, args.batch, args.heads, args.repeats, args.calls or 20, args.profile)
+        if args.world_size == 1:
+            torch.set_num_threads(1)
+            print(cpu_calls(*job))
+        else:
+            from dilated_attention.tools import launch
+
+            print(launch.spawn(_cpu_rank, args.world_size, job, timeout=3600)[0])
+        return 0
+    if args.calls is None:
+        args.calls = 500
     if args.host_only:
         print(host_only(args.repeats, args.calls, args.profile, args.launcher))
         return 0
@@ -446,7 +558,7 @@ def main(argv=None) -> int:
         return 0
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, backend {args.backend}, "
           "bf16, LongNet's setting")
-    for n in args.seq_lens:
+    for n in args.seq_lens or [8192, 65536]:
         for training in (False, True):
             print(f"\nn = {n:,}, {'forward + backward' if training else 'forward'}: "
                   + measure(call_of(n, args.backend, training), args.profile), flush=True)

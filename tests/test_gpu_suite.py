@@ -199,6 +199,22 @@ def test_the_host_only_measurement_runs_anywhere_and_restores_the_kernels():
     assert all(float(word.rstrip(",")) > 0 for word in lines[1].split()[2:7:2])
 
 
+def test_the_cpu_measurement_names_each_case_with_its_spread():
+    """bench_call_overhead.py --cpu (whole CPU calls at short lengths, against torch's own):
+    one line per case and length, each with its min, median and max."""
+    bench = _load("bench_call_overhead")
+    lines = bench.cpu_calls([16], batch=1, heads=2, repeats=1, calls=1).splitlines()
+    names = [line.split(": min ")[0] for line in lines[1:]]
+    assert names == [f"n = 16, {name}" for name in (
+        "dilated_attention LongNet, forward", "dilated_attention LongNet, forward + backward",
+        "dilated_attention one pattern, forward",
+        "dilated_attention one pattern, forward + backward",
+        "MultiheadDilatedAttention, forward + backward", "tiny LongNetLM training step",
+        "torch SDPA, forward", "torch SDPA, forward + backward",
+        "torch nn.MultiheadAttention, forward + backward")]
+    assert all(", median " in line and ", max " in line for line in lines[1:])
+
+
 def test_the_timeline_cuts_a_call_into_lead_busy_idle_and_tail():
     """bench_call_overhead.py's timeline (where a synchronised call's time goes, for the GPU
     session that measures it): overlapping device work counts once, idle is the device's
