@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -289,6 +290,55 @@ def test_agree_tells_equal_values_of_different_types_apart():
     for res in run_distributed(_agree_types, 2, timeout=60):
         assert "ranks disagree on 'x'" in res[0], res
         assert "ranks disagree on 'flag'" in res[1], res
+
+
+def _agree_payloads(group):
+    """Per case: the all-gathers one agreement ran, and what it returned or raised."""
+    from dilated_attention.distributed.comm import agreement
+
+    rank, slot = comm.group_rank(group), agreement.AGREEMENT_SLOT_BYTES
+    # a string whose payload fills the slot exactly (its 8 length bytes included)
+    fill = next(n for n in range(slot) if len(pickle.dumps(
+        {"config": {"s": "x" * n}, "error": None})) == slot - 8)
+    real, calls = agreement.all_gather_flat, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    agreement.all_gather_flat = counted
+    out = []
+    try:
+        for mine in ({"s": "x" * (10 + rank)},  # short payloads
+                     {"s": "x" * (fill + rank)},  # rank 0's fills its slot, rank 1's is 1 over
+                     {"s": "x" * (3 * slot * rank)},  # only rank 1's is long
+                     {"s": "x" * (3 * slot)}):  # every rank's is long
+            calls.clear()
+            got = [info["s"] for info in comm.agree(group, mine, per_rank=("s",))]
+            out.append((len(calls), [len(s) for s in got], set("".join(got))))
+        calls.clear()
+
+        def long_error():
+            if rank == 1:
+                raise ValueError("bad " + "y" * (2 * slot))
+            return {"s": "x"}
+        out.append((_raises(comm.agree, group, long_error), len(calls)))
+    finally:
+        agreement.all_gather_flat = real
+    return out, fill
+
+
+@pytest.mark.distributed
+def test_an_agreement_is_one_all_gather_unless_a_payload_outgrows_its_slot():
+    for res, fill in run_distributed(_agree_payloads, 2, timeout=60):
+        slot = 4096
+        assert res[0] == (1, [10, 11], {"x"})
+        assert res[1] == (2, [fill, fill + 1], {"x"})
+        assert res[2] == (2, [0, 3 * slot], {"x"})
+        assert res[3] == (2, [3 * slot, 3 * slot], {"x"})
+        error, calls = res[4]
+        assert calls == 2 and error.startswith("ValueError: "), res[4]
+        assert "bad yyy" in error
 
 
 def _all_reduce_bytes(group):

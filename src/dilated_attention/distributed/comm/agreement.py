@@ -111,31 +111,55 @@ def _gather_objects(obj: Any, group: Group) -> List[Any]:
     return [x for row in rows for x in row]
 
 
+# Each rank's payload travels in a slot of this many bytes: its length (8 bytes, little
+# endian), then the payload if it fits. An op's agreement (about 500 bytes pickled) and a
+# model's fit, so one all-gather carries every rank's; where a payload does not fit, every
+# rank sees its length in the same all-gather and all of them gather the payloads again,
+# padded to the longest. (Two all-gathers every time before, the lengths then the
+# payloads: a collective's round trip, and gloo's release wait, of every call under a
+# group.)
+AGREEMENT_SLOT_BYTES = 4096
+_LENGTH_BYTES = 8
+
+
 def _all_gather_bytes(data: bytes, group: Group) -> List[Any]:
     """Every rank's pickled payload, unpickled, by group rank.
 
     Not ``dist.all_gather_object``: in torch 2.13 it decodes through NumPy,
-    which torch does not require. Two all-gathers instead: the lengths, then
-    the payloads padded to the longest.
+    which torch does not require. One all-gather of fixed slots (each rank's
+    length and payload, ``AGREEMENT_SLOT_BYTES``), and a second one padded to
+    the longest payload only where one does not fit its slot.
     """
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if dist.get_backend(group) == "nccl" else torch.device("cpu")
     )
-    size = group_size(group)
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    lengths = torch.empty(size, dtype=torch.int64, device=device)
-    with released_on_return(group, lengths, length):
-        all_gather_flat(lengths, length, group=group)
-    longest = int(lengths.max())
-    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    everyone = torch.empty(size * longest, dtype=torch.uint8, device=device)
+    size, slot = group_size(group), AGREEMENT_SLOT_BYTES
+    head = len(data).to_bytes(_LENGTH_BYTES, "little")
+    fits = _LENGTH_BYTES + len(data) <= slot
+    mine = torch.zeros(slot, dtype=torch.uint8, device=device)
+    filled = head + data if fits else head
+    mine[: len(filled)] = torch.frombuffer(bytearray(filled), dtype=torch.uint8)
+    # (size * slot,) -> (size, slot): one slot per rank
+    rows = _all_gather_rows(mine, size, group)
+    lengths = [int.from_bytes(bytes(row[:_LENGTH_BYTES].tolist()), "little") for row in rows]
+    start = _LENGTH_BYTES
+    longest = max(lengths)
+    if _LENGTH_BYTES + longest > slot:  # every rank sees the same lengths: all gather again
+        mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        rows, start = _all_gather_rows(mine, size, group), 0
+    return [pickle.loads(bytes(rows[r, start:start + n].tolist()))
+            for r, n in enumerate(lengths)]
+
+
+def _all_gather_rows(mine: torch.Tensor, size: int, group: Group) -> torch.Tensor:
+    """Every rank's `mine` (m,) as the rows of a (size, m) tensor on the CPU."""
+    everyone = torch.empty(size * mine.numel(), dtype=mine.dtype, device=mine.device)
     with released_on_return(group, everyone, mine):
         all_gather_flat(everyone, mine, group=group)
-    # (size * longest,) -> (size, longest): one padded payload per rank
-    rows = everyone.view(size, longest).cpu()
-    return [pickle.loads(bytes(rows[r, : int(n)].tolist())) for r, n in enumerate(lengths.cpu())]
+    # (size * m,) -> (size, m)
+    return everyone.view(size, mine.numel()).cpu()
 
 
 def _check_equal(configs: List[Dict[str, Any]], exempt: set) -> None:
