@@ -670,3 +670,41 @@ def test_decoding_returns_the_query_dtype(dtype):
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("segments, masked", [(64, False), (16, False), (64, True)])
+def test_a_call_of_one_launch_returns_its_results_as_the_accumulated_path_would(
+        backend, dtype, segments, masked):
+    """A plan whose one launch computes every entry (one pattern of rate 1: one segment, or a
+    run of whole segments) returns that launch's out, lse, dq, dK and dV as they are, not
+    copied into block accumulators: bit-equal to the accumulated path, with its dtypes and
+    (contiguous) strides."""
+    gen = torch.Generator().manual_seed(0)
+    # (b, n, h, d), GQA: 4 query heads over 2 key/value heads
+    q = torch.randn(2, 64, 4, 8, generator=gen).to(dtype)
+    k, v = (torch.randn(2, 64, 2, 8, generator=gen).to(dtype) for _ in range(2))
+    dout = torch.randn(q.shape, generator=gen).to(dtype)
+    mask = torch.zeros(2, 64, dtype=torch.bool)
+    mask[1, 40:] = True
+
+    def run():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out, lse = dilated_attention(*leaves, [segments], [1], is_causal=True, backend=backend,
+                                     return_lse=True, key_padding_mask=mask if masked else None)
+        dlse = torch.linspace(-1, 1, lse.numel()).view(lse.shape).to(lse.dtype)
+        torch.autograd.backward([out, lse], [dout, dlse])
+        return [out, lse] + [x.grad for x in leaves]
+
+    only = launches._only_launch
+    taken = []
+    with mock.patch.object(launches, "_only_launch",
+                           lambda *a, **kw: taken.append(only(*a, **kw)) or taken[-1]):
+        fast = run()
+    assert len(taken) == 2 and all(launch is not None for launch in taken)
+    with mock.patch.object(launches, "_only_launch", lambda *a, **kw: None):
+        accumulated = run()
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), fast, accumulated):
+        assert got.dtype == want.dtype and got.stride() == want.stride(), name
+        assert torch.equal(got, want), name

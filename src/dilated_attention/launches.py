@@ -404,6 +404,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, *,
             key_mask: Optional[Tensor] = None,
             remote: Optional[RemoteKeys] = None) -> Tuple[Tensor, Tensor]:
     """q (b, n, h, d), k/v (b, n, hk, d) -> out (b, n, h, d), lse (b, n, h) fp32 (fp64)."""
+    only = _only_launch(plan, q.shape[2], backward=False) if remote is None else None
+    if only is not None:
+        out_g, lse_g = _launch_forward(q, k, v, only, opts, key_mask)
+        return (_as_rows(out_g, q.shape[0]).to(q.dtype).contiguous(),
+                _as_rows(lse_g, q.shape[0]).to(lse_dtype(q.dtype)).contiguous())
     out, lse, *accumulators = output_accumulators(q)
     blocks = Blocks(plan, FORWARD_KINDS, *accumulators, count_writers(plan, backward=False))
     if remote is not None:
@@ -424,16 +429,44 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Plan, opts: KernelOptions, *,
 def _forward_local(q: Tensor, k: Tensor, v: Tensor, launch: Launch, blocks: Blocks,
                    opts: KernelOptions, key_mask: Optional[Tensor], store: bool = False) -> None:
     """One launch on this rank's own keys, merged into (or pending for) its query block."""
+    out_g, lse_g = _launch_forward(q, k, v, launch, opts, key_mask)
+    _merge_into(blocks, launch, out_g, lse_g, store=store)
+
+
+def _launch_forward(q: Tensor, k: Tensor, v: Tensor, launch: Launch, opts: KernelOptions,
+                    key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """One launch on this rank's own keys: its (b * count, rows, heads, ...) out and lse."""
     g = launch.heads
     q_g = _kernel_input(q, launch.queries, g.q_heads, g.q_index, g.q_stride)
     k_g = _kernel_input(k, launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
     v_g = _kernel_input(v, launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
-    out_g, lse_g = attention_forward(
+    return attention_forward(
         q_g, k_g, v_g, opts.for_launch(launch.id, causal=launch.causal),
         key_mask=_key_mask(key_mask, launch.keys, g),
     )
-    del q_g, k_g, v_g
-    _merge_into(blocks, launch, out_g, lse_g, store=store)
+
+
+def _as_rows(y: Tensor, b: int) -> Tensor:
+    """The only launch's result (b * count, w, heads, ...) as the rows (b, count * w, heads,
+    ...) of the output it tiles, segment after segment (a view where its strides allow)."""
+    # (b * count, w, ...) -> (b, count, w, ...) -> (b, count * w, ...)
+    return y.unflatten(0, (b, -1)).flatten(1, 2)
+
+
+def _only_launch(plan: Plan, heads: int, backward: bool) -> Optional[Launch]:
+    """The plan's launch when it alone computes every entry of the outputs (or, `backward`,
+    of dq, dK and dV), else None: one block of every row, no exchange, and one launch of
+    whole segments that would store its results there (``stored_launches``). Its results
+    are then the outputs, returned as they are instead of copied into accumulators (the
+    same values: a stored launch's copy; a copy of out at 512 x 12 x 64 cost about as
+    much as a quarter of the CPU kernel)."""
+    if len(plan.blocks) != 1 or plan.rounds:
+        return None
+    block = plan.blocks[0]
+    launches = block.backward if backward else block.forward
+    if len(launches) != 1 or (block.lo, block.hi) != (0, plan.rows):
+        return None
+    return launches[0] if stored_launches(launches, (0, plan.rows), heads, keys=backward) else None
 
 
 class OwnKeys(NamedTuple):
@@ -536,6 +569,11 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
              key_mask: Optional[Tensor] = None,
              remote: Optional[RemoteKeys] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of `forward`, given its final out (b, n, h, d) and lse (b, n, h)."""
+    only = _only_launch(plan, q.shape[2], backward=True) if remote is None else None
+    if only is not None:
+        grads = _launch_backward((dout, q, out, lse, dlse), k, v, only, opts, key_mask)
+        return tuple(_as_rows(g, q.shape[0]).to(x.dtype).contiguous()
+                     for g, x in zip(grads, (q, k, v)))
     grads, *accumulators = gradient_accumulators(q, k, v)
     blocks = Blocks(plan, BACKWARD_KINDS, *accumulators, count_writers(
         plan, backward=True, homes=remote is None or remote.kv_grad))
@@ -561,20 +599,29 @@ def _backward_local(saved, k: Tensor, v: Tensor, launch: Launch, blocks: Blocks,
                     ) -> None:
     """One launch's gradients on this rank's own keys: dq into its query block, dK/dV into
     its key block (now or pending)."""
+    g = launch.heads
+    q_sel = (launch.queries, g.q_heads, g.q_index, g.q_stride)
+    kv_sel = (launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
+    dq_g, dk_g, dv_g = _launch_backward(saved, k, v, launch, opts, key_mask)
+    _scatter_into(blocks, launch.q_block, launch.q_split, Kind.DQ, q_sel, dq_g, store)
+    _scatter_into(blocks, launch.k_block, launch.k_split, Kind.DK, kv_sel, dk_g, store)
+    _scatter_into(blocks, launch.k_block, launch.k_split, Kind.DV, kv_sel, dv_g, store)
+
+
+def _launch_backward(saved, k: Tensor, v: Tensor, launch: Launch, opts: KernelOptions,
+                     key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """One launch's (b * count, rows, heads, d) dq, dK and dV on this rank's own keys."""
     dout, q, out, lse, dlse = saved
     g = launch.heads
     q_sel = (launch.queries, g.q_heads, g.q_index, g.q_stride)
     kv_sel = (launch.keys, g.kv_heads, g.kv_index, g.kv_stride)
-    dq_g, dk_g, dv_g = attention_backward(
+    return attention_backward(
         gather(dout, *q_sel), gather(q, *q_sel), gather(k, *kv_sel), gather(v, *kv_sel),
         gather(out, *q_sel), gather(lse, *q_sel),
         opts.for_launch(launch.id, causal=launch.causal),
         dlse=None if dlse is None else gather(dlse, *q_sel),
         key_mask=_key_mask(key_mask, launch.keys, g),
     )
-    _scatter_into(blocks, launch.q_block, launch.q_split, Kind.DQ, q_sel, dq_g, store)
-    _scatter_into(blocks, launch.k_block, launch.k_split, Kind.DK, kv_sel, dk_g, store)
-    _scatter_into(blocks, launch.k_block, launch.k_split, Kind.DV, kv_sel, dv_g, store)
 
 
 def backward_beside(dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, plan: Plan,
