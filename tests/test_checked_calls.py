@@ -232,3 +232,29 @@ def test_the_interpreter_setting_is_part_of_a_signature(monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         dilated_attention(q, k, v, [4], [1], backend="triton")
+
+
+@pytest.mark.parametrize("where", ["none", "q", "k", "v"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_the_finite_check_reads_back_three_sums_and_dispatches_nothing_else(where, bad):
+    """Every call's check for NaN and infinity (functional._all_finite): a reduction per
+    tensor, read back once and compared in Python, not by ops of its own on the device; it
+    finds a non-finite entry in any of q, k, v."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    tensors = qkv()
+    if where != "none":
+        tensors["qkv".index(where)][1, 3, 0, 5] = bad
+    with Ops() as dispatched:
+        finite = functional._all_finite(*tensors)
+    assert finite == (where == "none")
+    assert set(dispatched.ops) <= {"empty", "select", "sum"}, dispatched.ops
