@@ -672,6 +672,26 @@ def test_decoding_returns_the_query_dtype(dtype):
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_decoding_stores_its_first_launch_of_every_head_instead_of_merging(pieces):
+    """A decoding step's accumulators start as the merge's identity: its first launch of
+    every head stores its results there (the values the merge gives) and only later
+    launches merge: one pattern of rate 1 over one piece of cached rows merges nothing,
+    over two pieces once. The step is row t of the causal op."""
+    from dilated_attention import decoding
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 9, 4, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    full = dilated_attention(q, k, v, [16], [1], is_causal=True)
+    cut = 5 if pieces == 2 else 9
+    rows = [decoding.CachedRows(k[:, :cut], v[:, :cut], 0, cut),
+            decoding.CachedRows(k[:, cut:], v[:, cut:], cut, 9 - cut)]
+    with mock.patch.object(decoding, "merge_", wraps=decoding.merge_) as merges:
+        step = decoding.decode(q[:, 8:], rows, 8, ((16,), (1,)))
+    assert merges.call_count == pieces - 1
+    torch.testing.assert_close(step[:, 0], full[:, 8], rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("segments, masked", [(64, False), (16, False), (64, True)])

@@ -190,6 +190,10 @@ def decode_partial(q: Tensor, rows: Sequence[CachedRows], t: int, patterns: Patt
     opts = KernelOptions(causal=False, scale=check.check_scale(scale, d))
     device = str(q.device)
     for lo, hi, origin in origin_runs(origins, b):
+        # whether this run's accumulators still hold the merge's identity (0, -inf): a launch
+        # of every head then stores its results, the values a merge into the identity gives
+        # (it multiplies them by 1), without the merge's passes
+        identity = True
         for w, r in zip(*patterns):
             a = origin + (t - origin) // w * w
             launches = _taking_part((t - a) % r, r, heads, device)
@@ -216,11 +220,15 @@ def decode_partial(q: Tensor, rows: Sequence[CachedRows], t: int, patterns: Patt
                     key_mask = None if mask is None else \
                         mask[:, :, None].expand(-1, -1, kg.shape[2])
                     out_g, lse_g = attention_forward(qg, kg, vg, opts, key_mask=key_mask)
-                    if every_head:
+                    if every_head and identity:
+                        acc_out[lo:hi].copy_(out_g)
+                        acc_lse[lo:hi].copy_(lse_g)
+                    elif every_head:
                         merge_(acc_out[lo:hi], acc_lse[lo:hi], out_g, lse_g)
                     else:
                         merge_selected_(acc_out, acc_lse, (slice(lo, hi), slice(None), q_heads),
                                         out_g, lse_g)
+                    identity = False
     return acc_out, acc_lse
 
 
