@@ -101,6 +101,13 @@ TIMED = ("dilated", "ideal", "per_launch")
 DEVICE = "cpu"  # set once by main() from --device
 BACKEND = "auto"  # the op's kernel, from --backend
 FLOOR_BACKEND = "auto"  # the floors' kernel, from --floor-backend
+DROPOUT = 0.0  # the op's attention dropout, from --dropout (the floors run without)
+
+
+def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The timed call: the op in the setting main() chose."""
+    return dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=CAUSAL, backend=BACKEND,
+                             dropout_p=DROPOUT)
 
 
 def make_inputs(n: int, dtype: torch.dtype, requires_grad: bool = False):
@@ -239,12 +246,10 @@ def run_case(impl: str, n: int, dtype: torch.dtype, backward: bool):
                 # as a training step after zero_grad(set_to_none=True): no accumulation into
                 # earlier gradients (which the floors would not pay)
                 q.grad = k.grad = v.grad = None
-                dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=CAUSAL,
-                                  backend=BACKEND).backward(dout)
+                op(q, k, v).backward(dout)
             else:
                 with torch.no_grad():
-                    dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=CAUSAL,
-                                      backend=BACKEND)
+                    op(q, k, v)
 
         return step
     if impl == "ideal":
@@ -314,13 +319,11 @@ def measure_memory_in_this_process(n: int, dtype: torch.dtype, training: bool) -
 
         def step():
             if training:
-                out = dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=CAUSAL,
-                                        backend=BACKEND)
+                out = op(q, k, v)
                 out.backward(dout)
                 return out, q.grad, k.grad, v.grad
             with torch.no_grad():
-                return dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=CAUSAL,
-                                         backend=BACKEND)
+                return op(q, k, v)
         return step
 
     return peak_bytes_of(call, n, warm_up=1024)
@@ -351,12 +354,11 @@ def measure_cuda_memory(n: int, dtype: torch.dtype, training: bool) -> float:
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     if training:
-        out = dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=CAUSAL, backend=BACKEND)
+        out = op(q, k, v)
         out.backward(dout)
     else:
         with torch.no_grad():
-            out = dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=CAUSAL,
-                                    backend=BACKEND)
+            out = op(q, k, v)
     synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     del out, q, k, v, dout
@@ -400,7 +402,8 @@ def measure_memory(n: int, dtype_name: str, training: bool, schedule: str,
     strided = {True: "on", False: "off"}[policy.STRIDED_VIEWS.get(DEVICE, False)]
     out = subprocess.run(
         [sys.executable, __file__, "--memory-case", str(n), dtype_name, str(int(training)),
-         "--strided", strided, "--schedule", schedule, "--backend", BACKEND]
+         "--strided", strided, "--schedule", schedule, "--backend", BACKEND,
+         "--dropout", str(DROPOUT)]
         + (["--block-rows", str(block_rows)] if block_rows else [])
         + (["--causal"] if CAUSAL else []),
         env=env, capture_output=True, text=True, check=True,
@@ -442,6 +445,9 @@ def main(argv=None) -> None:
     parser.add_argument("--floor-backend", choices=BACKENDS,
                         help="the floors' dense kernel (default: --backend, or auto for a "
                         "backend with no per-launch kernel, such as triton)")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="the op's dropout_p (auto then runs the blockwise kernel, the one "
+                        "that draws dropout masks); the floors run without: what dropout costs")
     parser.add_argument("--max-tokens", action="store_true",
                         help="CUDA: find the longest sequence whose forward, and whose forward "
                         "+ backward, fit on the device, then exit")
@@ -460,10 +466,11 @@ def main(argv=None) -> None:
     parser.add_argument("--memory-case", nargs=3, metavar=("N", "DTYPE", "TRAINING"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    global DEVICE, BACKEND, FLOOR_BACKEND, SEGMENTS, RATES, CAUSAL, CLOCK
+    global DEVICE, BACKEND, FLOOR_BACKEND, SEGMENTS, RATES, CAUSAL, CLOCK, DROPOUT
     SEGMENTS, RATES = SCHEDULES[args.schedule]
     CAUSAL = args.causal
     BACKEND = args.backend
+    DROPOUT = args.dropout
     FLOOR_BACKEND = args.floor_backend or (BACKEND if BACKEND != "triton" else "auto")
     if args.strided != "auto":
         policy.STRIDED_VIEWS[args.device] = args.strided == "on"
@@ -494,7 +501,8 @@ def main(argv=None) -> None:
             parser.error("--cuda-graph needs --device cuda and --backend triton (the SDPA "
                          "path reads its input check back, which a capture cannot)")
         where += ", CUDA graph replays"
-    print(f"torch {torch.__version__}, {where}, dtype {args.dtype}, backend {BACKEND} "
+    dropout = f", the op's dropout_p {DROPOUT:g} (floors: none)" if DROPOUT else ""
+    print(f"torch {torch.__version__}, {where}, dtype {args.dtype}, backend {BACKEND}{dropout} "
           f"(floors: {FLOOR_BACKEND}), strided views {policy.STRIDED_VIEWS.get(DEVICE, False)}, "
           f"block rows {policy.ROWS_PER_BLOCK.get(DEVICE)} (or n / {policy.MAX_BLOCKS}), "
           f"h={HEADS} d={HEAD_DIM} schedule {args.schedule}: segments={list(SEGMENTS)} "

@@ -6,6 +6,7 @@ import importlib.util
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,23 @@ def test_sdpa_whole_times_whole_sequence_blocks_with_views_and_copies(suite, cap
         # one block: every row of the longest sequence; only lengths from 64K
         assert f"--block-rows {1 << 30}" in command and "--seq-lens 65536 --" in command
     assert "sdpa-whole:" not in _listed(suite, capsys)
+
+
+def test_bench_dropout_reaches_the_op_and_its_memory_run(monkeypatch):
+    """bench_single_device.py --dropout: the timed op draws dropout masks, and the memory
+    subprocess is told the same dropout."""
+    bench = _load("bench_single_device")
+    monkeypatch.setattr(bench, "SEGMENTS", (32,))
+    monkeypatch.setattr(bench, "RATES", (1,))
+    q = torch.randn(1, 64, 2, 8)
+    plain = bench.op(q, q, q)
+    monkeypatch.setattr(bench, "DROPOUT", 0.5)
+    assert not torch.equal(bench.op(q, q, q), plain)
+    argvs = []
+    monkeypatch.setattr(bench.subprocess, "run", lambda argv, **kwargs: argvs.append(argv) or
+                        types.SimpleNamespace(stdout="1.0\n"))
+    assert bench.measure_memory(64, "float32", False, "longnet", None) == 1.0
+    assert argvs[0][argvs[0].index("--dropout") + 1] == "0.5"
 
 
 def test_short_steps_get_more_turns_than_repeats():
