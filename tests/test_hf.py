@@ -1155,7 +1155,7 @@ def test_mask_function_reads_documents_and_refuses_other_masks():
     assert call(packed) == PackedDocuments((5, 8))
     assert "first key of its document" in call(window).reason
     assert "later key" in call(blocks).reason
-    assert "own mask function" in call(causal, use_vmap=True).reason
+    assert "mask function of its own" in call(causal, use_vmap=True).reason
     assert "sliding window" in call(causal, local_size=4).reason
     # transformers' causal window of 3 keys (the query and 2 before), alone and in documents
     read = call(window, local_size=3)

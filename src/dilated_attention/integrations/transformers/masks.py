@@ -163,8 +163,9 @@ def _build_mask(batch_size: int, q_length: int, kv_length: int, q_offset, kv_off
     if kwargs.get("use_vmap"):
         # transformers sets use_vmap when a model overlays its own mask function
         # (or_mask_function / and_mask_function), which need not accept index tensors
-        return Refused("the model combines the causal mask with its own mask function "
-                        "(or_mask_function / and_mask_function, e.g. for image tokens)")
+        return Refused("the model combines its causal or bidirectional mask with a mask "
+                        "function of its own (or_mask_function / and_mask_function: e.g. image "
+                        "tokens, or Gemma 3's use_bidirectional_attention)")
     chunk = getattr(config, "attention_chunk_size", None)
     if kwargs.get("local_size") is not None and chunk is not None \
             and int(kwargs["local_size"]) == int(chunk):
