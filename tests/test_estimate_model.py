@@ -137,7 +137,7 @@ def test_op_estimate_with_dropout_runs_the_blockwise_kernel():
     assert est_config.backend_for(config) == "blockwise" and not est_config.fuses(config)
     assert formula.kernel_scratch(config, None, 1024)[1] == 0
     for bad in (-0.1, 1.0, float("nan")):
-        with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
+        with pytest.raises(ValueError, match=r"dropout must be a float in \[0, 1\)"):
             est_config.make_config(seq_len=1024, dropout=bad)
     with pytest.raises(ValueError, match="ring_attention has none"):
         est_config.make_config(seq_len=1024, dropout=0.1, impl="ring")

@@ -17,7 +17,7 @@ from ...distributed.ulysses import HeadSplit
 from ...fused import MAX_HEAD_DIM
 from ...backends import FUSED_BY_DEFAULT
 from ...kernels import lse_dtype
-from ...validation import check_strategy
+from ...validation import check_dropout, check_strategy
 from ...window import reaches
 from ..settings import (AttentionSetting, check_mesh_heads, check_setting, check_window,
                         check_zigzag, default_threads, ring_layout)
@@ -131,8 +131,7 @@ def make_config(
             f"--world-size {world_size} is larger than --seq-len {seq_len}: every rank "
             f"needs at least one row"
         )
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+    dropout = check_dropout(dropout, "dropout")
     if dropout and impl == "ring":
         raise ValueError("dropout is the dilated op's (the models' attention_dropout): "
                          "ring_attention has none")
