@@ -206,3 +206,43 @@ def reference_window_attention(
         # (n, n) -> (b, 1, n, n) with masked key columns zeroed
         counts = counts[None, None].masked_fill(key_padding_mask[:, None, None, :], 0)
     return attention_with_counts(q, k, v, counts, scale)
+
+
+def philox4x32(seed: int, c0, c1, c2, c3, rounds: int = 10):
+    """Philox4x32-10 (Salmon et al., 2011) as triton.language.philox computes it: the four
+    uint32 words (numpy uint64 arrays) of counters (c0, c1, c2, c3) under the 64-bit key
+    `seed` (low word first)."""
+    import numpy as np
+
+    word = np.uint64(0xFFFFFFFF)
+    c = [np.asarray(x, dtype=np.uint64) & word for x in np.broadcast_arrays(c0, c1, c2, c3)]
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64((seed >> 32) & 0xFFFFFFFF)
+    mul_a, mul_b = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    for _ in range(rounds):
+        # products of two words fit in 64 bits: high word >> 32, low word & mask
+        prod_a, prod_b = mul_a * c[0], mul_b * c[2]
+        c = [(prod_b >> np.uint64(32)) ^ c[1] ^ k0, prod_b & word,
+             (prod_a >> np.uint64(32)) ^ c[3] ^ k1, prod_a & word]
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & word, (k1 + np.uint64(0xBB67AE85)) & word
+    return c
+
+
+def fused_dropout_factors(seed: int, dropout_p: float, selections: Tensor) -> Tensor:
+    """(b, h, n, m) float64 factors of the fused kernels' dropout (Note [fused dropout] in
+    fused.py) for `attention_with_counts`; selections (P, b, h, n, m): 1 where pattern i
+    selects the pair. Pattern i keeps a pair where the 31 high bits of Philox word i mod 4
+    of counter (t, u, batch row, head * 8 + i // 4) are at least p * 2^31; a pair weighs
+    its keeping patterns / its patterns / (1 - threshold / 2^31)."""
+    import numpy as np
+
+    threshold = int(dropout_p * 2**31)
+    _, b, h, n, m = selections.shape
+    batch, head, t, u = np.meshgrid(np.arange(b), np.arange(h), np.arange(n), np.arange(m),
+                                    indexing="ij")
+    kept = np.zeros((b, h, n, m))
+    for i, selected in enumerate(selections.numpy()):
+        word = philox4x32(seed, t, u, batch, head * 8 + i // 4)[i % 4]
+        kept += selected * ((word >> np.uint64(1)) >= threshold)
+    counts = selections.sum(0).numpy()
+    factors = kept / np.maximum(counts, 1) / (1 - threshold / 2**31)
+    return torch.from_numpy(np.where(counts > 0, factors, 0.0))

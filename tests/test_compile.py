@@ -427,7 +427,7 @@ def test_the_custom_ops_fakes_match_the_real_ops(dtype):
     q, k, v = (torch.randn(1, 32, 2, 8, generator=g, dtype=dtype) for _ in range(3))
     call = dilated.LocalCall(((8, 16), (1, 2)), KernelOptions(True, 8 ** -0.5, "cpu_flash"),
                              Heads.of(2, 2), None, False)
-    torch.library.opcheck(dilated._forward_op, (q, k, v, *call.flat(), None, False),
+    torch.library.opcheck(dilated._forward_op, (q, k, v, *call.flat(), None, None, False),
                           test_utils=("test_faketensor",))
 
 

@@ -28,8 +28,11 @@ from reference import dilated_counts
 
 
 def expand(plan: TilePlan, n: int, m: int, heads: Heads, num_kv_heads: int, causal: bool,
-           keys: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(counts (h, n, m) [j, t, u] the plan makes the kernels visit, writes (tile heads, rows)).
+           keys: bool, num_patterns: int = 1
+           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(counts (h, n, m) [j, t, u] the plan makes the kernels visit, writes (tile heads, rows),
+    by_pattern (P, h, n, m): the visits that name pattern i in their bits, the spans' and
+    their extras'; each element's bits name as many patterns as it counts).
 
     Also checks the table invariants the kernels rely on: launches that cover the tiles,
     widest first, of block_m rows halved zero or more times; at most a launch's rows per
@@ -42,6 +45,7 @@ def expand(plan: TilePlan, n: int, m: int, heads: Heads, num_kv_heads: int, caus
     assert set(heights) <= {plan.block_m >> i for i in range(plan.block_m.bit_length())}
     h = heads.count
     counts = torch.zeros(h, n, m, dtype=torch.int64)
+    by_pattern = torch.zeros(num_patterns, h, n, m, dtype=torch.int64)
     writes = torch.zeros(num_kv_heads if keys else h, m if keys else n, dtype=torch.int64)
     tiles = [(height, tile) for launch, height in plan.launches()
              for tile in launch.long().tolist()]
@@ -50,7 +54,7 @@ def expand(plan: TilePlan, n: int, m: int, heads: Heads, num_kv_heads: int, caus
         r = cell + rows[lo:lo + count]
         assert bool((r[1:] > r[:-1]).all()), "tile rows ascend"
         writes[head, r] += 1
-        for other, start, stride, elements, times, extra_lo, extra_hi in \
+        for other, start, stride, elements, times, extra_lo, extra_hi, bits in \
                 spans[span_lo:span_hi].tolist():
             assert elements > 0 and stride > 0 and times >= 1
             assert times == 1 or extra_lo == extra_hi, "a span with extras has times 1"
@@ -58,26 +62,34 @@ def expand(plan: TilePlan, n: int, m: int, heads: Heads, num_kv_heads: int, caus
             e = cell + start + stride * idx  # the span's keys (queries, for key tiles)
             assert 0 <= int(e.min()) and int(e.max()) < (n if keys else m)
             mult = torch.full((elements,), times, dtype=torch.int64)
-            for period, phase in extras[extra_lo:extra_hi].tolist():
+            mask = torch.full((elements,), bits, dtype=torch.int64)
+            for period, phase, pattern in extras[extra_lo:extra_hi].tolist():
                 # as the kernels take it: a bit mask where the plan says every period is a
                 # power of two (a wrong claim miscounts here)
                 hit = ((idx & (period - 1)) if plan.pow2_periods else idx % period) == phase
                 mult += hit.long()
+                assert not (mask & (1 << pattern)).any(), "a pattern once per element"
+                mask |= hit.long() << pattern
+            assert [bin(x).count("1") for x in mask.tolist()] == mult.tolist()
             # (rows, elements): what one program adds, under the kernels' causal mask
             visits = mult.expand(count, -1)
             if keys:
                 assert heads.kv_of[other] == head
                 if causal:
                     visits = visits * (r[:, None] <= e[None, :])
-                counts[other][e[None, :].expand(count, -1), r[:, None].expand(-1, elements)] \
-                    += visits
+                at = (e[None, :].expand(count, -1), r[:, None].expand(-1, elements))
+                counts[other][at] += visits
+                for i in range(num_patterns):
+                    by_pattern[i, other][at] += (visits > 0) * (mask >> i & 1)
             else:
                 assert heads.kv_of[head] == other
                 if causal:
                     visits = visits * (e[None, :] <= r[:, None])
-                counts[head][r[:, None].expand(-1, elements), e[None, :].expand(count, -1)] \
-                    += visits
-    return counts, writes
+                at = (r[:, None].expand(-1, elements), e[None, :].expand(count, -1))
+                counts[head][at] += visits
+                for i in range(num_patterns):
+                    by_pattern[i, head][at] += (visits > 0) * (mask >> i & 1)
+    return counts, writes, by_pattern
 
 
 @st.composite
@@ -123,12 +135,17 @@ def check_plan(n: int, patterns, h: int, hk: int, first: int, causal: bool,
             check_order(tile_plan(n, patterns, heads, hk, causal, documents, block_m, keys,
                                   window=window, split_keys=split_keys, narrowest=narrowest),
                         plan, order_window, causal, keys)
-        got, writes = expand(plan, hi - lo, hi - lo, heads, hk, causal, keys)
+        got, writes, by_pattern = expand(plan, hi - lo, hi - lo, heads, hk, causal, keys,
+                                         len(patterns[0]))
         assert bool((writes == 1).all()), f"keys={keys}: every (row, head) in one tile"
         mismatch = (got != want).nonzero()
         assert not mismatch.numel(), (
             f"keys={keys}: (head, row, key) {mismatch[0].tolist()} visited "
             f"{int(got[tuple(mismatch[0])])} times, counted {int(want[tuple(mismatch[0])])}")
+        # each pattern's pairs visited once under its own bit (the fused dropout's draws)
+        for i, (w, r) in enumerate(zip(*patterns)):
+            alone = dilated_counts(n, h, [w], [r], causal, documents, first_head=first)
+            assert torch.equal(by_pattern[i], alone[:, lo:hi, lo:hi]), (keys, i)
         if split_keys is not None:
             whole = tile_plan(n, patterns, heads, hk, causal, documents, block_m, keys,
                               window=window)
@@ -237,14 +254,14 @@ def test_dense_plan(n: int, m: int, causal: bool) -> None:
         want = torch.tril(want)
     for keys in (False, True):
         plan = dense_plan(n, m, heads, 2, 16, keys)
-        got, writes = expand(plan, n, m, heads, 2, causal, keys)
+        got, writes, _ = expand(plan, n, m, heads, 2, causal, keys)
         assert bool((writes == 1).all())
         assert torch.equal(got, want)
         # tiles of 4 rows, heaviest first in windows of 3 (a causal square's work varies)
         plain = dense_plan(n, m, heads, 2, 4, keys, causal=causal)
         ordered = dense_plan(n, m, heads, 2, 4, keys, causal=causal, order_window=3)
         check_order(plain, ordered, 3, causal, keys)
-        got, writes = expand(ordered, n, m, heads, 2, causal, keys)
+        got, writes, _ = expand(ordered, n, m, heads, 2, causal, keys)
         assert bool((writes == 1).all()) and torch.equal(got, want)
 
 

@@ -147,11 +147,18 @@ def select_backend(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if dropout_p > 0.0 and backend not in ("auto", "blockwise"):
+    if dropout_p > 0.0 and backend not in ("auto", "blockwise", "triton"):
         # the other kernels are called with dropout 0: refuse rather than silently not drop
         raise ValueError(
             f"backend {backend!r} does not support dropout (dropout_p={dropout_p}); "
-            f"use backend='blockwise' or 'auto'"
+            f"use backend='blockwise', 'triton' or 'auto'"
+        )
+    if dropout_p > 0.0 and backend == "triton" and not whole_op:
+        # the fused kernels draw their masks per call of the whole op (Note [fused dropout])
+        raise ValueError(
+            f"backend 'triton' applies dropout (dropout_p={dropout_p}) where it computes the "
+            f"whole op on one device, not in the launches of a sequence-parallel call; use "
+            f"backend='blockwise' or 'auto' there"
         )
     if masked and backend not in MASKED_BACKENDS:
         raise ValueError(

@@ -61,13 +61,16 @@ class LocalCall(NamedTuple):
 
 
 def forward_local(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
-                  call: LocalCall) -> Tuple[Tensor, Tensor, Tensor]:
+                  dropout_seed: Optional[Tensor], call: LocalCall
+                  ) -> Tuple[Tensor, Tensor, Tensor]:
     """The single-device forward: q (b, n, h, d), k/v (b, n, hk, d), key_mask (b, n) bool
     (True = ignore that key) -> out (b, n, h, d), lse (b, n, h) fp32, and an fp32 check (1,)
     for the backward. With call.nonfinite_rule the vector is the fused kernels' check, left
     on the device and not finite where q, k or v holds a NaN or an infinity that the
     kernels read (fused.new_check, made NaN by the forward kernel; triton_kernels' module
-    docstring), else unset and unread."""
+    docstring), else unset and unread. dropout_seed: the fused kernels' dropout key
+    (fused.new_seed; None without dropout or with another backend, whose launches draw their
+    masks from opts.seed)."""
     opts = call.opts
     if opts.backend == "triton" and call.nonfinite_rule:
         nonfinite = fused.new_check(q.device)
@@ -76,7 +79,8 @@ def forward_local(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
     if opts.backend == "triton":
         out, lse = fused.forward(q, k, v, call.patterns, causal=opts.causal, scale=opts.scale,
                                  heads=call.heads, documents=call.documents, key_mask=key_mask,
-                                 nonfinite=nonfinite if call.nonfinite_rule else None)
+                                 nonfinite=nonfinite if call.nonfinite_rule else None,
+                                 dropout=_fused_dropout(call, dropout_seed))
     else:
         plan = local_plan(q, k, call.patterns, opts.causal, call.heads, call.documents)
         out, lse = launches.forward(q, k, v, plan, opts, key_mask=key_mask)
@@ -85,7 +89,7 @@ def forward_local(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
 
 def backward_local(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    dlse: Optional[Tensor], nonfinite: Tensor, key_mask: Optional[Tensor],
-                   call: LocalCall, kv_grad: bool = True
+                   dropout_seed: Optional[Tensor], call: LocalCall, kv_grad: bool = True
                    ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """Gradients of `forward_local`, given its final out (b, n, h, d), lse (b, n, h) and
     nonfinite check; not `kv_grad` (k and v frozen): dk and dv may be None (the fused
@@ -93,14 +97,28 @@ def backward_local(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     opts = call.opts
     # a recorded backward (create_graph=True) runs launches of a differentiable kernel
     # (kernels.attention_backward); the fused kernel has no derivative
-    if opts.backend == "triton" and not records_backward(dout, q, k, v, out, lse, dlse):
+    recorded = records_backward(dout, q, k, v, out, lse, dlse)
+    if recorded and dropout_seed is not None:
+        # those launches would draw other masks than the fused forward's
+        raise ValueError(
+            f"a recorded backward (create_graph=True) of backend 'triton' with dropout "
+            f"(dropout_p={opts.dropout_p}) is not supported: its launches would draw other "
+            f"masks; use backend='blockwise'")
+    if opts.backend == "triton" and not recorded:
         return fused.backward(dout, q, k, v, out, lse, dlse, call.patterns, causal=opts.causal,
                               scale=opts.scale, heads=call.heads, documents=call.documents,
                               key_mask=key_mask,
                               nonfinite=nonfinite if call.nonfinite_rule else None,
-                              kv_grad=kv_grad)
+                              kv_grad=kv_grad, dropout=_fused_dropout(call, dropout_seed))
     plan = local_plan(q, k, call.patterns, opts.causal, call.heads, call.documents)
     return launches.backward(dout, q, k, v, out, lse, plan, opts, dlse=dlse, key_mask=key_mask)
+
+
+def _fused_dropout(call: LocalCall, seed: Optional[Tensor]) -> Optional[fused.Dropout]:
+    """The fused kernels' dropout (Note [fused dropout] in fused.py): a bit per pattern."""
+    if seed is None:
+        return None
+    return fused.Dropout.of(call.opts.dropout_p, len(call.patterns[0]), seed)
 
 
 # Under torch.compile the single-device op is a pair of custom ops (forward, backward):
@@ -117,10 +135,11 @@ def forward_flat(q: Tensor, k: Tensor, v: Tensor, segment_lengths: List[int],
                  dilation_rates: List[int], causal: bool, scale: float, backend: str,
                  dropout_p: float, seed: int, first_head: int, kv_of: List[int],
                  cu_seqlens: Optional[List[int]], key_mask: Optional[Tensor],
-                 nonfinite_rule: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """`forward_local` with the call flattened (LocalCall.flat; key_mask before
-    nonfinite_rule)."""
-    return forward_local(q, k, v, key_mask, _unflatten(
+                 dropout_seed: Optional[Tensor], nonfinite_rule: bool
+                 ) -> Tuple[Tensor, Tensor, Tensor]:
+    """`forward_local` with the call flattened (LocalCall.flat; key_mask and dropout_seed
+    before nonfinite_rule)."""
+    return forward_local(q, k, v, key_mask, dropout_seed, _unflatten(
         segment_lengths, dilation_rates, causal, scale, backend, dropout_p, seed, first_head,
         kv_of, cu_seqlens, nonfinite_rule))
 
@@ -130,11 +149,12 @@ def backward_flat(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   dilation_rates: List[int], causal: bool, scale: float, backend: str,
                   dropout_p: float, seed: int, first_head: int, kv_of: List[int],
                   cu_seqlens: Optional[List[int]], key_mask: Optional[Tensor],
-                  nonfinite_rule: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                  dropout_seed: Optional[Tensor], nonfinite_rule: bool
+                  ) -> Tuple[Tensor, Tensor, Tensor]:
     """`backward_local` with the call flattened, as `forward_flat`'s."""
-    return backward_local(dout, q, k, v, out, lse, dlse, nonfinite, key_mask, _unflatten(
-        segment_lengths, dilation_rates, causal, scale, backend, dropout_p, seed, first_head,
-        kv_of, cu_seqlens, nonfinite_rule))
+    call = _unflatten(segment_lengths, dilation_rates, causal, scale, backend, dropout_p, seed,
+                      first_head, kv_of, cu_seqlens, nonfinite_rule)
+    return backward_local(dout, q, k, v, out, lse, dlse, nonfinite, key_mask, dropout_seed, call)
 
 
 _forward_op = torch.library.custom_op("dilated_attention::forward", forward_flat,
@@ -166,33 +186,34 @@ def _setup_context(ctx, inputs, output) -> None:
     # not materialising gradients matters: a zeros dlse would cost every backward launch
     # the lse-gradient padding (kernels.attention_backward)
     q, k, v, *flat = inputs
-    _save(ctx, q, k, v, key_mask=flat[-2], call=_unflatten(*flat[:-2], flat[-1]),
-          output=output)
+    _save(ctx, q, k, v, key_mask=flat[-3], dropout_seed=flat[-2],
+          call=_unflatten(*flat[:-3], flat[-1]), output=output)
 
 
-def _save(ctx, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], call: LocalCall,
+def _save(ctx, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
+          dropout_seed: Optional[Tensor], call: LocalCall,
           output: Tuple[Tensor, Tensor, Tensor]) -> None:
     """What `_backward` reads: the inputs, the output and its check, the call."""
     out, lse, nonfinite = output
     save_for_backward(ctx, q, k, v, (out, lse), call, nonfinite)
-    ctx.key_mask = key_mask
+    ctx.key_mask, ctx.dropout_seed = key_mask, dropout_seed
 
 
 def _backward(ctx, dout, dlse, _):
     dout, q, k, v, out, lse, nonfinite = saved_for_backward(ctx, dout)
-    call, key_mask = ctx.args, ctx.key_mask
+    call, key_mask, seed = ctx.args, ctx.key_mask, ctx.dropout_seed
     if torch.compiler.is_compiling() and not torch.is_grad_enabled():
         return _backward_op(dout, q, k, v, out, lse, dlse, nonfinite, *call.flat(), key_mask,
-                            call.nonfinite_rule)
+                            seed, call.nonfinite_rule)
     # eager; or create_graph=True (double backward): the backward op has no derivative, so
     # its Python code runs, which autograd records (its launches then use the blockwise
     # kernel, built from differentiable ops; kernels.attention_backward). out and lse keep
     # their own graph through this op, so the second derivative is exact.
-    return backward_local(dout, q, k, v, out, lse, dlse, nonfinite, key_mask, call,
+    return backward_local(dout, q, k, v, out, lse, dlse, nonfinite, key_mask, seed, call,
                           kv_grad=ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
 
 
-# the custom op's inputs after q, k, v: the flat call, key_mask and nonfinite_rule
+# the custom op's inputs after q, k, v: the flat call, key_mask, dropout_seed, nonfinite_rule
 _CALL_INPUTS = forward_flat.__code__.co_argcount - 3
 
 
@@ -212,15 +233,15 @@ class _LocalAttention(torch.autograd.Function):
     call."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_mask, call):
-        output = forward_local(q, k, v, key_mask, call)
+    def forward(ctx, q, k, v, key_mask, dropout_seed, call):
+        output = forward_local(q, k, v, key_mask, dropout_seed, call)
         ctx.mark_non_differentiable(output[2])
-        _save(ctx, q, k, v, key_mask, call, output)
+        _save(ctx, q, k, v, key_mask, dropout_seed, call, output)
         return output
 
     @staticmethod
     def backward(ctx, dout, dlse, nonfinite):
-        return _backward(ctx, dout, dlse, nonfinite) + (None, None)
+        return _backward(ctx, dout, dlse, nonfinite) + (None, None, None)
 
 
 # Heads.of, kept for eager calls (Dynamo cannot trace an lru_cache): building it took 2.5 us
@@ -241,11 +262,14 @@ def dilated_attention_local(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns,
     compiling = torch.compiler.is_compiling()
     heads = heads or (Heads.of if compiling else _all_heads)(q.shape[2], k.shape[2])
     call = LocalCall(patterns, opts, heads, documents, nonfinite_rule)
+    # the fused kernels' dropout key, drawn on the device (Note [fused dropout] in fused.py)
+    seed = (fused.new_seed(q.device) if opts.dropout_p > 0.0 and opts.backend == "triton"
+            else None)
     if compiling:
-        out, lse, _ = _forward_op(q, k, v, *call.flat(), key_mask, nonfinite_rule)
+        out, lse, _ = _forward_op(q, k, v, *call.flat(), key_mask, seed, nonfinite_rule)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse, _ = _LocalAttention.apply(q, k, v, key_mask, call)
+        out, lse, _ = _LocalAttention.apply(q, k, v, key_mask, seed, call)
     else:
         # nothing to differentiate: the Function's machinery would be host time alone
-        out, lse, _ = forward_local(q, k, v, key_mask, call)
+        out, lse, _ = forward_local(q, k, v, key_mask, seed, call)
     return out, lse

@@ -37,6 +37,7 @@ from typing import Any, Dict, NoReturn, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from . import fused
 from . import validation as check
 from .backends import select_backend
 from .dilated import dilated_attention_local
@@ -347,6 +348,8 @@ def dilated_attention(
                                    backend=backend, masked=tensors["key_padding_mask"],
                                    head_dim=q.shape[-1])
         whole_op_backend = kernel(whole_op=True)
+        if p > 0.0 and whole_op_backend == "triton":
+            fused.check_dropout_patterns(len(segs))
         return {
             **tensors,
             "segment_lengths": segs,
@@ -365,8 +368,9 @@ def dilated_attention(
             # is each launch's too, checked once; auto may differ per launch); the kernel
             # where a rank computes the whole op on its rows (one device, or a Ulysses
             # rank's heads over all rows of its block: auto may pick the fused kernel
-            # there, which then runs the exchange's own pairs too)
-            "backend": kernel() if backend == "auto" else whole_op_backend,
+            # there, which then runs the exchange's own pairs too). Under a group a named
+            # kernel is checked for launches too (the fused kernels' dropout is one device's)
+            "backend": kernel() if backend == "auto" or distributed else whole_op_backend,
             "whole_op_backend": whole_op_backend,
         }
 

@@ -18,7 +18,8 @@ single-device op: a 0 on the device, which the plain forward makes NaN where a
 q row, an out or a k row is not finite) the rule's kernels follow, one launch
 for the forward and one for the backward's dq and dK/dV together, over every
 tile: they do nothing unless the check is not finite, and then write everything
-a second time (triton_kernels' module docstring).
+a second time (triton_kernels' module docstring). With attention dropout
+(`Dropout`) every kernel applies the same masks (Note [fused dropout]).
 
 Notation: b batch, n rows (m key rows), h query heads, hk key/value heads,
 d head dim; layout (b, n, h, d); lse and delta (b, n, h) float32.
@@ -34,7 +35,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .fused_plan import TilePlan, dense_plan, tile_plan
+from .fused_plan import MAX_MASK_PATTERNS, TilePlan, dense_plan, tile_plan
 from .patterns import Heads, Patterns
 from .layout import Documents
 from .triton_launch import COMPILE_OPTIONS, RECIPES
@@ -97,6 +98,18 @@ class TileSizes:
         return dict(block_m=tiles.rows, keys=kernel == "dkdv",
                     split_keys=self.split_chunks * tiles.chunk, narrowest=self.narrowest,
                     order_window=self.order_window)
+
+    def for_dropout(self) -> "TileSizes":
+        """The tiles of the kernels with attention dropout: each chunk halved (tl.dot's 16 at
+        least). Philox's four words per pair of a chunk (triton_kernels._dropped) spilled
+        at the plain chunks (up to 168 bytes at 255 registers on sm_80 and sm_90, bf16, d 64
+        and 128: benchmarks/cross_compile.py --flags dropout causal+mask+dropout); the
+        halved ones are checked as the plain tables are (BENCHMARKS.md). Not timed."""
+        def halved(tiles: KernelTiles) -> KernelTiles:
+            return tiles._replace(chunk=max(16, tiles.chunk // 2))
+
+        return dataclasses.replace(self, forward=halved(self.forward), dq=halved(self.dq),
+                                   dkdv=halved(self.dkdv))
 
     def grid(self, tiles: Tensor, batch: int, rule: bool) -> Tuple[int, int]:
         """A launch's grid over `tiles` (T, 6) and `batch` rows: a program per tile, or
@@ -237,12 +250,77 @@ def _rule_last(plan: TilePlan, nonfinite: Optional[Tensor]
     return plain, (True, [(plan.tiles, plan.block_m)])
 
 
+def _call_tiles(q: Tensor, head_dim: int, dropout: Optional["Dropout"]) -> TileSizes:
+    """The tiles of a call's launches (its dropout's where it has one)."""
+    sizes = tile_sizes(q.device, q.dtype, head_dim)
+    return sizes if dropout is None else sizes.for_dropout()
+
+
 def _mask_arg(mask: Optional[Tensor], fallback: Tensor) -> Tuple[Tensor, Tuple[int, int, int]]:
     """A key padding mask (b, m, hk) as the kernels read it (bytes, its strides), or a
     placeholder pointer with zero strides."""
     if mask is None:
         return fallback, (0, 0, 0)
     return mask.view(torch.uint8), mask.stride()
+
+
+# Note [fused dropout]
+#     docs/spec.md's dropout drops each pattern's probabilities independently. Merged by
+#     the count form (Note [fused kernel] in fused_plan.py), a pair (t, u) that m patterns
+#     select weighs exp(s - lse) * (the patterns that keep it) / (1 - p) in the output. A
+#     kernel visits the pair once per span that reaches it, with the bits of the patterns
+#     that span counts there (fused_plan.TilePlan), and pattern i keeps the pair where the
+#     31 high bits of Philox word i mod 4 of counter (t, u, batch row, query head * 8 +
+#     i // 4) under the call's key are at least p * 2^31 (triton_kernels._dropped): a
+#     function of the pair and the pattern alone, so the forward, dq and dK/dV, which tile
+#     the pairs differently, draw the same masks, and the patterns draw theirs
+#     independently. Rows and keys count from the sequence's start (not with a piece);
+#     the lse keeps every key. The key is an int64 drawn on the device from torch's
+#     generator (`new_seed`): torch.manual_seed fixes the masks, no host sync, and a CUDA
+#     graph replays a new draw. Backward: ds = dropped(p) * dp - p * delta, dV from the
+#     dropped p. At most fused_plan.MAX_MASK_PATTERNS patterns (the masks' bits).
+
+
+class Dropout(NamedTuple):
+    """Attention dropout in the fused kernels (Note [fused dropout]): a pattern keeps a pair
+    where its 31 random bits are at least `threshold`, and the kept ones weigh keep_scale
+    (1 / the probability of keeping); patterns: the call's count (the kernels unroll their
+    draws); seed: (1,) int64 on the device, the Philox key."""
+
+    threshold: int
+    keep_scale: float
+    patterns: int
+    seed: Tensor
+
+    @classmethod
+    def of(cls, dropout_p: float, patterns: int, seed: Tensor) -> "Dropout":
+        threshold = int(dropout_p * 2**31)
+        return cls(threshold, 2**31 / (2**31 - threshold), patterns, seed)
+
+    def key(self) -> Tuple[int, float, int]:
+        """What the launches' numbers are of (the seed goes as a tensor)."""
+        return self.threshold, self.keep_scale, self.patterns
+
+
+def check_dropout_patterns(count: int) -> None:
+    """A ValueError unless the kernels' dropout can draw for `count` patterns (a bit each)."""
+    if count > MAX_MASK_PATTERNS:
+        raise ValueError(
+            f"backend 'triton' applies dropout to at most {MAX_MASK_PATTERNS} patterns (a bit "
+            f"each in its masks), got {count} patterns; use backend='blockwise' or 'auto'")
+
+
+def new_seed(device: torch.device) -> Tensor:
+    """A dropout call's Philox key: (1,) int64 from `device`'s generator."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+
+
+def _dropout_args(dropout: Optional[Dropout], fallback: Tensor
+                  ) -> Tuple[Tensor, int, float, int]:
+    """(Seed, threshold, keep_scale, PATTERNS) of a launch; PATTERNS 0 without dropout."""
+    if dropout is None:
+        return fallback, 0, 1.0, 0
+    return dropout.seed, dropout.threshold, dropout.keep_scale, dropout.patterns
 
 
 # --------------------------------------------------------------------------
@@ -257,7 +335,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, *, causal: bool
             heads: Heads, documents: Documents, key_mask: Optional[Tensor],
             piece: Optional[Tuple[int, int]] = None,
             nonfinite: Optional[Tensor] = None,
-            into: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor]:
+            into: Optional[Tuple[Tensor, Tensor]] = None,
+            dropout: Optional[Dropout] = None) -> Tuple[Tensor, Tensor]:
     """q (b, n, h, d), k/v (b, n, hk, d), key_mask (b, n) or None -> out, lse (b, n, h).
 
     piece (first row, total rows): q, k, v are rows [first, first + n) of a longer sequence
@@ -271,9 +350,12 @@ def forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, *, causal: bool
     (functional._nonfinite_keys), as the sequence-parallel paths do.
 
     into: (out, lse) to write instead of new tensors, views of larger ones allowed (the
-    kernels write through strides): a zigzag rank's chunks write one output."""
+    kernels write through strides): a zigzag rank's chunks write one output.
+
+    dropout: attention dropout (Note [fused dropout]; not with a piece: its rows would
+    count from the piece's start)."""
     return _forward(q, k, v, _planner(q, k, patterns, causal, heads, documents, piece), causal,
-                    scale, _per_kv_head(key_mask, k), nonfinite, into)
+                    scale, _per_kv_head(key_mask, k), nonfinite, into, dropout)
 
 
 def new_check(device: torch.device) -> Tensor:
@@ -289,14 +371,16 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
              piece: Optional[Tuple[int, int]] = None,
              nonfinite: Optional[Tensor] = None,
              into: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
-             kv_grad: bool = True) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+             kv_grad: bool = True, dropout: Optional[Dropout] = None
+             ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """Gradients of `forward` from the final out and lse (dlse (b, n, h): the gradient of
     lse); with a `piece`, those of its pairs (rows and keys both in it); nonfinite: the
     forward's check; into: (dq, dk, dv) to write, as `forward`'s. kv_grad False (k and v
-    frozen; not with `into`): dq alone, dk and dv None, no dK/dV kernel."""
+    frozen; not with `into`): dq alone, dk and dv None, no dK/dV kernel. dropout: the
+    forward's."""
     return _backward(dout, q, k, v, out, lse, dlse,
                      _planner(q, k, patterns, causal, heads, documents, piece), causal, scale,
-                     _per_kv_head(key_mask, k), nonfinite, into, kv_grad)
+                     _per_kv_head(key_mask, k), nonfinite, into, kv_grad, dropout)
 
 
 def _planner(q: Tensor, k: Tensor, patterns: Patterns, causal: bool, heads: Heads,
@@ -345,21 +429,23 @@ def _dense_planner(q: Tensor, k: Tensor, causal: bool) -> Planner:
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, scale: float,
              mask: Optional[Tensor], nonfinite: Optional[Tensor],
-             into: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor]:
+             into: Optional[Tuple[Tensor, Tensor]] = None,
+             dropout: Optional[Dropout] = None) -> Tuple[Tensor, Tensor]:
     b, n, h, d = q.shape
     out, lse = into or (torch.empty((b, n, h, d), dtype=q.dtype, device=q.device),
                         torch.empty((b, n, h), dtype=torch.float32, device=q.device))
     if out.numel() == 0 or q.device.type == "meta":
         return out, lse
-    sizes = tile_sizes(q.device, q.dtype, d)
+    sizes = _call_tiles(q, d, dropout)
     plan = planner(**sizes.plan("forward"))
     has_mask = mask is not None
     mask, mask_strides = _mask_arg(mask, lse)
     check = lse if nonfinite is None else nonfinite
+    seed, threshold, keep_scale, patterns = _dropout_args(dropout, lse)
     # the call's tensors, and what decides every other argument of its launches
-    tensors = (q, k, v, out, lse, mask, check)
+    tensors = (q, k, v, out, lse, mask, check, seed)
     key = ("forward", id(plan), sizes, causal, scale, _precision(q.dtype), has_mask,
-           nonfinite is None)
+           nonfinite is None, None if dropout is None else dropout.key())
     if RECIPES.replay(key, tensors):
         return out, lse
     kernels = _kernels(q.device)
@@ -373,14 +459,15 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
         report = not rule and nonfinite is not None
         for i, (tiles, block_m) in enumerate(launches):
             launch[sizes.grid(tiles, b, rule)](
-                q, k, v, out, lse, mask, check, tiles, plan.rows, plan.spans, plan.extras,
-                *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-                *mask_strides, d, scale * kernels.LOG2E,
-                k.shape[1] if report and i == 0 else 0, k.shape[2], tiles.shape[0],
-                CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
+                q, k, v, out, lse, mask, check, seed, tiles, plan.rows, plan.spans,
+                plan.extras, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                *lse.stride(), *mask_strides, d, scale * kernels.LOG2E,
+                k.shape[1] if report and i == 0 else 0, k.shape[2], threshold, keep_scale,
+                tiles.shape[0], CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
                 EXTRAS=plan.max_extras, POW2_PERIODS=plan.pow2_periods,
                 SPAN_COUNTS=sizes.forward.counts_per_span(plan), NONFINITE=rule, REPORT=report,
-                BLOCK_M=block_m, BLOCK_N=sizes.forward.chunk, BLOCK_D=_head_block(d),
+                PATTERNS=patterns, BLOCK_M=block_m, BLOCK_N=sizes.forward.chunk,
+                BLOCK_D=_head_block(d),
                 num_warps=sizes.forward.warps(block_m), num_stages=sizes.num_stages,
                 **COMPILE_OPTIONS,
             )
@@ -391,7 +478,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
 def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               dlse: Optional[Tensor], planner: Planner, causal: bool, scale: float,
               mask: Optional[Tensor], nonfinite: Optional[Tensor],
-              into: Optional[Tuple[Tensor, Tensor, Tensor]] = None, kv_grad: bool = True
+              into: Optional[Tuple[Tensor, Tensor, Tensor]] = None, kv_grad: bool = True,
+              dropout: Optional[Dropout] = None
               ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     b, n, h, d = q.shape
     # in each input's layout where it is dense (what autograd's accumulation keeps as is);
@@ -407,7 +495,7 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     delta = torch.empty_like(lse)
     if q.device.type == "meta" or b == 0 or h == 0 or d == 0:
         return dq, dk, dv
-    sizes = tile_sizes(q.device, q.dtype, d)
+    sizes = _call_tiles(q, d, dropout)
     queries = planner(**sizes.plan("dq"))
     keys = planner(**sizes.plan("dkdv"))
     dout, out = dout.to(q.dtype), out.to(q.dtype)
@@ -418,25 +506,28 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     # unread: it visits no key tile
     dk_arg, dv_arg = (dq, dq) if dk is None else (dk, dv)
     key_tiles = keys.tiles.shape[0] if dk is not None else 0
+    seed, threshold, keep_scale, patterns = _dropout_args(dropout, lse)
     # as the forward's (_forward)
     tensors = (q, k, v, out, dout, lse, dlse_arg, delta, dq, dk_arg, dv_arg, mask,
-               lse if nonfinite is None else nonfinite)
+               lse if nonfinite is None else nonfinite, seed)
     key = ("backward", id(queries), id(keys), sizes, causal, scale, _precision(q.dtype),
-           has_mask, dlse is None, nonfinite is None, key_tiles > 0)
+           has_mask, dlse is None, nonfinite is None, key_tiles > 0,
+           None if dropout is None else dropout.key())
     if RECIPES.replay(key, tensors):
         return dq, dk, dv
     kernels = _kernels(q.device)
     record = RECIPES.recorder(key, tensors, kept=(queries, keys))
     launch_dq, launch_dkdv = record(kernels.fused_dq), record(kernels.fused_dkdv)
     flags = dict(CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
-                 BLOCK_D=_head_block(d), num_stages=sizes.num_stages, **COMPILE_OPTIONS)
+                 PATTERNS=patterns, BLOCK_D=_head_block(d), num_stages=sizes.num_stages,
+                 **COMPILE_OPTIONS)
     for tiles, block_m in queries.launches():
         launch_dq[sizes.grid(tiles, b, False)](
-            q, k, v, out, dout, lse, dlse_arg, delta, dq, mask, tiles, queries.rows,
+            q, k, v, out, dout, lse, dlse_arg, delta, dq, mask, seed, tiles, queries.rows,
             queries.spans, queries.extras,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(),
             *lse.stride(), *dlse_arg.stride(), *dq.stride(), *mask_strides,
-            d, scale * kernels.LOG2E, scale,
+            d, scale * kernels.LOG2E, scale, threshold, keep_scale,
             HAS_DLSE=dlse is not None, EXTRAS=queries.max_extras,
             POW2_PERIODS=queries.pow2_periods, SPAN_COUNTS=sizes.dq.counts_per_span(queries),
             BLOCK_M=block_m, BLOCK_N=sizes.dq.chunk, num_warps=sizes.dq.warps(block_m),
@@ -444,10 +535,10 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         )
     for tiles, block_m in keys.launches() if key_tiles else ():
         launch_dkdv[sizes.grid(tiles, b, False)](
-            q, k, v, dout, lse, delta, dk, dv, mask, tiles, keys.rows, keys.spans, keys.extras,
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
+            q, k, v, dout, lse, delta, dk, dv, mask, seed, tiles, keys.rows, keys.spans,
+            keys.extras, *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
             *dk.stride(), *dv.stride(), *mask_strides,
-            d, scale * kernels.LOG2E, scale,
+            d, scale * kernels.LOG2E, scale, threshold, keep_scale,
             EXTRAS=keys.max_extras, POW2_PERIODS=keys.pow2_periods,
             SPAN_COUNTS=sizes.dkdv.counts_per_span(keys),
             BLOCK_M=block_m, BLOCK_N=sizes.dkdv.chunk, num_warps=sizes.dkdv.warps(block_m),
@@ -458,13 +549,13 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         # the plain kernels, whose delta it reads; its programs loop over both plans' tiles
         most = queries.tiles if len(queries.tiles) >= key_tiles else keys.tiles
         record(kernels.fused_backward_rule)[sizes.grid(most, b, True)](
-            q, k, v, out, dout, lse, dlse_arg, delta, dq, dk_arg, dv_arg, mask, nonfinite,
+            q, k, v, out, dout, lse, dlse_arg, delta, dq, dk_arg, dv_arg, mask, nonfinite, seed,
             queries.tiles, queries.rows, queries.spans, queries.extras,
             keys.tiles, keys.rows, keys.spans, keys.extras,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(),
             *lse.stride(), *dlse_arg.stride(), *dq.stride(), *dk_arg.stride(),
-            *dv_arg.stride(), *mask_strides, d, scale * kernels.LOG2E, scale,
-            queries.tiles.shape[0], key_tiles, HAS_DLSE=dlse is not None,
+            *dv_arg.stride(), *mask_strides, d, scale * kernels.LOG2E, scale, threshold,
+            keep_scale, queries.tiles.shape[0], key_tiles, HAS_DLSE=dlse is not None,
             QUERY_EXTRAS=queries.max_extras, QUERY_POW2_PERIODS=queries.pow2_periods,
             QUERY_SPAN_COUNTS=sizes.dq.counts_per_span(queries), QUERY_BLOCK_M=queries.block_m,
             QUERY_BLOCK_N=sizes.dq.chunk, KEY_EXTRAS=keys.max_extras,

@@ -166,8 +166,12 @@ from .layout import Documents, segments_between
 
 # Columns of the tables (the kernels read them by these positions).
 TILE_COLUMNS = ("cell", "row_lo", "rows", "head", "span_lo", "span_hi")
-SPAN_COLUMNS = ("head", "start", "stride", "count", "times", "extra_lo", "extra_hi")
-EXTRA_COLUMNS = ("period", "phase")
+SPAN_COLUMNS = ("head", "start", "stride", "count", "times", "extra_lo", "extra_hi",
+                "patterns")
+EXTRA_COLUMNS = ("period", "phase", "pattern")
+# The most patterns a span's bit mask holds (int32, sign bit clear): the fused kernels'
+# dropout draws per pattern (Note [fused dropout] in fused.py).
+MAX_MASK_PATTERNS = 31
 
 # Bits of a class key packed per int64 word (the sign bit stays clear).
 _WORD_BITS = 62
@@ -180,11 +184,14 @@ class TilePlan(NamedTuple):
     tiles (T, 6) (T = 0 only for an empty sequence): cell start (absolute row), first
     entry in ``rows``, row count (1..BLOCK_M), head of the rows (query head; key/value
     head in a ``keys`` plan), first span, span end. rows (R,): rows relative to their
-    cell start, ascending within a tile. spans (S, 7): the other side's head (key/value
+    cell start, ascending within a tile. spans (S, 8): the other side's head (key/value
     head; query head in a ``keys`` plan), start relative to the cell, stride, count,
     times (how many patterns select every element; 1 for a span with extras), first
-    extra, extra end. extras (E, 2): period and phase of each extra count (Note [fused
-    kernel]). Tables never empty: an unused one holds a row of zeros, so the
+    extra, extra end, and which patterns (bit i: pattern i; those of `times`, or the
+    leader of a span with extras) select every element. extras (E, 3): period, phase and
+    pattern of each extra count (Note [fused kernel]). The pattern bits hold the first
+    MAX_MASK_PATTERNS patterns (later ones are left out: only dropout reads them). Tables
+    never empty: an unused one holds a row of zeros, so the
     kernels get a valid pointer. max_extras: the most extras of one span, which the
     kernels unroll (a loop inside their key loop would keep Triton from pipelining the
     key loads). pow2_periods: every extra's period is a power of two (rates 1, 2, 4, ...),
@@ -278,7 +285,7 @@ def _dense_plan(n, m, heads, num_kv_heads, block_m, keys, device, causal, order_
     tiles, spans = [], []
     for row_head, _, span_heads in groups:
         span_lo = len(spans)
-        spans += [(head, 0, 1, other, 1, 0, 0) for head in span_heads]
+        spans += [(head, 0, 1, other, 1, 0, 0, 1) for head in span_heads]
         for lo in range(0, rows, block_m):
             tiles.append((0, lo, min(block_m, rows - lo), row_head, span_lo, len(spans)))
     table = torch.tensor(tiles, dtype=torch.int64).reshape(-1, len(TILE_COLUMNS))
@@ -444,7 +451,7 @@ def _classes(rows: _Rows, offsets: Tensor) -> _Classes:
 
 class _Spans(NamedTuple):
     """reader (S,): which (class, member) reader a span belongs to, ascending; table
-    (S, 6) int64 and extras (E, 2) int64 in the layout of TilePlan."""
+    (S, 8) int64 and extras (E, 3) int64 in the layout of TilePlan."""
 
     reader: Tensor
     table: Tensor
@@ -503,8 +510,14 @@ def _spans(selected: Tensor, first: Tensor, seg_lo: Tensor, seg_hi: Tensor, leng
     per_span = torch.bincount(owner, minlength=start.numel())
     extra_hi = torch.cumsum(per_span, 0)
     table = torch.stack([heads[reader], start, stride, count, torch.ones_like(count),
-                         extra_hi - per_span, extra_hi], dim=1)
-    return _Spans(reader, table, torch.stack([period[order], phase[order]], dim=1))
+                         extra_hi - per_span, extra_hi, _bit(pattern)], dim=1)
+    return _Spans(reader, table,
+                  torch.stack([period[order], phase[order], e_pattern[order]], dim=1))
+
+
+def _bit(pattern: Tensor) -> Tensor:
+    """Pattern i's bit in a span's mask (0 past MAX_MASK_PATTERNS)."""
+    return torch.where(pattern < MAX_MASK_PATTERNS, 1 << pattern.clamp(max=30), 0)
 
 
 def _split(spans: _Spans, split_keys: Optional[int]) -> _Spans:
@@ -549,6 +562,8 @@ def _split(spans: _Spans, split_keys: Optional[int]) -> _Spans:
     hit = e_q % extras[e, 0] == extras[e, 1]
     first_piece = torch.cumsum(pieces, 0) - pieces
     new[:, 4].index_add_(0, (first_piece[owner[e]] + e_q)[hit], torch.ones_like(e_q[hit]))
+    # and their patterns' bits (each pattern is one span's extra at most once: a sum is an or)
+    new[:, 7].index_add_(0, (first_piece[owner[e]] + e_q)[hit], _bit(extras[e[hit], 2]))
     # a span left whole keeps its extras, which stay in span order
     kept = torch.where(cut, 0, per_span)[span]
     new[:, 6] = torch.cumsum(kept, 0)
@@ -682,7 +697,7 @@ NARROW_SAVING = 1 / 16
 def _heights(template: Tensor, spans: Tensor, uses: Tensor, block_m: int, narrowest: int
              ) -> Tuple[Tensor, List[int]]:
     """template (U, 5) tiles of a geometry (row_lo, rows, head, span_lo, span_hi), spans
-    (S, 7), uses (U,) the cells that take each -> each one's launch height, and the heights
+    (S, 8), uses (U,) the cells that take each -> each one's launch height, and the heights
     launched, widest first: block_m, halved down to `narrowest` while the tiles that fit save
     NARROW_SAVING of the plan's work (rows padded to the launch's height, times the tile's
     keys; causal bounds not counted)."""
@@ -704,7 +719,7 @@ def _heights(template: Tensor, spans: Tensor, uses: Tensor, block_m: int, narrow
 
 def span_reach(tiles: Tensor, rows: Tensor, spans: Tensor, causal: bool, keys: bool
            ) -> Tuple[Tensor, Tensor]:
-    """tiles (T, 6), rows (R,), spans (S, 7) -> per (tile, span) pair: its tile and how
+    """tiles (T, 6), rows (R,), spans (S, 8) -> per (tile, span) pair: its tile and how
     many of the span's elements the kernel reaches from that tile (triton_kernels' _span:
     causal query tiles read keys up to their last row, key tiles are read by queries from
     their first row on)."""

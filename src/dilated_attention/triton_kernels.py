@@ -61,6 +61,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .triton_dropout import dropout_key, dropped, pattern_bits
+
 LOG2E = 1.4426950408889634  # the kernels take scale * LOG2E: base-2 logits
 
 
@@ -85,11 +87,12 @@ def _program(tiles, rows, tile, BLOCK_M: tl.constexpr):
 def _span(spans, s, cell, first, last, CAUSAL: tl.constexpr, KEY_TILES: tl.constexpr):
     """Span s: its head, first element (absolute), stride, the elements [lo, hi) a tile of
     rows first..last reaches, log2 of how many patterns select each of them (its times;
-    the extras add to it, from a times of 1), and its extras [extra_lo, extra_hi).
+    the extras add to it, from a times of 1), its extras [extra_lo, extra_hi), and the bits
+    of the patterns its times count (fused_plan.TilePlan).
 
     Causal: query tiles read keys u <= t (up to their last row), key tiles are read
     by queries t >= u (from their first row on)."""
-    at = spans + s * 7
+    at = spans + s * 8
     start = cell + tl.load(at + 1)
     stride = tl.load(at + 2)
     lo = 0
@@ -102,7 +105,8 @@ def _span(spans, s, cell, first, last, CAUSAL: tl.constexpr, KEY_TILES: tl.const
             reach = last - start
             hi = tl.minimum(hi, tl.where(reach >= 0, reach // stride + 1, 0))
     bias = tl.log2(tl.load(at + 4).to(tl.float32))
-    return tl.load(at), start, stride, lo, hi, bias, tl.load(at + 5), tl.load(at + 6)
+    return (tl.load(at), start, stride, lo, hi, bias, tl.load(at + 5), tl.load(at + 6),
+            tl.load(at + 7))
 
 
 @triton.jit
@@ -187,9 +191,9 @@ def _key_span(spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, sv
               smh, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr):
     """Key span s of a query tile (``_span``), with the pointers to its key/value head's rows
     of K, V and the padding mask in batch row b."""
-    kv, start, stride, lo, hi, bias, extra_lo, extra_hi = _span(spans, s, cell, first, last,
-                                                                CAUSAL, False)
-    return (start, stride, lo, hi, bias, extra_lo, extra_hi,
+    kv, start, stride, lo, hi, bias, extra_lo, extra_hi, bits = _span(spans, s, cell, first,
+                                                                      last, CAUSAL, False)
+    return (start, stride, lo, hi, bias, extra_lo, extra_hi, bits,
             _rows_at(K, b, kv, skb, skh, skd, BLOCK_D),
             _rows_at(V, b, kv, svb, svh, svd, BLOCK_D),
             Mask + b.to(tl.int64) * smb + kv.to(tl.int64) * smh)
@@ -209,8 +213,8 @@ def _counts(extras, extra_lo, extra_hi, idx, EXTRAS: tl.constexpr, POW2_PERIODS:
         e = extra_lo + j
         live = e < extra_hi
         # a span with fewer extras: period 1, phase -1 matches no element
-        period = tl.load(extras + 2 * e, mask=live, other=1)
-        phase = tl.load(extras + 2 * e + 1, mask=live, other=-1)
+        period = tl.load(extras + 3 * e, mask=live, other=1)
+        phase = tl.load(extras + 3 * e + 1, mask=live, other=-1)
         if POW2_PERIODS:
             hit = (idx & (period - 1)) == phase
         else:
@@ -314,14 +318,16 @@ def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
 @triton.jit
 def _softmax_step(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
                   extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i, acc,
-                  hit, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-                  PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
-                  SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr, BLOCK_N: tl.constexpr):
+                  hit, span_bits, seed, b, head, threshold, keep_scale, MASKED: tl.constexpr,
+                  CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+                  EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr,
+                  NONFINITE: tl.constexpr, PATTERNS: tl.constexpr, BLOCK_N: tl.constexpr):
     """The online softmax over one chunk of keys: the new (m_i, l_i, acc, hit). m_i is the
     row max of the scaled products without the counts (a count >= 1 then multiplies a p <= 1:
     the lse holds whatever m is); the span's times enter as bias = log2(times) on its logits
     (a shift of the exp2's argument per row, not a product per pair); hit marks the rows
-    that attend a value row read as 0 (NONFINITE)."""
+    that attend a value row read as 0 (NONFINITE). PATTERNS > 0: with dropout
+    (``triton_dropout.dropped``; the lse's sum takes every key, dropped or not)."""
     k, v, qk, counts, v_bad = _key_products(
         q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo, extra_hi,
         span_counts, skn, svn, smn, d_ok, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
@@ -338,57 +344,69 @@ def _softmax_step(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
         p *= counts[None, :]
     alpha = tl.exp2(m_i - shift)
     l_i = l_i * alpha + tl.sum(p, 1)
+    if PATTERNS > 0:
+        idx = c + tl.arange(0, BLOCK_N)
+        bits = pattern_bits(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS, POW2_PERIODS,
+                             BLOCK_N)
+        p = dropped(p, seed, b, head, t, start + idx * stride, bits, bias, counts, threshold,
+                     keep_scale, PATTERNS, False)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc, hit
 
 
 @triton.jit(do_not_specialize=["num_tiles"])
 def fused_forward(
-    Q, K, V, Out, Lse, Mask, AnyBad, tiles, rows, spans, extras,
+    Q, K, V, Out, Lse, Mask, AnyBad, Seed, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, slb, sln, slh, smb, smn, smh,
-    head_dim, scale_log2, check_rows, kv_heads, num_tiles,
+    head_dim, scale_log2, check_rows, kv_heads, threshold, keep_scale, num_tiles,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
     POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr,
-    REPORT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    REPORT: tl.constexpr, PATTERNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """out, lse of query tiles: each program one tile of the plain kernel (REPORT: a
     non-finite q row or out element, or one in the program's share of the first check_rows
     rows of K (kv_heads heads), makes AnyBad NaN); NONFINITE, the variant that applies the
     non-finite rule where AnyBad is not finite, its programs each taking every
-    num_programs-th of the num_tiles tiles (module docstring)."""
+    num_programs-th of the num_tiles tiles (module docstring). PATTERNS > 0: with attention
+    dropout, Seed (int64) its Philox key (``triton_dropout.dropped``)."""
     if NONFINITE:
         if _all_finite(AnyBad):
             return
         for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-            _forward_tile(tile, Q, K, V, Out, Lse, Mask, AnyBad, tiles, rows, spans, extras, sqb,
-                          sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sob, son, soh,
-                          sod, slb, sln, slh, smb, smn, smh, head_dim, scale_log2, check_rows,
-                          kv_heads, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS,
-                          NONFINITE, REPORT, BLOCK_M, BLOCK_N, BLOCK_D)
+            _forward_tile(tile, Q, K, V, Out, Lse, Mask, AnyBad, Seed, tiles, rows, spans,
+                          extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sob,
+                          son, soh, sod, slb, sln, slh, smb, smn, smh, head_dim, scale_log2,
+                          check_rows, kv_heads, threshold, keep_scale, CAUSAL, HAS_MASK,
+                          PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, REPORT, PATTERNS,
+                          BLOCK_M, BLOCK_N, BLOCK_D)
     else:
-        _forward_tile(tl.program_id(0), Q, K, V, Out, Lse, Mask, AnyBad, tiles, rows, spans,
-                      extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sob, son,
-                      soh, sod, slb, sln, slh, smb, smn, smh, head_dim, scale_log2, check_rows,
-                      kv_heads, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS,
-                      NONFINITE, REPORT, BLOCK_M, BLOCK_N, BLOCK_D)
+        _forward_tile(tl.program_id(0), Q, K, V, Out, Lse, Mask, AnyBad, Seed, tiles, rows,
+                      spans, extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
+                      sob, son, soh, sod, slb, sln, slh, smb, smn, smh, head_dim, scale_log2,
+                      check_rows, kv_heads, threshold, keep_scale, CAUSAL, HAS_MASK, PRECISION,
+                      EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, REPORT, PATTERNS, BLOCK_M,
+                      BLOCK_N, BLOCK_D)
 
 
 @triton.jit
 def _forward_tile(
-    tile, Q, K, V, Out, Lse, Mask, AnyBad, tiles, rows, spans, extras,
+    tile, Q, K, V, Out, Lse, Mask, AnyBad, Seed, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, slb, sln, slh, smb, smn, smh,
-    head_dim, scale_log2, check_rows, kv_heads,
+    head_dim, scale_log2, check_rows, kv_heads, threshold, keep_scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
     POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr,
-    REPORT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    REPORT: tl.constexpr, PATTERNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """out, lse of one query tile: the online softmax over its spans' keys, each span's
     whole unmasked chunks first, then the masked rest (the flags: ``fused_forward``)."""
     b, head, span_lo, span_hi, cell, t, row_ok, first, last = _program(tiles, rows, tile,
                                                                        BLOCK_M)
     q = _load_rows(Q, b, t, row_ok, head, sqb, sqn, sqh, sqd, head_dim, BLOCK_D)
+    seed = dropout_key(Seed, PATTERNS)
     if REPORT:
         # taken now: nothing of it stays live through the key loop but this scalar (a sum
         # is not finite where an element is not, or where finite ones overflow: then the
@@ -400,7 +418,7 @@ def _forward_tile(
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     hit = tl.zeros((BLOCK_M,), tl.int32)
     for s in range(span_lo, span_hi):
-        start, stride, lo, hi, bias, extra_lo, extra_hi, k_at, v_at, mask_at = _key_span(
+        start, stride, lo, hi, bias, extra_lo, extra_hi, bits, k_at, v_at, mask_at = _key_span(
             spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, svh, svd, smb,
             smh, CAUSAL, BLOCK_D)
         span_counts = _span_counts(extras, extra_lo, extra_hi, lo, EXTRAS, POW2_PERIODS,
@@ -415,14 +433,15 @@ def _forward_tile(
                 m_i, l_i, acc, hit = _softmax_step(
                     q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
                     extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i,
-                    acc, hit, False, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS,
-                    SPAN_COUNTS, NONFINITE, BLOCK_N)
+                    acc, hit, bits, seed, b, head, threshold, keep_scale, False, CAUSAL,
+                    HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, PATTERNS,
+                    BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             m_i, l_i, acc, hit = _softmax_step(
                 q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
                 extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i, acc,
-                hit, True, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS,
-                NONFINITE, BLOCK_N)
+                hit, bits, seed, b, head, threshold, keep_scale, True, CAUSAL, HAS_MASK,
+                PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, PATTERNS, BLOCK_N)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     # natural log: (m + log2 l) * ln 2; a row that attends nothing: -inf
@@ -459,13 +478,16 @@ def _lse_log2(lse):
 
 @triton.jit
 def _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, start, stride, c,
-             hi, extra_lo, extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2,
-             MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-             PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
-             SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr, BLOCK_N: tl.constexpr):
+             hi, bias, extra_lo, extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2,
+             span_bits, seed, b, head, threshold, keep_scale, MASKED: tl.constexpr,
+             CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+             EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr,
+             NONFINITE: tl.constexpr,
+             PATTERNS: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq of the tile's rows plus one chunk of keys' share. NONFINITE: a masked chunk's
     non-finite k, v elements read as 0 (a row attending one has a NaN lse or delta already,
-    so its dq is NaN; one that does not gets p = 0 times finite numbers)."""
+    so its dq is NaN; one that does not gets p = 0 times finite numbers). PATTERNS > 0: with
+    the forward's dropout, ds = dropped(p) dp - p delta (``triton_dropout.dropped``)."""
     k, v, qk, counts, _ = _key_products(
         q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo, extra_hi,
         span_counts, skn, svn, smn, d_ok, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
@@ -475,44 +497,52 @@ def _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, star
     if EXTRAS > 0:
         p *= counts[None, :]
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-    ds = p * (dp - delta[:, None])
+    if PATTERNS > 0:
+        idx = c + tl.arange(0, BLOCK_N)
+        bits = pattern_bits(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS, POW2_PERIODS,
+                             BLOCK_N)
+        ds = (dropped(p, seed, b, head, t, start + idx * stride, bits, bias, counts,
+                       threshold, keep_scale, PATTERNS, False) * dp - p * delta[:, None])
+    else:
+        ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
 
 @triton.jit
 def fused_dq(
-    Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, tiles, rows, spans, extras,
+    Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, Seed, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh,
     sdqb, sdqn, sdqh, sdqd, smb, smn, smh,
-    head_dim, scale_log2, scale,
+    head_dim, scale_log2, scale, threshold, keep_scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DLSE: tl.constexpr,
     PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
-    SPAN_COUNTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    SPAN_COUNTS: tl.constexpr, PATTERNS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dq of query tiles, a program per tile, and delta = rowsum(dout * out) - dlse of their
     rows (the dK/dV kernels read it: the query tiles cover every (row, head) once).
 
     Delta has lse's strides."""
-    _dq_tile(tl.program_id(0), Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, tiles, rows,
-             spans, extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sob, son,
-             soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh, sdqb, sdqn, sdqh,
-             sdqd, smb, smn, smh, head_dim, scale_log2, scale, CAUSAL, HAS_MASK, HAS_DLSE,
-             PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, False, BLOCK_M, BLOCK_N, BLOCK_D)
+    _dq_tile(tl.program_id(0), Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, Seed, tiles,
+             rows, spans, extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
+             sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh, sdqb,
+             sdqn, sdqh, sdqd, smb, smn, smh, head_dim, scale_log2, scale, threshold,
+             keep_scale, CAUSAL, HAS_MASK, HAS_DLSE, PRECISION, EXTRAS, POW2_PERIODS,
+             SPAN_COUNTS, False, PATTERNS, BLOCK_M, BLOCK_N, BLOCK_D)
 
 
 @triton.jit
 def _dq_tile(
-    tile, Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, tiles, rows, spans, extras,
+    tile, Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, Seed, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh,
     sdqb, sdqn, sdqh, sdqd, smb, smn, smh,
-    head_dim, scale_log2, scale,
+    head_dim, scale_log2, scale, threshold, keep_scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DLSE: tl.constexpr,
     PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
-    SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr, PATTERNS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dq of one query tile (``fused_dq``), and its delta, which the plain kernel
     (not NONFINITE) stores: the rule's variant runs beside dK/dV's, which read it, and computes
@@ -521,6 +551,7 @@ def _dq_tile(
                                                                        BLOCK_M)
     q = _load_rows(Q, b, t, row_ok, head, sqb, sqn, sqh, sqd, head_dim, BLOCK_D)
     do = _load_rows(dOut, b, t, row_ok, head, sdob, sdon, sdoh, sdod, head_dim, BLOCK_D)
+    seed = dropout_key(Seed, PATTERNS)
     o = _load_rows(Out, b, t, row_ok, head, sob, son, soh, sod, head_dim, BLOCK_D)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     if HAS_DLSE:
@@ -532,7 +563,7 @@ def _dq_tile(
     d_ok = tl.arange(0, BLOCK_D)[None, :] < head_dim
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for s in range(span_lo, span_hi):
-        start, stride, lo, hi, bias, extra_lo, extra_hi, k_at, v_at, mask_at = _key_span(
+        start, stride, lo, hi, bias, extra_lo, extra_hi, bits, k_at, v_at, mask_at = _key_span(
             spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, svh, svd, smb,
             smh, CAUSAL, BLOCK_D)
         # the span's times on its logits (fused_forward): on the lse, once per span
@@ -545,27 +576,32 @@ def _dq_tile(
                                           BLOCK_N)
             for c in range(lo, full_hi, BLOCK_N):
                 dq = _dq_step(q, do, t, row_ok, lse_span, delta, dq, k_at, v_at, mask_at,
-                              extras, start, stride, c, hi, extra_lo, extra_hi, span_counts,
-                              skn, svn, smn, d_ok, scale_log2, False, CAUSAL, HAS_MASK,
-                              PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, BLOCK_N)
+                              extras, start, stride, c, hi, bias, extra_lo, extra_hi,
+                              span_counts, skn, svn, smn, d_ok, scale_log2, bits, seed, b,
+                              head, threshold, keep_scale, False, CAUSAL, HAS_MASK, PRECISION,
+                              EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, PATTERNS, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             dq = _dq_step(q, do, t, row_ok, lse_span, delta, dq, k_at, v_at, mask_at, extras,
-                          start, stride, c, hi, extra_lo, extra_hi, span_counts, skn, svn, smn,
-                          d_ok, scale_log2, True, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
-                          POW2_PERIODS, SPAN_COUNTS, NONFINITE, BLOCK_N)
+                          start, stride, c, hi, bias, extra_lo, extra_hi, span_counts, skn, svn,
+                          smn, d_ok, scale_log2, bits, seed, b, head, threshold, keep_scale,
+                          True,
+                          CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS,
+                          NONFINITE, PATTERNS, BLOCK_N)
     _store_rows(dQ, dq * scale, b, t, row_ok, head, sdqb, sdqn, sdqh, sdqd, head_dim, BLOCK_D)
 
 
 @triton.jit
 def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, start, stride, c,
                hi, bias, extra_lo, extra_hi, span_counts, sqn, sdon, sln, d_ok, scale_log2,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-               EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr,
-               NONFINITE: tl.constexpr, BLOCK_N: tl.constexpr):
+               span_bits, seed, b, head, threshold, keep_scale, MASKED: tl.constexpr,
+               CAUSAL: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
+               POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr,
+               PATTERNS: tl.constexpr, BLOCK_N: tl.constexpr):
     """dk, dv of the tile's key rows plus one chunk of queries' share; MASKED as in
     ``_key_products`` (else every query of the chunk reads every key row: no mask).
     NONFINITE: in a masked chunk non-finite q, dout elements read as 0 and a masked pair's
-    ds is 0 (its query's lse or delta may be NaN)."""
+    ds is 0 (its query's lse or delta may be NaN). PATTERNS > 0: with the forward's dropout
+    (``triton_dropout.dropped``), dv from the dropped p, ds = dropped(p) dp - p delta."""
     # no helper calls here but the counts' (see _key_products)
     idx = c + tl.arange(0, BLOCK_N)
     t = start + idx * stride
@@ -598,20 +634,28 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
     # (M keys, N queries): the probabilities, with the queries' counts
     qk = tl.dot(k, tl.trans(q), input_precision=PRECISION)
     p = tl.exp2(qk * scale_log2 - lse[None, :])
+    counts = span_counts
     if EXTRAS > 0:
-        if SPAN_COUNTS:
-            p *= span_counts[None, :]
-        else:
-            p *= _counts(extras, extra_lo, extra_hi, idx, EXTRAS, POW2_PERIODS,
-                         BLOCK_N)[None, :]
+        if not SPAN_COUNTS:
+            counts = _counts(extras, extra_lo, extra_hi, idx, EXTRAS, POW2_PERIODS, BLOCK_N)
+        p *= counts[None, :]
     if MASKED:
         valid = live[:, None] & q_ok[None, :]
         if CAUSAL:
             valid &= u[:, None] <= t[None, :]
         p = tl.where(valid, p, 0.0)
-    dv = tl.dot(p.to(do.dtype), do, dv, input_precision=PRECISION)
-    dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-    ds = p * (dp - delta[None, :])
+    if PATTERNS > 0:
+        bits = pattern_bits(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS, POW2_PERIODS,
+                             BLOCK_N)
+        kept = dropped(p, seed, b, head, t, u, bits, bias, counts, threshold, keep_scale,
+                        PATTERNS, True)
+        dv = tl.dot(kept.to(do.dtype), do, dv, input_precision=PRECISION)
+        dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        ds = kept * dp - p * delta[None, :]
+    else:
+        dv = tl.dot(p.to(do.dtype), do, dv, input_precision=PRECISION)
+        dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        ds = p * (dp - delta[None, :])
     if MASKED and NONFINITE:
         ds = tl.where(valid, ds, 0.0)
     dk = tl.dot(ds.to(q.dtype), q, dk, input_precision=PRECISION)
@@ -620,34 +664,35 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
 
 @triton.jit
 def fused_dkdv(
-    Q, K, V, dOut, Lse, Delta, dK, dV, Mask, tiles, rows, spans, extras,
+    Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Seed, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sdob, sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd,
     sdvb, sdvn, sdvh, sdvd, smb, smn, smh,
-    head_dim, scale_log2, scale,
+    head_dim, scale_log2, scale, threshold, keep_scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
-    POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, PATTERNS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dK, dV of key tiles, a program per tile. Delta has lse's strides."""
-    _dkdv_tile(tl.program_id(0), Q, K, V, dOut, Lse, Delta, dK, dV, Mask, tiles, rows, spans,
-               extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sdob, sdon,
-               sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd, sdvb, sdvn, sdvh, sdvd, smb,
-               smn, smh, head_dim, scale_log2, scale, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
-               POW2_PERIODS, SPAN_COUNTS, False, BLOCK_M, BLOCK_N, BLOCK_D)
+    _dkdv_tile(tl.program_id(0), Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Seed, tiles, rows,
+               spans, extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sdob,
+               sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd, sdvb, sdvn, sdvh, sdvd,
+               smb, smn, smh, head_dim, scale_log2, scale, threshold, keep_scale, CAUSAL,
+               HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, False, PATTERNS, BLOCK_M,
+               BLOCK_N, BLOCK_D)
 
 
 @triton.jit(do_not_specialize=["num_query_tiles", "num_key_tiles"])
 def fused_backward_rule(
-    Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, dK, dV, Mask, AnyBad,
+    Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, dK, dV, Mask, AnyBad, Seed,
     query_tiles, query_rows, query_spans, query_extras,
     key_tiles, key_rows, key_spans, key_extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh,
     sdqb, sdqn, sdqh, sdqd, sdkb, sdkn, sdkh, sdkd, sdvb, sdvn, sdvh, sdvd, smb, smn, smh,
-    head_dim, scale_log2, scale, num_query_tiles, num_key_tiles,
+    head_dim, scale_log2, scale, threshold, keep_scale, num_query_tiles, num_key_tiles,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DLSE: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, PATTERNS: tl.constexpr, BLOCK_D: tl.constexpr,
     QUERY_EXTRAS: tl.constexpr, QUERY_POW2_PERIODS: tl.constexpr,
     QUERY_SPAN_COUNTS: tl.constexpr, QUERY_BLOCK_M: tl.constexpr, QUERY_BLOCK_N: tl.constexpr,
     KEY_EXTRAS: tl.constexpr, KEY_POW2_PERIODS: tl.constexpr, KEY_SPAN_COUNTS: tl.constexpr,
@@ -663,31 +708,32 @@ def fused_backward_rule(
     if _all_finite(AnyBad):
         return
     for tile in range(tl.program_id(0), num_query_tiles, tl.num_programs(0)):
-        _dq_tile(tile, Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, query_tiles, query_rows,
-                 query_spans, query_extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn,
-                 svh, svd, sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln,
-                 sdlh, sdqb, sdqn, sdqh, sdqd, smb, smn, smh, head_dim, scale_log2, scale, CAUSAL,
-                 HAS_MASK, HAS_DLSE, PRECISION, QUERY_EXTRAS, QUERY_POW2_PERIODS,
-                 QUERY_SPAN_COUNTS, True, QUERY_BLOCK_M, QUERY_BLOCK_N, BLOCK_D)
+        _dq_tile(tile, Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, Seed, query_tiles,
+                 query_rows, query_spans, query_extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd,
+                 svb, svn, svh, svd, sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh,
+                 sdlb, sdln, sdlh, sdqb, sdqn, sdqh, sdqd, smb, smn, smh, head_dim, scale_log2,
+                 scale, threshold, keep_scale, CAUSAL, HAS_MASK, HAS_DLSE, PRECISION,
+                 QUERY_EXTRAS, QUERY_POW2_PERIODS, QUERY_SPAN_COUNTS, True, PATTERNS,
+                 QUERY_BLOCK_M, QUERY_BLOCK_N, BLOCK_D)
     for tile in range(tl.program_id(0), num_key_tiles, tl.num_programs(0)):
-        _dkdv_tile(tile, Q, K, V, dOut, Lse, Delta, dK, dV, Mask, key_tiles, key_rows,
+        _dkdv_tile(tile, Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Seed, key_tiles, key_rows,
                    key_spans, key_extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh,
                    svd, sdob, sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd, sdvb, sdvn,
-                   sdvh, sdvd, smb, smn, smh, head_dim, scale_log2, scale, CAUSAL, HAS_MASK,
-                   PRECISION, KEY_EXTRAS, KEY_POW2_PERIODS, KEY_SPAN_COUNTS, True, KEY_BLOCK_M,
-                   KEY_BLOCK_N, BLOCK_D)
+                   sdvh, sdvd, smb, smn, smh, head_dim, scale_log2, scale, threshold, keep_scale,
+                   CAUSAL, HAS_MASK, PRECISION, KEY_EXTRAS, KEY_POW2_PERIODS, KEY_SPAN_COUNTS,
+                   True, PATTERNS, KEY_BLOCK_M, KEY_BLOCK_N, BLOCK_D)
 
 
 @triton.jit
 def _dkdv_tile(
-    tile, Q, K, V, dOut, Lse, Delta, dK, dV, Mask, tiles, rows, spans, extras,
+    tile, Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Seed, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sdob, sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd,
     sdvb, sdvn, sdvh, sdvd, smb, smn, smh,
-    head_dim, scale_log2, scale,
+    head_dim, scale_log2, scale, threshold, keep_scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
     POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PATTERNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dK, dV of one key tile (rows of one key/value head): over the spans of query rows
     that read them, for every query head of its GQA group; written once. Per span the
@@ -697,6 +743,7 @@ def _dkdv_tile(
                                                                      BLOCK_M)
     k = _load_rows(K, b, u, row_ok, kv, skb, skn, skh, skd, head_dim, BLOCK_D)
     v = _load_rows(V, b, u, row_ok, kv, svb, svn, svh, svd, head_dim, BLOCK_D)
+    seed = dropout_key(Seed, PATTERNS)
     live = row_ok
     if HAS_MASK:
         # an ignored key is in no softmax: its gradients are 0
@@ -705,8 +752,8 @@ def _dkdv_tile(
     dk = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for s in range(span_lo, span_hi):
-        head, start, stride, lo, hi, bias, extra_lo, extra_hi = _span(spans, s, cell, first,
-                                                                      last, CAUSAL, True)
+        head, start, stride, lo, hi, bias, extra_lo, extra_hi, bits = _span(
+            spans, s, cell, first, last, CAUSAL, True)
         q_at = _rows_at(Q, b, head, sqb, sqh, sqd, BLOCK_D)
         do_at = _rows_at(dOut, b, head, sdob, sdoh, sdod, BLOCK_D)
         # lse and delta share their strides
@@ -724,18 +771,20 @@ def _dkdv_tile(
                     dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at,
                                         extras, start, stride, c, hi, bias, extra_lo,
                                         extra_hi, span_counts, sqn, sdon, sln, d_ok,
-                                        scale_log2, True, CAUSAL, PRECISION, EXTRAS,
-                                        POW2_PERIODS, SPAN_COUNTS, NONFINITE, BLOCK_N)
+                                        scale_log2, bits, seed, b, head, threshold,
+                                        keep_scale, True, CAUSAL, PRECISION, EXTRAS, POW2_PERIODS,
+                                        SPAN_COUNTS, NONFINITE, PATTERNS, BLOCK_N)
             for c in range(full_lo, full_hi, BLOCK_N):
                 dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at,
                                     extras, start, stride, c, hi, bias, extra_lo, extra_hi,
-                                    span_counts, sqn, sdon, sln, d_ok, scale_log2, False,
-                                    CAUSAL, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS,
-                                    NONFINITE, BLOCK_N)
+                                    span_counts, sqn, sdon, sln, d_ok, scale_log2, bits, seed, b,
+                                    head, threshold, keep_scale, False, CAUSAL, PRECISION, EXTRAS,
+                                    POW2_PERIODS, SPAN_COUNTS, NONFINITE, PATTERNS, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras,
                                 start, stride, c, hi, bias, extra_lo, extra_hi, span_counts,
-                                sqn, sdon, sln, d_ok, scale_log2, True, CAUSAL, PRECISION,
-                                EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, BLOCK_N)
+                                sqn, sdon, sln, d_ok, scale_log2, bits, seed, b, head,
+                                threshold, keep_scale, True, CAUSAL, PRECISION, EXTRAS,
+                                POW2_PERIODS, SPAN_COUNTS, NONFINITE, PATTERNS, BLOCK_N)
     _store_rows(dK, dk * scale, b, u, row_ok, kv, sdkb, sdkn, sdkh, sdkd, head_dim, BLOCK_D)
     _store_rows(dV, dv, b, u, row_ok, kv, sdvb, sdvn, sdvh, sdvd, head_dim, BLOCK_D)

@@ -1,0 +1,78 @@
+"""Attention dropout inside the fused kernels (device side): which patterns select a pair,
+and the pair's probability with their masks applied. Note [fused dropout] in fused.py says
+why one visit of a pair draws one bit per pattern and how the kernels' masks agree; the
+kernels (triton_kernels.py) call these where a launch has PATTERNS > 0.
+
+Notation: M rows of the tile, N elements of a span chunk (as in triton_kernels).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dropout_key(Seed, PATTERNS: tl.constexpr):
+    """The call's Philox key (int64) with dropout (PATTERNS > 0), else 0, unread."""
+    seed = 0
+    if PATTERNS > 0:
+        seed = tl.load(Seed)
+    return seed
+
+
+@triton.jit
+def pattern_bits(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS: tl.constexpr,
+                 POW2_PERIODS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(N,) int32 the bits of the patterns that select span elements idx: the span's, and
+    each extra's pattern where it hits (as triton_kernels' counts, unrolled alike)."""
+    bits = tl.full((BLOCK_N,), 0, tl.int32) + span_bits
+    for j in tl.static_range(EXTRAS):
+        e = extra_lo + j
+        live = e < extra_hi
+        period = tl.load(extras + 3 * e, mask=live, other=1)
+        phase = tl.load(extras + 3 * e + 1, mask=live, other=-1)
+        pattern = tl.load(extras + 3 * e + 2, mask=live, other=0)
+        if POW2_PERIODS:
+            hit = (idx & (period - 1)) == phase
+        else:
+            hit = idx % period == phase
+        bits |= tl.where(hit & (pattern < 31), 1 << tl.minimum(pattern, 30), 0)
+    return bits
+
+
+@triton.jit
+def dropped(p, seed, b, head, t, u, bits, bias, counts, threshold, keep_scale,
+             PATTERNS: tl.constexpr, KEY_TILES: tl.constexpr):
+    """p (M, N) with attention dropout (Note [fused dropout] in fused.py): each pair's
+    probability times (its patterns that keep it) / (its patterns) / (1 - dropout). Pattern
+    i keeps the pair where the 31 high bits of Philox word i mod 4 of counter (query row,
+    key row, batch row, query head * 8 + i // 4) under the call's key `seed` are at least
+    `threshold`: the same bits wherever a kernel visits the pair, and the patterns that
+    select it (`bits` (N,), the chunk's elements' ``pattern_bits``; how many: the span's
+    times (2^bias) times its counts) each draw their own. t the query rows and u the key
+    rows of the chunk ((M,) and (N,); KEY_TILES: (N,) and (M,)). PATTERNS: how many
+    patterns the call has, four a Philox call."""
+    selected = (tl.floor(tl.exp2(bias) + 0.5) * counts)[None, :]
+    zero = tl.zeros(p.shape, tl.int32)
+    if KEY_TILES:
+        query, key = t[None, :] + zero, u[:, None] + zero
+    else:
+        query, key = t[:, None] + zero, u[None, :] + zero
+    batch = zero + b
+    mask = bits[None, :] + zero
+    kept = tl.zeros(p.shape, tl.float32)
+    for group in tl.static_range((PATTERNS + 3) // 4):
+        r0, r1, r2, r3 = tl.philox(seed, query, key, batch, zero + (head * 8 + group))
+        kept += tl.where(((mask >> 4 * group) & 1 != 0) & ((r0 >> 1).to(tl.int32) >= threshold),
+                         1.0, 0.0)
+        if 4 * group + 1 < PATTERNS:
+            kept += tl.where(((mask >> 4 * group + 1) & 1 != 0)
+                             & ((r1 >> 1).to(tl.int32) >= threshold), 1.0, 0.0)
+        if 4 * group + 2 < PATTERNS:
+            kept += tl.where(((mask >> 4 * group + 2) & 1 != 0)
+                             & ((r2 >> 1).to(tl.int32) >= threshold), 1.0, 0.0)
+        if 4 * group + 3 < PATTERNS:
+            kept += tl.where(((mask >> 4 * group + 3) & 1 != 0)
+                             & ((r3 >> 1).to(tl.int32) >= threshold), 1.0, 0.0)
+    return p * kept * (keep_scale / selected)
