@@ -446,8 +446,9 @@ def main(argv=None) -> None:
                         help="the floors' dense kernel (default: --backend, or auto for a "
                         "backend with no per-launch kernel, such as triton)")
     parser.add_argument("--dropout", type=float, default=0.0,
-                        help="the op's dropout_p (auto then runs the blockwise kernel, the one "
-                        "that draws dropout masks); the floors run without: what dropout costs")
+                        help="the op's dropout_p (auto then runs the blockwise kernel, "
+                        "backend triton the fused kernels' dropout); the floors run without: "
+                        "what dropout costs")
     parser.add_argument("--max-tokens", action="store_true",
                         help="CUDA: find the longest sequence whose forward, and whose forward "
                         "+ backward, fit on the device, then exit")

@@ -110,9 +110,11 @@ class Case:
     causal: bool
     masked: bool
     patterns: str
+    dropout: bool = False
 
     def describe(self) -> str:
-        flags = [f for f, on in (("causal", self.causal), ("mask", self.masked)) if on]
+        flags = [f for f, on in (("causal", self.causal), ("mask", self.masked),
+                                 ("dropout", self.dropout)) if on]
         return f"{self.dtype} d={self.head_dim} {self.patterns} {'+'.join(flags) or 'full'}"
 
 
@@ -199,16 +201,18 @@ def record_launches(case: Case, arch: int,
     lse, dlse = torch.randn(1, ROWS, HEADS), torch.randn(1, ROWS, HEADS)
     mask = torch.zeros(1, ROWS, dtype=torch.bool) if case.masked else None
     segments, rates = PATTERNS[case.patterns]
-    call = (segments, rates, case.causal, case.head_dim ** -0.5, "triton", 0.0, 0, 0,
-            list(range(HEADS)), None)
+    call = (segments, rates, case.causal, case.head_dim ** -0.5, "triton",
+            0.1 if case.dropout else 0.0, 0, 0, list(range(HEADS)), None)
+    seed = fused.new_seed(q.device) if case.dropout else None
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if case.dtype == "tf32" else "highest")
     try:
         with mock.patch.object(fused, "_kernels", lambda device: _recorded_kernels(launches)), \
                 mock.patch.object(fused, "tile_sizes", cuda_sizes):
             # the single-device op: each kernel and its variant for the non-finite rule
-            _, _, nonfinite = dilated.forward_flat(q, k, v, *call, mask, True)
-            dilated.backward_flat(dout, q, k, v, out, lse, dlse, nonfinite, *call, mask, True)
+            _, _, nonfinite = dilated.forward_flat(q, k, v, *call, mask, seed, True)
+            dilated.backward_flat(dout, q, k, v, out, lse, dlse, nonfinite, *call, mask, seed,
+                                  True)
     finally:
         torch.set_float32_matmul_precision(precision)
     return launches
@@ -299,8 +303,8 @@ def _tile_sizes(name: str, kwargs: dict, timed: bool) -> str:
 
 def cases(dtypes: Sequence[str], head_dims: Sequence[int], flags: Sequence[str],
           patterns: Sequence[str]) -> List[Case]:
-    """flags: "full" (neither), "causal", "mask", "causal+mask"."""
-    return [Case(dtype, d, "causal" in f, "mask" in f, p)
+    """flags: "full" (none), or "causal", "mask", "dropout" joined by "+"."""
+    return [Case(dtype, d, "causal" in f, "mask" in f, p, "dropout" in f)
             for dtype, d, f, p in itertools.product(dtypes, head_dims, flags, patterns)]
 
 
@@ -322,8 +326,8 @@ def _timed(launch: Launch, case: Case, arch: int) -> bool:
     """Whether `launch` runs a tile timed on `arch`: its timed entry's, at its full height (a
     plan's narrow tiles launch at fewer rows, which no timing chose)."""
     role = ROLES.get(launch.kernel.fn.__name__)
-    if role is None or not timed_tiles(case, arch):
-        return False
+    if role is None or not timed_tiles(case, arch) or case.dropout:
+        return False  # (the dropout kernels' tiles are fused.TileSizes.for_dropout's)
     tiles = fused.cuda_tile_sizes(capability(arch), DTYPES[case.dtype], case.head_dim)
     return launch.kwargs["BLOCK_M"] == getattr(tiles, role).rows
 
@@ -398,7 +402,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--flags", nargs="+", default=["full", "causal+mask"],
-                        choices=["full", "causal", "mask", "causal+mask"])
+                        choices=["full", "causal", "mask", "causal+mask", "dropout",
+                                 "causal+mask+dropout"],
+                        help="'dropout': the kernels with attention dropout (0.1)")
     parser.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=list(PATTERNS))
     parser.add_argument("--sizes", nargs=3, metavar="ROWS,CHUNK,WARPS",
                         help="tiles to try instead of fused.tile_sizes, for the forward, dq "

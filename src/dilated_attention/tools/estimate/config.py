@@ -181,7 +181,7 @@ def backend_for(config: EstimateConfig) -> str:
     fp32; fp64 runs the blockwise kernel. Their meta kernels give the outputs' shapes,
     so the dry run allocates what the real launches allocate. Where the call runs the
     fused kernel (``fuses``), these are the launches on received keys only. With dropout,
-    the blockwise kernel on any device (the one kernel that draws dropout masks).
+    the blockwise kernel on any device (auto's choice there).
     """
     if config.dropout > 0:
         return "blockwise"
