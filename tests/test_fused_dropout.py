@@ -244,3 +244,18 @@ def test_a_double_backward_is_refused() -> None:
     out = _op(*leaves, 0.3)
     with pytest.raises(ValueError, match=r"create_graph=True.*dropout_p=0.3"):
         torch.autograd.grad(out, leaves, dout, create_graph=True)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Dynamo on the seed's .item()
+def test_a_compiled_call_draws_the_eager_masks() -> None:
+    """Under torch.compile (fullgraph) the op is its custom op pair with the seed an input:
+    the same draw, outputs and gradients as eager."""
+    leaves, dout, _, _ = inputs(SMALL)
+    compiled = torch.compile(_op, backend="eager", fullgraph=True)
+    results = []
+    for run in (compiled, _op):
+        torch.manual_seed(2)
+        out = run(*leaves, 0.3)
+        results.append((out, *torch.autograd.grad(out, leaves, dout)))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
