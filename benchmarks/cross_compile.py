@@ -192,8 +192,9 @@ def record_launches(case: Case, arch: int,
     launches: List[Launch] = []
     dtype = DTYPES[case.dtype]
 
-    def cuda_sizes(device: torch.device, dtype: torch.dtype, head_dim: int) -> fused.TileSizes:
-        return sizes or fused.cuda_tile_sizes(capability(arch), dtype, head_dim)
+    def cuda_sizes(device: torch.device, dtype: torch.dtype, head_dim: int,
+                   dropout: bool = False) -> fused.TileSizes:
+        return sizes or fused.cuda_tile_sizes(capability(arch), dtype, head_dim, dropout)
 
     # q, k, v, out, dout (b, n, h, d); lse, dlse (b, n, h); mask (b, n)
     q, k, v, out, dout = (torch.randn(1, ROWS, HEADS, case.head_dim, dtype=dtype)

@@ -61,7 +61,8 @@ assert type(triton_kernels.fused_forward).__name__ == "JITFunction"
 backends._INTERPRETER_PROBLEM = None
 os.environ["TRITON_INTERPRET"] = "1"  # the op's check for CPU tensors; kernels stay compiled
 fused._kernels = lambda device: triton_kernels
-fused.tile_sizes = lambda device, dtype, head_dim: fused.cuda_tile_sizes((9, 0), dtype, 64)
+fused.tile_sizes = lambda device, dtype, head_dim, dropout=False: fused.cuda_tile_sizes(
+    (9, 0), dtype, 64, dropout)
 binds = [0]
 run = jit.JITFunction.run
 

@@ -101,10 +101,11 @@ class TileSizes:
 
     def for_dropout(self) -> "TileSizes":
         """The tiles of the kernels with attention dropout: each chunk halved (tl.dot's 16 at
-        least). Philox's four words per pair of a chunk (triton_kernels._dropped) spilled
-        at the plain chunks (up to 168 bytes at 255 registers on sm_80 and sm_90, bf16, d 64
-        and 128: benchmarks/cross_compile.py --flags dropout causal+mask+dropout); the
-        halved ones are checked as the plain tables are (BENCHMARKS.md). Not timed."""
+        least). Philox's four words per pair of a chunk (triton_dropout.dropped) spilled at
+        the portable tables' chunks (up to 168 bytes at 255 registers on sm_80 and sm_90,
+        bf16, d 64 and 128: benchmarks/cross_compile.py --flags dropout
+        causal+mask+dropout); halved, at most 40 bytes on any architecture, bf16, d 64 to
+        256 (BENCHMARKS.md, "Dropout in the fused kernels"). Not timed."""
         def halved(tiles: KernelTiles) -> KernelTiles:
             return tiles._replace(chunk=max(16, tiles.chunk // 2))
 
@@ -181,12 +182,13 @@ TUNED_TILE_SIZES = {
 }
 
 
-def tile_sizes(device: torch.device, dtype: torch.dtype, head_dim: int) -> TileSizes:
+def tile_sizes(device: torch.device, dtype: torch.dtype, head_dim: int,
+               dropout: bool = False) -> TileSizes:
     """The tile sizes of the fused kernels for a call on `device` (Triton's interpreter
-    anywhere but CUDA)."""
+    anywhere but CUDA), with attention dropout or not."""
     if device.type != "cuda":
-        return INTERPRETER_TILE_SIZES
-    return cuda_tile_sizes(_capability(device), dtype, head_dim)
+        return INTERPRETER_TILE_SIZES.for_dropout() if dropout else INTERPRETER_TILE_SIZES
+    return cuda_tile_sizes(_capability(device), dtype, head_dim, dropout)
 
 
 @functools.lru_cache(maxsize=None)
@@ -197,11 +199,15 @@ def _capability(device: torch.device) -> Tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def cuda_tile_sizes(capability: Tuple[int, int], dtype: torch.dtype,
-                    head_dim: int) -> TileSizes:
+def cuda_tile_sizes(capability: Tuple[int, int], dtype: torch.dtype, head_dim: int,
+                    dropout: bool = False) -> TileSizes:
     """The tiles on a GPU of compute `capability`: a timed entry where there is one, else
-    the portable one."""
+    the portable one. With attention dropout the portable one's (TileSizes.for_dropout):
+    the timed entries were timed without it, and on sm_90 their 4-warp tiles spilled up to
+    448 bytes with it at 255 registers, chunks halved (benchmarks/cross_compile.py)."""
     key = cuda_tile_key(dtype, head_dim)
+    if dropout:
+        return CUDA_TILE_SIZES[key].for_dropout()
     return TUNED_TILE_SIZES.get((tuple(capability),) + key, CUDA_TILE_SIZES[key])
 
 
@@ -248,12 +254,6 @@ def _rule_last(plan: TilePlan, nonfinite: Optional[Tensor]
     if nonfinite is None or not plan.heights:
         return (plain,)
     return plain, (True, [(plan.tiles, plan.block_m)])
-
-
-def _call_tiles(q: Tensor, head_dim: int, dropout: Optional["Dropout"]) -> TileSizes:
-    """The tiles of a call's launches (its dropout's where it has one)."""
-    sizes = tile_sizes(q.device, q.dtype, head_dim)
-    return sizes if dropout is None else sizes.for_dropout()
 
 
 def _mask_arg(mask: Optional[Tensor], fallback: Tensor) -> Tuple[Tensor, Tuple[int, int, int]]:
@@ -436,7 +436,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
                         torch.empty((b, n, h), dtype=torch.float32, device=q.device))
     if out.numel() == 0 or q.device.type == "meta":
         return out, lse
-    sizes = _call_tiles(q, d, dropout)
+    sizes = tile_sizes(q.device, q.dtype, d, dropout is not None)
     plan = planner(**sizes.plan("forward"))
     has_mask = mask is not None
     mask, mask_strides = _mask_arg(mask, lse)
@@ -495,7 +495,7 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     delta = torch.empty_like(lse)
     if q.device.type == "meta" or b == 0 or h == 0 or d == 0:
         return dq, dk, dv
-    sizes = _call_tiles(q, d, dropout)
+    sizes = tile_sizes(q.device, q.dtype, d, dropout is not None)
     queries = planner(**sizes.plan("dq"))
     keys = planner(**sizes.plan("dkdv"))
     dout, out = dout.to(q.dtype), out.to(q.dtype)
