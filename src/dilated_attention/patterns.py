@@ -350,19 +350,19 @@ def _rows_of(segs: Segments, index: Tensor) -> Tensor:
     return starts.view((-1,) + (1,) * index.dim()) + index
 
 
-def _view(x: Tensor, segs: Segments) -> Tensor:
-    """(b, n, ...) -> (b, count, length, ...), a view of a run's rows."""
-    return x[:, segs.start : segs.start + segs.rows].unflatten(1, (segs.count, segs.length))
-
-
 def strided_view(x: Tensor, segs: Segments, stride: Stride, rows: int, columns: int) -> Tensor:
     """(b, n, h, ...) -> (b, count, rows, columns, ...): a run's rows a `stride` selects, a view."""
-    seg = _view(x, segs)  # (b, count, length, h, ...)
-    sb, ss, sw, sh = seg.stride()[:4]
-    return seg.as_strided(
-        seg.shape[:2] + (rows, columns) + seg.shape[4:],
-        (sb, ss, stride.rate * sw, stride.row_step * sw + stride.head_step * sh) + seg.stride()[4:],
-        seg.storage_offset() + stride.row * sw + stride.head * sh,
+    # one as_strided on x's own strides, not on a view of the run (b, count, length, h, ...):
+    # the same view without the slice and unflatten before it, 3.3 -> 2.3 us (18 such views
+    # a tiny LongNetLM attention forward at 128 rows); one batch row gets the stride that
+    # unflatten gave it, so that even the strides of size-1 dims are the same
+    sb, sn, sh = x.stride()[:3]
+    step = segs.length * sn
+    return x.as_strided(
+        (x.shape[0], segs.count, rows, columns) + x.shape[3:],
+        (sb if x.shape[0] > 1 else segs.count * step, step, stride.rate * sn,
+         stride.row_step * sn + stride.head_step * sh) + x.stride()[3:],
+        x.storage_offset() + (segs.start + stride.row) * sn + stride.head * sh,
     )
 
 
