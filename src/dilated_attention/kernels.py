@@ -52,9 +52,9 @@ class KernelOptions:
 
     def for_launch(self, launch: int, *, causal: Optional[bool] = None) -> "KernelOptions":
         """The options of launch number `launch` (its own dropout seed), maybe unmasked."""
-        return dataclasses.replace(
-            self, seed=self.seed + launch, causal=self.causal if causal is None else causal
-        )
+        # not dataclasses.replace: one per launch, 1.3 us against the constructor's 0.7
+        return KernelOptions(self.causal if causal is None else causal, self.scale,
+                             self.backend, self.dropout_p, self.seed + launch)
 
     def for_rank(self, rank: int, *, head_parallel: bool = False) -> "KernelOptions":
         """The options of a rank's launches: its own dropout streams (Note [dropout streams]).
