@@ -65,7 +65,7 @@ from . import validation as check
 from .distributed import comm
 from .distributed.sharding import piece_lengths
 from .kernels import KernelOptions, attention_forward
-from .merge import empty_accumulators, merge_, merge_selected_
+from .merge import empty_accumulators, merge_
 from .patterns import Heads, Patterns
 
 
@@ -199,37 +199,57 @@ def decode_partial(q: Tensor, rows: Sequence[CachedRows], t: int, patterns: Patt
             launches = _taking_part((t - a) % r, r, heads, device)
             if not launches:
                 continue  # no head selects row t in this pattern
-            for run in rows:
-                # the selected rows of [a, t] in this run: a + (t - a) mod r + r i
-                first = max(a, run.start)
-                first += (t - first) % r
-                last = min(t, run.start + run.count - 1)
-                if last < first:
-                    continue
-                picked = _stride(first - run.start, last - run.start, r)
-                mask = None
-                if keep is not None:
-                    ignored = ~keep[lo:hi, _stride(first, last, r)]  # (b, rows)
-                    if bool(ignored.any()):
-                        mask = ignored
-                for q_heads, kv_heads, every_head in launches:
-                    # (b, 1, h, d) -> (b, 1, hq, d); (b, rows, hk, d) -> (b, rows, hkv, d)
-                    qg = q[lo:hi] if every_head else q[lo:hi, :, q_heads]
+            reads = _run_reads(rows, a, t, r, None if keep is None else keep[lo:hi])
+            if not reads:
+                continue
+            # Launch by launch, each over the runs: a head is in one launch of a pattern, so
+            # its merges come in the same order as run by run, and a launch's query heads and
+            # accumulator entries are selected (advanced indexing: copies) and written back
+            # once, not once per run (a tiny LongNetLM layer at 256 + 1 rows: 143 -> 129 ops,
+            # 416 -> 381 us)
+            for q_heads, kv_heads, every_head in launches:
+                # (b, 1, h, d) -> (b, 1, hq, d)
+                qg = q[lo:hi] if every_head else q[lo:hi, :, q_heads]
+                index = (slice(lo, hi), slice(None), q_heads)
+                acc = (acc_out[lo:hi], acc_lse[lo:hi]) if every_head else \
+                    (acc_out[index], acc_lse[index])
+                for run, picked, mask in reads:
+                    # (b, rows, hk, d) -> (b, rows, hkv, d)
                     kg, vg = (x[lo:hi, picked] if every_head else x[lo:hi, picked][:, :, kv_heads]
                               for x in (run.k, run.v))
                     key_mask = None if mask is None else \
                         mask[:, :, None].expand(-1, -1, kg.shape[2])
                     out_g, lse_g = attention_forward(qg, kg, vg, opts, key_mask=key_mask)
                     if every_head and identity:
-                        acc_out[lo:hi].copy_(out_g)
-                        acc_lse[lo:hi].copy_(lse_g)
-                    elif every_head:
-                        merge_(acc_out[lo:hi], acc_lse[lo:hi], out_g, lse_g)
+                        acc[0].copy_(out_g)
+                        acc[1].copy_(lse_g)
                     else:
-                        merge_selected_(acc_out, acc_lse, (slice(lo, hi), slice(None), q_heads),
-                                        out_g, lse_g)
+                        merge_(*acc, out_g, lse_g)
                     identity = False
+                if not every_head:
+                    acc_out[index], acc_lse[index] = acc
     return acc_out, acc_lse
+
+
+def _run_reads(rows: Sequence[CachedRows], a: int, t: int, r: int, keep: Optional[Tensor]
+               ) -> List[Tuple[CachedRows, slice, Optional[Tensor]]]:
+    """(run, its rows that pattern rate r selects in [a, t], the ignored ones among them (b,
+    rows) or None) of each run holding some; keep: (b, >= t + 1) over positions, or None."""
+    reads = []
+    for run in rows:
+        # the selected rows of [a, t] in this run: a + (t - a) mod r + r i
+        first = max(a, run.start)
+        first += (t - first) % r
+        last = min(t, run.start + run.count - 1)
+        if last < first:
+            continue
+        mask = None
+        if keep is not None:
+            ignored = ~keep[:, _stride(first, last, r)]  # (b, rows)
+            if bool(ignored.any()):
+                mask = ignored
+        reads.append((run, _stride(first - run.start, last - run.start, r), mask))
+    return reads
 
 
 def merge_over_ranks(out: Tensor, lse: Tensor, group) -> Tuple[Tensor, Tensor]:
