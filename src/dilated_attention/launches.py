@@ -360,6 +360,13 @@ def row_slices(rows: int, per_row: int, device: torch.device) -> List[slice]:
     return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 
+def _row_slices_of(y: Tensor, dim: int) -> List[slice]:
+    """`row_slices` of y's rows along `dim`, each row the entries of the other dims (counted
+    without indexing a row: that was a select op per merge or scatter)."""
+    rows = y.shape[dim]
+    return row_slices(rows, y.numel() // max(rows, 1), y.device)
+
+
 def merge_rows(acc_out: Tensor, acc_lse: Tensor, segs: Segments, group: HeadGroup,
                out_g: Tensor, lse_g: Tensor) -> None:
     """Merge a launch's (b * count, rows, hq, ...) results into (b, n, h, ...) accumulators."""
@@ -371,7 +378,13 @@ def merge_rows(acc_out: Tensor, acc_lse: Tensor, segs: Segments, group: HeadGrou
         # (b, n, h, ...) -> (b, s, rows, hq, ...): the entries the launch computed
         acc_out, acc_lse = (strided_view(x, segs, group.q_stride, *group.q_index.shape)
                             for x in (acc_out, acc_lse))
-    for rows in row_slices(out_g.shape[2], out_g[:, :, 0].numel(), out_g.device):
+    slices = _row_slices_of(out_g, 2)
+    if view and len(slices) == 1:
+        # every row in one merge (a short call's): the views themselves, not [:, :, rows] of
+        # each, which dispatched four alias ops a merge
+        merge_(acc_out, acc_lse, out_g, lse_g)
+        return
+    for rows in slices:
         if view:
             merge_(acc_out[:, :, rows], acc_lse[:, :, rows], out_g[:, :, rows], lse_g[:, :, rows])
         else:
@@ -382,9 +395,14 @@ def merge_rows(acc_out: Tensor, acc_lse: Tensor, segs: Segments, group: HeadGrou
 def _scatter(acc: Tensor, segs: Segments, heads: Tensor, index: Tensor, stride: Optional[Stride],
              y: Tensor) -> None:
     """acc[rows of segs, heads] += y (b * count, rows, heads, d), in slices of rows."""
+    slices = _row_slices_of(y, 1)
+    if len(slices) == 1:
+        # every row at once (a short call's): y as it is, not unflattened, cut and flattened
+        scatter_add_(acc, segs, heads, index, stride, y)
+        return
     # (b * s, rows, heads, d) -> (b, s, rows, heads, d)
     y = y.unflatten(0, (acc.shape[0], segs.count))
-    for rows in row_slices(y.shape[2], y[:, :, 0].numel(), y.device):
+    for rows in slices:
         scatter_add_(acc, segs, heads, index, stride, y[:, :, rows].flatten(0, 1), rows=rows)
 
 

@@ -397,8 +397,10 @@ def scatter_add_(x: Tensor, segs: Segments, heads: Tensor, index: Tensor,
     x[those rows of segs, heads] += y (b * count, rows, heads, ...)."""
     # (b * s, rows, heads, ...) -> (b, s, rows, heads, ...)
     y = y.unflatten(0, (x.shape[0], segs.count))
+    every_row = rows == slice(None)  # then no [:, :, rows]: it dispatched an alias op
     if is_view(segs, stride):
-        strided_view(x, segs, stride, *index.shape)[:, :, rows].add_(y)
+        view = strided_view(x, segs, stride, *index.shape)
+        (view if every_row else view[:, :, rows]).add_(y)
     else:
         # no (row, head) pair repeats within a group, so read-add-write is exact
-        x[selection(segs, heads, index[rows])] += y
+        x[selection(segs, heads, index if every_row else index[rows])] += y
