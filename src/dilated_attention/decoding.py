@@ -62,6 +62,7 @@ import torch
 from torch import Tensor
 
 from . import validation as check
+from .backends import select_backend
 from .distributed import comm
 from .distributed.sharding import piece_lengths
 from .kernels import KernelOptions, attention_forward
@@ -187,7 +188,11 @@ def decode_partial(q: Tensor, rows: Sequence[CachedRows], t: int, patterns: Patt
     if not rows:
         return acc_out, acc_lse
     heads = Heads.of(h, rows[0].k.shape[2])
-    opts = KernelOptions(causal=False, scale=check.check_scale(scale, d))
+    scale = check.check_scale(scale, d)
+    # the kernels chosen once, not by each launch ("auto" options: about 2 us a launch)
+    opts, masked_opts = (KernelOptions(False, scale, select_backend(q.device, q.dtype,
+                                                                    masked=masked))
+                         for masked in (False, True))
     device = str(q.device)
     for lo, hi, origin in origin_runs(origins, b):
         # whether this run's accumulators still hold the merge's identity (0, -inf): a launch
@@ -214,12 +219,16 @@ def decode_partial(q: Tensor, rows: Sequence[CachedRows], t: int, patterns: Patt
                 acc = (acc_out[lo:hi], acc_lse[lo:hi]) if every_head else \
                     (acc_out[index], acc_lse[index])
                 for run, picked, mask in reads:
-                    # (b, rows, hk, d) -> (b, rows, hkv, d)
-                    kg, vg = (x[lo:hi, picked] if every_head else x[lo:hi, picked][:, :, kv_heads]
-                              for x in (run.k, run.v))
-                    key_mask = None if mask is None else \
-                        mask[:, :, None].expand(-1, -1, kg.shape[2])
-                    out_g, lse_g = attention_forward(qg, kg, vg, opts, key_mask=key_mask)
+                    # (b, rows, hk, d) -> (b, rows, hkv, d), in one indexing (it was two)
+                    sel = (slice(lo, hi), picked) if every_head else \
+                        (slice(lo, hi), picked, kv_heads)
+                    kg, vg = run.k[sel], run.v[sel]
+                    if mask is None:
+                        out_g, lse_g = attention_forward(qg, kg, vg, opts)
+                    else:
+                        out_g, lse_g = attention_forward(
+                            qg, kg, vg, masked_opts,
+                            key_mask=mask[:, :, None].expand(-1, -1, kg.shape[2]))
                     if every_head and identity:
                         acc[0].copy_(out_g)
                         acc[1].copy_(lse_g)
