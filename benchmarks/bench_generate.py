@@ -174,7 +174,7 @@ def main(argv=None) -> None:
                 prefill = "-" if math.isnan(prefill) else f"{prefill:.1f}"  # --prefill random
                 print(f"| {preset} | {context} | {size} | {busiest['cache_bytes'] / 2**20:.1f} | "
                       f"{ratio} | {busiest['peak_bytes'] / 2**20:.0f} | "
-                      f"{prefill} | {busiest['ms_per_token']:.1f} | "
+                      f"{prefill} | {busiest['ms_per_token']:.2f} | "
                       f"{busiest['wait_ms']:.1f} | {busiest['bytes_per_step']} "
                       f"({busiest['formula_bytes']}) | {busiest['messages_per_step']} |",
                       flush=True)
