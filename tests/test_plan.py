@@ -18,7 +18,8 @@ from dilated_attention import policy
 from dilated_attention.distributed.sequence_parallel import pack
 from dilated_attention.launches import _remote_block
 from dilated_attention.patterns import Heads, _rows_of, cross_head_groups, selected_pairs
-from dilated_attention.patterns import Segments, gather, scatter_add_, split_heads
+from dilated_attention.patterns import Segments, Stride, gather, scatter_add_, split_heads
+from dilated_attention.patterns import strided_view
 from dilated_attention.plan import Layout, make_plan, segments_between, work
 from reference import dilated_counts
 
@@ -332,6 +333,24 @@ def test_strided_groups_are_their_index(rate, h, hk, first):
                 scatter_add_(into_view, segs, part.q_heads, part.q_index, part.q_stride, copy)
                 scatter_add_(into_copy, segs, part.q_heads, part.q_index, None, copy)
                 assert torch.equal(into_view, into_copy)
+
+
+@pytest.mark.parametrize("batch,count", [(1, 1), (1, 3), (2, 1), (2, 3)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_strided_view_is_the_run_unflattened(batch, count, transposed):
+    """strided_view (one as_strided on x) is the view of the run's rows unflattened into
+    segments, stride for stride, size-1 dims included: merges and scatters through it
+    iterate as they did through that view, and gathers give the kernels the same tensors."""
+    x = torch.randn(40, batch, 6, 8).transpose(0, 1) if transposed else torch.randn(batch, 40, 6, 8)
+    segs, stride = Segments(4, count, 10), Stride(1, 2, 1, 1, 2)
+    # (b, n, h, d) -> (b, count, length, h, d) -> (b, count, rows, columns, d)
+    run = x[:, 4:4 + 10 * count].unflatten(1, (count, 10))
+    sb, ss, sw, sh, sd = run.stride()
+    want = run.as_strided((batch, count, 4, 3, 8), (sb, ss, 2 * sw, sw + 2 * sh, sd),
+                          run.storage_offset() + sw + sh)
+    got = strided_view(x, segs, stride, 4, 3)
+    assert got.stride() == want.stride() and got.storage_offset() == want.storage_offset()
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("world,half", [(2, 4), (3, 3), (4, 2)])
