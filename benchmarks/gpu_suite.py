@@ -67,6 +67,11 @@ fused.TUNED_TILE_SIZES first):
   the SDPA path (auto's choice for fp32, its launches on the memory-efficient op),
   no memory: whether auto should take the fused kernel for fp32 too. Not in
   ``all``.
+- ``dropout``: attention dropout (0.1), LongNet's setting up to 256K, no memory:
+  the fused kernels' dropout (``backend="triton"``: Philox bits per pair and
+  pattern, halved chunks) and then the blockwise kernel (what auto runs for
+  dropout), both against floors without dropout: whether auto should take the
+  fused kernel for dropout. Not in ``all``.
 - ``triton-floor``: the fused kernel against floors made of the fused kernels
   themselves (``--floor-backend triton``: the same per-pattern calls on
   pre-gathered rows, through their dense plan), both schedules, no memory:
@@ -228,6 +233,11 @@ def parts(seq_lens: Sequence[str] = SEQ_LENS,
                  for command in bench_commands(
                      backend, [n for n in seq_lens if int(n) <= 262144] or seq_lens, "0",
                      f"{backend}_fp32", ("longnet",), ["--no-memory"], "float32")],
+        # attention dropout: the fused kernels' against the blockwise kernel auto runs for it
+        "dropout": [command for backend in ("triton", "blockwise")
+                    for command in bench_commands(
+                        backend, [n for n in seq_lens if int(n) <= 262144] or seq_lens, "0",
+                        f"{backend}_dropout", ("longnet",), ["--no-memory", "--dropout", "0.1"])],
         "sdpa-whole": [
             command for views in ("on", "off") for command in bench_commands(
                 sdpa, [n for n in seq_lens if int(n) >= 65536] or seq_lens, "0",
@@ -574,7 +584,7 @@ def main(argv=None) -> int:
     # questions for when the rest is known)
     todo = ([n for n in names
              if n not in ("compare", "smoke", "triton-floor", "sdpa-whole", "fp32",
-                          "tile-order")]
+                          "tile-order", "dropout")]
             if "all" in args.part
             else list(dict.fromkeys(args.part)))
     table = parts(args.seq_lens, args.baseline)

@@ -67,6 +67,15 @@ def test_the_causal_part_times_causal_calls_of_the_fused_kernel(suite, capsys):
         assert f"--schedule {schedule}" in command and "causal" in command.split("--json")[1]
 
 
+def test_the_dropout_part_times_the_fused_kernels_dropout_against_the_blockwise_kernel(
+        suite, capsys):
+    commands = _part_commands(suite, capsys, "dropout", "--seq-lens", "8192", "1048576")
+    assert len(commands) == 2
+    for command, backend in zip(commands, ("triton", "blockwise")):
+        assert f"--backend {backend}" in command and "--dropout 0.1" in command
+        assert "--schedule longnet" in command and "1048576" not in command
+
+
 def test_the_fp32_part_times_the_fused_kernel_against_the_sdpa_path(suite, capsys):
     commands = _part_commands(suite, capsys, "fp32", "--seq-lens", "8192", "1048576")
     assert len(commands) == 2
