@@ -271,7 +271,7 @@ def _mask_arg(mask: Optional[Tensor], fallback: Tensor) -> Tuple[Tensor, Tuple[i
 #     kernel visits the pair once per span that reaches it, with the bits of the patterns
 #     that span counts there (fused_plan.TilePlan), and pattern i keeps the pair where the
 #     31 high bits of Philox word i mod 4 of counter (t, u, batch row, query head * 8 +
-#     i // 4) under the call's key are at least p * 2^31 (triton_kernels._dropped): a
+#     i // 4) under the call's key are at least p * 2^31 (triton_dropout.dropped): a
 #     function of the pair and the pattern alone, so the forward, dq and dK/dV, which tile
 #     the pairs differently, draw the same masks, and the patterns draw theirs
 #     independently. Rows and keys count from the sequence's start (not with a piece);
