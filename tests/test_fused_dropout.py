@@ -180,8 +180,9 @@ def test_the_mean_over_masks_is_the_undropped_output() -> None:
 
 def test_a_module_drops_in_training_only() -> None:
     torch.manual_seed(0)
-    module = MultiheadDilatedAttention(16, 4, [8, 16], [1, 2], dropout=0.5, backend="triton")
-    x = torch.randn(1, 16, 16, requires_grad=True)
+    module = MultiheadDilatedAttention(16, 4, [8, 16], [1, 2], dropout=0.5,
+                                       backend="triton").to(DEVICE)
+    x = torch.randn(1, 16, 16, device=DEVICE, requires_grad=True)
     module.train()
     first, second = module(x, x, x)[0], module(x, x, x)[0]
     assert not torch.equal(first, second)
@@ -232,7 +233,7 @@ def test_a_checkpointed_call_recomputes_the_same_masks() -> None:
 
 
 def test_more_patterns_than_the_masks_hold_are_refused() -> None:
-    q = torch.randn(1, 8, 1, 4)
+    q = torch.randn(1, 8, 1, 4, device=DEVICE)
     with pytest.raises(ValueError, match=r"at most 31 .*32 patterns"):
         dilated_attention(q, q, q, [4] * 32, [1] * 32, backend="triton", dropout_p=0.1)
 
