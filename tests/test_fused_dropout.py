@@ -72,8 +72,22 @@ def _fused(case: Case, leaves, mask, dropout, nonfinite=None):
 
 @pytest.mark.parametrize("name", DROPOUT_CASES)
 def test_matches_the_reference_with_the_same_masks(name: str) -> None:
+    _check_with_the_same_masks(DROPOUT_CASES[name])
+
+
+@pytest.mark.parametrize("name", ["longnet-gqa-causal", "duplicates-and-extras"])
+def test_split_spans_draw_the_same_masks(name: str, monkeypatch) -> None:
+    """Every span with extras split into spans without (Note [fused kernel], "Split
+    spans"; these cases' plans keep none): a piece's bits are its leader's and its
+    phase's extras' (up to three patterns a span)."""
+    plan = fused.tile_plan
+    monkeypatch.setattr(fused, "tile_plan",
+                        lambda *args, **kwargs: plan(*args, **{**kwargs, "split_keys": 1}))
+    _check_with_the_same_masks(DROPOUT_CASES[name])
+
+
+def _check_with_the_same_masks(case: Case) -> None:
     """out, lse and dq, dk, dv of one call against the reference with the kernels' masks."""
-    case = DROPOUT_CASES[name]
     leaves, dout, dlse, mask = inputs(case)
     p, seed = 0.3, 0x5DEECE66D + case.n
     selections = _selections(case, mask)
