@@ -274,3 +274,22 @@ def test_a_compiled_call_draws_the_eager_masks() -> None:
         results.append((out, *torch.autograd.grad(out, leaves, dout)))
     for got, want in zip(*results):
         assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_cuda_graphs_replays_draw_new_masks() -> None:
+    """The seed is drawn on the device from torch's generator, which a CUDA graph advances
+    at every replay: each replay of a captured training step draws new masks, and its
+    gradients are those of its own forward (the central-difference check above, eager)."""
+    leaves, dout, _, _ = inputs(SMALL)
+    graphed = torch.cuda.make_graphed_callables(lambda q, k, v: _op(q, k, v, 0.3),
+                                                tuple(leaves))
+    outs = []
+    for _ in range(2):
+        for x in leaves:
+            x.grad = None
+        out = graphed(*leaves)
+        out.backward(dout)
+        outs.append((out.detach().clone(), leaves[0].grad.clone()))
+    assert not torch.equal(outs[0][0], outs[1][0]) and not torch.equal(outs[0][1], outs[1][1])
+    assert all(torch.isfinite(x).all() for pair in outs for x in pair)
