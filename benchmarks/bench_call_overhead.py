@@ -285,7 +285,7 @@ def _with_launcher(fused, on_launch):
         raise SystemExit("--launcher: the kernels were imported interpreted; run it in a "
                          "process of its own, without TRITON_INTERPRET")
     sizes = fused.cuda_tile_sizes((9, 0), torch.float16, 64)
-    fused.tile_sizes = lambda device, dtype, head_dim: sizes
+    fused.tile_sizes = lambda device, dtype, head_dim, dropout=False: sizes
     return triton_kernels
 
 

@@ -156,7 +156,7 @@ def test_narrow_and_wide_launches_in_one_call(monkeypatch) -> None:
     ones, in each kernel (dq's delta written by both before dK/dV reads it)."""
     case = CASES["narrow-tiles"]
     sizes = fused.TileSizes(*[fused.KernelTiles(32, 32, 4)] * 3)
-    monkeypatch.setattr(fused, "tile_sizes", lambda device, dtype, head_dim: sizes)
+    monkeypatch.setattr(fused, "tile_sizes", lambda device, dtype, head_dim, dropout=False: sizes)
     for kernel in KERNEL_ROLES:
         plan = fused.tile_plan(case.n, (case.segment_lengths, case.dilation_rates),
                                Heads.of(case.h, case.hk), case.hk, case.causal, None,
@@ -996,7 +996,7 @@ def _tiles_id(sizes: fused.TileSizes) -> str:
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every call runs the CUDA tiles")
 @pytest.mark.parametrize("sizes", _cuda_tile_shapes(), ids=_tiles_id)
 def test_the_cuda_tiles_compute_the_op(sizes, monkeypatch) -> None:
-    monkeypatch.setattr(fused, "tile_sizes", lambda device, dtype, head_dim: sizes)
+    monkeypatch.setattr(fused, "tile_sizes", lambda device, dtype, head_dim, dropout=False: sizes)
     check(CUDA_TILES_CASE, op(CUDA_TILES_CASE))
 
 
