@@ -1,6 +1,6 @@
 """Attention dropout in the fused kernels (Note [fused dropout] in fused.py).
 
-The kernels' masks are a function of (seed, batch row, head, query row, key row, copy), so
+The kernels' masks are a function of (seed, batch row, head, query row, key row, pattern), so
 the reference rebuilds them (reference.fused_dropout_factors, Philox in numpy) and the
 outputs and gradients of one call are checked exactly, as without dropout; the op's own
 calls are checked for what depends on its draw of the seed: reproducible under
