@@ -18,7 +18,9 @@ products, the scale being positive; the span's times shift m once per row and
 chunk), and where the plan has extras the per-key count a product after it,
 not a log2 added before; the counts are computed once per span where every
 period divides BLOCK_N (SPAN_COUNTS: they repeat from chunk to chunk), else
-per chunk.
+per chunk. With attention dropout (PATTERNS > 0) the probabilities that weigh v,
+and those of the gradients, are the pairs' masked ones (``triton_dropout``; Note [fused
+dropout] in fused.py); the lse keeps every key.
 
 Non-finite inputs (docs/spec.md, "Non-finite inputs"): the rule has kernels of
 its own, launched after the plain ones over the same tiles: the forward's
@@ -482,8 +484,7 @@ def _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, star
              span_bits, seed, b, head, threshold, keep_scale, MASKED: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
              EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr,
-             NONFINITE: tl.constexpr,
-             PATTERNS: tl.constexpr, BLOCK_N: tl.constexpr):
+             NONFINITE: tl.constexpr, PATTERNS: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq of the tile's rows plus one chunk of keys' share. NONFINITE: a masked chunk's
     non-finite k, v elements read as 0 (a row attending one has a NaN lse or delta already,
     so its dq is NaN; one that does not gets p = 0 times finite numbers). PATTERNS > 0: with
