@@ -42,18 +42,20 @@ def pattern_bits(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS: tl.constexp
 
 
 @triton.jit
-def dropped(p, seed, b, head, t, u, bits, bias, counts, threshold, keep_scale,
-             PATTERNS: tl.constexpr, KEY_TILES: tl.constexpr):
+def dropped(p, seed, b, head, t, u, bits, threshold, keep_scale, PATTERNS: tl.constexpr,
+            KEY_TILES: tl.constexpr):
     """p (M, N) with attention dropout (Note [fused dropout] in fused.py): each pair's
     probability times (its patterns that keep it) / (its patterns) / (1 - dropout). Pattern
     i keeps the pair where the 31 high bits of Philox word i mod 4 of counter (query row,
     key row, batch row, query head * 8 + i // 4) under the call's key `seed` are at least
     `threshold`: the same bits wherever a kernel visits the pair, and the patterns that
-    select it (`bits` (N,), the chunk's elements' ``pattern_bits``; how many: the span's
-    times (2^bias) times its counts) each draw their own. t the query rows and u the key
+    select it (`bits` (N,), the chunk's elements' ``pattern_bits``, whose count is the
+    pair's: tests/test_fused_plan.py) each draw their own. t the query rows and u the key
     rows of the chunk ((M,) and (N,); KEY_TILES: (N,) and (M,)). PATTERNS: how many
     patterns the call has, four a Philox call."""
-    selected = (tl.floor(tl.exp2(bias) + 0.5) * counts)[None, :]
+    selected = tl.zeros(bits.shape, tl.float32)  # (N,) the patterns each element's bits name
+    for i in tl.static_range(PATTERNS):
+        selected += ((bits >> i) & 1).to(tl.float32)
     zero = tl.zeros(p.shape, tl.int32)
     if KEY_TILES:
         query, key = t[None, :] + zero, u[:, None] + zero
@@ -75,4 +77,4 @@ def dropped(p, seed, b, head, t, u, bits, bias, counts, threshold, keep_scale,
         if 4 * group + 3 < PATTERNS:
             kept += tl.where(((mask >> 4 * group + 3) & 1 != 0)
                              & ((r3 >> 1).to(tl.int32) >= threshold), 1.0, 0.0)
-    return p * kept * (keep_scale / selected)
+    return p * kept * (keep_scale / selected)[None, :]

@@ -350,8 +350,8 @@ def _softmax_step(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
         idx = c + tl.arange(0, BLOCK_N)
         bits = pattern_bits(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS, POW2_PERIODS,
                              BLOCK_N)
-        p = dropped(p, seed, b, head, t, start + idx * stride, bits, bias, counts, threshold,
-                     keep_scale, PATTERNS, False)
+        p = dropped(p, seed, b, head, t, start + idx * stride, bits, threshold, keep_scale,
+                    PATTERNS, False)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc, hit
 
@@ -480,8 +480,8 @@ def _lse_log2(lse):
 
 @triton.jit
 def _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, start, stride, c,
-             hi, bias, extra_lo, extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2,
-             span_bits, seed, b, head, threshold, keep_scale, MASKED: tl.constexpr,
+             hi, extra_lo, extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2, span_bits,
+             seed, b, head, threshold, keep_scale, MASKED: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
              EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr,
              NONFINITE: tl.constexpr, PATTERNS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -502,8 +502,8 @@ def _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, star
         idx = c + tl.arange(0, BLOCK_N)
         bits = pattern_bits(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS, POW2_PERIODS,
                              BLOCK_N)
-        ds = (dropped(p, seed, b, head, t, start + idx * stride, bits, bias, counts,
-                       threshold, keep_scale, PATTERNS, False) * dp - p * delta[:, None])
+        ds = (dropped(p, seed, b, head, t, start + idx * stride, bits, threshold, keep_scale,
+                      PATTERNS, False) * dp - p * delta[:, None])
     else:
         ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
@@ -577,15 +577,14 @@ def _dq_tile(
                                           BLOCK_N)
             for c in range(lo, full_hi, BLOCK_N):
                 dq = _dq_step(q, do, t, row_ok, lse_span, delta, dq, k_at, v_at, mask_at,
-                              extras, start, stride, c, hi, bias, extra_lo, extra_hi,
-                              span_counts, skn, svn, smn, d_ok, scale_log2, bits, seed, b,
-                              head, threshold, keep_scale, False, CAUSAL, HAS_MASK, PRECISION,
-                              EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, PATTERNS, BLOCK_N)
+                              extras, start, stride, c, hi, extra_lo, extra_hi, span_counts,
+                              skn, svn, smn, d_ok, scale_log2, bits, seed, b, head, threshold,
+                              keep_scale, False, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
+                              POW2_PERIODS, SPAN_COUNTS, NONFINITE, PATTERNS, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             dq = _dq_step(q, do, t, row_ok, lse_span, delta, dq, k_at, v_at, mask_at, extras,
-                          start, stride, c, hi, bias, extra_lo, extra_hi, span_counts, skn, svn,
-                          smn, d_ok, scale_log2, bits, seed, b, head, threshold, keep_scale,
-                          True,
+                          start, stride, c, hi, extra_lo, extra_hi, span_counts, skn, svn, smn,
+                          d_ok, scale_log2, bits, seed, b, head, threshold, keep_scale, True,
                           CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS,
                           NONFINITE, PATTERNS, BLOCK_N)
     _store_rows(dQ, dq * scale, b, t, row_ok, head, sdqb, sdqn, sdqh, sdqd, head_dim, BLOCK_D)
@@ -648,8 +647,7 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
     if PATTERNS > 0:
         bits = pattern_bits(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS, POW2_PERIODS,
                              BLOCK_N)
-        kept = dropped(p, seed, b, head, t, u, bits, bias, counts, threshold, keep_scale,
-                        PATTERNS, True)
+        kept = dropped(p, seed, b, head, t, u, bits, threshold, keep_scale, PATTERNS, True)
         dv = tl.dot(kept.to(do.dtype), do, dv, input_precision=PRECISION)
         dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds = kept * dp - p * delta[None, :]
