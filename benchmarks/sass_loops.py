@@ -4,6 +4,7 @@
     python benchmarks/sass_loops.py --patterns geometric --set BLOCK_M=128
     python benchmarks/sass_loops.py --patterns geometric --set BLOCK_M=128 SPAN_COUNTS=False
     python benchmarks/sass_loops.py --reference      # and plain flash attention's loops
+    python benchmarks/sass_loops.py --patterns geometric --set BLOCK_M=64 --dropout
 
 Each fused kernel (forward, dq, dK/dV) of one bf16 call with heads of 64 is
 compiled as ``cross_compile.py`` does (the launch the op would make on that
@@ -17,7 +18,7 @@ of keys costs (BENCHMARKS.md, "Kernels without per-key counts"). With
 --reference, also the loops of plain flash attention's forward, dq and dK/dV
 (``plain_flash.py``), each compiled with its fused kernel's first launch's tile: what
 the same Triton emits for a chunk of dense attention. A count of instructions, not a
-time.
+time. --dropout: the kernels with attention dropout (their own tiles, chunks halved).
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--patterns", default="longnet", help="cross_compile.PATTERNS' name")
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
                         help="constexpr overrides, e.g. EXTRAS=0 SPAN_COUNTS=False")
+    parser.add_argument("--dropout", action="store_true",
+                        help="the kernels with attention dropout (0.1), at their own tiles")
     parser.add_argument("--reference", action="store_true",
                         help="also plain flash attention's loops, at the fused kernels' tiles")
     args = parser.parse_args(argv)
@@ -115,7 +118,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         overrides[name] = {"True": True, "False": False}.get(value, value)
         if value.lstrip("-").isdigit():
             overrides[name] = int(value)
-    case = cc.Case("bfloat16", 64, False, False, args.patterns)
+    case = cc.Case("bfloat16", 64, False, False, args.patterns, args.dropout)
     done = set()
     launches = cc.record_launches(case, args.arch)
     for launch in launches:
@@ -128,7 +131,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         done.add(key)
         compiled = cc.compile_launch(cc.Launch(launch.kernel, launch.args, kwargs), args.arch)
         describe_loops(f"{name} sm_{args.arch} {args.patterns} M{kwargs['BLOCK_M']} "
-                       f"EXTRAS={kwargs['EXTRAS']} SPAN_COUNTS={kwargs['SPAN_COUNTS']}",
+                       f"EXTRAS={kwargs['EXTRAS']} SPAN_COUNTS={kwargs['SPAN_COUNTS']}"
+                       f"{' PATTERNS=' + str(kwargs['PATTERNS']) if kwargs['PATTERNS'] else ''}",
                        compiled.asm["cubin"])
     if args.reference:
         for role in cc.ROLES:
