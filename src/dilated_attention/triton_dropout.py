@@ -22,26 +22,6 @@ def dropout_key(Seed, PATTERNS: tl.constexpr):
 
 
 @triton.jit
-def pattern_bits(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS: tl.constexpr,
-                 POW2_PERIODS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(N,) int32 the bits of the patterns that select span elements idx: the span's, and
-    each extra's pattern where it hits (as triton_kernels' counts, unrolled alike)."""
-    bits = tl.full((BLOCK_N,), 0, tl.int32) + span_bits
-    for j in tl.static_range(EXTRAS):
-        e = extra_lo + j
-        live = e < extra_hi
-        period = tl.load(extras + 3 * e, mask=live, other=1)
-        phase = tl.load(extras + 3 * e + 1, mask=live, other=-1)
-        pattern = tl.load(extras + 3 * e + 2, mask=live, other=0)
-        if POW2_PERIODS:
-            hit = (idx & (period - 1)) == phase
-        else:
-            hit = idx % period == phase
-        bits |= tl.where(hit & (pattern < 31), 1 << tl.minimum(pattern, 30), 0)
-    return bits
-
-
-@triton.jit
 def dropped(p, seed, b, head, t, u, bits, threshold, keep_scale, PATTERNS: tl.constexpr,
             KEY_TILES: tl.constexpr):
     """p (M, N) with attention dropout (Note [fused dropout] in fused.py): each pair's
@@ -49,10 +29,10 @@ def dropped(p, seed, b, head, t, u, bits, threshold, keep_scale, PATTERNS: tl.co
     i keeps the pair where the 31 high bits of Philox word i mod 4 of counter (query row,
     key row, batch row, query head * 8 + i // 4) under the call's key `seed` are at least
     `threshold`: the same bits wherever a kernel visits the pair, and the patterns that
-    select it (`bits` (N,), the chunk's elements' ``pattern_bits``, whose count is the
-    pair's: tests/test_fused_plan.py) each draw their own. t the query rows and u the key
-    rows of the chunk ((M,) and (N,); KEY_TILES: (N,) and (M,)). PATTERNS: how many
-    patterns the call has, four a Philox call."""
+    select it (`bits` (N,), the chunk's elements', triton_kernels' ``_selection``; their
+    count is the pair's: tests/test_fused_plan.py) each draw their own. t the query rows and
+    u the key rows of the chunk ((M,) and (N,); KEY_TILES: (N,) and (M,)). PATTERNS: how
+    many patterns the call has, four a Philox call."""
     selected = tl.zeros(bits.shape, tl.float32)  # (N,) the patterns each element's bits name
     for i in tl.static_range(PATTERNS):
         selected += ((bits >> i) & 1).to(tl.float32)

@@ -16,11 +16,12 @@ in base 2, exp2(s * scale * log2(e) - (m - log2 times)) * count: one fused
 multiply-add per pair before the exp2 (the row max m is taken over the raw
 products, the scale being positive; the span's times shift m once per row and
 chunk), and where the plan has extras the per-key count a product after it,
-not a log2 added before; the counts are computed once per span where every
-period divides BLOCK_N (SPAN_COUNTS: they repeat from chunk to chunk), else
-per chunk. With attention dropout (PATTERNS > 0) the probabilities that weigh v,
-and those of the gradients, are the pairs' masked ones (``triton_dropout``; Note [fused
-dropout] in fused.py); the lse keeps every key.
+not a log2 added before; the counts (and with dropout the patterns' bits) are
+computed once per span where every period divides BLOCK_N (SPAN_COUNTS: they
+repeat from chunk to chunk), else per chunk. With attention dropout (PATTERNS >
+0) the probabilities that weigh v, and those of the gradients, are the pairs'
+masked ones (``triton_dropout``; Note [fused dropout] in fused.py); the lse
+keeps every key.
 
 Non-finite inputs (docs/spec.md, "Non-finite inputs"): the rule has kernels of
 its own, launched after the plain ones over the same tiles: the forward's
@@ -63,7 +64,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_dropout import dropout_key, dropped, pattern_bits
+from .triton_dropout import dropout_key, dropped
 
 LOG2E = 1.4426950408889634  # the kernels take scale * LOG2E: base-2 logits
 
@@ -202,15 +203,18 @@ def _key_span(spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, sv
 
 
 @triton.jit
-def _counts(extras, extra_lo, extra_hi, idx, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
-            BLOCK_N: tl.constexpr):
+def _selection(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS: tl.constexpr,
+               POW2_PERIODS: tl.constexpr, PATTERNS: tl.constexpr, BLOCK_N: tl.constexpr):
     """(N,) how many patterns select span elements idx (float): 1 + the span's extras
-    (period, phase) with idx mod period == phase. Unrolled over the plan's most extras of
-    one span (EXTRAS): a loop in the key loop would keep Triton from pipelining its loads.
+    (period, phase) with idx mod period == phase; and with dropout (PATTERNS > 0) (N,) int32
+    the bits of those patterns (Note [fused dropout] in fused.py): the span's `span_bits`
+    and each hitting extra's pattern. Unrolled over the plan's most extras of one span
+    (EXTRAS): a loop in the key loop would keep Triton from pipelining its loads.
     POW2_PERIODS (every period a power of two, as rates 1, 2, 4, ... give): idx mod period
     is a bit mask; an integer division per element and extra would cost more than the
     rest of the softmax's arithmetic."""
     count = tl.full((BLOCK_N,), 1.0, tl.float32)
+    bits = tl.full((BLOCK_N,), 0, tl.int32) + span_bits
     for j in tl.static_range(EXTRAS):
         e = extra_lo + j
         live = e < extra_hi
@@ -222,21 +226,27 @@ def _counts(extras, extra_lo, extra_hi, idx, EXTRAS: tl.constexpr, POW2_PERIODS:
         else:
             hit = idx % period == phase
         count += tl.where(hit, 1.0, 0.0)
-    return count
+        if PATTERNS > 0:
+            pattern = tl.load(extras + 3 * e + 2, mask=live, other=0)
+            bits |= tl.where(hit & (pattern < 31), 1 << tl.minimum(pattern, 30), 0)
+    return count, bits
 
 
 @triton.jit
-def _span_counts(extras, extra_lo, extra_hi, lo, EXTRAS: tl.constexpr,
-                 POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(N,) the counts of every chunk of a span whose chunks start at lo + i * BLOCK_N,
-    where every period divides BLOCK_N (SPAN_COUNTS, TilePlan.period_lcm): computed once
-    per span, not per chunk (each extra costs a chunk about an instruction per pair); else
-    1 (the steps then compute them per chunk, or there are none)."""
+def _span_selection(extras, extra_lo, extra_hi, lo, span_bits, EXTRAS: tl.constexpr,
+                    POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr,
+                    PATTERNS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(N,) the counts and bits (``_selection``) of every chunk of a span whose chunks
+    start at lo + i * BLOCK_N, where every period divides BLOCK_N (SPAN_COUNTS,
+    TilePlan.period_lcm): computed once per span, not per chunk (each extra costs a chunk
+    about an instruction per pair); else 1 and the span's bits (the steps then compute
+    them per chunk, or there are no extras)."""
     counts = tl.full((BLOCK_N,), 1.0, tl.float32)
+    bits = tl.full((BLOCK_N,), 0, tl.int32) + span_bits
     if EXTRAS > 0 and SPAN_COUNTS:
-        counts = _counts(extras, extra_lo, extra_hi, lo + tl.arange(0, BLOCK_N), EXTRAS,
-                         POW2_PERIODS, BLOCK_N)
-    return counts
+        counts, bits = _selection(extras, extra_lo, extra_hi, lo + tl.arange(0, BLOCK_N),
+                                  span_bits, EXTRAS, POW2_PERIODS, PATTERNS, BLOCK_N)
+    return counts, bits
 
 
 @triton.jit
@@ -265,23 +275,25 @@ def _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL: tl.constexpr,
 
 @triton.jit
 def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                  extra_hi, span_counts, skn, svn, smn, d_ok, MASKED: tl.constexpr,
+                  extra_hi, span_counts, span_bits, skn, svn, smn, d_ok, MASKED: tl.constexpr,
                   CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
                   EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr,
-                  SANITIZE: tl.constexpr, KEY_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+                  SANITIZE: tl.constexpr, KEY_BIAS: tl.constexpr, PATTERNS: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
     """Keys c .. c + N of a span against the tile's q rows t: k, v (N, D), the (M, N)
-    products q k (unscaled, fp32), the (N,) keys' counts (1 without extras) and (N,) 1 for
-    the value rows read as 0 (else 0); MASKED: -inf where masked (causal, padding, past hi),
-    else every key is read by every row (``_unmasked_chunks``) and nothing is masked (rows
-    past the tile's are garbage there, never stored). The non-finite rule (module
-    docstring): SANITIZE, a masked chunk's non-finite k and v elements read as 0; KEY_BIAS,
-    NaN products for a non-finite k row.
+    products q k (unscaled, fp32), the (N,) keys' counts (1 without extras) and pattern
+    bits (with dropout: ``_selection``), and (N,) 1 for the value rows read as 0 (else 0);
+    MASKED: -inf where masked (causal, padding, past hi), else every key is read by every
+    row (``_unmasked_chunks``) and nothing is masked (rows past the tile's are garbage
+    there, never stored). The non-finite rule (module docstring): SANITIZE, a masked
+    chunk's non-finite k and v elements read as 0; KEY_BIAS, NaN products for a non-finite
+    k row.
 
     The loads are written out here, not in helpers: in the interpreter a helper call
-    costs as much as ten block operations, and this runs once per chunk. The counts are
-    one helper, ``_counts``, shared with the dK/dV kernel and called only for plans with
-    extras, and here only where they differ from chunk to chunk (SPAN_COUNTS: they are
-    `span_counts`, ``_span_counts``)."""
+    costs as much as ten block operations, and this runs once per chunk. The counts and
+    bits are one helper, ``_selection``, shared with the dK/dV kernel and called only for
+    plans with extras, and here only where they differ from chunk to chunk (SPAN_COUNTS:
+    they are `span_counts` and `span_bits`, ``_span_selection``)."""
     idx = c + tl.arange(0, BLOCK_N)
     u = start + idx * stride
     u64 = u.to(tl.int64)
@@ -303,9 +315,10 @@ def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if KEY_BIAS:
         qk += k_bias[None, :]
-    counts = span_counts
+    counts, bits = span_counts, span_bits
     if EXTRAS > 0 and not SPAN_COUNTS:
-        counts = _counts(extras, extra_lo, extra_hi, idx, EXTRAS, POW2_PERIODS, BLOCK_N)
+        counts, bits = _selection(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS,
+                                  POW2_PERIODS, PATTERNS, BLOCK_N)
     if MASKED:
         valid = row_ok[:, None] & key_ok[None, :]
         if CAUSAL:
@@ -314,7 +327,7 @@ def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
             ignored = tl.load(mask_at + u64 * smn, mask=key_ok, other=1)
             valid &= (ignored == 0)[None, :]
         qk = tl.where(valid, qk, float("-inf"))
-    return k, v, qk, counts, v_bad
+    return k, v, qk, counts, bits, v_bad
 
 
 @triton.jit
@@ -330,10 +343,10 @@ def _softmax_step(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
     (a shift of the exp2's argument per row, not a product per pair); hit marks the rows
     that attend a value row read as 0 (NONFINITE). PATTERNS > 0: with dropout
     (``triton_dropout.dropped``; the lse's sum takes every key, dropped or not)."""
-    k, v, qk, counts, v_bad = _key_products(
+    k, v, qk, counts, bits, v_bad = _key_products(
         q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo, extra_hi,
-        span_counts, skn, svn, smn, d_ok, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
-        POW2_PERIODS, SPAN_COUNTS, NONFINITE, NONFINITE, BLOCK_N)
+        span_counts, span_bits, skn, svn, smn, d_ok, MASKED, CAUSAL, HAS_MASK, PRECISION,
+        EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, NONFINITE, PATTERNS, BLOCK_N)
     if MASKED and NONFINITE:
         # the attended pairs are the unmasked products (a NaN compares unequal too)
         attends = (qk != float("-inf")) & (v_bad[None, :] > 0)
@@ -347,11 +360,8 @@ def _softmax_step(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
     alpha = tl.exp2(m_i - shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     if PATTERNS > 0:
-        idx = c + tl.arange(0, BLOCK_N)
-        bits = pattern_bits(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS, POW2_PERIODS,
-                             BLOCK_N)
-        p = dropped(p, seed, b, head, t, start + idx * stride, bits, threshold, keep_scale,
-                    PATTERNS, False)
+        u = start + (c + tl.arange(0, BLOCK_N)) * stride
+        p = dropped(p, seed, b, head, t, u, bits, threshold, keep_scale, PATTERNS, False)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc, hit
 
@@ -423,8 +433,8 @@ def _forward_tile(
         start, stride, lo, hi, bias, extra_lo, extra_hi, bits, k_at, v_at, mask_at = _key_span(
             spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, svh, svd, smb,
             smh, CAUSAL, BLOCK_D)
-        span_counts = _span_counts(extras, extra_lo, extra_hi, lo, EXTRAS, POW2_PERIODS,
-                                   SPAN_COUNTS, BLOCK_N)
+        span_counts, span_bits = _span_selection(extras, extra_lo, extra_hi, lo, bits, EXTRAS,
+                                                 POW2_PERIODS, SPAN_COUNTS, PATTERNS, BLOCK_N)
         # query tiles: the masked chunks are the last ones (full_lo is lo); a padding
         # mask masks every chunk (and the unmasked loop is not compiled: fewer registers)
         full_hi = lo
@@ -435,14 +445,14 @@ def _forward_tile(
                 m_i, l_i, acc, hit = _softmax_step(
                     q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
                     extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i,
-                    acc, hit, bits, seed, b, head, threshold, keep_scale, False, CAUSAL,
+                    acc, hit, span_bits, seed, b, head, threshold, keep_scale, False, CAUSAL,
                     HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, PATTERNS,
                     BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             m_i, l_i, acc, hit = _softmax_step(
                 q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
                 extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i, acc,
-                hit, bits, seed, b, head, threshold, keep_scale, True, CAUSAL, HAS_MASK,
+                hit, span_bits, seed, b, head, threshold, keep_scale, True, CAUSAL, HAS_MASK,
                 PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, PATTERNS, BLOCK_N)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -489,21 +499,19 @@ def _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, star
     non-finite k, v elements read as 0 (a row attending one has a NaN lse or delta already,
     so its dq is NaN; one that does not gets p = 0 times finite numbers). PATTERNS > 0: with
     the forward's dropout, ds = dropped(p) dp - p delta (``triton_dropout.dropped``)."""
-    k, v, qk, counts, _ = _key_products(
+    k, v, qk, counts, bits, _ = _key_products(
         q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo, extra_hi,
-        span_counts, skn, svn, smn, d_ok, MASKED, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
-        POW2_PERIODS, SPAN_COUNTS, NONFINITE, False, BLOCK_N)
+        span_counts, span_bits, skn, svn, smn, d_ok, MASKED, CAUSAL, HAS_MASK, PRECISION,
+        EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, False, PATTERNS, BLOCK_N)
     # (M, N): the final softmax's probabilities (counts included; masked: 0)
     p = tl.exp2(qk * scale_log2 - lse[:, None])
     if EXTRAS > 0:
         p *= counts[None, :]
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if PATTERNS > 0:
-        idx = c + tl.arange(0, BLOCK_N)
-        bits = pattern_bits(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS, POW2_PERIODS,
-                             BLOCK_N)
-        ds = (dropped(p, seed, b, head, t, start + idx * stride, bits, threshold, keep_scale,
-                      PATTERNS, False) * dp - p * delta[:, None])
+        u = start + (c + tl.arange(0, BLOCK_N)) * stride
+        ds = (dropped(p, seed, b, head, t, u, bits, threshold, keep_scale, PATTERNS, False) * dp
+              - p * delta[:, None])
     else:
         ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
@@ -569,8 +577,8 @@ def _dq_tile(
             smh, CAUSAL, BLOCK_D)
         # the span's times on its logits (fused_forward): on the lse, once per span
         lse_span = lse - bias
-        span_counts = _span_counts(extras, extra_lo, extra_hi, lo, EXTRAS, POW2_PERIODS,
-                                   SPAN_COUNTS, BLOCK_N)
+        span_counts, span_bits = _span_selection(extras, extra_lo, extra_hi, lo, bits, EXTRAS,
+                                                 POW2_PERIODS, SPAN_COUNTS, PATTERNS, BLOCK_N)
         full_hi = lo  # as in fused_forward
         if not HAS_MASK:
             _, full_hi = _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL, False,
@@ -578,13 +586,13 @@ def _dq_tile(
             for c in range(lo, full_hi, BLOCK_N):
                 dq = _dq_step(q, do, t, row_ok, lse_span, delta, dq, k_at, v_at, mask_at,
                               extras, start, stride, c, hi, extra_lo, extra_hi, span_counts,
-                              skn, svn, smn, d_ok, scale_log2, bits, seed, b, head, threshold,
+                              skn, svn, smn, d_ok, scale_log2, span_bits, seed, b, head, threshold,
                               keep_scale, False, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
                               POW2_PERIODS, SPAN_COUNTS, NONFINITE, PATTERNS, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             dq = _dq_step(q, do, t, row_ok, lse_span, delta, dq, k_at, v_at, mask_at, extras,
                           start, stride, c, hi, extra_lo, extra_hi, span_counts, skn, svn, smn,
-                          d_ok, scale_log2, bits, seed, b, head, threshold, keep_scale, True,
+                          d_ok, scale_log2, span_bits, seed, b, head, threshold, keep_scale, True,
                           CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS,
                           NONFINITE, PATTERNS, BLOCK_N)
     _store_rows(dQ, dq * scale, b, t, row_ok, head, sdqb, sdqn, sdqh, sdqd, head_dim, BLOCK_D)
@@ -634,10 +642,11 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
     # (M keys, N queries): the probabilities, with the queries' counts
     qk = tl.dot(k, tl.trans(q), input_precision=PRECISION)
     p = tl.exp2(qk * scale_log2 - lse[None, :])
-    counts = span_counts
+    counts, bits = span_counts, span_bits
     if EXTRAS > 0:
         if not SPAN_COUNTS:
-            counts = _counts(extras, extra_lo, extra_hi, idx, EXTRAS, POW2_PERIODS, BLOCK_N)
+            counts, bits = _selection(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS,
+                                      POW2_PERIODS, PATTERNS, BLOCK_N)
         p *= counts[None, :]
     if MASKED:
         valid = live[:, None] & q_ok[None, :]
@@ -645,8 +654,6 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
             valid &= u[:, None] <= t[None, :]
         p = tl.where(valid, p, 0.0)
     if PATTERNS > 0:
-        bits = pattern_bits(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS, POW2_PERIODS,
-                             BLOCK_N)
         kept = dropped(p, seed, b, head, t, u, bits, threshold, keep_scale, PATTERNS, True)
         dv = tl.dot(kept.to(do.dtype), do, dv, input_precision=PRECISION)
         dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -758,8 +765,8 @@ def _dkdv_tile(
         # lse and delta share their strides
         lse_at = Lse + b.to(tl.int64) * slb + head.to(tl.int64) * slh
         delta_at = Delta + b.to(tl.int64) * slb + head.to(tl.int64) * slh
-        span_counts = _span_counts(extras, extra_lo, extra_hi, lo, EXTRAS, POW2_PERIODS,
-                                   SPAN_COUNTS, BLOCK_N)
+        span_counts, span_bits = _span_selection(extras, extra_lo, extra_hi, lo, bits, EXTRAS,
+                                                 POW2_PERIODS, SPAN_COUNTS, PATTERNS, BLOCK_N)
         # a padding mask masks every chunk (the other loops are not compiled then)
         full_hi = lo
         if not HAS_MASK:
@@ -770,19 +777,20 @@ def _dkdv_tile(
                     dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at,
                                         extras, start, stride, c, hi, bias, extra_lo,
                                         extra_hi, span_counts, sqn, sdon, sln, d_ok,
-                                        scale_log2, bits, seed, b, head, threshold,
+                                        scale_log2, span_bits, seed, b, head, threshold,
                                         keep_scale, True, CAUSAL, PRECISION, EXTRAS, POW2_PERIODS,
                                         SPAN_COUNTS, NONFINITE, PATTERNS, BLOCK_N)
             for c in range(full_lo, full_hi, BLOCK_N):
                 dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at,
                                     extras, start, stride, c, hi, bias, extra_lo, extra_hi,
-                                    span_counts, sqn, sdon, sln, d_ok, scale_log2, bits, seed, b,
-                                    head, threshold, keep_scale, False, CAUSAL, PRECISION, EXTRAS,
-                                    POW2_PERIODS, SPAN_COUNTS, NONFINITE, PATTERNS, BLOCK_N)
+                                    span_counts, sqn, sdon, sln, d_ok, scale_log2, span_bits,
+                                    seed, b, head, threshold, keep_scale, False, CAUSAL,
+                                    PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE,
+                                    PATTERNS, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras,
                                 start, stride, c, hi, bias, extra_lo, extra_hi, span_counts,
-                                sqn, sdon, sln, d_ok, scale_log2, bits, seed, b, head,
+                                sqn, sdon, sln, d_ok, scale_log2, span_bits, seed, b, head,
                                 threshold, keep_scale, True, CAUSAL, PRECISION, EXTRAS,
                                 POW2_PERIODS, SPAN_COUNTS, NONFINITE, PATTERNS, BLOCK_N)
     _store_rows(dK, dk * scale, b, u, row_ok, kv, sdkb, sdkn, sdkh, sdkd, head_dim, BLOCK_D)
