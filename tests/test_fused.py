@@ -1023,7 +1023,7 @@ def test_head_dims_past_the_tiles_are_refused() -> None:
 
 
 # --------------------------------------------------------------------------
-# triton_kernels._unmasked_chunks (key tiles, causal): the first whole chunk read without
+# triton_spans.unmasked_chunks (key tiles, causal): the first whole chunk read without
 # a mask starts at the first query at or after the tile's LAST key row, ceil((last -
 # start) / stride). A hand-made plan where that bound is not a multiple of the stride:
 # key rows {0, 4} read by the queries 2, 6, 10, ... (stride 4, 40 of them: a whole chunk

@@ -17,10 +17,11 @@ import os
 import pytest
 import torch
 
-from dilated_attention import MultiheadDilatedAttention, dilated_attention, fused
-from dilated_attention.backends import select_backend
+from dilated_attention import MultiheadDilatedAttention, dilated_attention, fused, kernels
+from dilated_attention.distributed import comm
+from dilated_attention.kernels import KernelOptions
 from dilated_attention.patterns import Heads
-from dist_harness import error_of, run_distributed
+from dist_harness import run_distributed
 from reference import (attention_with_counts, close, dilated_counts, fused_dropout_factors,
                        grads)
 from test_fused import CASES, DEVICE, Case, inputs
@@ -208,26 +209,129 @@ def test_a_module_drops_in_training_only() -> None:
     assert torch.equal(module(x, x, x)[0], module(x, x, x)[0])
 
 
-def test_launches_of_a_sequence_parallel_call_refuse_it() -> None:
-    """The exchange's launches take no fused dropout: a named triton backend is refused there
-    (auto runs the blockwise kernel)."""
-    with pytest.raises(ValueError, match=r"backend 'triton' applies dropout \(dropout_p=0.1\)"):
-        select_backend(torch.device("cpu"), torch.float32, dropout_p=0.1, backend="triton")
-    assert select_backend(torch.device("cpu"), torch.float32, dropout_p=0.1, backend="triton",
-                          whole_op=True) == "triton"
+def test_a_piece_and_a_slice_of_heads_draw_what_the_whole_call_draws() -> None:
+    """Note [fused dropout]: the masks count the sequence's rows and heads
+    (Dropout.first_row, first_head), so a sequence-parallel piece whose segments lie in it
+    and a head-parallel rank's heads equal those rows and heads of the whole call under
+    the same key, out, lse and gradients."""
+    case = Case(32, (8, 16), (1, 2), True, h=4, hk=2)
+    leaves, dout, _, _ = inputs(case)
+    q, k, v = (x.detach() for x in leaves)
+    patterns = (case.segment_lengths, case.dilation_rates)
+    call = dict(causal=True, scale=case.d ** -0.5, documents=None, key_mask=None)
+    seed = torch.tensor([77], device=DEVICE)
+
+    def run(q, k, v, dout, heads, first_head=0, **piece):
+        dropout = fused.Dropout.of(0.3, 2, seed, first_head=first_head)
+        out, lse = fused.forward(q, k, v, patterns, heads=heads, dropout=dropout, **piece,
+                                 **call)
+        return (out, lse, *fused.backward(dout, q, k, v, out, lse, None, patterns, heads=heads,
+                                          dropout=dropout, **piece, **call))
+
+    whole = run(q, k, v, dout, Heads.of(4, 2))
+    rows = slice(16, 32)  # rank 1 of two: the segments of 8 and 16 rows lie in it
+    piece = run(q[:, rows], k[:, rows], v[:, rows], dout[:, rows], Heads.of(4, 2),
+                piece=(16, 32))
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), piece, whole):
+        close(got.cpu(), want[:, rows].cpu().double(), case.dtype, f"piece {name}")
+    # query heads 2 and 3 and their key/value head 1, as a head-parallel rank holds them
+    sliced = run(q[:, :, 2:], k[:, :, 1:], v[:, :, 1:], dout[:, :, 2:], Heads(2, (0, 0)),
+                 first_head=2)
+    for name, got, want, heads in zip(("out", "lse", "dq", "dk", "dv"), sliced, whole,
+                                      (slice(2, 4),) * 3 + (slice(1, 2),) * 2):
+        close(got.cpu(), want[:, :, heads].cpu().double(), case.dtype, f"heads {name}")
 
 
-def _under_a_group(group):
-    q = torch.randn(1, 8, 2, 4)
-    return error_of(lambda: dilated_attention(q, q, q, [4], [1], backend="triton",
-                                              dropout_p=0.1, group=group))[0]
+def test_a_launch_draws_one_pattern_under_its_own_seed() -> None:
+    """A launch of the triton backend (kernels.attention_forward: a sequence-parallel call's
+    launch on received keys) drops as one pattern over its block's rows, its Philox key
+    the launch's seed (Note [dropout streams]); the backward draws the same masks."""
+    case = Case(24, (24,), (1,), True, h=2, hk=1)
+    leaves, dout, _, _ = inputs(case)
+    q, k, v = (x.detach() for x in leaves)
+    opts = KernelOptions(True, case.d ** -0.5, "triton", 0.3, seed=2**40 + 3)
+    out, lse = kernels.attention_forward(q, k, v, opts)
+    got = kernels.attention_backward(dout, q, k, v, out, lse, opts)
+    ref_leaves = [x.cpu().double().requires_grad_() for x in (q, k, v)]
+    selections = torch.ones(case.n, case.n).tril()[None, None, None].expand(1, 1, 2, -1, -1)
+    factors = fused_dropout_factors(2**40 + 3, 0.3, selections)
+    ref_out, ref_lse = attention_with_counts(*ref_leaves, selections.sum(0), case.scale,
+                                             factors)
+    assert (factors == 0).any() and (factors > 0).any()
+    close(out.cpu(), ref_out, case.dtype, "out")
+    close(lse.transpose(1, 2).cpu(), ref_lse, case.dtype, "lse")
+    want = grads([ref_out], [dout.cpu().double()], ref_leaves)
+    for name, g, w in zip("qkv", got, want):
+        close(g.cpu(), w, case.dtype, f"d{name}")
+
+
+# Sequence-parallel calls with backend "triton" and dropout on two gloo ranks: (strategy,
+# segments, rates). Ulysses' ranks compute the whole op for their heads, the exchange's own
+# pairs run in fused calls: where no segment crosses the ranks, both equal the one-device
+# call under the same torch.manual_seed. Crossing segments add launches on received keys.
+SHARDED_DROPOUT = {
+    "ulysses": ("ulysses", (8, 16), (1, 2)),
+    "exchange-own-pairs": ("exchange", (8, 16), (1, 2)),
+    "exchange-crossing": ("exchange", (8, 32), (1, 2)),
+}
+
+
+def _sharded_dropout(group):
+    rank = comm.group_rank(group)
+    rows = slice(16 * rank, 16 * rank + 16)
+    case = Case(32, (8, 16), (1, 2), True, h=4, hk=2)
+    leaves, dout, _, _ = inputs(case)
+    direction = torch.randn(leaves[0].shape, generator=torch.Generator().manual_seed(3))
+    results = {}
+    for name, (strategy, segments, rates) in SHARDED_DROPOUT.items():
+        def call(x, p=0.3, group=group, seed=11):
+            torch.manual_seed(seed)
+            return dilated_attention(*x, segments, rates, is_causal=True, dropout_p=p,
+                                     backend="triton", group=group, strategy=strategy)
+
+        mine = [x.detach()[:, rows].clone().requires_grad_() for x in leaves]
+        out = call(mine)
+        result = {"got": (out, *torch.autograd.grad(out, mine, dout[:, rows]))}
+        if name != "exchange-crossing":
+            whole = [x.detach().clone().requires_grad_() for x in leaves]
+            out = call(whole, group=None)
+            want = (out, *torch.autograd.grad(out, whole, dout))
+            result["want"] = tuple(x[:, rows] for x in want)
+            results[name] = result
+            continue
+        result["replayed"] = torch.equal(call(mine), out)
+        # nearly every pair dropped: few (row, head)s keep any key, the launches' included
+        result["rows_kept"] = int((call(mine, p=0.999).abs().amax(-1) > 0).sum())
+        # the derivative along q of <out, dout> (summed over the ranks) under fixed masks
+        eps = 1e-2
+        shifted = [(call([mine[0].detach() + s * eps * direction[:, rows], *mine[1:]])
+                    * dout[:, rows]).sum().item() for s in (1, -1)]
+        result["difference"] = (shifted[0] - shifted[1]) / (2 * eps)
+        result["directional"] = (result["got"][1] * direction[:, rows]).sum().item()
+        results[name] = result
+    return results
 
 
 @pytest.mark.distributed
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU tensors")
-def test_a_group_refuses_the_fused_dropout_on_every_rank() -> None:
-    for message in run_distributed(_under_a_group, 2):
-        assert message.startswith("ValueError: backend 'triton' applies dropout"), message
+def test_sequence_parallel_calls_apply_the_fused_dropout() -> None:
+    """Sharded equals one device where no segment crosses the ranks; where one does, the
+    masks replay (the backward's are the forward's: the derivative along q matches central
+    differences) and the launches on received keys drop too (p = 0.999 leaves few rows
+    any key; launches without dropout leave all of rank 1's)."""
+    ranks = run_distributed(_sharded_dropout, 2, timeout=600)
+    for name in SHARDED_DROPOUT:
+        results = [r[name] for r in ranks]
+        for rank, r in enumerate(results):
+            for what, got, want in zip(("out", "dq", "dk", "dv"), r["got"], r.get("want", ())):
+                close(got, want.double(), torch.float32, f"{name} rank {rank} {what}")
+        if "want" not in results[0]:
+            for rank, r in enumerate(results):
+                assert r["replayed"], (name, rank)
+                assert r["rows_kept"] < 16, (name, rank, r["rows_kept"])  # of 64
+            difference = sum(r["difference"] for r in results)
+            directional = sum(r["directional"] for r in results)
+            assert difference == pytest.approx(directional, rel=1e-3), name
 
 
 def test_a_checkpointed_call_recomputes_the_same_masks() -> None:

@@ -153,13 +153,6 @@ def select_backend(
             f"backend {backend!r} does not support dropout (dropout_p={dropout_p}); "
             f"use backend='blockwise', 'triton' or 'auto'"
         )
-    if dropout_p > 0.0 and backend == "triton" and not whole_op:
-        # the fused kernels draw their masks per call of the whole op (Note [fused dropout])
-        raise ValueError(
-            f"backend 'triton' applies dropout (dropout_p={dropout_p}) where it computes the "
-            f"whole op on one device, not in the launches of a sequence-parallel call; use "
-            f"backend='blockwise' or 'auto' there"
-        )
     if masked and backend not in MASKED_BACKENDS:
         raise ValueError(
             f"backend {backend!r} does not take a key padding mask; use one of "

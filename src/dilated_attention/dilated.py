@@ -118,7 +118,8 @@ def _fused_dropout(call: LocalCall, seed: Optional[Tensor]) -> Optional[fused.Dr
     """The fused kernels' dropout (Note [fused dropout] in fused.py): a bit per pattern."""
     if seed is None:
         return None
-    return fused.Dropout.of(call.opts.dropout_p, len(call.patterns[0]), seed)
+    return fused.Dropout.of(call.opts.dropout_p, len(call.patterns[0]), seed,
+                            first_head=call.heads.first)
 
 
 # Under torch.compile the single-device op is a pair of custom ops (forward, backward):

@@ -369,7 +369,7 @@ def dilated_attention(
             # where a rank computes the whole op on its rows (one device, or a Ulysses
             # rank's heads over all rows of its block: auto may pick the fused kernel
             # there, which then runs the exchange's own pairs too). Under a group a named
-            # kernel is checked for launches too (the fused kernels' dropout is one device's)
+            # kernel is checked for launches too
             "backend": kernel() if backend == "auto" or distributed else whole_op_backend,
             "whole_op_backend": whole_op_backend,
         }

@@ -274,32 +274,42 @@ def _mask_arg(mask: Optional[Tensor], fallback: Tensor) -> Tuple[Tensor, Tuple[i
 #     i // 4) under the call's key are at least p * 2^31 (triton_dropout.dropped): a
 #     function of the pair and the pattern alone, so the forward, dq and dK/dV, which tile
 #     the pairs differently, draw the same masks, and the patterns draw theirs
-#     independently. Rows and keys count from the sequence's start (not with a piece);
-#     the lse keeps every key. The key is an int64 drawn on the device from torch's
-#     generator (`new_seed`): torch.manual_seed fixes the masks, no host sync, and a CUDA
-#     graph replays a new draw. Backward: ds = dropped(p) * dp - p * delta, dV from the
-#     dropped p. At most fused_plan.MAX_MASK_PATTERNS patterns (the masks' bits).
+#     independently. Rows and heads are the sequence's (Dropout.first_row, first_head):
+#     a sequence-parallel rank's piece and a head-parallel rank's heads draw what one
+#     device would draw for those pairs under the same key (ranks whose generators agree
+#     draw the same key), and no two ranks draw alike for different pairs. The lse keeps
+#     every key. The key is an int64 drawn on the device from torch's generator
+#     (`new_seed`): torch.manual_seed fixes the masks, no host sync, and a CUDA graph
+#     replays a new draw. Backward: ds = dropped(p) * dp - p * delta, dV from the dropped
+#     p. At most fused_plan.MAX_MASK_PATTERNS patterns (the masks' bits). One block of
+#     plain attention (`dense_forward`: a sequence-parallel launch on received keys) is
+#     one pattern whose key is the launch's own (`launch_seed`), its rows the block's.
 
 
 class Dropout(NamedTuple):
     """Attention dropout in the fused kernels (Note [fused dropout]): a pattern keeps a pair
     where its 31 random bits are at least `threshold`, and the kept ones weigh keep_scale
     (1 / the probability of keeping); patterns: the call's count (the kernels unroll their
-    draws); seed: (1,) int64 on the device, the Philox key."""
+    draws); seed: (1,) int64 on the device, the Philox key; first_row, first_head: the
+    sequence's row and head of the tensors' first (a sequence-parallel piece, a
+    head-parallel rank's heads), what the masks count from."""
 
     threshold: int
     keep_scale: float
     patterns: int
     seed: Tensor
+    first_row: int = 0
+    first_head: int = 0
 
     @classmethod
-    def of(cls, dropout_p: float, patterns: int, seed: Tensor) -> "Dropout":
+    def of(cls, dropout_p: float, patterns: int, seed: Tensor, *,
+           first_head: int = 0) -> "Dropout":
         threshold = int(dropout_p * 2**31)
-        return cls(threshold, 2**31 / (2**31 - threshold), patterns, seed)
+        return cls(threshold, 2**31 / (2**31 - threshold), patterns, seed, 0, first_head)
 
-    def key(self) -> Tuple[int, float, int]:
+    def key(self) -> Tuple[int, float, int, int, int]:
         """What the launches' numbers are of (the seed goes as a tensor)."""
-        return self.threshold, self.keep_scale, self.patterns
+        return self.threshold, self.keep_scale, self.patterns, self.first_row, self.first_head
 
 
 def check_dropout_patterns(count: int) -> None:
@@ -315,12 +325,20 @@ def new_seed(device: torch.device) -> Tensor:
     return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
 
 
+def launch_seed(seed: int, device: torch.device) -> Tensor:
+    """The Philox key of one launch whose seed the host holds (kernels.KernelOptions: a
+    sequence-parallel launch's own), as the kernels take it: one fill, no copy."""
+    return torch.full((1,), seed, dtype=torch.int64, device=device)
+
+
 def _dropout_args(dropout: Optional[Dropout], fallback: Tensor
-                  ) -> Tuple[Tensor, int, float, int]:
-    """(Seed, threshold, keep_scale, PATTERNS) of a launch; PATTERNS 0 without dropout."""
+                  ) -> Tuple[Tensor, int, float, int, int, int]:
+    """(Seed, threshold, keep_scale, first_row, first_head, PATTERNS) of a launch; PATTERNS
+    0 without dropout."""
     if dropout is None:
-        return fallback, 0, 1.0, 0
-    return dropout.seed, dropout.threshold, dropout.keep_scale, dropout.patterns
+        return fallback, 0, 1.0, 0, 0, 0
+    return (dropout.seed, dropout.threshold, dropout.keep_scale, dropout.first_row,
+            dropout.first_head, dropout.patterns)
 
 
 # --------------------------------------------------------------------------
@@ -352,8 +370,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, *, causal: bool
     into: (out, lse) to write instead of new tensors, views of larger ones allowed (the
     kernels write through strides): a zigzag rank's chunks write one output.
 
-    dropout: attention dropout (Note [fused dropout]; not with a piece: its rows would
-    count from the piece's start)."""
+    dropout: attention dropout (Note [fused dropout]; with a piece its masks count from
+    the piece's first row)."""
+    if dropout is not None and piece is not None:
+        dropout = dropout._replace(first_row=piece[0])
     return _forward(q, k, v, _planner(q, k, patterns, causal, heads, documents, piece), causal,
                     scale, _per_kv_head(key_mask, k), nonfinite, into, dropout)
 
@@ -378,6 +398,8 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     forward's check; into: (dq, dk, dv) to write, as `forward`'s. kv_grad False (k and v
     frozen; not with `into`): dq alone, dk and dv None, no dK/dV kernel. dropout: the
     forward's."""
+    if dropout is not None and piece is not None:
+        dropout = dropout._replace(first_row=piece[0])
     return _backward(dout, q, k, v, out, lse, dlse,
                      _planner(q, k, patterns, causal, heads, documents, piece), causal, scale,
                      _per_kv_head(key_mask, k), nonfinite, into, kv_grad, dropout)
@@ -396,18 +418,22 @@ def _per_kv_head(key_mask: Optional[Tensor], k: Tensor) -> Optional[Tensor]:
 
 
 def dense_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
-                  key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                  key_mask: Optional[Tensor], dropout: Optional[Dropout] = None
+                  ) -> Tuple[Tensor, Tensor]:
     """q (b, n, h, d) against k/v (b, m, hk, d) (n == m when causal: the square lower
-    triangle); key_mask (b, m, hk) -> out (b, n, h, d), lse (b, n, h)."""
-    return _forward(q, k, v, _dense_planner(q, k, causal), causal, scale, key_mask, None)
+    triangle); key_mask (b, m, hk) -> out (b, n, h, d), lse (b, n, h). dropout: of one
+    pattern (Note [fused dropout])."""
+    return _forward(q, k, v, _dense_planner(q, k, causal), causal, scale, key_mask, None,
+                    dropout=dropout)
 
 
 def dense_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    dlse: Optional[Tensor], *, causal: bool, scale: float,
-                   key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+                   key_mask: Optional[Tensor], dropout: Optional[Dropout] = None
+                   ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of `dense_forward`, given the final (merged) out and lse."""
     return _backward(dout, q, k, v, out, lse, dlse, _dense_planner(q, k, causal), causal, scale,
-                     key_mask, None)
+                     key_mask, None, dropout=dropout)
 
 
 def _dense_planner(q: Tensor, k: Tensor, causal: bool) -> Planner:
@@ -441,7 +467,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
     has_mask = mask is not None
     mask, mask_strides = _mask_arg(mask, lse)
     check = lse if nonfinite is None else nonfinite
-    seed, threshold, keep_scale, patterns = _dropout_args(dropout, lse)
+    seed, threshold, keep_scale, first_row, first_head, patterns = _dropout_args(dropout, lse)
     # the call's tensors, and what decides every other argument of its launches
     tensors = (q, k, v, out, lse, mask, check, seed)
     key = ("forward", id(plan), sizes, causal, scale, _precision(q.dtype), has_mask,
@@ -463,11 +489,11 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
                 plan.extras, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                 *lse.stride(), *mask_strides, d, scale * kernels.LOG2E,
                 k.shape[1] if report and i == 0 else 0, k.shape[2], threshold, keep_scale,
-                tiles.shape[0], CAUSAL=causal, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
-                EXTRAS=plan.max_extras, POW2_PERIODS=plan.pow2_periods,
-                SPAN_COUNTS=sizes.forward.counts_per_span(plan), NONFINITE=rule, REPORT=report,
-                PATTERNS=patterns, BLOCK_M=block_m, BLOCK_N=sizes.forward.chunk,
-                BLOCK_D=_head_block(d),
+                first_row, first_head, tiles.shape[0], CAUSAL=causal, HAS_MASK=has_mask,
+                PRECISION=_precision(q.dtype), EXTRAS=plan.max_extras,
+                POW2_PERIODS=plan.pow2_periods, SPAN_COUNTS=sizes.forward.counts_per_span(plan),
+                NONFINITE=rule, REPORT=report, PATTERNS=patterns, BLOCK_M=block_m,
+                BLOCK_N=sizes.forward.chunk, BLOCK_D=_head_block(d),
                 num_warps=sizes.forward.warps(block_m), num_stages=sizes.num_stages,
                 **COMPILE_OPTIONS,
             )
@@ -506,7 +532,7 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     # unread: it visits no key tile
     dk_arg, dv_arg = (dq, dq) if dk is None else (dk, dv)
     key_tiles = keys.tiles.shape[0] if dk is not None else 0
-    seed, threshold, keep_scale, patterns = _dropout_args(dropout, lse)
+    seed, threshold, keep_scale, first_row, first_head, patterns = _dropout_args(dropout, lse)
     # as the forward's (_forward)
     tensors = (q, k, v, out, dout, lse, dlse_arg, delta, dq, dk_arg, dv_arg, mask,
                lse if nonfinite is None else nonfinite, seed)
@@ -527,7 +553,7 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             queries.spans, queries.extras,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(),
             *lse.stride(), *dlse_arg.stride(), *dq.stride(), *mask_strides,
-            d, scale * kernels.LOG2E, scale, threshold, keep_scale,
+            d, scale * kernels.LOG2E, scale, threshold, keep_scale, first_row, first_head,
             HAS_DLSE=dlse is not None, EXTRAS=queries.max_extras,
             POW2_PERIODS=queries.pow2_periods, SPAN_COUNTS=sizes.dq.counts_per_span(queries),
             BLOCK_M=block_m, BLOCK_N=sizes.dq.chunk, num_warps=sizes.dq.warps(block_m),
@@ -538,7 +564,7 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             q, k, v, dout, lse, delta, dk, dv, mask, seed, tiles, keys.rows, keys.spans,
             keys.extras, *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
             *dk.stride(), *dv.stride(), *mask_strides,
-            d, scale * kernels.LOG2E, scale, threshold, keep_scale,
+            d, scale * kernels.LOG2E, scale, threshold, keep_scale, first_row, first_head,
             EXTRAS=keys.max_extras, POW2_PERIODS=keys.pow2_periods,
             SPAN_COUNTS=sizes.dkdv.counts_per_span(keys),
             BLOCK_M=block_m, BLOCK_N=sizes.dkdv.chunk, num_warps=sizes.dkdv.warps(block_m),
@@ -555,7 +581,8 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(),
             *lse.stride(), *dlse_arg.stride(), *dq.stride(), *dk_arg.stride(),
             *dv_arg.stride(), *mask_strides, d, scale * kernels.LOG2E, scale, threshold,
-            keep_scale, queries.tiles.shape[0], key_tiles, HAS_DLSE=dlse is not None,
+            keep_scale, first_row, first_head, queries.tiles.shape[0], key_tiles,
+            HAS_DLSE=dlse is not None,
             QUERY_EXTRAS=queries.max_extras, QUERY_POW2_PERIODS=queries.pow2_periods,
             QUERY_SPAN_COUNTS=sizes.dq.counts_per_span(queries), QUERY_BLOCK_M=queries.block_m,
             QUERY_BLOCK_N=sizes.dq.chunk, KEY_EXTRAS=keys.max_extras,

@@ -72,7 +72,8 @@ class KernelOptions:
 #     of the hash depends on every input, as it must, for a CPU generator keeps only its
 #     seed's low 32 bits (a plain sum seeded every rank's masks alike). The streams stay
 #     apart while a rank makes fewer than 2^32 launches per call and a head-parallel rank
-#     has fewer than 2^16 sequence ranks.
+#     has fewer than 2^16 sequence ranks. The fused kernel's launches (backend "triton")
+#     take that seed as their Philox key (fused.launch_seed; Note [fused dropout]).
 _SEQUENCE_RANK_SEED_STRIDE = 1 << 32
 _HEAD_RANK_SEED_STRIDE = 1 << 48
 _MASK64 = (1 << 64) - 1
@@ -128,6 +129,14 @@ def _launch_backend(opts: KernelOptions, q: Tensor, masked: bool) -> str:
     return select_backend(q.device, q.dtype, dropout_p=opts.dropout_p, masked=masked)
 
 
+def _dense_dropout(opts: KernelOptions, device: torch.device) -> Optional[fused.Dropout]:
+    """The fused kernel's dropout of one launch: one pattern under the launch's own seed
+    (Note [dropout streams]), drawn again alike by its backward."""
+    if opts.dropout_p == 0.0:
+        return None
+    return fused.Dropout.of(opts.dropout_p, 1, fused.launch_seed(opts.seed, device))
+
+
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, opts: KernelOptions, *,
                       key_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Softmax attention of one block: q (b, n, h, d), k/v (b, m, hk, d).
@@ -141,7 +150,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, opts: KernelOptions, *,
     backend = _launch_backend(opts, q, key_mask is not None)
     if backend == "triton":
         # reads any strides in place
-        return fused.dense_forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask)
+        return fused.dense_forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask,
+                                   dropout=_dense_dropout(opts, q.device))
     q, k, v = _unit_last_stride(q, k, v)
     if backend == "cpu_flash":
         # (b, n, h, d) -> (b, h, n, d): the op takes heads second, as a free view
@@ -243,7 +253,7 @@ def attention_backward(
     backend = "blockwise" if recorded else _launch_backend(opts, q, key_mask is not None)
     if backend == "triton":
         return fused.dense_backward(dout, q, k, v, out, lse, dlse, causal=causal, scale=scale,
-                                    key_mask=key_mask)
+                                    key_mask=key_mask, dropout=_dense_dropout(opts, q.device))
     dout, q, k, v, out = _unit_last_stride(dout, q, k, v, out)
     if key_mask is not None:
         # a query that sees no key anywhere (lse -inf) has probabilities exp(s - inf) = 0

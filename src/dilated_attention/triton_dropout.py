@@ -29,10 +29,11 @@ def dropped(p, seed, b, head, t, u, bits, threshold, keep_scale, PATTERNS: tl.co
     i keeps the pair where the 31 high bits of Philox word i mod 4 of counter (query row,
     key row, batch row, query head * 8 + i // 4) under the call's key `seed` are at least
     `threshold`: the same bits wherever a kernel visits the pair, and the patterns that
-    select it (`bits` (N,), the chunk's elements', triton_kernels' ``_selection``; their
+    select it (`bits` (N,), the chunk's elements', triton_spans.selection; their
     count is the pair's: tests/test_fused_plan.py) each draw their own. t the query rows and
-    u the key rows of the chunk ((M,) and (N,); KEY_TILES: (N,) and (M,)). PATTERNS: how
-    many patterns the call has, four a Philox call."""
+    u the key rows of the chunk ((M,) and (N,); KEY_TILES: (N,) and (M,)) and `head` the
+    query head, the sequence's (the kernels add Dropout.first_row and first_head).
+    PATTERNS: how many patterns the call has, four a Philox call."""
     selected = tl.zeros(bits.shape, tl.float32)  # (N,) the patterns each element's bits name
     for i in tl.static_range(PATTERNS):
         selected += ((bits >> i) & 1).to(tl.float32)

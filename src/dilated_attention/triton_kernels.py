@@ -65,6 +65,7 @@ import triton
 import triton.language as tl
 
 from .triton_dropout import dropout_key, dropped
+from .triton_spans import selection, span_selection, unmasked_chunks
 
 LOG2E = 1.4426950408889634  # the kernels take scale * LOG2E: base-2 logits
 
@@ -203,77 +204,6 @@ def _key_span(spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, sv
 
 
 @triton.jit
-def _selection(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS: tl.constexpr,
-               POW2_PERIODS: tl.constexpr, PATTERNS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(N,) how many patterns select span elements idx (float): 1 + the span's extras
-    (period, phase) with idx mod period == phase; and with dropout (PATTERNS > 0) (N,) int32
-    the bits of those patterns (Note [fused dropout] in fused.py): the span's `span_bits`
-    and each hitting extra's pattern. Unrolled over the plan's most extras of one span
-    (EXTRAS): a loop in the key loop would keep Triton from pipelining its loads.
-    POW2_PERIODS (every period a power of two, as rates 1, 2, 4, ... give): idx mod period
-    is a bit mask; an integer division per element and extra would cost more than the
-    rest of the softmax's arithmetic."""
-    count = tl.full((BLOCK_N,), 1.0, tl.float32)
-    bits = tl.full((BLOCK_N,), 0, tl.int32) + span_bits
-    for j in tl.static_range(EXTRAS):
-        e = extra_lo + j
-        live = e < extra_hi
-        # a span with fewer extras: period 1, phase -1 matches no element
-        period = tl.load(extras + 3 * e, mask=live, other=1)
-        phase = tl.load(extras + 3 * e + 1, mask=live, other=-1)
-        if POW2_PERIODS:
-            hit = (idx & (period - 1)) == phase
-        else:
-            hit = idx % period == phase
-        count += tl.where(hit, 1.0, 0.0)
-        if PATTERNS > 0:
-            pattern = tl.load(extras + 3 * e + 2, mask=live, other=0)
-            bits |= tl.where(hit & (pattern < 31), 1 << tl.minimum(pattern, 30), 0)
-    return count, bits
-
-
-@triton.jit
-def _span_selection(extras, extra_lo, extra_hi, lo, span_bits, EXTRAS: tl.constexpr,
-                    POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr,
-                    PATTERNS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(N,) the counts and bits (``_selection``) of every chunk of a span whose chunks
-    start at lo + i * BLOCK_N, where every period divides BLOCK_N (SPAN_COUNTS,
-    TilePlan.period_lcm): computed once per span, not per chunk (each extra costs a chunk
-    about an instruction per pair); else 1 and the span's bits (the steps then compute
-    them per chunk, or there are no extras)."""
-    counts = tl.full((BLOCK_N,), 1.0, tl.float32)
-    bits = tl.full((BLOCK_N,), 0, tl.int32) + span_bits
-    if EXTRAS > 0 and SPAN_COUNTS:
-        counts, bits = _selection(extras, extra_lo, extra_hi, lo + tl.arange(0, BLOCK_N),
-                                  span_bits, EXTRAS, POW2_PERIODS, PATTERNS, BLOCK_N)
-    return counts, bits
-
-
-@triton.jit
-def _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL: tl.constexpr,
-                     KEY_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[full_lo, full_hi): the span's whole chunks (from lo, BLOCK_N apart) that every row
-    of a tile of rows first..last reads in full, so that they need no mask: no element
-    past hi, and under causal no key after the tile's first row (query tiles) or no query
-    before its last row (key tiles). The chunks before full_lo and from full_hi on are
-    masked. (With a padding mask every chunk is: the kernels do not call this.)"""
-    full_lo = lo
-    end = hi
-    if CAUSAL:
-        if KEY_TILES:
-            # queries t = start + stride * i >= last
-            reach = last - start
-            need = tl.minimum(tl.where(reach > 0, (reach + stride - 1) // stride, 0), hi)
-            full_lo = lo + tl.maximum(need - lo + BLOCK_N - 1, 0) // BLOCK_N * BLOCK_N
-        else:
-            # keys u = start + stride * i <= first
-            reach = first - start
-            end = tl.minimum(end, tl.where(reach >= 0, reach // stride + 1, 0))
-    full_hi = full_lo + tl.maximum(end - full_lo, 0) // BLOCK_N * BLOCK_N
-    return full_lo, full_hi
-
-
-@triton.jit
 def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
                   extra_hi, span_counts, span_bits, skn, svn, smn, d_ok, MASKED: tl.constexpr,
                   CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
@@ -282,18 +212,18 @@ def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
                   BLOCK_N: tl.constexpr):
     """Keys c .. c + N of a span against the tile's q rows t: k, v (N, D), the (M, N)
     products q k (unscaled, fp32), the (N,) keys' counts (1 without extras) and pattern
-    bits (with dropout: ``_selection``), and (N,) 1 for the value rows read as 0 (else 0);
+    bits (with dropout: ``selection``), and (N,) 1 for the value rows read as 0 (else 0);
     MASKED: -inf where masked (causal, padding, past hi), else every key is read by every
-    row (``_unmasked_chunks``) and nothing is masked (rows past the tile's are garbage
+    row (``unmasked_chunks``) and nothing is masked (rows past the tile's are garbage
     there, never stored). The non-finite rule (module docstring): SANITIZE, a masked
     chunk's non-finite k and v elements read as 0; KEY_BIAS, NaN products for a non-finite
     k row.
 
     The loads are written out here, not in helpers: in the interpreter a helper call
     costs as much as ten block operations, and this runs once per chunk. The counts and
-    bits are one helper, ``_selection``, shared with the dK/dV kernel and called only for
+    bits are one helper, ``selection``, shared with the dK/dV kernel and called only for
     plans with extras, and here only where they differ from chunk to chunk (SPAN_COUNTS:
-    they are `span_counts` and `span_bits`, ``_span_selection``)."""
+    they are `span_counts` and `span_bits`, ``span_selection``)."""
     idx = c + tl.arange(0, BLOCK_N)
     u = start + idx * stride
     u64 = u.to(tl.int64)
@@ -317,8 +247,8 @@ def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
         qk += k_bias[None, :]
     counts, bits = span_counts, span_bits
     if EXTRAS > 0 and not SPAN_COUNTS:
-        counts, bits = _selection(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS,
-                                  POW2_PERIODS, PATTERNS, BLOCK_N)
+        counts, bits = selection(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS,
+                                 POW2_PERIODS, PATTERNS, BLOCK_N)
     if MASKED:
         valid = row_ok[:, None] & key_ok[None, :]
         if CAUSAL:
@@ -332,8 +262,8 @@ def _key_products(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
 
 @triton.jit
 def _softmax_step(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                  extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i, acc,
-                  hit, span_bits, seed, b, head, threshold, keep_scale, MASKED: tl.constexpr,
+                  extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i, acc, hit,
+                  span_bits, seed, b, head, first_row, threshold, keep_scale, MASKED: tl.constexpr,
                   CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
                   EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr,
                   NONFINITE: tl.constexpr, PATTERNS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -361,17 +291,19 @@ def _softmax_step(q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, h
     l_i = l_i * alpha + tl.sum(p, 1)
     if PATTERNS > 0:
         u = start + (c + tl.arange(0, BLOCK_N)) * stride
-        p = dropped(p, seed, b, head, t, u, bits, threshold, keep_scale, PATTERNS, False)
+        p = dropped(p, seed, b, head, t + first_row, u + first_row, bits, threshold, keep_scale,
+                    PATTERNS, False)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc, hit
 
 
-@triton.jit(do_not_specialize=["num_tiles"])
+@triton.jit(do_not_specialize=["num_tiles", "first_row", "first_head"])
 def fused_forward(
     Q, K, V, Out, Lse, Mask, AnyBad, Seed, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, slb, sln, slh, smb, smn, smh,
-    head_dim, scale_log2, check_rows, kv_heads, threshold, keep_scale, num_tiles,
+    head_dim, scale_log2, check_rows, kv_heads, threshold, keep_scale, first_row, first_head,
+    num_tiles,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
     POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr,
     REPORT: tl.constexpr, PATTERNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -382,24 +314,25 @@ def fused_forward(
     rows of K (kv_heads heads), makes AnyBad NaN); NONFINITE, the variant that applies the
     non-finite rule where AnyBad is not finite, its programs each taking every
     num_programs-th of the num_tiles tiles (module docstring). PATTERNS > 0: with attention
-    dropout, Seed (int64) its Philox key (``triton_dropout.dropped``)."""
+    dropout, Seed (int64) its Philox key, first_row and first_head the sequence's row and
+    head of the tensors' first (``triton_dropout.dropped``)."""
     if NONFINITE:
         if _all_finite(AnyBad):
             return
         for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-            _forward_tile(tile, Q, K, V, Out, Lse, Mask, AnyBad, Seed, tiles, rows, spans,
-                          extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sob,
-                          son, soh, sod, slb, sln, slh, smb, smn, smh, head_dim, scale_log2,
-                          check_rows, kv_heads, threshold, keep_scale, CAUSAL, HAS_MASK,
+            _forward_tile(tile, Q, K, V, Out, Lse, Mask, AnyBad, Seed, tiles, rows, spans, extras,
+                          sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sob, son, soh,
+                          sod, slb, sln, slh, smb, smn, smh, head_dim, scale_log2, check_rows,
+                          kv_heads, threshold, keep_scale, first_row, first_head, CAUSAL, HAS_MASK,
                           PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, REPORT, PATTERNS,
                           BLOCK_M, BLOCK_N, BLOCK_D)
     else:
-        _forward_tile(tl.program_id(0), Q, K, V, Out, Lse, Mask, AnyBad, Seed, tiles, rows,
-                      spans, extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
-                      sob, son, soh, sod, slb, sln, slh, smb, smn, smh, head_dim, scale_log2,
-                      check_rows, kv_heads, threshold, keep_scale, CAUSAL, HAS_MASK, PRECISION,
-                      EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, REPORT, PATTERNS, BLOCK_M,
-                      BLOCK_N, BLOCK_D)
+        _forward_tile(tl.program_id(0), Q, K, V, Out, Lse, Mask, AnyBad, Seed, tiles, rows, spans,
+                      extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sob, son,
+                      soh, sod, slb, sln, slh, smb, smn, smh, head_dim, scale_log2, check_rows,
+                      kv_heads, threshold, keep_scale, first_row, first_head, CAUSAL, HAS_MASK,
+                      PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, REPORT, PATTERNS,
+                      BLOCK_M, BLOCK_N, BLOCK_D)
 
 
 @triton.jit
@@ -407,7 +340,7 @@ def _forward_tile(
     tile, Q, K, V, Out, Lse, Mask, AnyBad, Seed, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, slb, sln, slh, smb, smn, smh,
-    head_dim, scale_log2, check_rows, kv_heads, threshold, keep_scale,
+    head_dim, scale_log2, check_rows, kv_heads, threshold, keep_scale, first_row, first_head,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
     POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr,
     REPORT: tl.constexpr, PATTERNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -433,27 +366,28 @@ def _forward_tile(
         start, stride, lo, hi, bias, extra_lo, extra_hi, bits, k_at, v_at, mask_at = _key_span(
             spans, s, cell, first, last, K, V, Mask, b, skb, skh, skd, svb, svh, svd, smb,
             smh, CAUSAL, BLOCK_D)
-        span_counts, span_bits = _span_selection(extras, extra_lo, extra_hi, lo, bits, EXTRAS,
-                                                 POW2_PERIODS, SPAN_COUNTS, PATTERNS, BLOCK_N)
+        span_counts, span_bits = span_selection(extras, extra_lo, extra_hi, lo, bits, EXTRAS,
+                                                POW2_PERIODS, SPAN_COUNTS, PATTERNS, BLOCK_N)
         # query tiles: the masked chunks are the last ones (full_lo is lo); a padding
         # mask masks every chunk (and the unmasked loop is not compiled: fewer registers)
         full_hi = lo
         if not HAS_MASK:
-            _, full_hi = _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL, False,
-                                          BLOCK_N)
+            _, full_hi = unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL, False,
+                                         BLOCK_N)
             for c in range(lo, full_hi, BLOCK_N):
                 m_i, l_i, acc, hit = _softmax_step(
                     q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                    extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i,
-                    acc, hit, span_bits, seed, b, head, threshold, keep_scale, False, CAUSAL,
-                    HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, PATTERNS,
-                    BLOCK_N)
+                    extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i, acc,
+                    hit, span_bits, seed, b, first_head + head, first_row, threshold, keep_scale,
+                    False, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS,
+                    NONFINITE, PATTERNS, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
             m_i, l_i, acc, hit = _softmax_step(
-                q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo,
-                extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i, acc,
-                hit, span_bits, seed, b, head, threshold, keep_scale, True, CAUSAL, HAS_MASK,
-                PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, PATTERNS, BLOCK_N)
+                q, t, row_ok, k_at, v_at, mask_at, extras, start, stride, c, hi, extra_lo, extra_hi,
+                span_counts, skn, svn, smn, d_ok, scale_log2, bias, m_i, l_i, acc, hit, span_bits,
+                seed, b, first_head + head, first_row, threshold, keep_scale, True, CAUSAL,
+                HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE, PATTERNS,
+                BLOCK_N)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     # natural log: (m + log2 l) * ln 2; a row that attends nothing: -inf
@@ -491,7 +425,7 @@ def _lse_log2(lse):
 @triton.jit
 def _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, start, stride, c,
              hi, extra_lo, extra_hi, span_counts, skn, svn, smn, d_ok, scale_log2, span_bits,
-             seed, b, head, threshold, keep_scale, MASKED: tl.constexpr,
+             seed, b, head, first_row, threshold, keep_scale, MASKED: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
              EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr,
              NONFINITE: tl.constexpr, PATTERNS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -510,20 +444,21 @@ def _dq_step(q, do, t, row_ok, lse, delta, dq, k_at, v_at, mask_at, extras, star
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if PATTERNS > 0:
         u = start + (c + tl.arange(0, BLOCK_N)) * stride
-        ds = (dropped(p, seed, b, head, t, u, bits, threshold, keep_scale, PATTERNS, False) * dp
+        ds = (dropped(p, seed, b, head, t + first_row, u + first_row, bits, threshold, keep_scale,
+                      PATTERNS, False) * dp
               - p * delta[:, None])
     else:
         ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_row", "first_head"])
 def fused_dq(
     Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, Seed, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh,
     sdqb, sdqn, sdqh, sdqd, smb, smn, smh,
-    head_dim, scale_log2, scale, threshold, keep_scale,
+    head_dim, scale_log2, scale, threshold, keep_scale, first_row, first_head,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DLSE: tl.constexpr,
     PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
     SPAN_COUNTS: tl.constexpr, PATTERNS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -533,12 +468,12 @@ def fused_dq(
     rows (the dK/dV kernels read it: the query tiles cover every (row, head) once).
 
     Delta has lse's strides."""
-    _dq_tile(tl.program_id(0), Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, Seed, tiles,
-             rows, spans, extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
-             sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh, sdqb,
-             sdqn, sdqh, sdqd, smb, smn, smh, head_dim, scale_log2, scale, threshold,
-             keep_scale, CAUSAL, HAS_MASK, HAS_DLSE, PRECISION, EXTRAS, POW2_PERIODS,
-             SPAN_COUNTS, False, PATTERNS, BLOCK_M, BLOCK_N, BLOCK_D)
+    _dq_tile(tl.program_id(0), Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, Seed, tiles, rows,
+             spans, extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sob, son,
+             soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh, sdqb, sdqn, sdqh,
+             sdqd, smb, smn, smh, head_dim, scale_log2, scale, threshold, keep_scale, first_row,
+             first_head, CAUSAL, HAS_MASK, HAS_DLSE, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS,
+             False, PATTERNS, BLOCK_M, BLOCK_N, BLOCK_D)
 
 
 @triton.jit
@@ -547,7 +482,7 @@ def _dq_tile(
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh,
     sdqb, sdqn, sdqh, sdqd, smb, smn, smh,
-    head_dim, scale_log2, scale, threshold, keep_scale,
+    head_dim, scale_log2, scale, threshold, keep_scale, first_row, first_head,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DLSE: tl.constexpr,
     PRECISION: tl.constexpr, EXTRAS: tl.constexpr, POW2_PERIODS: tl.constexpr,
     SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr, PATTERNS: tl.constexpr,
@@ -577,31 +512,31 @@ def _dq_tile(
             smh, CAUSAL, BLOCK_D)
         # the span's times on its logits (fused_forward): on the lse, once per span
         lse_span = lse - bias
-        span_counts, span_bits = _span_selection(extras, extra_lo, extra_hi, lo, bits, EXTRAS,
-                                                 POW2_PERIODS, SPAN_COUNTS, PATTERNS, BLOCK_N)
+        span_counts, span_bits = span_selection(extras, extra_lo, extra_hi, lo, bits, EXTRAS,
+                                                POW2_PERIODS, SPAN_COUNTS, PATTERNS, BLOCK_N)
         full_hi = lo  # as in fused_forward
         if not HAS_MASK:
-            _, full_hi = _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL, False,
-                                          BLOCK_N)
+            _, full_hi = unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL, False,
+                                         BLOCK_N)
             for c in range(lo, full_hi, BLOCK_N):
-                dq = _dq_step(q, do, t, row_ok, lse_span, delta, dq, k_at, v_at, mask_at,
-                              extras, start, stride, c, hi, extra_lo, extra_hi, span_counts,
-                              skn, svn, smn, d_ok, scale_log2, span_bits, seed, b, head, threshold,
-                              keep_scale, False, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
+                dq = _dq_step(q, do, t, row_ok, lse_span, delta, dq, k_at, v_at, mask_at, extras,
+                              start, stride, c, hi, extra_lo, extra_hi, span_counts, skn, svn, smn,
+                              d_ok, scale_log2, span_bits, seed, b, first_head + head, first_row,
+                              threshold, keep_scale, False, CAUSAL, HAS_MASK, PRECISION, EXTRAS,
                               POW2_PERIODS, SPAN_COUNTS, NONFINITE, PATTERNS, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
-            dq = _dq_step(q, do, t, row_ok, lse_span, delta, dq, k_at, v_at, mask_at, extras,
-                          start, stride, c, hi, extra_lo, extra_hi, span_counts, skn, svn, smn,
-                          d_ok, scale_log2, span_bits, seed, b, head, threshold, keep_scale, True,
-                          CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS,
-                          NONFINITE, PATTERNS, BLOCK_N)
+            dq = _dq_step(q, do, t, row_ok, lse_span, delta, dq, k_at, v_at, mask_at, extras, start,
+                          stride, c, hi, extra_lo, extra_hi, span_counts, skn, svn, smn, d_ok,
+                          scale_log2, span_bits, seed, b, first_head + head, first_row, threshold,
+                          keep_scale, True, CAUSAL, HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS,
+                          SPAN_COUNTS, NONFINITE, PATTERNS, BLOCK_N)
     _store_rows(dQ, dq * scale, b, t, row_ok, head, sdqb, sdqn, sdqh, sdqd, head_dim, BLOCK_D)
 
 
 @triton.jit
 def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, start, stride, c,
                hi, bias, extra_lo, extra_hi, span_counts, sqn, sdon, sln, d_ok, scale_log2,
-               span_bits, seed, b, head, threshold, keep_scale, MASKED: tl.constexpr,
+               span_bits, seed, b, head, first_row, threshold, keep_scale, MASKED: tl.constexpr,
                CAUSAL: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
                POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr,
                PATTERNS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -645,8 +580,8 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
     counts, bits = span_counts, span_bits
     if EXTRAS > 0:
         if not SPAN_COUNTS:
-            counts, bits = _selection(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS,
-                                      POW2_PERIODS, PATTERNS, BLOCK_N)
+            counts, bits = selection(extras, extra_lo, extra_hi, idx, span_bits, EXTRAS,
+                                     POW2_PERIODS, PATTERNS, BLOCK_N)
         p *= counts[None, :]
     if MASKED:
         valid = live[:, None] & q_ok[None, :]
@@ -654,7 +589,8 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
             valid &= u[:, None] <= t[None, :]
         p = tl.where(valid, p, 0.0)
     if PATTERNS > 0:
-        kept = dropped(p, seed, b, head, t, u, bits, threshold, keep_scale, PATTERNS, True)
+        kept = dropped(p, seed, b, head, t + first_row, u + first_row, bits, threshold, keep_scale,
+                       PATTERNS, True)
         dv = tl.dot(kept.to(do.dtype), do, dv, input_precision=PRECISION)
         dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds = kept * dp - p * delta[None, :]
@@ -668,27 +604,27 @@ def _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, sta
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_row", "first_head"])
 def fused_dkdv(
     Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Seed, tiles, rows, spans, extras,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sdob, sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd,
     sdvb, sdvn, sdvh, sdvd, smb, smn, smh,
-    head_dim, scale_log2, scale, threshold, keep_scale,
+    head_dim, scale_log2, scale, threshold, keep_scale, first_row, first_head,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
     POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, PATTERNS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dK, dV of key tiles, a program per tile. Delta has lse's strides."""
-    _dkdv_tile(tl.program_id(0), Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Seed, tiles, rows,
-               spans, extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sdob,
-               sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd, sdvb, sdvn, sdvh, sdvd,
-               smb, smn, smh, head_dim, scale_log2, scale, threshold, keep_scale, CAUSAL,
+    _dkdv_tile(tl.program_id(0), Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Seed, tiles, rows, spans,
+               extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sdob, sdon, sdoh,
+               sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd, sdvb, sdvn, sdvh, sdvd, smb, smn, smh,
+               head_dim, scale_log2, scale, threshold, keep_scale, first_row, first_head, CAUSAL,
                HAS_MASK, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, False, PATTERNS, BLOCK_M,
                BLOCK_N, BLOCK_D)
 
 
-@triton.jit(do_not_specialize=["num_query_tiles", "num_key_tiles"])
+@triton.jit(do_not_specialize=["num_query_tiles", "num_key_tiles", "first_row", "first_head"])
 def fused_backward_rule(
     Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, dK, dV, Mask, AnyBad, Seed,
     query_tiles, query_rows, query_spans, query_extras,
@@ -696,7 +632,8 @@ def fused_backward_rule(
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb, sdln, sdlh,
     sdqb, sdqn, sdqh, sdqd, sdkb, sdkn, sdkh, sdkd, sdvb, sdvn, sdvh, sdvd, smb, smn, smh,
-    head_dim, scale_log2, scale, threshold, keep_scale, num_query_tiles, num_key_tiles,
+    head_dim, scale_log2, scale, threshold, keep_scale, first_row, first_head, num_query_tiles,
+    num_key_tiles,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DLSE: tl.constexpr,
     PRECISION: tl.constexpr, PATTERNS: tl.constexpr, BLOCK_D: tl.constexpr,
     QUERY_EXTRAS: tl.constexpr, QUERY_POW2_PERIODS: tl.constexpr,
@@ -715,19 +652,19 @@ def fused_backward_rule(
         return
     for tile in range(tl.program_id(0), num_query_tiles, tl.num_programs(0)):
         _dq_tile(tile, Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Mask, Seed, query_tiles,
-                 query_rows, query_spans, query_extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd,
-                 svb, svn, svh, svd, sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh,
-                 sdlb, sdln, sdlh, sdqb, sdqn, sdqh, sdqd, smb, smn, smh, head_dim, scale_log2,
-                 scale, threshold, keep_scale, CAUSAL, HAS_MASK, HAS_DLSE, PRECISION,
-                 QUERY_EXTRAS, QUERY_POW2_PERIODS, QUERY_SPAN_COUNTS, True, PATTERNS,
+                 query_rows, query_spans, query_extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb,
+                 svn, svh, svd, sob, son, soh, sod, sdob, sdon, sdoh, sdod, slb, sln, slh, sdlb,
+                 sdln, sdlh, sdqb, sdqn, sdqh, sdqd, smb, smn, smh, head_dim, scale_log2, scale,
+                 threshold, keep_scale, first_row, first_head, CAUSAL, HAS_MASK, HAS_DLSE,
+                 PRECISION, QUERY_EXTRAS, QUERY_POW2_PERIODS, QUERY_SPAN_COUNTS, True, PATTERNS,
                  QUERY_BLOCK_M, QUERY_BLOCK_N, BLOCK_D)
     for tile in range(tl.program_id(0), num_key_tiles, tl.num_programs(0)):
         _dkdv_tile(tile, Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Seed, key_tiles, key_rows,
                    key_spans, key_extras, sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh,
                    svd, sdob, sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd, sdvb, sdvn,
                    sdvh, sdvd, smb, smn, smh, head_dim, scale_log2, scale, threshold, keep_scale,
-                   CAUSAL, HAS_MASK, PRECISION, KEY_EXTRAS, KEY_POW2_PERIODS, KEY_SPAN_COUNTS,
-                   True, PATTERNS, KEY_BLOCK_M, KEY_BLOCK_N, BLOCK_D)
+                   first_row, first_head, CAUSAL, HAS_MASK, PRECISION, KEY_EXTRAS, KEY_POW2_PERIODS,
+                   KEY_SPAN_COUNTS, True, PATTERNS, KEY_BLOCK_M, KEY_BLOCK_N, BLOCK_D)
 
 
 @triton.jit
@@ -736,7 +673,7 @@ def _dkdv_tile(
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sdob, sdon, sdoh, sdod, slb, sln, slh, sdkb, sdkn, sdkh, sdkd,
     sdvb, sdvn, sdvh, sdvd, smb, smn, smh,
-    head_dim, scale_log2, scale, threshold, keep_scale,
+    head_dim, scale_log2, scale, threshold, keep_scale, first_row, first_head,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXTRAS: tl.constexpr,
     POW2_PERIODS: tl.constexpr, SPAN_COUNTS: tl.constexpr, NONFINITE: tl.constexpr,
     PATTERNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -765,33 +702,33 @@ def _dkdv_tile(
         # lse and delta share their strides
         lse_at = Lse + b.to(tl.int64) * slb + head.to(tl.int64) * slh
         delta_at = Delta + b.to(tl.int64) * slb + head.to(tl.int64) * slh
-        span_counts, span_bits = _span_selection(extras, extra_lo, extra_hi, lo, bits, EXTRAS,
-                                                 POW2_PERIODS, SPAN_COUNTS, PATTERNS, BLOCK_N)
+        span_counts, span_bits = span_selection(extras, extra_lo, extra_hi, lo, bits, EXTRAS,
+                                                POW2_PERIODS, SPAN_COUNTS, PATTERNS, BLOCK_N)
         # a padding mask masks every chunk (the other loops are not compiled then)
         full_hi = lo
         if not HAS_MASK:
-            full_lo, full_hi = _unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL,
-                                                True, BLOCK_N)
+            full_lo, full_hi = unmasked_chunks(lo, hi, start, stride, first, last, CAUSAL,
+                                               True, BLOCK_N)
             if CAUSAL:
                 for c in range(lo, full_lo, BLOCK_N):
                     dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at,
-                                        extras, start, stride, c, hi, bias, extra_lo,
-                                        extra_hi, span_counts, sqn, sdon, sln, d_ok,
-                                        scale_log2, span_bits, seed, b, head, threshold,
+                                        extras, start, stride, c, hi, bias, extra_lo, extra_hi,
+                                        span_counts, sqn, sdon, sln, d_ok, scale_log2, span_bits,
+                                        seed, b, first_head + head, first_row, threshold,
                                         keep_scale, True, CAUSAL, PRECISION, EXTRAS, POW2_PERIODS,
                                         SPAN_COUNTS, NONFINITE, PATTERNS, BLOCK_N)
             for c in range(full_lo, full_hi, BLOCK_N):
-                dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at,
-                                    extras, start, stride, c, hi, bias, extra_lo, extra_hi,
-                                    span_counts, sqn, sdon, sln, d_ok, scale_log2, span_bits,
-                                    seed, b, head, threshold, keep_scale, False, CAUSAL,
-                                    PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE,
+                dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras,
+                                    start, stride, c, hi, bias, extra_lo, extra_hi, span_counts,
+                                    sqn, sdon, sln, d_ok, scale_log2, span_bits, seed, b,
+                                    first_head + head, first_row, threshold, keep_scale, False,
+                                    CAUSAL, PRECISION, EXTRAS, POW2_PERIODS, SPAN_COUNTS, NONFINITE,
                                     PATTERNS, BLOCK_N)
         for c in range(full_hi, hi, BLOCK_N):
-            dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras,
-                                start, stride, c, hi, bias, extra_lo, extra_hi, span_counts,
-                                sqn, sdon, sln, d_ok, scale_log2, span_bits, seed, b, head,
-                                threshold, keep_scale, True, CAUSAL, PRECISION, EXTRAS,
+            dk, dv = _dkdv_step(k, v, u, live, dk, dv, q_at, do_at, lse_at, delta_at, extras, start,
+                                stride, c, hi, bias, extra_lo, extra_hi, span_counts, sqn, sdon,
+                                sln, d_ok, scale_log2, span_bits, seed, b, first_head + head,
+                                first_row, threshold, keep_scale, True, CAUSAL, PRECISION, EXTRAS,
                                 POW2_PERIODS, SPAN_COUNTS, NONFINITE, PATTERNS, BLOCK_N)
     _store_rows(dK, dk * scale, b, u, row_ok, kv, sdkb, sdkn, sdkh, sdkd, head_dim, BLOCK_D)
     _store_rows(dV, dv, b, u, row_ok, kv, sdvb, sdvn, sdvh, sdvd, head_dim, BLOCK_D)

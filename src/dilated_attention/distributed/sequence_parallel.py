@@ -29,10 +29,11 @@ Memory: ``dilated-attention estimate`` measures this code itself, run on meta
 tensors with a fake process group (tools/estimate, Note [estimate]): no model
 of it to keep in step.
 
-Dropout (p > 0, blockwise kernel) replays the same masks in backward: every
-launch gets seed + rank * 2**32 + its launch id on the computing rank. The
-masks are NOT those of the single-device op (blocks are cut differently);
-only p = 0 equals the single device exactly.
+Dropout (p > 0) replays the same masks in backward: every launch gets seed +
+rank * 2**32 + its launch id on the computing rank (Note [dropout streams] in
+kernels.py). The launches' masks are NOT those of the single-device op (blocks
+are cut differently); a ``FusedPiece``'s are, for its pairs, under the same
+key (Note [fused dropout] in fused.py).
 """
 
 from __future__ import annotations
@@ -119,7 +120,9 @@ class FusedPiece:
     rows. `windows`: (first global row, local lo, local hi) each; a contiguous piece is one
     window, a zigzag rank's two chunks two (one where they touch). `crossing`: the plan's
     launches between two windows (a segment over both chunks), which run beside the fused
-    calls as the launches on received keys do (launches.forward_beside)."""
+    calls as the launches on received keys do (launches.forward_beside). `dropout`: the
+    fused kernels' (Note [fused dropout] in fused.py; each window's masks count from its
+    first row), drawn by the forward and kept for the backward."""
 
     patterns: Patterns
     heads: Heads
@@ -127,6 +130,7 @@ class FusedPiece:
     total: int
     windows: Tuple[Tuple[int, int, int], ...]
     crossing: Tuple[Launch, ...] = ()
+    dropout: Optional[fused.Dropout] = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def of(cls, patterns: Patterns, heads: Heads, documents: Documents, layout: Layout,
@@ -153,7 +157,7 @@ class FusedPiece:
             rows = slice(lo, hi)
             fused.forward(q[:, rows], k[:, rows], v[:, rows], self.patterns,
                           piece=(first, self.total), into=(out[:, rows], lse[:, rows]),
-                          **self._options(opts, key_mask, rows))
+                          dropout=self.dropout, **self._options(opts, key_mask, rows))
         return out, lse
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -165,7 +169,7 @@ class FusedPiece:
             fused.backward(dout[:, rows], q[:, rows], k[:, rows], v[:, rows], out[:, rows],
                            lse[:, rows], None if dlse is None else dlse[:, rows],
                            self.patterns, piece=(first, self.total),
-                           into=tuple(g[:, rows] for g in grads),
+                           into=tuple(g[:, rows] for g in grads), dropout=self.dropout,
                            **self._options(opts, key_mask, rows))
         return grads
 
@@ -227,6 +231,11 @@ class SequenceParallelDilatedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan, opts, group, key_mask, piece=None, kv_grad=True):
+        if piece is not None and opts.dropout_p > 0.0:
+            # the fused kernels' dropout key, drawn on the device (Note [fused dropout])
+            piece = dataclasses.replace(piece, dropout=fused.Dropout.of(
+                opts.dropout_p, len(piece.patterns[0]), fused.new_seed(q.device),
+                first_head=piece.heads.first))
         result = sp_forward(q, k, v, plan, opts, group, key_mask, piece)
         return save_for_backward(ctx, q, k, v, result,
                                  (plan, opts, group, key_mask, piece, kv_grad))
