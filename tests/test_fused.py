@@ -800,6 +800,67 @@ def test_a_zigzag_ranks_fused_piece() -> None:
         assert launch.keys.length == 8 and not launch.causal
 
 
+# k and v frozen on every rank: (op, segments, rates); a ring's case has one segment of n
+FROZEN_KV = [("exchange", (8, 16), (1, 2)), ("exchange", (8, 32), (1, 2)), ("ring", (32,), (1,))]
+
+
+def _frozen_kv_rank(group):
+    """Per FROZEN_KV call with k and v frozen on every rank: dq, and the names of the kernels
+    its backward launched."""
+    from unittest import mock
+
+    from dilated_attention import ring_attention, triton_launch
+    from dilated_attention.distributed import comm
+
+    rank, results = comm.group_rank(group), []
+    rows = slice(16 * rank, 16 * rank + 16)
+    launched, real = [], triton_launch.launcher
+
+    class Counted:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.kernel.fn.__name__)
+            return real(self.kernel)[grid]
+
+    for op, segments, rates in FROZEN_KV:
+        leaves, dout, _, _ = inputs(Case(32, segments, rates, True, h=4, hk=2))
+        q = leaves[0].detach()[:, rows].requires_grad_()
+        k, v = (x.detach()[:, rows] for x in leaves[1:])
+        triton_launch.forget()  # no recipe replays launches past the count
+        with mock.patch.object(triton_launch, "launcher", Counted):
+            if op == "ring":
+                out = ring_attention(q, k, v, is_causal=True, group=group, backend="triton")
+            else:
+                out = dilated_attention(q, k, v, list(segments), list(rates), is_causal=True,
+                                        group=group, backend="triton", strategy=op)
+            before = len(launched)
+            (dq,) = torch.autograd.grad(out, [q], dout[:, rows])
+        results.append((dq, launched[before:]))
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU tensors")
+def test_frozen_keys_and_values_launch_no_dkdv_kernel_under_a_group() -> None:
+    """k and v frozen on every rank: a FusedPiece's backward, the exchange's launches on
+    received keys (a segment across the ranks) and the ring's launches compute dq alone,
+    no dK/dV launch, dq equal to the reference's rows."""
+    from dist_harness import run_distributed
+
+    by_rank = run_distributed(_frozen_kv_rank, 2, timeout=300)
+    for i, (op, segments, rates) in enumerate(FROZEN_KV):
+        case = Case(32, segments, rates, True, h=4, hk=2)
+        leaves, dout, _, _ = inputs(case)
+        ref_leaves, ref_out, _ = reference(case, leaves, None)
+        (want,) = grads([ref_out], [dout.double()], ref_leaves[:1])
+        for rank in range(2):
+            dq, backward = by_rank[rank][i]
+            assert "fused_dq" in backward and "fused_dkdv" not in backward, (op, rank, backward)
+            close(dq, want[:, 16 * rank:16 * rank + 16], case.dtype, f"{op} {segments} {rank}")
+
+
 # Three ranks, the exchange with its own pairs fused: a dense segment over every rank (the
 # rotate rounds), a causal segment over two of them beside an empty piece, GQA in fp16
 THREE_RANKS = [

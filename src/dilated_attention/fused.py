@@ -390,14 +390,14 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
              heads: Heads, documents: Documents, key_mask: Optional[Tensor],
              piece: Optional[Tuple[int, int]] = None,
              nonfinite: Optional[Tensor] = None,
-             into: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
+             into: Optional[Tuple[Tensor, Optional[Tensor], Optional[Tensor]]] = None,
              kv_grad: bool = True, dropout: Optional[Dropout] = None
              ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """Gradients of `forward` from the final out and lse (dlse (b, n, h): the gradient of
     lse); with a `piece`, those of its pairs (rows and keys both in it); nonfinite: the
-    forward's check; into: (dq, dk, dv) to write, as `forward`'s. kv_grad False (k and v
-    frozen; not with `into`): dq alone, dk and dv None, no dK/dV kernel. dropout: the
-    forward's."""
+    forward's check; into: (dq, dk, dv) to write, as `forward`'s (dk, dv None: dq alone).
+    kv_grad False (k and v frozen; without `into`): dq alone, dk and dv None, no dK/dV
+    kernel. dropout: the forward's."""
     if dropout is not None and piece is not None:
         dropout = dropout._replace(first_row=piece[0])
     return _backward(dout, q, k, v, out, lse, dlse,
@@ -429,11 +429,12 @@ def dense_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
 
 def dense_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    dlse: Optional[Tensor], *, causal: bool, scale: float,
-                   key_mask: Optional[Tensor], dropout: Optional[Dropout] = None
-                   ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients of `dense_forward`, given the final (merged) out and lse."""
+                   key_mask: Optional[Tensor], dropout: Optional[Dropout] = None,
+                   kv_grad: bool = True) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Gradients of `dense_forward`, given the final (merged) out and lse; without
+    `kv_grad`, dq alone (as `backward`'s)."""
     return _backward(dout, q, k, v, out, lse, dlse, _dense_planner(q, k, causal), causal, scale,
-                     key_mask, None, dropout=dropout)
+                     key_mask, None, kv_grad=kv_grad, dropout=dropout)
 
 
 def _dense_planner(q: Tensor, k: Tensor, causal: bool) -> Planner:
@@ -504,8 +505,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, planner: Planner, causal: bool, sc
 def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               dlse: Optional[Tensor], planner: Planner, causal: bool, scale: float,
               mask: Optional[Tensor], nonfinite: Optional[Tensor],
-              into: Optional[Tuple[Tensor, Tensor, Tensor]] = None, kv_grad: bool = True,
-              dropout: Optional[Dropout] = None
+              into: Optional[Tuple[Tensor, Optional[Tensor], Optional[Tensor]]] = None,
+              kv_grad: bool = True, dropout: Optional[Dropout] = None
               ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     b, n, h, d = q.shape
     # in each input's layout where it is dense (what autograd's accumulation keeps as is);

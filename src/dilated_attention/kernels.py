@@ -235,13 +235,15 @@ def attention_backward(
     *,
     dlse: Optional[Tensor] = None,
     key_mask: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor, Tensor]:
+    kv_grad: bool = True,
+) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """Gradients (dq, dk, dv) of one block, given the final ``out``/``lse``.
 
     ``out`` and ``lse`` are the merged results of all blocks a query saw, so
     the softmax recomputed here is the global one restricted to this block.
     ``dlse`` (b, n, h), when given, is the gradient flowing into ``lse``;
-    ``key_mask`` as for `attention_forward`.
+    ``key_mask`` as for `attention_forward`. Without `kv_grad` (the caller drops dk and
+    dv) the fused kernel computes dq alone (dk, dv None); the others compute all three.
     """
     causal, scale, dropout_p, seed = opts.causal, opts.scale, opts.dropout_p, opts.seed
     # Grad mode is on inside a backward only under create_graph=True (double backward): then
@@ -253,7 +255,8 @@ def attention_backward(
     backend = "blockwise" if recorded else _launch_backend(opts, q, key_mask is not None)
     if backend == "triton":
         return fused.dense_backward(dout, q, k, v, out, lse, dlse, causal=causal, scale=scale,
-                                    key_mask=key_mask, dropout=_dense_dropout(opts, q.device))
+                                    key_mask=key_mask, dropout=_dense_dropout(opts, q.device),
+                                    kv_grad=kv_grad)
     dout, q, k, v, out = _unit_last_stride(dout, q, k, v, out)
     if key_mask is not None:
         # a query that sees no key anywhere (lse -inf) has probabilities exp(s - inf) = 0

@@ -693,7 +693,8 @@ def _backward_remote(saved, remote: RemoteKeys, blocks: Blocks, opts: KernelOpti
     for round_index, received in remote.keys():
         sent_back = []
         for transfer, buf, mask in received:
-            grad = torch.zeros(buf.shape, dtype=acc, device=buf.device)
+            # dK/dV go home only where some rank differentiates k or v
+            grad = torch.zeros(buf.shape, dtype=acc, device=buf.device) if remote.kv_grad else None
             for launch in transfer.launches:
                 g = launch.heads
                 q_sel = (launch.queries, g.q_heads, g.q_index, g.q_stride)
@@ -703,15 +704,16 @@ def _backward_remote(saved, remote: RemoteKeys, blocks: Blocks, opts: KernelOpti
                     opts.for_launch(launch.id, causal=False),
                     dlse=None if dlse is None else gather(dlse, *q_sel),
                     key_mask=None if mask is None else _remote_block(mask, launch),
+                    kv_grad=remote.kv_grad,
                 )
                 _scatter_into(blocks, launch.q_block, launch.q_split, Kind.DQ, q_sel, dq_g)
                 # (b, kv_rows, hkv, d) -> the pair-major columns of the wire format
-                for i, dx in enumerate((dk_g, dv_g)):
+                for i, dx in enumerate((dk_g, dv_g) if remote.kv_grad else ()):
                     _remote_block(grad[i], launch).add_(dx)
                 del dq_g, dk_g, dv_g
             sent_back.append(grad)
             del buf, mask
-        if remote.kv_grad:  # else no rank needs them: they stay here, and are dropped
+        if remote.kv_grad:  # else no rank needs them
             for transfer, home in remote.send_home(round_index, sent_back):
                 _add_home(home, transfer, blocks)
         del sent_back

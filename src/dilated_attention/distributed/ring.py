@@ -446,7 +446,7 @@ def _unit_backward(launches, k: Tensor, v: Tensor, dout: Tensor, q: Tensor, out:
         dq_b, dk_b, dv_b = attention_backward(
             dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, rows],
             dataclasses.replace(opts, causal=causal),
-            dlse=None if dlse is None else dlse[:, rows],
+            dlse=None if dlse is None else dlse[:, rows], kv_grad=kv_grad,
         )
         dq[:, rows] += dq_b
         if kv_grad:

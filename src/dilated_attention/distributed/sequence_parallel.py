@@ -162,16 +162,21 @@ class FusedPiece:
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                  lse: Tensor, dlse: Optional[Tensor], opts: KernelOptions,
-                 key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
-        grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+                 key_mask: Optional[Tensor], kv_grad: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
+        """dq, dk, dv of the rank's own pairs; without `kv_grad` (no rank differentiates k or
+        v) dq alone, no dK/dV kernel, and dk, dv zeros for the launches beside to add what
+        is then dropped."""
+        dq = torch.empty_like(q)
+        dk, dv = ((torch.empty_like(k), torch.empty_like(v)) if kv_grad
+                  else (torch.zeros_like(k), torch.zeros_like(v)))
         for first, lo, hi in self.windows:
             rows = slice(lo, hi)
+            into = (dq[:, rows], *((dk[:, rows], dv[:, rows]) if kv_grad else (None, None)))
             fused.backward(dout[:, rows], q[:, rows], k[:, rows], v[:, rows], out[:, rows],
                            lse[:, rows], None if dlse is None else dlse[:, rows],
-                           self.patterns, piece=(first, self.total),
-                           into=tuple(g[:, rows] for g in grads), dropout=self.dropout,
-                           **self._options(opts, key_mask, rows))
-        return grads
+                           self.patterns, piece=(first, self.total), into=into,
+                           dropout=self.dropout, **self._options(opts, key_mask, rows))
+        return dq, dk, dv
 
     def own_keys(self, k: Tensor, v: Tensor,
                  key_mask: Optional[Tensor]) -> Optional[launches.OwnKeys]:
@@ -220,7 +225,8 @@ def sp_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
     if piece is None:
         return launches.backward(dout, q, k, v, out, lse, plan, opts, dlse=dlse,
                                  key_mask=key_mask, remote=exchange)
-    own = functools.partial(piece.backward, dout, q, k, v, out, lse, dlse, opts, key_mask)
+    own = functools.partial(piece.backward, dout, q, k, v, out, lse, dlse, opts, key_mask,
+                            kv_grad)
     return launches.backward_beside(dout, q, out, lse, plan, opts, own, exchange, dlse=dlse,
                                     local=piece.own_keys(k, v, key_mask))
 
