@@ -925,14 +925,34 @@ def _on_a_mesh(group, case):
                                      list(case.dilation_rates), is_causal=case.causal,
                                      group=mesh, return_lse=True, backend="triton")
         got = grads([out, lse], [dout[:, lo:hi], dlse[:, :, lo:hi]], [q, k, v])
-    return piece, (out, lse) + got, ran["op"]
+    return piece, (out, lse) + got, ran["op"], _dropout_on_a_mesh(mesh, piece)
+
+
+def _dropout_on_a_mesh(mesh, piece: int):
+    """With dropout, pieces of 8 rows and segments inside each sequence rank's 16: the
+    fused pieces count from their first row and head (Note [fused dropout]), so out and
+    the gradients are one device's under the same torch.manual_seed (max differences)."""
+    case = Case(32, (8, 16), (1, 2), True, h=4, hk=2)
+    leaves, dout, _, _ = inputs(case)
+    rows = slice(8 * piece, 8 * piece + 8)
+
+    def run(x, group, dout):
+        torch.manual_seed(7)
+        out = dilated_attention(*x, [8, 16], [1, 2], is_causal=True, dropout_p=0.3,
+                                group=group, backend="triton")
+        return (out, *torch.autograd.grad(out, x, dout))
+
+    want = run([x.detach().requires_grad_() for x in leaves], None, dout)
+    got = run([x.detach()[:, rows].requires_grad_() for x in leaves], mesh, dout[:, rows])
+    return [float((g - w[:, rows]).abs().max()) for g, w in zip(got, want)]
 
 
 @pytest.mark.distributed
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU tensors")
 def test_a_mesh_runs_each_ranks_own_pairs_fused() -> None:
     """Ulysses x the exchange: each rank's heads over its sequence group, its own pairs in
-    one fused call beside the received keys; every rank's rows equal the fp64 reference."""
+    one fused call beside the received keys; every rank's rows equal the fp64 reference.
+    With dropout, where no segment crosses a sequence rank, one device's call."""
     from dist_harness import run_distributed
 
     case = Case(sum(MESH_LENGTHS), (8, 24), (1, 2), True)
@@ -940,8 +960,9 @@ def test_a_mesh_runs_each_ranks_own_pairs_fused() -> None:
     ref_leaves, ref_out, ref_lse = reference(case, leaves, None)
     want = (ref_out, ref_lse) + grads([ref_out, ref_lse], [dout.double(), dlse.double()],
                                       ref_leaves)
-    for piece, got, fused_calls in run_distributed(_on_a_mesh, 4, case, timeout=300):
+    for piece, got, fused_calls, dropout in run_distributed(_on_a_mesh, 4, case, timeout=300):
         assert fused_calls == 1, (piece, fused_calls)
+        assert max(dropout) < 1e-5, (piece, dropout)
         lo, hi = sum(MESH_LENGTHS[:piece]), sum(MESH_LENGTHS[:piece + 1])
         _check_rows(got, want, slice(lo, hi), torch.float32, f"piece {piece}")
 

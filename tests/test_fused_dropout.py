@@ -266,12 +266,12 @@ def test_a_launch_draws_one_pattern_under_its_own_seed() -> None:
 
 
 # Sequence-parallel calls with backend "triton" and dropout on two gloo ranks: (strategy,
-# segments, rates). Ulysses' ranks compute the whole op for their heads, the exchange's own
-# pairs run in fused calls: where no segment crosses the ranks, both equal the one-device
-# call under the same torch.manual_seed. Crossing segments add launches on received keys.
+# segments, rates). Ulysses' ranks compute the whole op for their heads: the one-device
+# call under the same torch.manual_seed. Segments across the ranks add the exchange's
+# launches on received keys. (The exchange's own pairs where no segment crosses the ranks,
+# on a 2 x 2 mesh: tests/test_fused.py's test_a_mesh_runs_each_ranks_own_pairs_fused.)
 SHARDED_DROPOUT = {
     "ulysses": ("ulysses", (8, 16), (1, 2)),
-    "exchange-own-pairs": ("exchange", (8, 16), (1, 2)),
     "exchange-crossing": ("exchange", (8, 32), (1, 2)),
 }
 
@@ -315,8 +315,8 @@ def _sharded_dropout(group):
 @pytest.mark.distributed
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU tensors")
 def test_sequence_parallel_calls_apply_the_fused_dropout() -> None:
-    """Sharded equals one device where no segment crosses the ranks; where one does, the
-    masks replay (the backward's are the forward's: the derivative along q matches central
+    """Ulysses equals one device; where a segment crosses the ranks, the exchange's masks
+    replay (the backward's are the forward's: the derivative along q matches central
     differences) and the launches on received keys drop too (p = 0.999 leaves few rows
     any key; launches without dropout leave all of rank 1's)."""
     ranks = run_distributed(_sharded_dropout, 2, timeout=600)
