@@ -324,8 +324,9 @@ class LiveBytes(TorchDispatchMode):
     Views share their base's storage and add nothing.
 
     Shapes only, so cheaper (`reuse`): many meta kernels of elementwise ops are
-    Python decompositions (``logaddexp`` took 5-20 ms a call here), and a dry
-    run repeats the same merge thousands of times. An elementwise op or an index
+    Python decompositions (``logaddexp`` took 5-20 ms a call here, and ``merge.merge_``
+    skips it on meta tensors: it allocates nothing), and a dry run repeats the same
+    merge thousands of times. An elementwise op or an index
     read on meta tensors whose call (shapes, strides, dtypes, other arguments)
     was seen before gets a new tensor of the output metadata seen then (or, in
     place, its input back), without running the meta kernel again: what the
