@@ -12,7 +12,8 @@ first) and ``results[r]`` is rank r's.
 
 One spawn costs seconds, so `fn` should loop over many cases and return a
 list of per-case results. Inside `fn`, ``subgroup(ranks)`` creates a
-subgroup (every rank must call it; non-members get None).
+subgroup (every rank must call it; non-members get None). Tests whose functions
+need the same world size share one spawn through ``SharedSpawn``.
 
 Any failure (an exception in any rank, a crashed rank, the deadline) kills
 the remaining ranks and raises ``RankFailure`` with every traceback the
@@ -22,7 +23,7 @@ ranks managed to report.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -86,3 +87,29 @@ def run_distributed(
     except launch.LaunchFailed as exc:
         # the test report shows every rank's traceback, not just the summaries
         raise RankFailure(exc.details()) from None
+
+
+def run_each(group, parts: Sequence[Tuple]) -> List[Any]:
+    """Each ``(fn, *args)`` of `parts` on this rank, in turn: their results (SharedSpawn)."""
+    return [fn(group, *args) for fn, *args in parts]
+
+
+class SharedSpawn:
+    """One spawn per world size for the rank functions of several tests (one spawn costs
+    seconds): ``parts[world]`` lists their ``(fn, *args)``, run in that order on the same
+    ranks; ``results(world, fn, *args)`` is every rank's result of one of them, from the
+    spawn made at the first call for `world` (a failed spawn is not kept: the next test
+    spawns again and reports its own traceback)."""
+
+    def __init__(self, parts: Dict[int, Sequence[Tuple]], timeout: float = 600.0,
+                 pg_timeout: float = PG_TIMEOUT_S) -> None:
+        self.parts, self.timeout, self.pg_timeout = parts, timeout, pg_timeout
+        self._by_world: Dict[int, List[List[Any]]] = {}
+
+    def results(self, world: int, fn: Callable, *args: Any) -> List[Any]:
+        if world not in self._by_world:
+            self._by_world[world] = run_distributed(run_each, world, self.parts[world],
+                                                    timeout=self.timeout,
+                                                    pg_timeout=self.pg_timeout)
+        index = list(self.parts[world]).index((fn, *args))
+        return [ranks[index] for ranks in self._by_world[world]]

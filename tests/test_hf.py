@@ -38,7 +38,7 @@ from dilated_attention.integrations.transformers import (causal_lm_loss, causal_
 from dilated_attention.integrations.transformers.generation import cache_keyword
 from dilated_attention.integrations.transformers.masks import (CAUSAL, PackedDocuments, Window,
                                                                 build_mask)
-from dist_harness import error_of, run_distributed, subgroup
+from dist_harness import SharedSpawn, error_of, subgroup
 
 TOL = dict(rtol=0, atol=1e-10)
 VOCAB = 61
@@ -902,7 +902,7 @@ def _example():
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
 def test_sequence_parallel_equals_one_process(world):
-    outputs = run_distributed(_sp_rank, world, timeout=300.0)
+    outputs = SPAWNS.results(world, _sp_rank)
     for results, error, (sharded, single), generated, windows in outputs:
         assert all(torch.equal(a, b) for a, b in zip(generated, outputs[0][3]))
         torch.testing.assert_close(torch.tensor(sharded), torch.tensor(single), **TOL)
@@ -1307,7 +1307,7 @@ def _beam_search_refused(group):
 
 @pytest.mark.distributed
 def test_sharded_generation_refuses_beam_search_before_the_prefill():
-    assert run_distributed(_beam_search_refused, 2, timeout=200) == [[0, 0, 0]] * 2
+    assert SPAWNS.results(2, _beam_search_refused) == [[0, 0, 0]] * 2
 
 
 # causal_lm_parts refuses every model that transforms its logits after lm_head, scales
@@ -1487,7 +1487,7 @@ def _sampling_seeded_differently(group):
 def test_sharded_sampling_refuses_ranks_seeded_differently():
     """Sampling draws from torch's random state on every rank: ranks seeded differently
     raise on every rank instead of generating different text."""
-    assert run_distributed(_sampling_seeded_differently, 2, timeout=200) == [True, True]
+    assert SPAWNS.results(2, _sampling_seeded_differently) == [True, True]
 
 
 # --------------------------------------------------------------------------
@@ -2077,7 +2077,7 @@ def _encoder_rank(group):
 
 @pytest.mark.distributed
 def test_sequence_parallel_encoders_equal_one_process():
-    for rank_results in run_distributed(_encoder_rank, 2, timeout=300.0):
+    for rank_results in SPAWNS.results(2, _encoder_rank):
         for case, ours, ref, mask, our_grads, ref_grads in rank_results:
             real = mask.bool()
             torch.testing.assert_close(ours[real], ref[real], **TOL, msg=lambda m: f"{case}: {m}")
@@ -2151,7 +2151,7 @@ def test_sequence_parallel_packed_encoders_equal_one_process():
     """Packed documents under sequence parallelism, P = 2 and 3, equal one process (which, with
     the dense pattern, equals sdpa on each document alone): a document start inside a rank's
     piece, starts at borders between pieces, documents across borders, uneven pieces."""
-    results = run_distributed(_packed_encoder_rank, 3, timeout=300.0)
+    results = SPAWNS.results(3, _packed_encoder_rank)
     found = {(world, case): result for rank_results in results
              for world, case, result in rank_results if world < 2}
     alone = [case for world, case in found if world == 0]
@@ -2210,8 +2210,7 @@ def test_sequence_parallel_bert_compiles_with_inductor():
     """torch.compile (inductor) of a model whose backend has a group, on 2 ranks: its attention
     calls run eagerly (graph breaks), the rest compiled; hidden states and gradients equal
     eager's."""
-    for (ref, ref_grads), (ours, our_grads) in run_distributed(_compiled_encoder_rank, 2,
-                                                               timeout=300.0):
+    for (ref, ref_grads), (ours, our_grads) in SPAWNS.results(2, _compiled_encoder_rank):
         torch.testing.assert_close(ours, ref, **TOL)
         assert_grads_equal(our_grads, ref_grads)
 
@@ -2284,7 +2283,7 @@ def _mask_one_row_short(group, odd: bool) -> str:
 
 
 def test_a_value_on_one_rank_only_is_an_error_on_every_rank():
-    results = run_distributed(_one_rank_differs, 2, timeout=90)
+    results = SPAWNS.results(2, _one_rank_differs)
     for result in results:
         for key, name in (("loss_dtype", "'outputs.dtype'"), ("loss_vocab", "'vocab'")):
             assert result[key].startswith(f"ValueError: ranks disagree on {name}"), result
@@ -2311,7 +2310,17 @@ def test_causal_lm_loss_refuses_bad_targets_on_every_rank():
             with pytest.raises(ValueError, match=rf"targets must be ids in \[0, {VOCAB}\) or "
                                                  rf"-100 \(ignored\), got {bad}"):
                 causal_lm_loss(outputs, targets, None, **kwargs)
-    for rank, errors in enumerate(run_distributed(_bad_targets_rank, 2, timeout=60)):
+    for rank, errors in enumerate(SPAWNS.results(2, _bad_targets_rank)):
         for error in errors:
             assert error.startswith("ValueError"), error
             assert ("got -1" if rank == 0 else "failed on another rank") in error, error
+
+
+# One spawn per world size for every rank function above (each rank imports transformers:
+# seconds a spawn), in this order on the same ranks; the sampling case reseeds each rank's
+# generator differently: it runs last.
+SPAWNS = SharedSpawn({
+    2: [(_sp_rank,), (_encoder_rank,), (_compiled_encoder_rank,), (_beam_search_refused,),
+        (_one_rank_differs,), (_bad_targets_rank,), (_sampling_seeded_differently,)],
+    3: [(_sp_rank,), (_packed_encoder_rank,)],
+})
