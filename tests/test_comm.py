@@ -14,7 +14,7 @@ import torch
 
 from dilated_attention.distributed import comm
 from dilated_attention.distributed.comm import counting
-from dist_harness import RankFailure, run_distributed, subgroup
+from dist_harness import RankFailure, SharedSpawn, run_distributed, subgroup
 
 
 def test_local_group_is_size_one():
@@ -140,7 +140,7 @@ def _comm_cases(group):
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
 def test_comm_on_gloo(world):
-    results = run_distributed(_comm_cases, world, timeout=120)
+    results = SPAWNS.results(world, _comm_cases)
     lens = [2 + r for r in range(world)]
     for rank, res in enumerate(results):
         assert res["agree_ns"] == [10 + r for r in range(world)]
@@ -268,7 +268,7 @@ def _outside_the_group(group):
 
 @pytest.mark.distributed
 def test_a_rank_outside_the_group_raises_naming_group():
-    _, errors = run_distributed(_outside_the_group, 2)
+    _, errors = SPAWNS.results(2, _outside_the_group)
     for error in errors:
         assert error.startswith("ValueError: group: this rank (global rank 1) is not a member")
 
@@ -287,7 +287,7 @@ def _agree_types(group):
 
 @pytest.mark.distributed
 def test_agree_tells_equal_values_of_different_types_apart():
-    for res in run_distributed(_agree_types, 2, timeout=60):
+    for res in SPAWNS.results(2, _agree_types):
         assert "ranks disagree on 'x'" in res[0], res
         assert "ranks disagree on 'flag'" in res[1], res
 
@@ -330,7 +330,7 @@ def _agree_payloads(group):
 
 @pytest.mark.distributed
 def test_an_agreement_is_one_all_gather_unless_a_payload_outgrows_its_slot():
-    for res, fill in run_distributed(_agree_payloads, 2, timeout=60):
+    for res, fill in SPAWNS.results(2, _agree_payloads):
         slot = 4096
         assert res[0] == (1, [10, 11], {"x"})
         assert res[1] == (2, [fill, fill + 1], {"x"})
@@ -350,7 +350,7 @@ def _all_reduce_bytes(group):
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_reduce_counts_the_ring_algorithms_bytes(world):
-    for got in run_distributed(_all_reduce_bytes, world, timeout=60):
+    for got in SPAWNS.results(world, _all_reduce_bytes):
         assert got == 2 * (world - 1) * 4000 // world
 
 
@@ -369,3 +369,12 @@ def test_spawn_kills_the_other_ranks_after_the_grace():
     with pytest.raises(launch.LaunchFailed, match="boom on rank zero"):
         launch.spawn(_fails_at_once_or_sleeps, 2, timeout=90, grace=2)
     assert time.monotonic() - t0 < 25
+
+
+# One spawn per world size for the rank functions above that return (the harness's own
+# failure tests spawn alone), in this order on the same ranks
+SPAWNS = SharedSpawn({
+    2: [(_comm_cases,), (_outside_the_group,), (_agree_types,), (_agree_payloads,),
+        (_all_reduce_bytes,)],
+    3: [(_comm_cases,), (_all_reduce_bytes,)],
+})
