@@ -9,7 +9,6 @@ counted exactly.
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from dilated_attention.tools import launch
 from dilated_attention.distributed import strategy as strategies
 from dilated_attention.distributed.ulysses import HeadSplit
 from dilated_attention.plan import Layout
-from dist_harness import run_distributed
+from dist_harness import SharedSpawn
 
 B, D = 2, 4
 
@@ -152,7 +151,7 @@ def _ulysses_ranks(group, world):
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ulysses_equals_one_process(world: int) -> None:
-    outputs = run_distributed(_ulysses_ranks, world, world, timeout=240)
+    outputs = SPAWNS.results(world, _ulysses_ranks, world)
     cases = [(case, extra) for case in ULYSSES_CASES[world]
              for extra in ({}, _extras(case))]
     for index, (case, extra) in enumerate(cases):
@@ -227,7 +226,7 @@ def test_ulysses_sends_no_gradient_that_no_rank_needs() -> None:
     case = ULYSSES_CASES[2][0]
     lengths, _, _, _, h, hk = case
     want = _single("dilated", case, 0)
-    outputs = run_distributed(_frozen_ranks, 2, timeout=120)
+    outputs = SPAWNS.results(2, _frozen_ranks)
     for rank, results in enumerate(outputs):
         lo, hi = sum(lengths[:rank]), sum(lengths[:rank + 1])
         for requires, got in zip(FROZEN, results):
@@ -274,7 +273,7 @@ def _mesh_ranks(group):
 
 @pytest.mark.distributed
 def test_two_dimensional_mesh_equals_one_process() -> None:
-    outputs = run_distributed(_mesh_ranks, 4, timeout=240)
+    outputs = SPAWNS.results(4, _mesh_ranks)
     index = 0
     for i, case in enumerate(MESH_CASES):
         for op in ("dilated", "ring"):
@@ -414,7 +413,7 @@ def _models_on_a_mesh(group, shape):
 @pytest.mark.distributed
 @pytest.mark.parametrize("shape", [(2, 2), (4, 1)])
 def test_models_on_a_device_mesh_equal_one_process(shape) -> None:
-    results = run_distributed(_models_on_a_mesh, 4, shape, timeout=240)
+    results = SPAWNS.results(4, _models_on_a_mesh, shape)
     assert all(r == ["lm", "lm", "encdec", "packed"] for r in results)
 
 
@@ -448,7 +447,7 @@ def _gr4_rank(group):
 @pytest.mark.distributed
 def test_a_mesh_dimension_of_one_rank_is_dropped():
     want = dilated_attention(*_gr4_inputs(), [8, 16], [1, 2], is_causal=True)
-    for res in run_distributed(_gr4_rank, 2, timeout=200):
+    for res in SPAWNS.results(2, _gr4_rank):
         for shape, (is_grid, piece, out, agreements) in res.items():
             assert is_grid == (shape == (2, 1)), shape  # (1, 2): the sequence group itself
             assert agreements == 1, (shape, agreements)
@@ -490,7 +489,7 @@ def test_auto_keeps_the_exchange_when_the_heads_do_not_split(h, hk):
 
 
 # sum_across_ranks, all_reduce_gradients' agreement and a 2-D mesh's refusal of the
-# exchange: one spawn of 4 gloo ranks for the three tests below
+# exchange: the three tests below read one rank function's results
 
 
 def _contracts_rank(group):
@@ -533,11 +532,8 @@ def _contracts_rank(group):
     return out
 
 
-@functools.lru_cache(maxsize=None)
 def _contracts():
-    from dist_harness import run_distributed
-
-    return run_distributed(_contracts_rank, 4, timeout=180)
+    return SPAWNS.results(4, _contracts_rank)
 
 
 @pytest.mark.distributed
@@ -567,3 +563,12 @@ def test_exchange_on_a_two_dimensional_mesh_is_refused():
     for result in _contracts():
         message = result["mesh_exchange"]
         assert message.startswith("ValueError") and "one-dimensional group" in message, message
+
+
+# One spawn per world size for every rank function above, in this order on the same ranks
+SPAWNS = SharedSpawn({
+    2: [(_ulysses_ranks, 2), (_frozen_ranks,), (_gr4_rank,)],
+    3: [(_ulysses_ranks, 3)],
+    4: [(_ulysses_ranks, 4), (_mesh_ranks,), (_models_on_a_mesh, (2, 2)),
+        (_models_on_a_mesh, (4, 1)), (_contracts_rank,)],
+})
