@@ -21,7 +21,7 @@ from dilated_attention.models.generation import Sampling, decode_token, prefill,
 from dilated_attention.models.layers import Positions
 from dilated_attention.distributed.sharding import shard_sequence
 
-from dist_harness import run_distributed
+from dist_harness import SharedSpawn, run_distributed
 
 SMALL = dict(vocab_size=23, embed_dim=24, num_heads=6, ffn_dim=32, num_layers=2,
              num_encoder_layers=2, segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4))
@@ -699,7 +699,7 @@ def _generation_rank(group):
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharded_generation_equals_one_process(world_size):
-    results = run_distributed(_generation_rank, world_size, timeout=300)
+    results = SPAWNS.results(world_size, _generation_rank)
     for ids, _ in results[1:]:  # every rank returns the same ids
         assert all(torch.equal(a, b) for a, b in zip(ids, results[0][0]))
     assert all(len(errors) == 6 for _, errors in results)
@@ -734,7 +734,7 @@ def _fsdp_generation(group):
 
 @pytest.mark.distributed
 def test_generate_refuses_fsdp2_sharded_parameters():
-    assert run_distributed(_fsdp_generation, 2, timeout=120) == [True, True]
+    assert SPAWNS.results(2, _fsdp_generation) == [True, True]
 
 
 # ---------------------------------------------------------------------------
@@ -849,7 +849,7 @@ def _rank_main(group, with_example: bool):
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sequence_parallel_training_step_equals_one_process(world_size):
-    results = run_distributed(_rank_main, world_size, world_size == 2, timeout=240)
+    results = SPAWNS.results(world_size, _rank_main, world_size == 2)
     assert all(len(r["cases"]) == 11 for r in results)
 
 
@@ -1006,3 +1006,11 @@ def test_encoder_decoder_checks_the_source_against_learned_positions():
     src, tgt = torch.zeros(1, 20, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)
     with pytest.raises(ValueError, match="positions up to 19 exceed max_seq_len=16"):
         model(src, tgt)
+
+
+# One spawn per world size for the rank functions above that run under the default group
+# timeout, in this order on the same ranks (FSDP2 last: it shards its own model only)
+SPAWNS = SharedSpawn({
+    2: [(_generation_rank,), (_rank_main, True), (_fsdp_generation,)],
+    3: [(_generation_rank,), (_rank_main, False)],
+})
