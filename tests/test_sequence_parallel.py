@@ -10,7 +10,6 @@ dk, dv with the single-process op on the concatenated sequence in float64.
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from typing import Dict
@@ -24,7 +23,7 @@ from dilated_attention.distributed import comm
 from dilated_attention.distributed.sharding import piece_ranges
 from dilated_attention.plan import Layout, make_plan
 from dilated_attention.patterns import Heads
-from dist_harness import run_distributed, subgroup
+from dist_harness import SharedSpawn, subgroup
 from reference import reference_dilated_attention
 
 # --------------------------------------------------------------------------
@@ -238,10 +237,9 @@ def _dropout_case(group):
     }
 
 
-@functools.lru_cache(maxsize=None)
 def _spawn(world):
-    """One spawn per world size, shared by all the tests below."""
-    return run_distributed(_spawned_cases, world, world, timeout=240)
+    """One spawn per world size, shared by all the tests below (SPAWNS)."""
+    return SPAWNS.results(world, _spawned_cases, world)
 
 
 def _cat(results, key, dim=1):
@@ -401,7 +399,7 @@ def test_exchange_in_bf16_when_a_rank_receives_no_keys():
     out = dilated_attention(q, k, v, (16,), (1,), is_causal=True)
     (out.float() * dout.float()).sum().backward()
     want = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
-    results = run_distributed(_q4_rank, 2, timeout=90)
+    results = SPAWNS.results(2, _q4_rank)
     for rank, got in enumerate(results):
         lo = sum(Q4_LENGTHS[:rank])
         for name, ref in want.items():
@@ -457,7 +455,7 @@ def test_frozen_keys_and_values_send_no_dkv():
     (as many bytes as the key rows) go home too: each fetched part once (the exchange, the
     halos), every piece through every rank (the ring: P hops for dK/dV)."""
     lengths, _, _, _, h, hk = FROZEN_CASE
-    outputs = run_distributed(_frozen_ranks, 2, timeout=120)
+    outputs = SPAWNS.results(2, _frozen_ranks)
     for op, _ in FROZEN_OPS:
         q, k, v, dout, dlse = _inputs(lengths, h, hk, 0)
         q.requires_grad_()
@@ -481,3 +479,11 @@ def test_frozen_keys_and_values_send_no_dkv():
             assert saved == [fetched, fetched], (op, saved, fetched)
         else:  # each fetched part's dK/dV go home once
             assert sum(saved) == fetched, (op, saved, fetched)
+
+
+# One spawn per world size for every rank function above, in this order on the same ranks
+SPAWNS = SharedSpawn({
+    2: [(_spawned_cases, 2), (_q4_rank,), (_frozen_ranks,)],
+    3: [(_spawned_cases, 3)],
+    4: [(_spawned_cases, 4)],
+})
