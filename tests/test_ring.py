@@ -18,7 +18,7 @@ from dilated_attention import ring_attention
 from dilated_attention.distributed.ring import RingAttentionFunction, RingSizes, ring_forward
 from dilated_attention.distributed.sharding import piece_lengths
 from dilated_attention.kernels import KernelOptions
-from dist_harness import case_ranges, error_of, rows_of, run_distributed, subgroup
+from dist_harness import SharedSpawn, case_ranges, error_of, rows_of, subgroup
 from reference import grads, reference_attention
 
 
@@ -201,7 +201,7 @@ def _check_case(case: Dict, world: int, rank: int, got: Dict,
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_matches_single_process(world):
     cases = _cases(world)
-    results = run_distributed(_ring_cases, world, cases, timeout=240)
+    results = SPAWNS.results(world, _ring_cases, cases)
     # once per case, not per rank: the longest case's takes seconds
     references = [_reference(case) for case in cases]
     sub_references = [_reference(case) for case in _sub_cases(world - 1)] if world >= 3 else []
@@ -341,8 +341,16 @@ def _ring_arguments_checked(group):
 
 @pytest.mark.distributed
 def test_ring_checks_its_lengths_and_sizes_on_every_rank():
-    for result in run_distributed(_ring_arguments_checked, 2, timeout=120):
+    for result in SPAWNS.results(2, _ring_arguments_checked):
         msg, secs = result["lengths"]
         assert msg.startswith("ValueError") and "lengths [6, 6]" in msg and secs < 10, msg
         msg, secs = result["sizes"]
         assert msg.startswith("TypeError") and "sizes must be a RingSizes" in msg, msg
+
+
+# One spawn per world size for the rank functions above, in this order on the same ranks
+SPAWNS = SharedSpawn({
+    2: [(_ring_cases, _cases(2)), (_ring_arguments_checked,)],
+    3: [(_ring_cases, _cases(3))],
+    4: [(_ring_cases, _cases(4))],
+})
