@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dilated_attention import dilated_attention, ring_attention
+from dist_harness import SharedSpawn
 
 
 def names(*parts: str) -> str:
@@ -504,9 +505,7 @@ def _gradient_reductions(group, rank: int) -> dict:
 
 @pytest.mark.distributed
 def test_errors_reach_every_rank_and_name_the_argument() -> None:
-    from dist_harness import run_distributed
-
-    results = run_distributed(_errors_across_ranks, 2, timeout=120, pg_timeout=60.0)
+    results = SPAWNS.results(2, _errors_across_ranks)
     own, other = results[1]["cuda_backend"], results[0]["cuda_backend"]
     assert re.search(names("ValueError", "'cuda_flash'", "CUDA", "got cpu"), own), own
     assert re.search(names("ValueError", "rank 1", "'cuda_flash'", "CUDA"), other), other
@@ -579,10 +578,8 @@ def _compiled_names(group):
 
 @pytest.mark.distributed
 def test_all_reduce_gradients_matches_a_compiled_model_with_a_plain_one():
-    from dist_harness import run_distributed
-
     # torch.compile names the parameters "_orig_mod.*"
-    assert run_distributed(_compiled_names, 2, timeout=90) == [[1.5], [1.5]]
+    assert SPAWNS.results(2, _compiled_names) == [[1.5], [1.5]]
 
 
 def test_no_layout_hint_when_the_mask_fits_neither_layout():
@@ -607,3 +604,9 @@ def test_key_padding_mask_on_another_device_names_the_device():
     mask = torch.zeros(2, 8, dtype=torch.bool, device="meta")
     with pytest.raises(ValueError, match="key_padding_mask must be on q's device"):
         dilated_attention(q, k, v, [4], [1], key_padding_mask=mask)
+
+
+# One spawn for the two rank functions above that return (the skipped backward's fails on
+# purpose, alone); a group timeout of a minute, so that an error within seconds is the
+# agreement's, not a timeout
+SPAWNS = SharedSpawn({2: [(_errors_across_ranks,), (_compiled_names,)]}, pg_timeout=60.0)

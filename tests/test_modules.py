@@ -13,7 +13,7 @@ from dilated_attention import (DilatedAttention, MultiheadDilatedAttention, appl
                                dilated_attention, rotary_tables)
 from dilated_attention.distributed import comm
 
-from dist_harness import run_distributed
+from dist_harness import SharedSpawn
 
 PATTERNS = ([4, 8], [1, 2])
 
@@ -558,7 +558,7 @@ def _bad_input_on_one_rank(group):
 @pytest.mark.distributed
 def test_bad_input_on_one_rank_raises_on_every_rank():
     # the group timeout is a minute: an error within 10 s is the agreement, not a timeout
-    results = run_distributed(_bad_input_on_one_rank, 2, timeout=120, pg_timeout=60.0)
+    results = SPAWNS.results(2, _bad_input_on_one_rank)
     assert all(t < 10.0 for elapsed in results for t in elapsed), results
 
 
@@ -590,4 +590,9 @@ def _deepcopy_shares_the_group(group):
 
 @pytest.mark.distributed
 def test_deepcopy_shares_the_process_group():
-    assert run_distributed(_deepcopy_shares_the_group, 2, timeout=120) == [True, True]
+    assert SPAWNS.results(2, _deepcopy_shares_the_group) == [True, True]
+
+
+# One spawn for the rank functions above; a group timeout of a minute (the bad input's test)
+SPAWNS = SharedSpawn({2: [(_bad_input_on_one_rank,), (_deepcopy_shares_the_group,)]},
+                     pg_timeout=60.0)
