@@ -22,6 +22,7 @@ import torch
 from dilated_attention import MultiheadDilatedAttention, dilated_attention, fused
 from dilated_attention.backends import select_backend
 from dilated_attention.patterns import Heads
+from dist_harness import SharedSpawn
 from reference import attention_with_counts, close, dilated_counts, grads
 
 pytest.importorskip("triton")
@@ -886,9 +887,7 @@ def test_sequence_parallel_with_the_fused_kernel(ranks, calls) -> None:
     padding too), and run the fused kernel where `Sharded.fused` says: the exchange runs
     each rank's own pairs in fused calls (one per chunk of a zigzag rank, the pairs across
     its two chunks beside them), its launches on received keys beside it."""
-    from dist_harness import run_distributed
-
-    by_rank = run_distributed(_sharded, ranks, calls, timeout=300)
+    by_rank = SPAWNS.results(ranks, _sharded, calls)
     for i, call in enumerate(calls):
         leaves, dout, dlse, mask = inputs(call.case)
         ref_leaves, ref_out, ref_lse = reference(call.case, leaves, mask)
@@ -1185,15 +1184,13 @@ def _f4_rank(group):
 @pytest.mark.distributed
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU tensors")
 def test_fused_pieces_keep_an_fp32_lse_in_half_precision():
-    from dist_harness import run_distributed
-
     q, k, v = _f4_inputs()
     _, want = dilated_attention(q, k, v, *F4_PATTERNS, is_causal=True, return_lse=True)
     # the single-device fused call's own error in fp16
     _, one = dilated_attention(q.half(), k.half(), v.half(), *F4_PATTERNS, is_causal=True,
                                return_lse=True, backend="triton")
     bound = 1.1 * (one.double() - want).abs().max().item()
-    for rank, (_, lse) in enumerate(run_distributed(_f4_rank, 2, timeout=240)):
+    for rank, (_, lse) in enumerate(SPAWNS.results(2, _f4_rank)):
         assert lse.dtype == torch.float32, (rank, lse.dtype)
         rows = slice(16 * rank, 16 * rank + 16)
         error = (lse.double() - want[:, :, rows]).abs().max().item()
@@ -1214,3 +1211,8 @@ def test_select_backend_on_an_sm80_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     with pytest.raises(ValueError, match=r"compute capability 8\.0 or newer \(got 7\.5\)"):
         select_backend(cuda, torch.float16, backend="cuda_flash")
+
+
+# One spawn of 2 ranks for both rank functions above that run on 2, and one of 3 (the mesh's
+# 4 ranks spawn alone)
+SPAWNS = SharedSpawn({2: [(_sharded, SHARDED), (_f4_rank,)], 3: [(_sharded, THREE_RANKS)]})
