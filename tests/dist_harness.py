@@ -98,18 +98,30 @@ class SharedSpawn:
     """One spawn per world size for the rank functions of several tests (one spawn costs
     seconds): ``parts[world]`` lists their ``(fn, *args)``, run in that order on the same
     ranks; ``results(world, fn, *args)`` is every rank's result of one of them, from the
-    spawn made at the first call for `world` (a failed spawn is not kept: the next test
-    spawns again and reports its own traceback)."""
+    spawn made at the first call for `world`. Where that spawn fails, each part then spawns
+    alone (kept per part), so that only the tests whose part fails fail, as with a spawn
+    per test."""
 
     def __init__(self, parts: Dict[int, Sequence[Tuple]], timeout: float = 600.0,
                  pg_timeout: float = PG_TIMEOUT_S) -> None:
         self.parts, self.timeout, self.pg_timeout = parts, timeout, pg_timeout
-        self._by_world: Dict[int, List[List[Any]]] = {}
+        self._shared: Dict[int, Any] = {}  # world -> every rank's results, or None: it failed
+        self._alone: Dict[Tuple[int, int], List[Any]] = {}  # (world, index) -> by rank
 
     def results(self, world: int, fn: Callable, *args: Any) -> List[Any]:
-        if world not in self._by_world:
-            self._by_world[world] = run_distributed(run_each, world, self.parts[world],
-                                                    timeout=self.timeout,
-                                                    pg_timeout=self.pg_timeout)
-        index = list(self.parts[world]).index((fn, *args))
-        return [ranks[index] for ranks in self._by_world[world]]
+        part = (fn, *args)
+        index = list(self.parts[world]).index(part)
+        if world not in self._shared:
+            try:
+                self._shared[world] = self._spawn(world, self.parts[world])
+            except RankFailure:
+                self._shared[world] = None
+        if self._shared[world] is not None:
+            return [ranks[index] for ranks in self._shared[world]]
+        if (world, index) not in self._alone:
+            self._alone[world, index] = [ranks[0] for ranks in self._spawn(world, [part])]
+        return self._alone[world, index]
+
+    def _spawn(self, world: int, parts: Sequence[Tuple]) -> List[List[Any]]:
+        return run_distributed(run_each, world, parts, timeout=self.timeout,
+                               pg_timeout=self.pg_timeout)
