@@ -848,9 +848,7 @@ def test_frozen_keys_and_values_launch_no_dkdv_kernel_under_a_group() -> None:
     """k and v frozen on every rank: a FusedPiece's backward, the exchange's launches on
     received keys (a segment across the ranks) and the ring's launches compute dq alone,
     no dK/dV launch, dq equal to the reference's rows."""
-    from dist_harness import run_distributed
-
-    by_rank = run_distributed(_frozen_kv_rank, 2, timeout=300)
+    by_rank = SPAWNS.results(2, _frozen_kv_rank)
     for i, (op, segments, rates) in enumerate(FROZEN_KV):
         case = Case(32, segments, rates, True, h=4, hk=2)
         leaves, dout, _, _ = inputs(case)
@@ -1213,6 +1211,7 @@ def test_select_backend_on_an_sm80_gpu(monkeypatch):
         select_backend(cuda, torch.float16, backend="cuda_flash")
 
 
-# One spawn of 2 ranks for both rank functions above that run on 2, and one of 3 (the mesh's
-# 4 ranks spawn alone)
-SPAWNS = SharedSpawn({2: [(_sharded, SHARDED), (_f4_rank,)], 3: [(_sharded, THREE_RANKS)]})
+# One spawn of 2 ranks for the rank functions above that run on 2 (the frozen keys' last: it
+# forgets the kept launches), and one of 3 (the mesh's 4 ranks spawn alone)
+SPAWNS = SharedSpawn({2: [(_sharded, SHARDED), (_f4_rank,), (_frozen_kv_rank,)],
+                      3: [(_sharded, THREE_RANKS)]})
