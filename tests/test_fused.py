@@ -23,7 +23,8 @@ from dilated_attention import MultiheadDilatedAttention, dilated_attention, fuse
 from dilated_attention.backends import select_backend
 from dilated_attention.patterns import Heads
 from dist_harness import SharedSpawn
-from reference import attention_with_counts, close, dilated_counts, grads
+from reference import (attention_with_counts, close, dilated_counts, grads,
+                       reference_window_attention)
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
@@ -801,20 +802,22 @@ def test_a_zigzag_ranks_fused_piece() -> None:
         assert launch.keys.length == 8 and not launch.causal
 
 
-# k and v frozen on every rank: (op, segments, rates); a ring's case has one segment of n
-FROZEN_KV = [("exchange", (8, 16), (1, 2)), ("exchange", (8, 32), (1, 2)), ("ring", (32,), (1,))]
+# k and v frozen on every rank: (op, segments, rates); the ring's and the windows' cases have
+# one segment of n (a window of 6 rows: a halo of 6 rows on two ranks, or one process)
+FROZEN_KV = [("exchange", (8, 16), (1, 2)), ("exchange", (8, 32), (1, 2)), ("ring", (32,), (1,)),
+             ("window", (32,), (1,)), ("window on one process", (32,), (1,))]
+FROZEN_WINDOW = (6, 0)
 
 
 def _frozen_kv_rank(group):
-    """Per FROZEN_KV call with k and v frozen on every rank: dq, and the names of the kernels
-    its backward launched."""
+    """Per FROZEN_KV call with k and v frozen on every rank: dq of this rank's rows, and the
+    names of the kernels its backward launched."""
     from unittest import mock
 
     from dilated_attention import ring_attention, triton_launch
     from dilated_attention.distributed import comm
 
     rank, results = comm.group_rank(group), []
-    rows = slice(16 * rank, 16 * rank + 16)
     launched, real = [], triton_launch.launcher
 
     class Counted:
@@ -827,11 +830,16 @@ def _frozen_kv_rank(group):
 
     for op, segments, rates in FROZEN_KV:
         leaves, dout, _, _ = inputs(Case(32, segments, rates, True, h=4, hk=2))
+        alone = op == "window on one process"
+        rows = slice(0, 32) if alone else slice(16 * rank, 16 * rank + 16)
         q = leaves[0].detach()[:, rows].requires_grad_()
         k, v = (x.detach()[:, rows] for x in leaves[1:])
         triton_launch.forget()  # no recipe replays launches past the count
         with mock.patch.object(triton_launch, "launcher", Counted):
-            if op == "ring":
+            if op.startswith("window"):
+                out = ring_attention(q, k, v, is_causal=True, window_size=FROZEN_WINDOW,
+                                     group=None if alone else group, backend="triton")
+            elif op == "ring":
                 out = ring_attention(q, k, v, is_causal=True, group=group, backend="triton")
             else:
                 out = dilated_attention(q, k, v, list(segments), list(rates), is_causal=True,
@@ -846,18 +854,25 @@ def _frozen_kv_rank(group):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU tensors")
 def test_frozen_keys_and_values_launch_no_dkdv_kernel_under_a_group() -> None:
     """k and v frozen on every rank: a FusedPiece's backward, the exchange's launches on
-    received keys (a segment across the ranks) and the ring's launches compute dq alone,
-    no dK/dV launch, dq equal to the reference's rows."""
+    received keys (a segment across the ranks), the ring's launches and a sliding window's
+    (over two ranks, and on one process) compute dq alone, no dK/dV launch, dq equal to the
+    reference's rows."""
     by_rank = SPAWNS.results(2, _frozen_kv_rank)
     for i, (op, segments, rates) in enumerate(FROZEN_KV):
         case = Case(32, segments, rates, True, h=4, hk=2)
         leaves, dout, _, _ = inputs(case)
-        ref_leaves, ref_out, _ = reference(case, leaves, None)
+        if op.startswith("window"):
+            ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+            ref_out, _ = reference_window_attention(*ref_leaves, FROZEN_WINDOW, True)
+        else:
+            ref_leaves, ref_out, _ = reference(case, leaves, None)
         (want,) = grads([ref_out], [dout.double()], ref_leaves[:1])
         for rank in range(2):
             dq, backward = by_rank[rank][i]
             assert "fused_dq" in backward and "fused_dkdv" not in backward, (op, rank, backward)
-            close(dq, want[:, 16 * rank:16 * rank + 16], case.dtype, f"{op} {segments} {rank}")
+            rows = slice(0, 32) if op == "window on one process" else slice(16 * rank,
+                                                                            16 * rank + 16)
+            close(dq, want[:, rows], case.dtype, f"{op} {segments} {rank}")
 
 
 # Three ranks, the exchange with its own pairs fused: a dense segment over every rank (the

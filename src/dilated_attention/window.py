@@ -499,12 +499,15 @@ def _forward_tile(q: Tensor, source, tile: Tile, stripe: Stripe, opts: KernelOpt
 
 def window_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     plan: WindowPlan, opts: KernelOptions, *, dlse: Optional[Tensor] = None,
-                    key_mask: Optional[Tensor] = None,
-                    halos: Optional[Halos] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) of `window_forward`, given its final out and lse."""
+                    key_mask: Optional[Tensor] = None, halos: Optional[Halos] = None,
+                    kv_grad: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of `window_forward`, given its final out and lse. Without
+    `kv_grad` (no rank differentiates k or v) the fused kernel's launches compute dq alone
+    and dk, dv are not computed (the caller drops them)."""
     grads, *accumulators = gradient_accumulators(q, k, v)
     stripes = _Stripes(plan)
-    blocks = Blocks(plan, BACKWARD_KINDS, *accumulators, _writers(
+    # without kv_grad no dK/dV accumulator is made (dk and dv stay unwritten)
+    blocks = Blocks(plan, BACKWARD_KINDS if kv_grad else (Kind.DQ,), *accumulators, _writers(
         plan, stripes, backward=True, homes=halos is None or halos.kv_grad))
     sources = _own_sources(plan, k, v, key_mask)
     saved = (dout, q, out, lse, dlse)
@@ -515,18 +518,19 @@ def window_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         blocks.turn(stripe.index)
         for tile in stripe.tiles:
             _backward_tile(saved, sources[tile.source], plan.sources[tile.source], tile,
-                           stripe, opts, blocks, stripes, None)
+                           stripe, opts, blocks, stripes, None, kv_grad)
         blocks.end_turn(stripe.index)
     for round_index, received in (halos.rounds() if halos is not None else ()):
         sent_back = {}
         for index, k_h, v_h, mask in received:
             sources[index] = (k_h, v_h, mask)
             # dK/dV of the halo (2, b, rows, hk, d), in the accumulator dtype
-            sent_back[index] = torch.zeros((2,) + tuple(k_h.shape), dtype=acc, device=k.device)
+            sent_back[index] = (torch.zeros((2,) + tuple(k_h.shape), dtype=acc, device=k.device)
+                                if kv_grad else None)
         for stripe_index, tile in plan.rounds[round_index]:
             _backward_tile(saved, sources[tile.source], plan.sources[tile.source], tile,
                            blocks.by_index[stripe_index], opts, blocks, stripes,
-                           sent_back[tile.source])
+                           sent_back[tile.source], kv_grad)
         order = [index for index, *_ in received]
         for index in order:
             sources[index] = None
@@ -544,9 +548,9 @@ def window_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
 
 def _backward_tile(saved, source, where: Source, tile: Tile, stripe: Stripe,
                    opts: KernelOptions, blocks: Blocks, stripes: _Stripes,
-                   halo_grad: Optional[Tensor]) -> None:
-    """One tile's backward launches: dq into its stripe, dK/dV into the stripes of own key
-    rows, or into `halo_grad` (2, b, rows, hk, d) for a received halo."""
+                   halo_grad: Optional[Tensor], kv_grad: bool = True) -> None:
+    """One tile's backward launches: dq into its stripe, dK/dV (with `kv_grad`) into the
+    stripes of own key rows, or into `halo_grad` (2, b, rows, hk, d) for a received halo."""
     dout, q, out, lse, dlse = saved
     k, v, mask = source
 
@@ -557,12 +561,14 @@ def _backward_tile(saved, source, where: Source, tile: Tile, stripe: Stripe,
         rows_of(dout), rows_of(q), _launch_input(k, tile.k, tile, tile.keys),
         _launch_input(v, tile.k, tile, tile.keys), rows_of(out), rows_of(lse),
         _tile_opts(opts, tile), dlse=None if dlse is None else rows_of(dlse),
-        key_mask=_kernel_mask(mask, tile, k.shape[2]))
+        key_mask=_kernel_mask(mask, tile, k.shape[2]), kv_grad=kv_grad)
     b = q.shape[0]
     dq_t = _launch_output(dq_t, tile, b)
     at = tile.q - stripe.lo
     blocks.add(stripe.index, Kind.DQ,
                lambda a: _rows(a, at, tile.count, tile.rows, tile.step).add_(dq_t), dq_t.nbytes)
+    if not kv_grad:
+        return
     for which, (kind, grad) in enumerate(((Kind.DK, _launch_output(dk_t, tile, b)),
                                           (Kind.DV, _launch_output(dv_t, tile, b)))):
         if halo_grad is None:
@@ -618,9 +624,12 @@ class WindowAttentionFunction(torch.autograd.Function):
         if halos is not None:
             check_first_order("sequence-parallel sliding-window attention")
         exchange = None if halos is None else halos(k, v, key_mask)
+        # whether some rank differentiates k or v (agreed), or, on one device, this call
+        kv_grad = (ctx.needs_input_grad[1] or ctx.needs_input_grad[2] if exchange is None
+                   else exchange.kv_grad)
         dq, dk, dv = window_backward(dout, q, k, v, out, lse, plan(True), opts, dlse=dlse,
-                                     key_mask=key_mask, halos=exchange)
-        if exchange is not None and not exchange.kv_grad:  # not complete: no rank needs them
+                                     key_mask=key_mask, halos=exchange, kv_grad=kv_grad)
+        if not kv_grad:  # not computed: nothing needs them
             dk = dv = None
         return dq, dk, dv, None, None, None, None
 
