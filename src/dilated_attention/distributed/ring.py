@@ -378,7 +378,9 @@ def ring_backward(
     n = q.shape[1]
     lengths = _lengths(group, n, lengths)
     if size == 1:
-        return attention_backward(dout, q, k, v, out, lse, opts, dlse=dlse)
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, opts, dlse=dlse,
+                                        kv_grad=kv_grad)
+        return (dq, dk, dv) if kv_grad else (dq, None, None)
     sizes = _sizes(sizes, lengths, q, k, backward=True)
     sub_pieces = sizes.sub_pieces(lengths)
     acc = lse_dtype(q.dtype)
