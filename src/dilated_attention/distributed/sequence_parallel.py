@@ -164,11 +164,11 @@ class FusedPiece:
                  lse: Tensor, dlse: Optional[Tensor], opts: KernelOptions,
                  key_mask: Optional[Tensor], kv_grad: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
         """dq, dk, dv of the rank's own pairs; without `kv_grad` (no rank differentiates k or
-        v) dq alone, no dK/dV kernel, and dk, dv zeros for the launches beside to add what
-        is then dropped."""
+        v) dq alone, no dK/dV kernel, and dk, dv unwritten (zeros where the crossing
+        launches beside add what is then dropped)."""
         dq = torch.empty_like(q)
-        dk, dv = ((torch.empty_like(k), torch.empty_like(v)) if kv_grad
-                  else (torch.zeros_like(k), torch.zeros_like(v)))
+        dkv = torch.zeros_like if self.crossing and not kv_grad else torch.empty_like
+        dk, dv = dkv(k), dkv(v)
         for first, lo, hi in self.windows:
             rows = slice(lo, hi)
             into = (dq[:, rows], *((dk[:, rows], dv[:, rows]) if kv_grad else (None, None)))
