@@ -438,14 +438,17 @@ def test_dry_run_shortcuts_trace_the_same_peak(options):
 def test_reused_op_kinds_come_from_the_schema():
     """The dry run's memo of elementwise ops reads in-place-ness off the schema, so it runs
     on torch releases without torch.Tag.inplace (2.11, the GPU machines'): fresh output,
-    first argument modified, and neither (out= variants, non-elementwise ops)."""
+    first argument modified, `out` argument written (the merges' logaddexp), and none of
+    them (non-elementwise ops)."""
     aten = torch.ops.aten
     assert dryrun._reuse_kind(aten.add.Tensor) == "fresh"
     assert dryrun._reuse_kind(aten.index.Tensor) == "fresh"
     assert dryrun._reuse_kind(aten.add_.Tensor) == "inplace"
     assert dryrun._reuse_kind(aten.mul_.Scalar) == "inplace"
-    assert dryrun._reuse_kind(aten.add.out) is None
+    assert dryrun._reuse_kind(aten.add.out) == "out"
+    assert dryrun._reuse_kind(aten.logaddexp.out) == "out"
     assert dryrun._reuse_kind(aten.mm.default) is None
+    assert dryrun._reuse_kind(aten.mm.out) is None
 
 
 def test_compact_plan_keeps_first_and_last_of_each_run():

@@ -324,8 +324,8 @@ class LiveBytes(TorchDispatchMode):
     Views share their base's storage and add nothing.
 
     Shapes only, so cheaper (`reuse`): many meta kernels of elementwise ops are
-    Python decompositions (``logaddexp`` took 5-20 ms a call here, and ``merge.merge_``
-    skips it on meta tensors: it allocates nothing), and a dry run repeats the same
+    Python decompositions (``logaddexp`` took 5-20 ms a call here: 21 of a 23 s dry run
+    while its ``out=`` form, the merges', was not reused), and a dry run repeats the same
     merge thousands of times. An elementwise op or an index
     read on meta tensors whose call (shapes, strides, dtypes, other arguments)
     was seen before gets a new tensor of the output metadata seen then (or, in
@@ -374,10 +374,13 @@ class LiveBytes(TorchDispatchMode):
         seen = self._outputs.get(key)
         if seen is None:
             out = func(*args, **kwargs)  # the first call also checks the shapes
-            self._outputs[key] = () if kind == "inplace" else (out.shape, out.stride(), out.dtype)
+            self._outputs[key] = ((out.shape, out.stride(), out.dtype) if kind == "fresh"
+                                  else ())
             return out
         if kind == "inplace":
             return args[0]
+        if kind == "out":
+            return kwargs["out"]
         return torch.empty_strided(*seen[:2], dtype=seen[2], device="meta")
 
     def _track(self, t: Tensor) -> None:
@@ -397,11 +400,12 @@ class LiveBytes(TorchDispatchMode):
 
 def _reuse_kind(func) -> Optional[str]:
     """Whether an op's output metadata is a function of its inputs' metadata: "fresh" (one
-    new tensor), "inplace" (its first argument, modified), or None (not reused).
+    new tensor), "inplace" (its first argument, modified), "out" (its ``out`` argument,
+    written), or None (not reused).
 
-    That is: an aten elementwise op, out of place or in place, or ``index.Tensor``
+    That is: an aten elementwise op, out of place, in place or out=, or ``index.Tensor``
     (a boolean index, whose output shape depends on data, fails on meta before
-    anything is kept); not out= variants, views or collectives.
+    anything is kept); not views or collectives.
     """
     if func is torch.ops.aten.index.Tensor:
         return "fresh"
@@ -417,6 +421,14 @@ def _reuse_kind(func) -> Optional[str]:
     if (first is not None and first.is_write and returned.is_write
             and first.before_set == returned.before_set):
         return "inplace"
+    # out=: it writes and returns its `out` argument (`logaddexp.out(Tensor self, Tensor
+    # other, *, Tensor(a!) out) -> Tensor(a!)`); a first call whose out has another shape
+    # resizes it, and that call is the one that runs
+    for arg in func._schema.arguments:
+        if (arg.name == "out" and arg.kwarg_only and arg.alias_info is not None
+                and arg.alias_info.is_write and returned.is_write
+                and arg.alias_info.before_set == returned.before_set):
+            return "out"
     return None
 
 
