@@ -372,10 +372,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, patterns: Patterns, *, causal: bool
 
     dropout: attention dropout (Note [fused dropout]; with a piece its masks count from
     the piece's first row)."""
-    if dropout is not None and piece is not None:
-        dropout = dropout._replace(first_row=piece[0])
     return _forward(q, k, v, _planner(q, k, patterns, causal, heads, documents, piece), causal,
-                    scale, _per_kv_head(key_mask, k), nonfinite, into, dropout)
+                    scale, _per_kv_head(key_mask, k), nonfinite, into, _in_piece(dropout, piece))
 
 
 def new_check(device: torch.device) -> Tensor:
@@ -398,11 +396,10 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     forward's check; into: (dq, dk, dv) to write, as `forward`'s (dk, dv None: dq alone).
     kv_grad False (k and v frozen; without `into`): dq alone, dk and dv None, no dK/dV
     kernel. dropout: the forward's."""
-    if dropout is not None and piece is not None:
-        dropout = dropout._replace(first_row=piece[0])
     return _backward(dout, q, k, v, out, lse, dlse,
                      _planner(q, k, patterns, causal, heads, documents, piece), causal, scale,
-                     _per_kv_head(key_mask, k), nonfinite, into, kv_grad, dropout)
+                     _per_kv_head(key_mask, k), nonfinite, into, kv_grad,
+                     _in_piece(dropout, piece))
 
 
 def _planner(q: Tensor, k: Tensor, patterns: Patterns, causal: bool, heads: Heads,
@@ -410,6 +407,14 @@ def _planner(q: Tensor, k: Tensor, patterns: Patterns, causal: bool, heads: Head
     first, total = piece or (0, q.shape[1])
     return functools.partial(tile_plan, total, patterns, heads, k.shape[2], causal, documents,
                              device=str(q.device), window=(first, first + q.shape[1]))
+
+
+def _in_piece(dropout: Optional[Dropout], piece: Optional[Tuple[int, int]]
+              ) -> Optional[Dropout]:
+    """The dropout of a piece's call: its masks count from the piece's first row."""
+    if dropout is None or piece is None:
+        return dropout
+    return dropout._replace(first_row=piece[0])
 
 
 def _per_kv_head(key_mask: Optional[Tensor], k: Tensor) -> Optional[Tensor]:
